@@ -1,0 +1,113 @@
+/*
+ * swarmfs native engine: batched block I/O over several disks.
+ *
+ * One call (se_execute) carries out a whole plan: arrays of
+ * (disk, byte offset, length, destination offset) against one buffer.
+ * Two back ends share this interface:
+ *   SE_KIND_URING    io_uring through liburing (SQE batching, CQE batch reaping)
+ *   SE_KIND_THREADS  a pthread pool issuing pread/pwrite (fallback)
+ *
+ * Plus small data kernels used by the planner and the store (gather/scatter of
+ * rows, XXH3 checksums, entry-bucket assignment), so that no Python code runs
+ * per request or per KV entry.
+ *
+ * Every function that can fail returns 0 (or a count) on success and -errno on
+ * failure; per-request results go to a status array (bytes done, or -errno).
+ */
+#ifndef SWARMFS_ENGINE_H
+#define SWARMFS_ENGINE_H
+
+#include <stdint.h>
+
+#define SE_KIND_URING   1
+#define SE_KIND_THREADS 2
+
+#define SE_OP_READ  0
+#define SE_OP_WRITE 1
+
+#define SE_MAX_DISKS 256
+#define SE_MAX_BUFFERS 64
+
+typedef struct se_engine se_engine;
+
+/* Cumulative counters, all monotonic since se_*_open. */
+typedef struct {
+    uint64_t executes;        /* se_execute calls                              */
+    uint64_t requests;        /* requests completed (ok or failed)             */
+    uint64_t bytes;           /* bytes transferred                             */
+    uint64_t submit_calls;    /* io_uring_enter calls (uring) / thread batches */
+    uint64_t sqes;            /* SQEs submitted, incl. resubmissions           */
+    uint64_t cqes;            /* CQEs reaped                                   */
+    uint64_t retries;         /* -EAGAIN/-EINTR resubmissions                  */
+    uint64_t short_resubmits; /* resubmissions of the rest of a short transfer */
+    uint64_t errors;          /* requests that ended with -errno               */
+    uint64_t fixed_requests;  /* requests issued with a registered buffer      */
+} se_counters;
+
+typedef struct {
+    uint64_t requests;
+    uint64_t bytes;
+    uint64_t busy_ns;  /* per execute: first submission to last completion on this disk */
+} se_disk_counters;
+
+/* Open an io_uring engine over nfds already-open file descriptors.
+ * queue_depth: SQ entries (the CQ gets twice as many).
+ * Returns 0, or -errno if io_uring cannot be set up (ENOSYS, EPERM, ...). */
+int se_uring_open(se_engine **out, const int *fds, int nfds, unsigned queue_depth);
+
+/* Open the thread-pool engine: up to nthreads workers per se_execute call. */
+int se_threads_open(se_engine **out, const int *fds, int nfds, unsigned nthreads);
+
+int se_kind(const se_engine *e);
+unsigned se_queue_depth(const se_engine *e);
+int se_files_registered(const se_engine *e);
+
+/* Register [addr, addr+len) as a fixed buffer; returns the slot (>= 0) or
+ * -errno (e.g. -ENOMEM when RLIMIT_MEMLOCK is too small, -EOPNOTSUPP for the
+ * thread engine). */
+int se_register_buffer(se_engine *e, void *addr, uint64_t len);
+int se_unregister_buffer(se_engine *e, int slot);
+
+/* Execute n requests.  Request i moves len[i] bytes between disk[i] at byte
+ * offset off[i] and buf + dst[i].  buf_slot is a registered buffer slot that
+ * contains buf, or -1.  status[i] receives len[i] on success or -errno
+ * (-ENODATA when a read hit the end of the disk early).
+ * Returns the number of failed requests (>= 0), or -errno if nothing could be
+ * attempted (-EINVAL for a bad argument). */
+int64_t se_execute(se_engine *e, int op, int64_t n,
+                   const int32_t *disk, const uint64_t *off,
+                   const uint32_t *len, const uint64_t *dst,
+                   char *buf, uint64_t buflen, int buf_slot,
+                   int32_t *status);
+
+void se_get_counters(se_engine *e, se_counters *c, se_disk_counters *per_disk);
+void se_close(se_engine *e);
+
+/* ---- data kernels ---------------------------------------------------- */
+
+/* dst[i*row : (i+1)*row] = src[src_off[i] : src_off[i]+row] */
+void se_gather_rows(char *dst, const char *src, const uint64_t *src_off,
+                    int64_t n, uint64_t row);
+/* dst[dst_off[i] : +row] = src[src_row[i]*row : +row] */
+void se_scatter_rows(char *dst, const uint64_t *dst_off, const char *src,
+                     const int64_t *src_row, int64_t n, uint64_t row);
+/* out[i] = XXH3_64(buf + off[i], len[i]) */
+void se_xxh3_ranges(const char *buf, const uint64_t *off, const uint64_t *len,
+                    int64_t n, uint64_t *out);
+/* out[i] = XXH3_64(buf + i*row, row) */
+void se_xxh3_rows(const char *buf, int64_t n, uint64_t row, uint64_t *out);
+/* Checks XXH3_64(buf + off[i], row) == expected[i]; writes the indices of the
+ * failing rows to bad (at most max_bad) and returns how many failed. */
+int64_t se_verify_rows(const char *buf, const uint64_t *off, int64_t n,
+                       uint64_t row, const uint64_t *expected,
+                       int64_t *bad, int64_t max_bad);
+
+/* Entry-bucket scheduling (SWARM 6.1).  Entries are given in the order to
+ * process (ascending copy count); entry i may be read from copies
+ * [ptr[i], ptr[i+1]) whose disks are cdisk[...].  Each entry goes to the copy
+ * whose disk bucket currently holds the fewest entries (first such copy on a
+ * tie); load[] (ndisks) is updated; choice[i] receives the copy index. */
+void se_assign_buckets(int64_t n, const int64_t *ptr, const int32_t *cdisk,
+                       int64_t *load, int ndisks, int64_t *choice);
+
+#endif

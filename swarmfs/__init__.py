@@ -1,0 +1,38 @@
+"""swarmfs: a co-activation-aware KV-cache store striped over several SSDs.
+
+An implementation of SWARM (FAST 2026).  The public API:
+
+* :class:`Store` -- create/open a store, write layers, read clusters and
+  entries with batched io_uring reads.
+* :func:`plan_reads` / :class:`Plan` -- the pure read planner (SWARM §6.1).
+* :class:`Engine` -- the batched io_uring (or thread-pool) I/O engine.
+* errors: :class:`SwarmError` and its subclasses.
+"""
+
+from ._engine import DiskStats as DiskStats
+from ._engine import Engine as Engine
+from ._engine import EngineStats as EngineStats
+from ._errors import ChecksumError as ChecksumError
+from ._errors import DiskError as DiskError
+from ._errors import DiskFullError as DiskFullError
+from ._errors import DiskMismatchError as DiskMismatchError
+from ._errors import DiskMissingError as DiskMissingError
+from ._errors import DiskTruncatedError as DiskTruncatedError
+from ._errors import IOFailedError as IOFailedError
+from ._errors import LayoutError as LayoutError
+from ._errors import ManifestError as ManifestError
+from ._errors import MisalignedRequestError as MisalignedRequestError
+from ._errors import ModelError as ModelError
+from ._errors import NotFoundError as NotFoundError
+from ._errors import OutOfRangeError as OutOfRangeError
+from ._errors import ShapeError as ShapeError
+from ._errors import StoreExistsError as StoreExistsError
+from ._errors import StoreNotFoundError as StoreNotFoundError
+from ._errors import SwarmError as SwarmError
+from ._index import LayerIndex as LayerIndex
+from ._planner import Plan as Plan
+from ._planner import plan_reads as plan_reads
+from ._store import Store as Store
+from ._store import StoreStats as StoreStats
+
+__version__ = "0.1.0"

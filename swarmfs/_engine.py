@@ -1,0 +1,537 @@
+"""The I/O engine: executes a whole plan of block requests in one native call.
+
+Two back ends sit behind one interface (see ``native/engine.c``):
+
+* ``io_uring`` (default): liburing through cffi.  All SQEs of a plan are filled
+  in C and submitted with as few ``io_uring_enter`` calls as the ring allows
+  (one when the plan fits in the queue depth); CQEs are reaped in batches;
+  short transfers are resubmitted and ``-EAGAIN``/``-EINTR`` retried.  Disk
+  files are registered once; buffers from :meth:`Engine.alloc` are registered
+  as fixed buffers where the kernel and ``RLIMIT_MEMLOCK`` allow.
+* ``threads`` (fallback): a pool of pthreads issuing ``pread``/``pwrite``,
+  also entirely in C.  It takes over, with a one-line warning, when io_uring is
+  unavailable (``ENOSYS``, ``EPERM`` from ``kernel.io_uring_disabled`` or
+  seccomp).  ``SWARMFS_ENGINE=threads`` (or ``engine="threads"``) forces it.
+
+Disks are opened with ``O_DIRECT``: offsets, lengths and buffer addresses must
+be multiples of the disk's logical block size; :meth:`Engine.execute` checks
+this (vectorised) before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import mmap
+import os
+import stat
+import warnings
+import weakref
+
+import numpy as np
+
+from . import _errors as E
+
+try:
+    from ._native import ffi, lib
+except ImportError as exc:  # pragma: no cover - only without a build
+    raise ImportError(
+        "swarmfs._native is not built; run `pip install -e .` (needs liburing-dev, "
+        "libxxhash-dev and a C compiler)") from exc
+
+__all__ = ["Engine", "EngineStats", "DiskStats", "AlignedBuffer", "open_disk",
+           "logical_block_size", "READ", "WRITE"]
+
+READ = lib.SE_OP_READ
+WRITE = lib.SE_OP_WRITE
+_KINDS = {lib.SE_KIND_URING: "io_uring", lib.SE_KIND_THREADS: "threads"}
+_FALLBACK_ERRNOS = {errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP}
+_BLKSSZGET = 0x1268
+_BLKGETSIZE64 = 0x80081272
+_warned_fallback = False
+
+
+def logical_block_size(fd: int) -> int:
+    """Logical block size in bytes that O_DIRECT I/O on ``fd`` must respect.
+
+    Block devices: the ``BLKSSZGET`` ioctl.  Regular files: 512 when the file
+    system accepts a 512-byte O_DIRECT read at offset 512, else 4096.
+    """
+    st = os.fstat(fd)
+    if stat.S_ISBLK(st.st_mode):
+        import fcntl
+        import struct
+        buf = fcntl.ioctl(fd, _BLKSSZGET, b"\0" * 4)
+        return struct.unpack("i", buf)[0]
+    return 512 if _probe_direct(fd, 512) else 4096
+
+
+def _probe_direct(fd: int, size: int) -> bool:
+    m = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        try:
+            os.preadv(fd, [memoryview(m)[:size]], size)
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
+            raise
+    finally:
+        m.close()
+
+
+def device_size(fd: int) -> int:
+    """Size in bytes of a block device or regular file."""
+    st = os.fstat(fd)
+    if stat.S_ISBLK(st.st_mode):
+        import fcntl
+        import struct
+        buf = fcntl.ioctl(fd, _BLKGETSIZE64, b"\0" * 8)
+        return struct.unpack("Q", buf)[0]
+    return st.st_size
+
+
+def open_disk(path, *, write: bool = False, create: bool = False, disk=None,
+              store=None) -> int:
+    """Open a disk (regular file or block device) with ``O_DIRECT``.
+
+    Raises:
+        DiskMissingError: the path does not exist (and ``create`` is False).
+        DiskError: the path cannot be opened with O_DIRECT (e.g. tmpfs before
+            Linux 6.6), or is neither a regular file nor a block device.
+    """
+    flags = os.O_DIRECT | os.O_CLOEXEC | (os.O_RDWR if write else os.O_RDONLY)
+    if create:
+        flags |= os.O_CREAT
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError as exc:
+        raise E.DiskMissingError("disk not found", disk=disk, path=path,
+                                 store=store) from exc
+    except OSError as exc:
+        raise E.DiskError(f"cannot open disk with O_DIRECT: {exc.strerror}",
+                          disk=disk, path=path, store=store) from exc
+    st = os.fstat(fd)
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+        os.close(fd)
+        raise E.DiskError("a disk must be a regular file or a block device",
+                          disk=disk, path=path, store=store)
+    return fd
+
+
+class AlignedBuffer:
+    """Page-aligned host memory for O_DIRECT transfers.
+
+    Anonymous ``mmap`` memory (page-aligned, zero-filled).  With
+    ``pinned=True`` the pages are locked (``mlock``); when torch with CUDA is
+    available the buffer is a CUDA pinned host tensor instead, so that the
+    transfer to the GPU can be a DMA.  ``array`` is a uint8 numpy view.
+    The buffer is registered with the engine as an io_uring fixed buffer when
+    possible (``slot >= 0``).
+    """
+
+    def __init__(self, nbytes: int, *, pinned: bool = False):
+        self.nbytes = max(int(nbytes), 1)
+        size = -(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.pinned = pinned
+        self.tensor = None
+        self._mmap = None
+        if pinned and _cuda_available():
+            import torch
+            self.tensor = torch.empty(size, dtype=torch.uint8).pin_memory()
+            self.array = self.tensor.numpy()
+        else:
+            self._mmap = mmap.mmap(-1, size)
+            self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+            if pinned:
+                _mlock(self.array)
+        self.address = self.array.ctypes.data
+        self.size = size
+        self.slot = -1
+        self._engine = None
+
+    def cdata(self):
+        return ffi.cast("char *", self.address)
+
+    def release(self) -> None:
+        if self._engine is not None and self.slot >= 0:
+            eng = self._engine()
+            if eng is not None and eng._ptr is not None:
+                lib.se_unregister_buffer(eng._ptr, self.slot)
+        self.slot = -1
+        self._engine = None
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _mlock(arr: np.ndarray) -> None:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mlock(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(arr.nbytes)) != 0:
+        err = ctypes.get_errno()
+        warnings.warn(f"swarmfs: mlock of a {arr.nbytes}-byte buffer failed "
+                      f"({os.strerror(err)}); using unpinned memory", stacklevel=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskStats:
+    """Per-disk counters.
+
+    Attributes:
+        requests: requests completed on this disk.
+        bytes: bytes transferred (bytes).
+        busy_us: summed, per execute call, time from the first submission to
+            the last completion on this disk (microseconds).
+    """
+    requests: int
+    bytes: int
+    busy_us: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Engine counters since the engine was opened.
+
+    Attributes:
+        engine: ``"io_uring"`` or ``"threads"``.
+        queue_depth: SQ entries (io_uring) or worker threads (threads).
+        registered_files: whether disks are io_uring registered files.
+        executes: plan executions.
+        requests: requests completed (including failed ones).
+        bytes: bytes transferred.
+        submit_calls: ``io_uring_enter`` calls (io_uring) or thread batches.
+        sqes / cqes: submission / completion queue entries processed.
+        retries: ``-EAGAIN``/``-EINTR`` resubmissions.
+        short_resubmits: resubmissions of the remainder of a short transfer.
+        errors: requests that ended with an error.
+        fixed_requests: requests that used a registered (fixed) buffer.
+        disks: per-disk :class:`DiskStats`.
+    """
+    engine: str
+    queue_depth: int
+    registered_files: bool
+    executes: int
+    requests: int
+    bytes: int
+    submit_calls: int
+    sqes: int
+    cqes: int
+    retries: int
+    short_resubmits: int
+    errors: int
+    fixed_requests: int
+    disks: tuple
+
+
+class Engine:
+    """Batched block I/O over a fixed set of open disks.
+
+    Args:
+        fds: open file descriptors (O_DIRECT), one per disk, in disk order.
+        kind: ``"auto"`` (io_uring, else threads), ``"io_uring"`` or
+            ``"threads"``.  Default: ``$SWARMFS_ENGINE`` or ``"auto"``.
+        queue_depth: io_uring SQ size (CQ is twice that), or the number of
+            worker threads of the fallback engine.
+        block_sizes: logical block size (bytes) of each disk, for the
+            alignment checks.
+
+    Raises:
+        IOFailedError: io_uring was requested explicitly and cannot be set up.
+    """
+
+    def __init__(self, fds, *, kind: str | None = None, queue_depth: int = 128,
+                 block_sizes=None, names=None, store=None):
+        global _warned_fallback
+        self.fds = list(fds)
+        self.store = store
+        self.names = list(names) if names is not None else [None] * len(self.fds)
+        self.block_sizes = np.asarray(block_sizes if block_sizes is not None
+                                      else [512] * len(self.fds), dtype=np.uint64)
+        kind = kind or os.environ.get("SWARMFS_ENGINE", "auto")
+        if kind not in ("auto", "io_uring", "threads"):
+            raise ValueError(f"unknown engine kind {kind!r}")
+        cfds = ffi.new("int[]", self.fds)
+        pp = ffi.new("se_engine **")
+        self._ptr = None
+        self.fallback_reason = None
+        if kind in ("auto", "io_uring"):
+            ret = lib.se_uring_open(pp, cfds, len(self.fds), queue_depth)
+            if ret == 0:
+                self._ptr = pp[0]
+            elif kind == "io_uring" or -ret not in _FALLBACK_ERRNOS:
+                raise E.IOFailedError(f"io_uring setup failed: {os.strerror(-ret)}",
+                                      errno=-ret, store=store)
+            else:
+                self.fallback_reason = os.strerror(-ret)
+                if not _warned_fallback:
+                    warnings.warn(f"swarmfs: io_uring unavailable ({self.fallback_reason}); "
+                                  "using the thread-pool pread/pwrite engine",
+                                  RuntimeWarning, stacklevel=2)
+                    _warned_fallback = True
+        if self._ptr is None:
+            ret = lib.se_threads_open(pp, cfds, len(self.fds), queue_depth)
+            if ret != 0:
+                raise E.IOFailedError(f"engine setup failed: {os.strerror(-ret)}",
+                                      errno=-ret, store=store)
+            self._ptr = pp[0]
+        self.kind = _KINDS[lib.se_kind(self._ptr)]
+        self.queue_depth = int(lib.se_queue_depth(self._ptr))
+        self._finalizer = weakref.finalize(self, lib.se_close, self._ptr)
+
+    # -- buffers ---------------------------------------------------------
+    def alloc(self, nbytes: int, *, pinned: bool = False,
+              register: bool = True) -> AlignedBuffer:
+        """Allocate a page-aligned buffer of at least ``nbytes`` bytes and
+        register it as a fixed buffer when the engine supports it."""
+        buf = AlignedBuffer(nbytes, pinned=pinned)
+        if register and self.kind == "io_uring" and buf.size <= (1 << 30):
+            slot = lib.se_register_buffer(self._ptr, buf.cdata(), buf.size)
+            if slot >= 0:
+                buf.slot = slot
+                buf._engine = weakref.ref(self)
+                weakref.finalize(buf, lib.se_unregister_buffer, self._ptr, slot)
+        return buf
+
+    # -- execution -------------------------------------------------------
+    def check(self, disk, off, length, dst=None, *, buf_address: int = 0,
+              layer=None, cluster=None) -> None:
+        """Vectorised O_DIRECT alignment and disk-index checks.
+
+        Raises:
+            OutOfRangeError: a disk index outside [0, ndisks).
+            MisalignedRequestError: an offset, length or destination not a
+                multiple of the disk's logical block size.
+        """
+        disk = np.asarray(disk)
+        if disk.size == 0:
+            return
+        bad = (disk < 0) | (disk >= len(self.fds))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise E.OutOfRangeError(f"request {i} names disk {int(disk[i])}, "
+                                    f"store has {len(self.fds)}", store=self.store,
+                                    layer=layer, cluster=cluster)
+        bs = self.block_sizes[disk]
+        mis = (np.asarray(off, dtype=np.uint64) % bs != 0) | \
+              (np.asarray(length, dtype=np.uint64) % bs != 0)
+        if dst is not None:
+            mis |= (np.asarray(dst, dtype=np.uint64) + np.uint64(buf_address)) % bs != 0
+        if mis.any():
+            i = int(np.flatnonzero(mis)[0])
+            d = int(disk[i])
+            raise E.MisalignedRequestError(
+                f"request {i} (offset {int(off[i])}, length {int(length[i])}"
+                + (f", buffer offset {int(dst[i])}" if dst is not None else "")
+                + f") is not aligned to the {int(bs[i])}-byte logical block size",
+                store=self.store, disk=d, path=self.names[d], layer=layer,
+                cluster=cluster)
+
+    def execute(self, op: int, disk, off, length, dst, buf: AlignedBuffer, *,
+                layer=None, cluster=None, check: bool = True) -> np.ndarray:
+        """Execute a whole plan in one native call.
+
+        Args:
+            op: ``READ`` or ``WRITE``.
+            disk: int32 [n] disk index per request.
+            off: uint64 [n] byte offset on the disk.
+            length: uint32 [n] bytes per request.
+            dst: uint64 [n] byte offset into ``buf``.
+            buf: the buffer all requests read into / write from.
+
+        Returns:
+            int32 [n] status: bytes transferred per request.
+
+        Raises:
+            MisalignedRequestError, OutOfRangeError: before submission.
+            DiskTruncatedError: a read hit the end of a disk.
+            DiskFullError: a write failed with ENOSPC/EFBIG/EDQUOT.
+            IOFailedError: any other failed request (first failure named).
+        """
+        disk = np.ascontiguousarray(disk, dtype=np.int32)
+        off = np.ascontiguousarray(off, dtype=np.uint64)
+        length = np.ascontiguousarray(length, dtype=np.uint32)
+        dst = np.ascontiguousarray(dst, dtype=np.uint64)
+        n = disk.shape[0]
+        if not (off.shape[0] == length.shape[0] == dst.shape[0] == n):
+            raise ValueError("plan arrays differ in length")
+        if check:
+            self.check(disk, off, length, dst, buf_address=buf.address,
+                       layer=layer, cluster=cluster)
+        status = np.empty(n, dtype=np.int32)
+        if n == 0:
+            return status
+        failed = lib.se_execute(
+            self._ptr, op, n,
+            ffi.from_buffer("int32_t[]", disk), ffi.from_buffer("uint64_t[]", off),
+            ffi.from_buffer("uint32_t[]", length), ffi.from_buffer("uint64_t[]", dst),
+            buf.cdata(), buf.size, buf.slot,
+            ffi.from_buffer("int32_t[]", status, require_writable=True))
+        if failed < 0:
+            raise E.IOFailedError(f"engine refused the plan: {os.strerror(-failed)}",
+                                  errno=-failed, store=self.store, layer=layer,
+                                  cluster=cluster)
+        if failed:
+            self._raise_failure(op, status, disk, off, layer, cluster)
+        return status
+
+    def _raise_failure(self, op, status, disk, off, layer, cluster):
+        i = int(np.flatnonzero(status < 0)[0])
+        code = -int(status[i])
+        d = int(disk[i])
+        kw = dict(store=self.store, disk=d, path=self.names[d], layer=layer,
+                  cluster=cluster)
+        what = "read" if op == READ else "write"
+        nfail = int((status < 0).sum())
+        msg = f"{what} at offset {int(off[i])} failed: {os.strerror(code)}" + \
+              (f" ({nfail} requests failed)" if nfail > 1 else "")
+        if code == errno.ENODATA and op == READ:
+            raise E.DiskTruncatedError(f"{what} at offset {int(off[i])} hit the end "
+                                       "of the disk (disk truncated?)", **kw)
+        if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) and op == WRITE:
+            raise E.DiskFullError(msg, **kw)
+        if code == errno.EINVAL:
+            raise E.MisalignedRequestError(msg + " (the kernel rejected the O_DIRECT "
+                                           "request)", **kw)
+        raise E.IOFailedError(msg, errno=code, **kw)
+
+    # -- counters --------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters as an :class:`EngineStats`."""
+        c = ffi.new("se_counters *")
+        d = ffi.new("se_disk_counters[]", len(self.fds))
+        lib.se_get_counters(self._ptr, c, d)
+        disks = tuple(DiskStats(int(d[i].requests), int(d[i].bytes),
+                                d[i].busy_ns / 1e3) for i in range(len(self.fds)))
+        return EngineStats(
+            engine=self.kind, queue_depth=self.queue_depth,
+            registered_files=bool(lib.se_files_registered(self._ptr)),
+            executes=int(c.executes), requests=int(c.requests), bytes=int(c.bytes),
+            submit_calls=int(c.submit_calls), sqes=int(c.sqes), cqes=int(c.cqes),
+            retries=int(c.retries), short_resubmits=int(c.short_resubmits),
+            errors=int(c.errors), fixed_requests=int(c.fixed_requests), disks=disks)
+
+    def close(self) -> None:
+        """Tear down the ring (the file descriptors stay open)."""
+        if self._ptr is not None:
+            self._finalizer()
+            self._ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# -- data kernels (vectorised, in C) --------------------------------------
+
+def gather_rows(src: np.ndarray, src_off: np.ndarray, row: int,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """Copy ``n`` rows of ``row`` bytes from byte offsets ``src_off`` of the
+    uint8 buffer ``src`` into a new (or given) uint8 [n, row] array."""
+    src_off = np.ascontiguousarray(src_off, dtype=np.uint64)
+    n = src_off.shape[0]
+    if out is None:
+        out = np.empty((n, row), dtype=np.uint8)
+    if n:
+        if int(src_off.max()) + row > src.nbytes:
+            raise ValueError("gather outside the source buffer")
+        lib.se_gather_rows(ffi.from_buffer("char[]", out, require_writable=True),
+                           ffi.from_buffer("char[]", src),
+                           ffi.from_buffer("uint64_t[]", src_off), n, row)
+    return out
+
+
+def scatter_rows(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray,
+                 src_row: np.ndarray, row: int) -> None:
+    """``dst[dst_off[i]:+row] = src_rows[src_row[i]]`` for the uint8 buffer
+    ``dst`` and the C-contiguous row array ``src`` (rows of ``row`` bytes)."""
+    dst_off = np.ascontiguousarray(dst_off, dtype=np.uint64)
+    src_row = np.ascontiguousarray(src_row, dtype=np.int64)
+    n = dst_off.shape[0]
+    if not n:
+        return
+    if int(dst_off.max()) + row > dst.nbytes or int(src_row.max()) * row + row > src.nbytes:
+        raise ValueError("scatter outside a buffer")
+    lib.se_scatter_rows(ffi.from_buffer("char[]", dst, require_writable=True),
+                        ffi.from_buffer("uint64_t[]", dst_off),
+                        ffi.from_buffer("char[]", np.ascontiguousarray(src)),
+                        ffi.from_buffer("int64_t[]", src_row), n, row)
+
+
+def xxh3_rows(buf: np.ndarray, row: int) -> np.ndarray:
+    """XXH3-64 of each ``row``-byte row of a C-contiguous buffer: uint64 [n]."""
+    buf = np.ascontiguousarray(buf)
+    n = buf.nbytes // row
+    out = np.empty(n, dtype=np.uint64)
+    if n:
+        lib.se_xxh3_rows(ffi.from_buffer("char[]", buf), n, row,
+                         ffi.from_buffer("uint64_t[]", out, require_writable=True))
+    return out
+
+
+def xxh3_ranges(buf: np.ndarray, off: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """XXH3-64 of each byte range ``buf[off[i]:off[i]+length[i]]``: uint64 [n]."""
+    off = np.ascontiguousarray(off, dtype=np.uint64)
+    length = np.ascontiguousarray(length, dtype=np.uint64)
+    n = off.shape[0]
+    out = np.empty(n, dtype=np.uint64)
+    if n:
+        if int((off + length).max()) > buf.nbytes:
+            raise ValueError("checksum range outside the buffer")
+        lib.se_xxh3_ranges(ffi.from_buffer("char[]", buf),
+                           ffi.from_buffer("uint64_t[]", off),
+                           ffi.from_buffer("uint64_t[]", length), n,
+                           ffi.from_buffer("uint64_t[]", out, require_writable=True))
+    return out
+
+
+def verify_rows(buf: np.ndarray, off: np.ndarray, row: int,
+                expected: np.ndarray) -> np.ndarray:
+    """Indices i where XXH3-64(buf[off[i]:+row]) != expected[i] (int64 array)."""
+    off = np.ascontiguousarray(off, dtype=np.uint64)
+    expected = np.ascontiguousarray(expected, dtype=np.uint64)
+    n = off.shape[0]
+    if not n:
+        return np.empty(0, dtype=np.int64)
+    bad = np.empty(min(n, 1024), dtype=np.int64)
+    nbad = lib.se_verify_rows(ffi.from_buffer("char[]", buf),
+                              ffi.from_buffer("uint64_t[]", off), n, row,
+                              ffi.from_buffer("uint64_t[]", expected),
+                              ffi.from_buffer("int64_t[]", bad, require_writable=True),
+                              bad.shape[0])
+    return bad[:min(nbad, bad.shape[0])]
+
+
+def assign_buckets(ptr: np.ndarray, cdisk: np.ndarray, ndisks: int,
+                   load: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Entry-bucket assignment of SWARM §6.1 (see ``se_assign_buckets``).
+
+    Args:
+        ptr: int64 [n+1] CSR pointers: entry i may use copies ptr[i]:ptr[i+1].
+        cdisk: int32 [m] disk of each copy.
+        ndisks: number of disks.
+        load: int64 [ndisks] initial bucket sizes (entries), updated in place.
+
+    Returns:
+        (choice int64 [n] chosen copy per entry, load int64 [ndisks]).
+    """
+    ptr = np.ascontiguousarray(ptr, dtype=np.int64)
+    cdisk = np.ascontiguousarray(cdisk, dtype=np.int32)
+    if load is None:
+        load = np.zeros(ndisks, dtype=np.int64)
+    n = ptr.shape[0] - 1
+    choice = np.empty(n, dtype=np.int64)
+    if n > 0:
+        lib.se_assign_buckets(n, ffi.from_buffer("int64_t[]", ptr),
+                              ffi.from_buffer("int32_t[]", cdisk),
+                              ffi.from_buffer("int64_t[]", load, require_writable=True),
+                              ndisks,
+                              ffi.from_buffer("int64_t[]", choice, require_writable=True))
+    return choice, load

@@ -1,0 +1,152 @@
+"""Every error swarmfs raises.
+
+All errors derive from :class:`SwarmError`.  Each subclass also inherits the
+matching built-in exception, so ``except FileNotFoundError`` or
+``except ValueError`` keep working.  Errors carry the context they are about
+(store, disk, layer, cluster) as attributes and in their message.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+__all__ = [
+    "SwarmError",
+    "StoreExistsError",
+    "StoreNotFoundError",
+    "ManifestError",
+    "DiskError",
+    "DiskMissingError",
+    "DiskMismatchError",
+    "DiskTruncatedError",
+    "DiskFullError",
+    "MisalignedRequestError",
+    "OutOfRangeError",
+    "ChecksumError",
+    "IOFailedError",
+    "ShapeError",
+    "LayoutError",
+    "ModelError",
+    "NotFoundError",
+]
+
+
+class SwarmError(Exception):
+    """Base class of every swarmfs error.
+
+    Attributes:
+        store: store directory the error concerns, or None.
+        disk: disk index, or None.
+        layer: layer index, or None.
+        cluster: cluster id, or None.
+    """
+
+    def __init__(self, message: str, *, store=None, disk=None, layer=None,
+                 cluster=None, path=None):
+        self.store = str(store) if store is not None else None
+        self.disk = disk
+        self.layer = layer
+        self.cluster = cluster
+        self.path = str(path) if path is not None else None
+        where = []
+        if store is not None:
+            where.append(f"store {store}")
+        if disk is not None:
+            where.append(f"disk {disk}" + (f" ({path})" if path is not None else ""))
+        elif path is not None:
+            where.append(str(path))
+        if layer is not None:
+            where.append(f"layer {layer}")
+        if cluster is not None:
+            where.append(f"cluster {cluster}")
+        self.message = message
+        super().__init__(message + (f" [{', '.join(where)}]" if where else ""))
+
+
+class StoreExistsError(SwarmError, FileExistsError):
+    """Raised by ``Store.create`` when the store directory already holds a store
+    (or other files).  Pass ``force=True`` (CLI: ``--force``) to replace it."""
+
+
+class StoreNotFoundError(SwarmError, FileNotFoundError):
+    """Raised when a store directory or its manifest does not exist."""
+
+
+class ManifestError(SwarmError, ValueError):
+    """Raised when a manifest or its index file is unreadable, from an unknown
+    format version, fails its checksum, or is internally inconsistent.  The
+    store must be rebuilt or restored; swarmfs never guesses."""
+
+
+class DiskError(SwarmError, OSError):
+    """Base class of errors about one disk of a store."""
+
+
+class DiskMissingError(DiskError, FileNotFoundError):
+    """Raised at open when a disk path listed in the manifest does not exist
+    or cannot be opened.  Reattach the disk at its path (``swarmfs info``
+    lists them)."""
+
+
+class DiskMismatchError(DiskError):
+    """Raised at open when a disk's superblock is absent, corrupt, from another
+    store (UUID differs), or carries another disk index (disks swapped)."""
+
+
+class DiskTruncatedError(DiskError):
+    """Raised when a disk is shorter than the data the manifest places on it,
+    at open or when a read hits the end of the disk early."""
+
+
+class DiskFullError(DiskError):
+    """Raised when a write runs out of space on a disk (ENOSPC / EFBIG or the
+    disk's capacity).  The manifest still describes the last committed state;
+    nothing written by the failed operation becomes visible."""
+
+    def __init__(self, message: str, **kw):
+        super().__init__(message, **kw)
+        self.errno = _errno.ENOSPC
+
+
+class MisalignedRequestError(SwarmError, ValueError):
+    """Raised before submission when a request's offset, length or buffer
+    address is not a multiple of the disk's logical block size (O_DIRECT)."""
+
+
+class OutOfRangeError(SwarmError, IndexError):
+    """Raised for a layer, cluster, token or byte range outside the store."""
+
+
+class ChecksumError(SwarmError):
+    """Raised when bytes read from a disk do not match their stored XXH3-64
+    checksum.  ``swarmfs verify`` names every bad extent."""
+
+
+class IOFailedError(SwarmError, OSError):
+    """Raised when the kernel fails a request (the -errno is in ``errno``)."""
+
+    def __init__(self, message: str, *, errno: int | None = None, **kw):
+        super().__init__(message, **kw)
+        self.errno = errno
+
+
+class ShapeError(SwarmError, ValueError):
+    """Raised when a KV array's shape or dtype does not match the store's model
+    shape, or cluster definitions are inconsistent."""
+
+
+class LayoutError(SwarmError, ValueError):
+    """Raised for invalid layout parameters (tau outside (0, 1], a budget
+    larger than the context, an empty profile, ...)."""
+
+
+class ModelError(SwarmError, ValueError):
+    """Raised when a model directory is missing, is not a transformer that
+    swarmfs can capture, or a text is too short for it."""
+
+
+class NotFoundError(SwarmError, KeyError):
+    """Raised when a named object (layer, cluster, benchmark) does not exist."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return Exception.__str__(self)

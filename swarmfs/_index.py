@@ -1,0 +1,155 @@
+"""One layer's index: the cluster table and the entry index, as numpy arrays.
+
+The stored arrays (see ``_format.INDEX_ARRAYS``) describe clusters; everything
+else is derived here, vectorised, once per layer:
+
+* per copy (a stored instance of a KV entry inside one cluster, in cluster
+  order): its cluster, slot, disk and byte offset (eq. 7 striping);
+* per token: the CSR list of its copies (``tok_ptr``/``tok_copy``), so
+  ``(layer, token)`` maps to every ``(disk, offset)`` that holds it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _errors as E
+from .layout._place import copy_locations, stripe_counts
+
+__all__ = ["LayerIndex"]
+
+
+class LayerIndex:
+    """Arrays of one layer plus derived lookups.
+
+    Attributes:
+        layer: layer number.
+        num_tokens: S, tokens in the layer's context.
+        num_clusters: C.
+        num_copies: M, stored copies (M >= S; M / S is the replication factor).
+        members_ptr, members, medoid, start_disk, extent_off, extent_xxh,
+        token_xxh, medoid_keys, hot, freq: the stored arrays.
+        counts: int64 [C, N] entries per cluster per disk.
+        copy_cluster, copy_disk, copy_off: per-copy location arrays [M].
+        tok_ptr: int64 [S+1], tok_copy: int64 [M] copies of each token.
+    """
+
+    def __init__(self, layer: int, arrays: dict, *, num_tokens: int, ndisks: int,
+                 entry_bytes: int, block_size: int, store=None):
+        self.layer = layer
+        self.ndisks = ndisks
+        self.entry_bytes = entry_bytes
+        self.block_size = block_size
+        self.store = store
+        self.num_tokens = int(num_tokens)
+        for k, v in arrays.items():
+            setattr(self, k, v)
+        self.num_clusters = int(self.members_ptr.shape[0] - 1)
+        self.num_copies = int(self.members.shape[0])
+        self._check_shapes()
+        self.sizes = np.diff(self.members_ptr)
+        self.counts = stripe_counts(self.sizes, self.start_disk, ndisks)
+        self.copy_cluster, self.copy_disk, self.copy_off = copy_locations(
+            self.members_ptr, self.start_disk, self.extent_off, ndisks=ndisks,
+            entry_bytes=entry_bytes)
+        self.copy_slot = np.arange(self.num_copies, dtype=np.int64) - \
+            np.repeat(self.members_ptr[:-1], self.sizes)
+        order = np.argsort(self.members, kind="stable")
+        self.tok_copy = order.astype(np.int64)
+        self.tok_ptr = np.zeros(self.num_tokens + 1, dtype=np.int64)
+        np.cumsum(np.bincount(self.members, minlength=self.num_tokens),
+                  out=self.tok_ptr[1:])
+
+    def _fail(self, msg):
+        raise E.ManifestError(f"inconsistent index: {msg}", store=self.store,
+                              layer=self.layer)
+
+    def _check_shapes(self) -> None:
+        C, N, S = self.num_clusters, self.ndisks, self.num_tokens
+        p = self.members_ptr
+        if C < 0 or p[0] != 0 or np.any(np.diff(p) <= 0) or p[-1] != self.members.shape[0]:
+            self._fail("cluster pointers are not increasing or do not cover the members")
+        for name, shape in (("medoid", (C,)), ("start_disk", (C,)),
+                            ("extent_off", (C, N)), ("extent_xxh", (C, N)),
+                            ("token_xxh", (S,)), ("hot", (C,)), ("freq", (C,))):
+            if getattr(self, name).shape != shape:
+                self._fail(f"{name} has shape {getattr(self, name).shape}, expected {shape}")
+        if self.medoid_keys.shape[0] != C:
+            self._fail("medoid_keys does not have one row per cluster")
+        if self.members.size and (self.members.min() < 0 or self.members.max() >= S):
+            self._fail("a member token is outside [0, num_tokens)")
+        if C and (self.start_disk.min() < 0 or self.start_disk.max() >= N):
+            self._fail("a start disk is outside [0, ndisks)")
+        if np.any(self.extent_off % np.uint64(self.block_size)):
+            self._fail("an extent is not block aligned")
+        if S and np.bincount(self.members, minlength=S).min() == 0:
+            self._fail("a token has no stored copy")
+
+    # -- lookups -----------------------------------------------------------
+    def check_cluster(self, cid: int) -> int:
+        cid = int(cid)
+        if not 0 <= cid < self.num_clusters:
+            raise E.OutOfRangeError(f"cluster {cid} does not exist "
+                                    f"(layer has {self.num_clusters})",
+                                    store=self.store, layer=self.layer)
+        return cid
+
+    def check_tokens(self, tokens) -> np.ndarray:
+        t = np.asarray(tokens)
+        if t.dtype.kind not in "iu":
+            raise E.OutOfRangeError(f"token positions must be integers, got {t.dtype}",
+                                    store=self.store, layer=self.layer)
+        t = t.astype(np.int64, copy=False).reshape(-1)
+        if t.size and (t.min() < 0 or t.max() >= self.num_tokens):
+            bad = t[(t < 0) | (t >= self.num_tokens)][0]
+            raise E.OutOfRangeError(f"token {int(bad)} is outside [0, {self.num_tokens})",
+                                    store=self.store, layer=self.layer)
+        return t
+
+    def cluster_copies(self, cids) -> np.ndarray:
+        """Copy ids of the given clusters, concatenated in cluster order."""
+        cids = np.asarray(cids, dtype=np.int64).reshape(-1)
+        lo = self.members_ptr[cids]
+        n = self.members_ptr[cids + 1] - lo
+        total = int(n.sum())
+        if total == 0:
+            return np.empty(0, dtype=np.int64)
+        starts = np.repeat(lo - (np.cumsum(n) - n), n)
+        return starts + np.arange(total, dtype=np.int64)
+
+    def token_copies(self, tokens) -> np.ndarray:
+        """Every copy id of the given tokens (tokens assumed valid)."""
+        t = np.asarray(tokens, dtype=np.int64)
+        lo = self.tok_ptr[t]
+        n = self.tok_ptr[t + 1] - lo
+        total = int(n.sum())
+        starts = np.repeat(lo - (np.cumsum(n) - n), n)
+        return self.tok_copy[starts + np.arange(total, dtype=np.int64)]
+
+    @property
+    def replication(self) -> float:
+        """Copies per token (M / S)."""
+        return self.num_copies / max(self.num_tokens, 1)
+
+    def cluster_info(self, cid: int) -> dict:
+        """JSON-ready description of one cluster (for ``info.json`` and the CLI)."""
+        cid = self.check_cluster(cid)
+        lo, hi = int(self.members_ptr[cid]), int(self.members_ptr[cid + 1])
+        toks = self.members[lo:hi]
+        copies = self.tok_ptr[toks + 1] - self.tok_ptr[toks]
+        exts = []
+        for d in range(self.ndisks):
+            c = int(self.counts[cid, d])
+            if c:
+                exts.append({"disk": d, "offset": int(self.extent_off[cid, d]),
+                             "entries": c, "bytes": c * self.entry_bytes,
+                             "xxh3": f"{int(self.extent_xxh[cid, d]):016x}"})
+        return {
+            "layer": self.layer, "cluster": cid, "size": hi - lo,
+            "medoid_token": int(self.medoid[cid]),
+            "start_disk": int(self.start_disk[cid]),
+            "bytes": (hi - lo) * self.entry_bytes,
+            "hot": bool(self.hot[cid]), "frequency": float(self.freq[cid]),
+            "extents": exts,
+            "replicated_entries": int((copies > 1).sum()),
+        }

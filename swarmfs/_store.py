@@ -1,0 +1,961 @@
+"""The cluster-addressed store: KV clusters striped over N disks.
+
+``Store.create`` makes a store (superblocks, empty manifest); ``write_layer``
+places a layer's clusters by eq. 7, writes them with batched O_DIRECT writes
+and commits a new manifest atomically; ``read_cluster``/``read_entries`` read
+back with one batched submission per call.  See ``_format`` for the on-disk
+format and ``_planner`` for read planning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import os
+import shutil
+import stat
+import threading
+import time
+
+import numpy as np
+
+from . import _errors as E
+from . import _format as F
+from ._engine import (READ, WRITE, Engine, EngineStats, device_size, gather_rows,
+                      logical_block_size, open_disk, scatter_rows, verify_rows,
+                      xxh3_ranges, xxh3_rows)
+from ._index import LayerIndex
+from ._planner import Plan, plan_reads
+from .layout._place import copy_locations, place_clusters
+
+__all__ = ["Store", "StoreStats"]
+
+_WRITE_CHUNK = 64 << 20      # bytes of staged layer data per write batch
+_WRITE_REQUEST = 1 << 20     # bytes per write request
+_POOL_KEEP = 4               # staging buffers kept for reuse
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreStats:
+    """Store-level counters plus the engine's.
+
+    Attributes:
+        engine: engine counters (:class:`EngineStats`), incl. per-disk bytes,
+            requests and busy time.
+        verify_checksums: whether reads verify XXH3-64 checksums.
+        cluster_reads: ``read_cluster`` calls.
+        entry_reads: ``read_entries`` and plan executions.
+        entries_returned: KV entries handed back to callers.
+        bytes_returned: bytes of KV entries handed back (bytes).
+        bytes_read: bytes read from the disks, incl. alignment and gaps (bytes).
+        checksum_failures: entries or extents whose checksum did not match.
+    """
+    engine: EngineStats
+    verify_checksums: bool
+    cluster_reads: int
+    entry_reads: int
+    entries_returned: int
+    bytes_returned: int
+    bytes_read: int
+    checksum_failures: int
+
+
+def _as_bytes_rows(kv, entry_shape: tuple, dtype_name: str, *, layer=None,
+                   store=None) -> np.ndarray:
+    """KV array [S, 2, H, d] (numpy or torch) -> uint8 [S, entry_bytes] view."""
+    want = F.numpy_dtype(dtype_name)
+    if hasattr(kv, "detach"):  # torch
+        import torch
+        tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16,
+               "float32": torch.float32}[dtype_name]
+        if kv.dtype != tdt:
+            raise E.ShapeError(f"KV dtype {kv.dtype} does not match the store dtype "
+                               f"{dtype_name}", store=store, layer=layer)
+        shape = tuple(kv.shape)
+        arr = kv.detach().cpu().contiguous().view(torch.uint8).numpy()
+    else:
+        arr = np.asarray(kv)
+        if arr.dtype != want:
+            raise E.ShapeError(f"KV dtype {arr.dtype} does not match the store dtype "
+                               f"{dtype_name}", store=store, layer=layer)
+        shape = arr.shape
+        arr = np.ascontiguousarray(arr)
+    if len(shape) != 4 or tuple(shape[1:]) != entry_shape:
+        raise E.ShapeError(f"KV shape {tuple(shape)} is not [S, {', '.join(map(str, entry_shape))}]",
+                           store=store, layer=layer)
+    if shape[0] == 0:
+        raise E.ShapeError("KV array has no tokens", store=store, layer=layer)
+    return arr.reshape(shape[0], -1).view(np.uint8)
+
+
+def _clusters_csr(clusters, *, layer=None, store=None) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(clusters, tuple) and len(clusters) == 2:
+        ptr = np.asarray(clusters[0], dtype=np.int64)
+        members = np.asarray(clusters[1], dtype=np.int64)
+    else:
+        lists = [np.asarray(c, dtype=np.int64).reshape(-1) for c in clusters]
+        ptr = np.zeros(len(lists) + 1, dtype=np.int64)
+        np.cumsum([len(c) for c in lists], out=ptr[1:])
+        members = np.concatenate(lists) if lists else np.empty(0, np.int64)
+    if ptr.ndim != 1 or ptr.shape[0] < 2 or ptr[0] != 0 or ptr[-1] != members.shape[0]:
+        raise E.ShapeError("clusters must be a non-empty CSR (ptr, members) or list",
+                           store=store, layer=layer)
+    if np.any(np.diff(ptr) <= 0):
+        c = int(np.flatnonzero(np.diff(ptr) <= 0)[0])
+        raise E.ShapeError("clusters must not be empty", store=store, layer=layer,
+                           cluster=c)
+    return ptr, members
+
+
+class Store:
+    """A KV-cache store: clusters of KV entries striped over several disks.
+
+    Open with :meth:`open` or create with :meth:`create`; do not call the
+    constructor.  A Store is safe to read from several threads.
+
+    Attributes:
+        path: the store directory.
+        num_layers, num_kv_heads, head_dim: model shape.
+        dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``.
+        entry_bytes: bytes of one KV entry: 2 x num_kv_heads x head_dim x itemsize.
+        entry_shape: ``(2, num_kv_heads, head_dim)``.
+        block_size: store block size in bytes (extent alignment).
+        num_disks: N.
+        disk_paths: paths of the disks, in disk order.
+        engine: the :class:`Engine` in use.
+        verify_checksums: whether reads verify checksums.
+    """
+
+    def __init__(self, path, manifest, fds, *, engine_kind, queue_depth, verify,
+                 writable):
+        self.path = os.path.abspath(path)
+        self._m = manifest
+        self._fds = fds
+        self.writable = writable
+        model = manifest["model"]
+        self.model = dict(model)
+        self.num_layers = int(model["num_layers"])
+        self.num_kv_heads = int(model["num_kv_heads"])
+        self.head_dim = int(model["head_dim"])
+        self.dtype = model["dtype"]
+        self.np_dtype = F.numpy_dtype(self.dtype)
+        self.entry_shape = (2, self.num_kv_heads, self.head_dim)
+        self.entry_bytes = int(model["entry_bytes"])
+        self.block_size = int(manifest["block_size"])
+        self.num_disks = len(manifest["disks"])
+        self.disk_paths = [self._disk_path(d) for d in manifest["disks"]]
+        self.verify_checksums = bool(verify)
+        self.engine = Engine(fds, kind=engine_kind, queue_depth=queue_depth,
+                             block_sizes=[self.block_size] * self.num_disks,
+                             names=self.disk_paths, store=self.path)
+        self._layers: dict[int, LayerIndex] = {}
+        self._lock = threading.RLock()
+        self._pool: list = []
+        self._pool_lock = threading.Lock()
+        self._counters = dict(cluster_reads=0, entry_reads=0, entries_returned=0,
+                              bytes_returned=0, bytes_read=0, checksum_failures=0)
+        self._closed = False
+
+    # -- construction --------------------------------------------------------
+    @classmethod
+    def create(cls, path, *, disks=4, num_layers: int, num_kv_heads: int,
+               head_dim: int, dtype: str = "float16", model_name: str | None = None,
+               num_query_heads: int | None = None, disk_size: int | None = None,
+               block_size: int | None = None, force: bool = False,
+               engine: str | None = None, queue_depth: int = 128,
+               verify: bool = True) -> "Store":
+        """Create an empty store.
+
+        Args:
+            path: store directory (created; must be absent or empty).
+            disks: a number N (file disks ``STORE/disks/disk-I.img``) or a list
+                of paths (regular files, created if absent, or block devices).
+            num_layers, num_kv_heads, head_dim: model shape.
+            dtype: KV dtype name: float16, bfloat16 or float32.
+            model_name: free text recorded in the manifest.
+            num_query_heads: query heads (GQA), recorded for retrieval.
+            disk_size: bytes to preallocate per file disk (``posix_fallocate``);
+                it becomes the disk's capacity.  Default: files grow.
+            block_size: extent alignment in bytes; default the largest logical
+                block size of the disks (at least 512).
+            force: replace an existing store at ``path`` and overwrite disks
+                that belong to another store.
+            engine, queue_depth, verify: as for :meth:`open`.
+
+        Raises:
+            StoreExistsError: ``path`` holds files and ``force`` is False, or a
+                disk belongs to another store.
+            ShapeError: bad model shape or dtype.
+            DiskError: a disk cannot be opened with O_DIRECT.
+            DiskFullError: preallocation failed for lack of space.
+        """
+        path = os.path.abspath(path)
+        if dtype not in F.DTYPES:
+            raise E.ShapeError(f"unsupported dtype {dtype!r}; use one of {sorted(F.DTYPES)}")
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim)):
+            if int(v) <= 0:
+                raise E.ShapeError(f"{name} must be positive, got {v}")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise E.StoreExistsError("store path exists and is not a directory", store=path)
+        if os.path.isdir(path) and os.listdir(path):
+            if not force:
+                raise E.StoreExistsError("store path is not empty (use force=True / --force "
+                                         "to replace it)", store=path)
+            for sub in (F.MANIFEST, F.INDEX_DIR, "disks"):
+                p = os.path.join(path, sub)
+                if os.path.isdir(p):
+                    shutil.rmtree(p)
+                elif os.path.exists(p):
+                    os.unlink(p)
+        os.makedirs(path, exist_ok=True)
+        if isinstance(disks, int):
+            if not 1 <= disks <= 256:
+                raise E.ShapeError(f"a store has 1 to 256 disks, got {disks}", store=path)
+            os.makedirs(os.path.join(path, "disks"), exist_ok=True)
+            disk_paths = [os.path.join(path, "disks", f"disk-{i}.img") for i in range(disks)]
+        else:
+            disk_paths = [os.path.abspath(str(p)) for p in disks]
+            if not 1 <= len(disk_paths) <= 256 or len(set(disk_paths)) != len(disk_paths):
+                raise E.ShapeError("disks must be 1 to 256 distinct paths", store=path)
+        uid = F.new_uuid()
+        fds, caps, bss = [], [], []
+        try:
+            for i, p in enumerate(disk_paths):
+                fd = open_disk(p, write=True, create=not os.path.exists(p), disk=i, store=path)
+                fds.append(fd)
+                cls._check_reusable(fd, p, i, path, force)
+                bss.append(logical_block_size(fd))
+                if stat.S_ISBLK(os.fstat(fd).st_mode):
+                    caps.append(device_size(fd))
+                else:
+                    os.ftruncate(fd, 0)
+                    if disk_size:
+                        try:
+                            os.posix_fallocate(fd, 0, int(disk_size))
+                        except OSError as exc:
+                            raise E.DiskFullError(f"cannot preallocate {disk_size} bytes: "
+                                                  f"{exc.strerror}", disk=i, path=p,
+                                                  store=path) from exc
+                    caps.append(int(disk_size or 0))
+            bs = int(block_size or max(bss + [512]))
+            if bs & (bs - 1) or bs < max(bss) or bs > F.DATA_START:
+                raise E.ShapeError(f"block size {bs} must be a power of two between the "
+                                   f"disks' logical block size ({max(bss)}) and {F.DATA_START}",
+                                   store=path)
+            tmp = Engine(fds, kind=engine, queue_depth=8, block_sizes=[bs] * len(fds),
+                         names=disk_paths, store=path)
+            buf = tmp.alloc(F.SUPERBLOCK_SIZE * len(fds), register=False)
+            for i in range(len(fds)):
+                sb = F.pack_superblock(store_uuid=uid, disk_index=i, disk_count=len(fds),
+                                       block_size=bs, capacity=caps[i])
+                buf.array[i * F.SUPERBLOCK_SIZE:(i + 1) * F.SUPERBLOCK_SIZE] = \
+                    np.frombuffer(sb, dtype=np.uint8)
+            n = len(fds)
+            tmp.execute(WRITE, np.arange(n), np.zeros(n), [F.SUPERBLOCK_SIZE] * n,
+                        np.arange(n) * F.SUPERBLOCK_SIZE, buf)
+            tmp.close()
+            for fd in fds:
+                os.fsync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        entry_bytes = 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype]
+        manifest = {
+            "format": "swarmfs",
+            "format_version": F.FORMAT_VERSION,
+            "uuid": uid.hex(),
+            "generation": 0,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model": {"name": model_name, "num_layers": int(num_layers),
+                      "num_kv_heads": int(num_kv_heads), "head_dim": int(head_dim),
+                      "num_query_heads": int(num_query_heads or num_kv_heads),
+                      "dtype": dtype, "entry_bytes": entry_bytes},
+            "block_size": bs,
+            "p_global": 0,
+            "disks": [{"index": i, "path": cls._rel(path, p), "end": F.DATA_START,
+                       "capacity": caps[i]} for i, p in enumerate(disk_paths)],
+            "layers": {},
+            "dram": {"local_window": 256},
+        }
+        F.write_manifest(path, manifest)
+        return cls.open(path, engine=engine, queue_depth=queue_depth, verify=verify,
+                        writable=True)
+
+    @staticmethod
+    def _check_reusable(fd, p, i, store, force):
+        """Refuse to overwrite a disk of another store (or a block device with
+        data on it) unless forced."""
+        if force:
+            return
+        size = device_size(fd)
+        if size < F.SUPERBLOCK_SIZE:
+            return
+        import mmap
+        m = mmap.mmap(-1, F.SUPERBLOCK_SIZE)
+        try:
+            os.preadv(fd, [m], 0)
+            raw = bytes(m)
+        finally:
+            m.close()
+        if raw[:8] == F.MAGIC:
+            raise E.StoreExistsError("disk belongs to another swarmfs store "
+                                     "(use force=True / --force to overwrite)",
+                                     disk=i, path=p, store=store)
+        if stat.S_ISBLK(os.fstat(fd).st_mode) and any(raw):
+            raise E.StoreExistsError("block device holds data (use force=True / --force "
+                                     "to overwrite)", disk=i, path=p, store=store)
+
+    @staticmethod
+    def _rel(store, p):
+        rp = os.path.relpath(p, store)
+        return rp if not rp.startswith("..") else p
+
+    def _disk_path(self, rec):
+        p = rec["path"]
+        return p if os.path.isabs(p) else os.path.join(self.path, p)
+
+    @classmethod
+    def open(cls, path, *, engine: str | None = None, queue_depth: int = 128,
+             verify: bool = True, writable: bool = False) -> "Store":
+        """Open a store and check every disk.
+
+        Args:
+            path: store directory.
+            engine: ``"auto"``, ``"io_uring"`` or ``"threads"`` (default
+                ``$SWARMFS_ENGINE`` or auto).
+            queue_depth: io_uring queue depth (threads for the fallback).
+            verify: verify XXH3-64 checksums of everything read (default on).
+            writable: open the disks read-write (needed for ``write_layer``).
+
+        Raises:
+            StoreNotFoundError, ManifestError: no or bad manifest.
+            DiskMissingError: a disk path is gone.
+            DiskMismatchError: a disk is foreign, swapped or has no superblock.
+            DiskTruncatedError: a disk is shorter than its committed data.
+        """
+        path = os.path.abspath(path)
+        m = F.read_manifest(path)
+        try:
+            uid = bytes.fromhex(m["uuid"])
+            disks = m["disks"]
+            bs = int(m["block_size"])
+            n = len(disks)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise E.ManifestError(f"manifest lacks a field: {exc}", store=path) from exc
+        fds = []
+        try:
+            for i, rec in enumerate(disks):
+                p = rec["path"] if os.path.isabs(rec["path"]) else os.path.join(path, rec["path"])
+                fd = open_disk(p, write=writable, disk=i, store=path)
+                fds.append(fd)
+                size = device_size(fd)
+                if size < F.SUPERBLOCK_SIZE:
+                    raise E.DiskTruncatedError(f"disk is {size} bytes, smaller than a "
+                                               "superblock", disk=i, path=p, store=path)
+                import mmap
+                mm = mmap.mmap(-1, F.SUPERBLOCK_SIZE)
+                try:
+                    os.preadv(fd, [mm], 0)
+                    raw = bytes(mm)
+                finally:
+                    mm.close()
+                sb = F.unpack_superblock(raw, disk=i, path=p, store=path)
+                if sb["uuid"] != uid:
+                    raise E.DiskMismatchError("disk belongs to another store "
+                                              f"(UUID {sb['uuid'].hex()}, manifest "
+                                              f"{uid.hex()})", disk=i, path=p, store=path)
+                if sb["disk_index"] != i or sb["disk_count"] != n:
+                    raise E.DiskMismatchError(
+                        f"disk carries index {sb['disk_index']} of {sb['disk_count']} but "
+                        f"is listed as {i} of {n} (disks swapped?)", disk=i, path=p,
+                        store=path)
+                if sb["block_size"] != bs:
+                    raise E.DiskMismatchError("superblock block size differs from the "
+                                              "manifest", disk=i, path=p, store=path)
+                if size < int(rec["end"]):
+                    raise E.DiskTruncatedError(
+                        f"disk is {size} bytes but holds data up to byte {rec['end']} "
+                        "(truncated)", disk=i, path=p, store=path)
+                if logical_block_size(fd) > bs:
+                    raise E.DiskMismatchError(f"disk's logical block size exceeds the "
+                                              f"store block size {bs}", disk=i, path=p,
+                                              store=path)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        try:
+            return cls(path, m, fds, engine_kind=engine, queue_depth=queue_depth,
+                       verify=verify, writable=writable)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def close(self) -> None:
+        """Close the engine and the disks."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.close()
+        with self._pool_lock:
+            for b in self._pool:
+                b.release()
+            self._pool.clear()
+        for fd in self._fds:
+            os.close(fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- description ----------------------------------------------------------
+    @property
+    def uuid(self) -> str:
+        return self._m["uuid"]
+
+    @property
+    def manifest(self) -> dict:
+        """A copy of the committed manifest."""
+        import copy
+        return copy.deepcopy(self._m)
+
+    @property
+    def layers(self) -> list[int]:
+        """Layers that hold data, ascending."""
+        return sorted(int(k) for k in self._m["layers"])
+
+    def _check_layer(self, layer) -> int:
+        try:
+            layer = int(layer)
+        except (TypeError, ValueError):
+            raise E.OutOfRangeError(f"layer {layer!r} is not an integer", store=self.path)
+        if not 0 <= layer < self.num_layers:
+            raise E.OutOfRangeError(f"layer {layer} outside [0, {self.num_layers})",
+                                    store=self.path, layer=layer)
+        if str(layer) not in self._m["layers"]:
+            raise E.OutOfRangeError("layer holds no data", store=self.path, layer=layer)
+        return layer
+
+    def layer(self, layer: int) -> LayerIndex:
+        """The :class:`LayerIndex` of a layer (loaded on first use).
+
+        Raises:
+            OutOfRangeError: the layer does not exist or holds no data.
+            ManifestError: its index file is missing or corrupt.
+        """
+        layer = self._check_layer(layer)
+        li = self._layers.get(layer)
+        if li is not None:
+            return li
+        with self._lock:
+            li = self._layers.get(layer)
+            if li is None:
+                rec = self._m["layers"][str(layer)]
+                arrays = F.load_index(self.path, layer, rec["index"])
+                li = LayerIndex(layer, arrays, num_tokens=rec["num_tokens"],
+                                ndisks=self.num_disks, entry_bytes=self.entry_bytes,
+                                block_size=self.block_size, store=self.path)
+                self._layers[layer] = li
+        return li
+
+    def layer_info(self, layer: int) -> dict:
+        """The manifest record of a layer."""
+        return dict(self._m["layers"][str(self._check_layer(layer))])
+
+    def num_clusters(self, layer: int) -> int:
+        return int(self._m["layers"][str(self._check_layer(layer))]["num_clusters"])
+
+    def num_tokens(self, layer: int) -> int:
+        return int(self._m["layers"][str(self._check_layer(layer))]["num_tokens"])
+
+    def cluster_tokens(self, layer: int, cid: int) -> np.ndarray:
+        """Token positions of a cluster's entries, in cluster order: int32 [n]."""
+        li = self.layer(layer)
+        cid = li.check_cluster(cid)
+        return li.members[li.members_ptr[cid]:li.members_ptr[cid + 1]].copy()
+
+    def medoid_keys(self, layer: int) -> np.ndarray:
+        """K of each cluster's medoid: [C, num_kv_heads, head_dim] store dtype."""
+        li = self.layer(layer)
+        return li.medoid_keys.view(self.np_dtype).reshape(
+            li.num_clusters, self.num_kv_heads, self.head_dim)
+
+    # -- writing -------------------------------------------------------------
+    @contextlib.contextmanager
+    def _write_lock(self):
+        if not self.writable:
+            raise E.SwarmError("store is open read-only (open with writable=True)",
+                               store=self.path)
+        fd = os.open(os.path.join(self.path, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                     0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise E.SwarmError("another process is writing this store", store=self.path)
+            yield
+        finally:
+            os.close(fd)
+
+    def write_layer(self, layer: int, kv, clusters, medoids=None, *, hot=None,
+                    freq=None, local_window: int | None = None, extra: dict | None = None) -> None:
+        """Write (or rewrite) one layer and commit it.
+
+        Clusters are placed by eq. 7 after the data already on the disks and
+        striped entry by entry; each cluster's share of each disk is one
+        extent.  The new manifest is committed only after every byte is on
+        the disks (fdatasync); a failure leaves the previous state in place.
+
+        Args:
+            layer: layer number.
+            kv: [S, 2, num_kv_heads, head_dim] KV entries of every token, the
+                store dtype (numpy, ml_dtypes bfloat16 or torch).
+            clusters: ``(ptr int64 [C+1], members int [M])`` CSR, or a list of
+                int arrays; every token in [0, S) must be in some cluster, a
+                token may be in several (replicas).
+            medoids: int [C] medoid token of each cluster (must be a member);
+                default the first member.
+            hot: bool [C] hot clusters kept in DRAM (SWARM §5.2, eq. 6).
+            freq: float [C] profile activation frequency f_i per cluster.
+            local_window: DRAM local window W in tokens (SWARM §5.2).
+            extra: JSON-ready dict stored in the layer's manifest record.
+
+        Raises:
+            ShapeError: kv shape/dtype or cluster definitions are wrong.
+            OutOfRangeError: layer outside the model.
+            DiskFullError: a disk ran out of space (nothing is committed).
+            IOFailedError: a write failed (nothing is committed).
+        """
+        layer = int(layer)
+        if not 0 <= layer < self.num_layers:
+            raise E.OutOfRangeError(f"layer {layer} outside [0, {self.num_layers})",
+                                    store=self.path, layer=layer)
+        rows = _as_bytes_rows(kv, self.entry_shape, self.dtype, layer=layer, store=self.path)
+        S = rows.shape[0]
+        ptr, members = _clusters_csr(clusters, layer=layer, store=self.path)
+        C = ptr.shape[0] - 1
+        if members.min() < 0 or members.max() >= S:
+            raise E.ShapeError(f"a cluster member is outside [0, {S})", store=self.path,
+                               layer=layer)
+        if np.bincount(members, minlength=S).min() == 0:
+            t = int(np.flatnonzero(np.bincount(members, minlength=S) == 0)[0])
+            raise E.ShapeError(f"token {t} is in no cluster (every entry must be stored)",
+                               store=self.path, layer=layer)
+        cl = np.repeat(np.arange(C), np.diff(ptr))
+        key = cl * np.int64(S) + members
+        if np.unique(key).shape[0] != key.shape[0]:
+            raise E.ShapeError("a token appears twice in one cluster", store=self.path,
+                               layer=layer)
+        medoids = (members[ptr[:-1]] if medoids is None
+                   else np.asarray(medoids, dtype=np.int64).reshape(-1))
+        if medoids.shape[0] != C:
+            raise E.ShapeError(f"{medoids.shape[0]} medoids for {C} clusters",
+                               store=self.path, layer=layer)
+        is_med = members == medoids[cl]
+        if np.bincount(cl[is_med], minlength=C).min() == 0:
+            c = int(np.flatnonzero(np.bincount(cl[is_med], minlength=C) == 0)[0])
+            raise E.ShapeError("medoid is not a member of its cluster", store=self.path,
+                               layer=layer, cluster=c)
+        hot = np.zeros(C, np.uint8) if hot is None else np.asarray(hot).astype(np.uint8).reshape(-1)
+        freq = np.zeros(C, np.float32) if freq is None else np.asarray(freq, np.float32).reshape(-1)
+        if hot.shape[0] != C or freq.shape[0] != C:
+            raise E.ShapeError("hot and freq need one value per cluster", store=self.path,
+                               layer=layer)
+
+        with self._write_lock():
+            token_xxh = xxh3_rows(rows, self.entry_bytes)
+            half = self.entry_bytes // 2
+            medoid_keys = np.ascontiguousarray(rows[medoids, :half])
+            disk_end = np.array([d["end"] for d in self._m["disks"]], dtype=np.uint64)
+            pl = place_clusters(np.diff(ptr), ndisks=self.num_disks,
+                                entry_bytes=self.entry_bytes, block_size=self.block_size,
+                                disk_end=disk_end, p_global=int(self._m["p_global"]))
+            self._check_capacity(pl.disk_end, layer)
+            extent_xxh = self._write_extents(rows, ptr, members, pl, disk_end, layer)
+            for fd in self._fds:
+                os.fdatasync(fd)
+            arrays = dict(members_ptr=ptr, members=members, medoid=medoids,
+                          start_disk=pl.start_disk, extent_off=pl.extent_off,
+                          extent_xxh=extent_xxh, token_xxh=token_xxh,
+                          medoid_keys=medoid_keys, hot=hot, freq=freq)
+            m = self.manifest
+            gen = int(m["generation"]) + 1
+            rec = F.save_index(self.path, layer, gen, arrays)
+            old = m["layers"].get(str(layer))
+            m["generation"] = gen
+            m["p_global"] = pl.p_global
+            for i, d in enumerate(m["disks"]):
+                d["end"] = int(pl.disk_end[i])
+            m["layers"][str(layer)] = {
+                "num_tokens": int(S), "num_clusters": int(C),
+                "num_copies": int(members.shape[0]),
+                "replication": round(members.shape[0] / S, 6),
+                "local_window": int(local_window if local_window is not None
+                                    else m["dram"]["local_window"]),
+                "hot_clusters": int(hot.sum()),
+                "index": rec, "generation": gen, **(extra or {}),
+            }
+            keep = {r["index"]["file"] for r in m["layers"].values()}
+            if old is not None:
+                keep.add(old["index"]["file"])   # readers of the previous generation
+            F.write_manifest(self.path, m)
+            self._m = m
+            with self._lock:
+                self._layers.pop(layer, None)
+            F.remove_stale_indexes(self.path, keep)
+
+    def _check_capacity(self, new_end, layer):
+        for i, d in enumerate(self._m["disks"]):
+            cap = int(d["capacity"])
+            if cap and int(new_end[i]) > cap:
+                raise E.DiskFullError(f"layer needs bytes up to {int(new_end[i])} but the "
+                                      f"disk holds {cap}", disk=i, path=self.disk_paths[i],
+                                      store=self.path, layer=layer)
+
+    def _write_extents(self, rows, ptr, members, pl, disk_end, layer) -> np.ndarray:
+        """Stage and write all extents of a layer, in chunks of clusters."""
+        N, Eb = self.num_disks, self.entry_bytes
+        C = ptr.shape[0] - 1
+        ext = pl.extent_bytes
+        cl_bytes = ext.sum(axis=1)
+        extent_xxh = np.zeros((C, N), dtype=np.uint64)
+        cuts = chunk_bounds(cl_bytes, _WRITE_CHUNK)
+        for c0, c1 in zip(cuts[:-1], cuts[1:]):
+            c0, c1 = int(c0), int(c1)
+            lo = pl.extent_off[c0]
+            hi = pl.extent_off[c1 - 1] + ext[c1 - 1]
+            seg = hi - lo
+            base = np.zeros(N, dtype=np.uint64)
+            np.cumsum(seg[:-1], out=base[1:])
+            total = int(seg.sum())
+            with self._staging(total) as buf:
+                buf.array[:total] = 0
+                m0, m1 = int(ptr[c0]), int(ptr[c1])
+                sub_ptr = ptr[c0:c1 + 1] - m0
+                _, cdisk, coff = copy_locations(sub_ptr, pl.start_disk[c0:c1],
+                                                pl.extent_off[c0:c1], ndisks=N, entry_bytes=Eb)
+                dst = base[cdisk] + (coff - lo[cdisk])
+                scatter_rows(buf.array, dst, rows, members[m0:m1], Eb)
+                cnt = pl.counts[c0:c1]
+                has = cnt > 0
+                cc, dd = np.nonzero(has)
+                off_in = base[dd] + (pl.extent_off[c0:c1][cc, dd] - lo[dd])
+                extent_xxh[c0 + cc, dd] = xxh3_ranges(buf.array, off_in,
+                                                      cnt[cc, dd].astype(np.uint64) * np.uint64(Eb))
+                # requests: each disk's segment in pieces of _WRITE_REQUEST bytes
+                npieces = (seg + np.uint64(_WRITE_REQUEST - 1)) // np.uint64(_WRITE_REQUEST)
+                rd = np.repeat(np.arange(N), npieces.astype(np.int64))
+                k = np.arange(rd.shape[0]) - np.repeat(np.cumsum(npieces) - npieces,
+                                                       npieces.astype(np.int64)).astype(np.int64)
+                roff = lo[rd] + k.astype(np.uint64) * np.uint64(_WRITE_REQUEST)
+                rlen = np.minimum(np.uint64(_WRITE_REQUEST), hi[rd] - roff)
+                rdst = base[rd] + (roff - lo[rd])
+                self.engine.execute(WRITE, rd, roff, rlen, rdst, buf, layer=layer)
+        return extent_xxh
+
+    # -- reading ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def _staging(self, nbytes: int):
+        """A page-aligned (registered where possible) buffer of >= nbytes."""
+        buf = None
+        with self._pool_lock:
+            for i, b in enumerate(self._pool):
+                if b.size >= nbytes:
+                    buf = self._pool.pop(i)
+                    break
+        if buf is None:
+            size = max(1 << 20, 1 << max(int(nbytes) - 1, 1).bit_length())
+            buf = self.engine.alloc(size)
+        try:
+            yield buf
+        finally:
+            with self._pool_lock:
+                self._pool.append(buf)
+                if len(self._pool) > _POOL_KEEP:
+                    self._pool.sort(key=lambda b: b.size)
+                    self._pool.pop(0).release()
+
+    def plan(self, layer: int, tokens, *, max_gap: int = 0, max_request: int = 1 << 20,
+             policy: str = "balanced", dedup: bool = True) -> Plan:
+        """Plan reading the entries of ``tokens`` from any of their copies.
+
+        A thin wrapper over :func:`swarmfs.plan_reads` (pure, SWARM §6.1).
+
+        Args:
+            tokens: int [n] token positions (duplicates allowed).
+
+        Raises:
+            OutOfRangeError: a token outside the layer.
+        """
+        li = self.layer(layer)
+        t = li.check_tokens(tokens)
+        copies = li.token_copies(np.unique(t))
+        return self.plan_copies(li, copies, key=li.members[copies], max_gap=max_gap,
+                                max_request=max_request, policy=policy, dedup=dedup)
+
+    def plan_copies(self, li: LayerIndex, copies: np.ndarray, *, key=None,
+                    max_gap: int = 0, max_request: int = 1 << 20,
+                    policy: str = "balanced", dedup: bool = True) -> Plan:
+        """Plan reads of the given copies (``key`` groups copies of one entry;
+        default the token).  ``Plan.copy`` indexes ``copies``."""
+        key = li.members[copies] if key is None else key
+        return plan_reads(key, li.copy_disk[copies], li.copy_off[copies],
+                          ndisks=self.num_disks, entry_bytes=self.entry_bytes,
+                          block_size=self.block_size, max_gap=max_gap,
+                          max_request=max_request, policy=policy, dedup=dedup)
+
+    def execute(self, li: LayerIndex, plan: Plan, copies: np.ndarray, *,
+                order=None, out: np.ndarray | None = None,
+                verify: bool | None = None, cluster=None) -> np.ndarray:
+        """Execute a plan in one batched submission and return entry rows.
+
+        Args:
+            li: the layer.
+            plan: a plan over ``copies`` (from :meth:`plan_copies`).
+            copies: the copy ids the plan was made from.
+            order: int [k] indices into ``plan.tokens`` giving the output
+                order (default: ``plan.tokens`` order).
+            out: optional uint8 [k, entry_bytes] destination.
+            verify: check per-entry XXH3-64 (default: the store setting).
+
+        Returns:
+            uint8 [k, entry_bytes] rows.
+
+        Raises:
+            ChecksumError: an entry does not match its checksum (names the
+                disk, layer and cluster).
+            DiskTruncatedError, IOFailedError: the read failed.
+        """
+        verify = self.verify_checksums if verify is None else verify
+        Eb = self.entry_bytes
+        with self._staging(plan.staging_bytes) as buf:
+            if plan.num_requests:
+                self.engine.execute(READ, plan.disk, plan.offset, plan.length, plan.dst,
+                                    buf, layer=li.layer, cluster=cluster, check=False)
+            copy_ids = copies[plan.copy]
+            if verify and plan.num_entries:
+                bad = verify_rows(buf.array, plan.src, Eb, li.token_xxh[li.members[copy_ids]])
+                if bad.size:
+                    self._counters["checksum_failures"] += int(bad.size)
+                    c = int(copy_ids[bad[0]])
+                    raise E.ChecksumError(
+                        f"entry of token {int(li.members[c])} at offset "
+                        f"{int(li.copy_off[c])} fails its checksum"
+                        + (f" ({bad.size} entries)" if bad.size > 1 else ""),
+                        store=self.path, disk=int(li.copy_disk[c]),
+                        path=self.disk_paths[int(li.copy_disk[c])], layer=li.layer,
+                        cluster=int(li.copy_cluster[c]))
+            src = plan.src if order is None else plan.src[order]
+            rows = gather_rows(buf.array, src, Eb, out)
+        self._counters["bytes_read"] += int(plan.staging_bytes)
+        self._counters["entries_returned"] += rows.shape[0]
+        self._counters["bytes_returned"] += rows.nbytes
+        return rows
+
+    def _rows_to_entries(self, rows: np.ndarray, *, torch: bool, pinned: bool):
+        n = rows.shape[0]
+        if pinned:
+            buf = self.engine.alloc(rows.nbytes, pinned=True, register=False)
+            arr = buf.array[:rows.nbytes].reshape(rows.shape)
+            arr[...] = rows
+            rows = arr
+            torch = True
+        arr = rows.view(self.np_dtype).reshape((n,) + self.entry_shape)
+        if not torch:
+            return arr
+        return to_torch(arr, self.dtype)
+
+    def read_cluster(self, layer: int, cid: int, *, torch: bool = False,
+                     pinned: bool = False, verify: bool | None = None):
+        """Read a whole cluster: at most N requests, one batched submission.
+
+        Returns:
+            [n, 2, num_kv_heads, head_dim] in the store dtype, entries in
+            cluster order (numpy; torch with ``torch=True``, in pinned host
+            memory with ``pinned=True``).  Tokens: :meth:`cluster_tokens`.
+
+        Raises:
+            OutOfRangeError: no such layer or cluster.
+            ChecksumError: stored bytes do not match their checksums.
+        """
+        li = self.layer(layer)
+        cid = li.check_cluster(cid)
+        copies = li.cluster_copies([cid])
+        plan = plan_reads(np.arange(copies.shape[0]), li.copy_disk[copies],
+                          li.copy_off[copies], ndisks=self.num_disks,
+                          entry_bytes=self.entry_bytes, block_size=self.block_size,
+                          max_request=1 << 20)
+        rows = self.execute(li, plan, copies, verify=verify, cluster=cid)
+        self._counters["cluster_reads"] += 1
+        return self._rows_to_entries(rows, torch=torch, pinned=pinned)
+
+    def read_cluster_range(self, layer: int, cid: int, start: int, length: int,
+                           *, verify: bool | None = None) -> bytes:
+        """Bytes ``[start, start+length)`` of a cluster file (its entries in
+        cluster order, raw).  Reads only the entries the range covers."""
+        li = self.layer(layer)
+        cid = li.check_cluster(cid)
+        Eb = self.entry_bytes
+        n = int(li.sizes[cid])
+        end = min(int(start) + int(length), n * Eb)
+        if start < 0 or start >= end:
+            return b""
+        j0, j1 = start // Eb, -(-end // Eb)
+        copies = li.cluster_copies([cid])[j0:j1]
+        plan = plan_reads(np.arange(copies.shape[0]), li.copy_disk[copies],
+                          li.copy_off[copies], ndisks=self.num_disks,
+                          entry_bytes=Eb, block_size=self.block_size)
+        rows = self.execute(li, plan, copies, verify=verify, cluster=cid)
+        a = start - j0 * Eb
+        return rows.reshape(-1)[a:a + (end - start)].tobytes()
+
+    def read_entries(self, layer: int, tokens, *, torch: bool = False,
+                     pinned: bool = False, verify: bool | None = None,
+                     policy: str = "balanced", max_gap: int = 0):
+        """Read the KV entries of arbitrary tokens, in the order given.
+
+        Copies are chosen by entry-bucket scheduling (SWARM §6.1), adjacent
+        entries on a disk are coalesced, and the whole plan goes to the engine
+        in one batched submission.
+
+        Args:
+            tokens: int [n] token positions (duplicates allowed).
+
+        Returns:
+            [n, 2, num_kv_heads, head_dim] in the store dtype.
+
+        Raises:
+            OutOfRangeError: a token outside the layer.
+            ChecksumError: an entry does not match its checksum.
+        """
+        li = self.layer(layer)
+        t = li.check_tokens(tokens)
+        copies = li.token_copies(np.unique(t))
+        plan = plan_reads(li.members[copies], li.copy_disk[copies], li.copy_off[copies],
+                          ndisks=self.num_disks, entry_bytes=self.entry_bytes,
+                          block_size=self.block_size, policy=policy, max_gap=max_gap)
+        order = np.searchsorted(plan.tokens, t)
+        rows = self.execute(li, plan, copies, order=order, verify=verify)
+        self._counters["entry_reads"] += 1
+        return self._rows_to_entries(rows, torch=torch, pinned=pinned)
+
+    # -- verification -----------------------------------------------------------
+    def verify(self, *, layers=None, progress=None, max_batch: int = 64 << 20) -> list[dict]:
+        """Read every extent and check its XXH3-64.
+
+        Args:
+            layers: layers to check (default all).
+            progress: optional callable(bytes_done) for progress bars.
+            max_batch: bytes per batched submission.
+
+        Returns:
+            A list of failures, each ``{"layer", "cluster", "disk", "path",
+            "offset", "error"}``; empty when the store is intact.
+        """
+        failures = []
+        Eb = self.entry_bytes
+        for layer in (self.layers if layers is None else layers):
+            li = self.layer(layer)
+            cc, dd = np.nonzero(li.counts > 0)
+            nbytes = li.counts[cc, dd].astype(np.uint64) * np.uint64(Eb)
+            alen = (nbytes + np.uint64(self.block_size - 1)) // np.uint64(self.block_size) \
+                * np.uint64(self.block_size)
+            cuts = chunk_bounds(alen, max_batch)
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                sl = slice(int(a), int(b))
+                lens = alen[sl]
+                dst = np.zeros(lens.shape[0], dtype=np.uint64)
+                np.cumsum(lens[:-1], out=dst[1:])
+                offs = li.extent_off[cc[sl], dd[sl]]
+                with self._staging(int(lens.sum())) as buf:
+                    try:
+                        self.engine.execute(READ, dd[sl], offs, lens, dst, buf, layer=layer)
+                    except E.SwarmError as exc:
+                        failures.append({"layer": layer, "cluster": None, "disk": exc.disk,
+                                         "path": exc.path, "offset": None,
+                                         "error": exc.message})
+                        continue
+                    got = xxh3_ranges(buf.array, dst, nbytes[sl])
+                bad = np.flatnonzero(got != li.extent_xxh[cc[sl], dd[sl]])
+                for k in bad[:1000]:
+                    d = int(dd[sl][k])
+                    failures.append({"layer": layer, "cluster": int(cc[sl][k]), "disk": d,
+                                     "path": self.disk_paths[d], "offset": int(offs[k]),
+                                     "error": "extent checksum mismatch"})
+                self._counters["checksum_failures"] += int(bad.size)
+                if progress is not None:
+                    progress(int(lens.sum()))
+        return failures
+
+    def stats(self) -> StoreStats:
+        """Counters since open, as a :class:`StoreStats`."""
+        return StoreStats(engine=self.engine.stats(), verify_checksums=self.verify_checksums,
+                          **self._counters)
+
+    def info(self) -> dict:
+        """JSON-ready summary: disks, sizes, layers, clusters, replication, engine."""
+        m = self._m
+        layers = {}
+        for k, rec in sorted(m["layers"].items(), key=lambda kv: int(kv[0])):
+            layers[k] = {x: rec[x] for x in ("num_tokens", "num_clusters", "num_copies",
+                                             "replication", "local_window", "hot_clusters")}
+        disks = []
+        for i, d in enumerate(m["disks"]):
+            disks.append({"index": i, "path": self.disk_paths[i], "used_bytes": int(d["end"]),
+                          "capacity": int(d["capacity"]) or None,
+                          "size": _size_or_none(self.disk_paths[i])})
+        copies = sum(r["num_copies"] for r in m["layers"].values())
+        tokens = sum(r["num_tokens"] for r in m["layers"].values())
+        return {
+            "path": self.path, "uuid": m["uuid"], "format_version": m["format_version"],
+            "generation": m["generation"], "model": m["model"],
+            "block_size": self.block_size, "entry_bytes": self.entry_bytes,
+            "allocated_bytes": sum(int(d["end"]) - F.DATA_START for d in m["disks"]),
+            "engine": self.engine.kind, "queue_depth": self.engine.queue_depth,
+            "verify_checksums": self.verify_checksums,
+            "num_disks": self.num_disks, "disks": disks,
+            "num_layers_stored": len(m["layers"]),
+            "clusters": sum(r["num_clusters"] for r in m["layers"].values()),
+            "entries": tokens, "copies": copies,
+            "replication": round(copies / tokens, 4) if tokens else None,
+            "kv_bytes": copies * self.entry_bytes,
+            "layers": layers,
+        }
+
+
+def chunk_bounds(sizes: np.ndarray, limit: int) -> np.ndarray:
+    """Cut points [0, ..., n] splitting items of ``sizes`` bytes into
+    consecutive groups of about ``limit`` bytes (an item larger than the limit
+    forms its own group)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    n = sizes.shape[0]
+    if n == 0:
+        return np.array([0], dtype=np.int64)
+    group = (np.cumsum(sizes) - 1) // max(int(limit), 1)
+    cuts = np.flatnonzero(np.diff(group)) + 1
+    return np.concatenate([[0], cuts, [n]]).astype(np.int64)
+
+
+def _size_or_none(p):
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return device_size(fd)
+    finally:
+        os.close(fd)
+
+
+def to_torch(arr: np.ndarray, dtype_name: str):
+    """numpy array (store dtype; ml_dtypes bfloat16 allowed) -> torch tensor,
+    sharing memory."""
+    import torch
+    if dtype_name == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
