@@ -1,0 +1,86 @@
+"""The swarmfs command line, run as a user would (subprocesses)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import random_clusters, random_kv
+
+from swarmfs import Store
+
+SWARMFS = [sys.executable, "-m", "swarmfs._cli"]
+
+
+def run(*args, ok=True):
+    p = subprocess.run(SWARMFS + list(args), capture_output=True, text=True, timeout=300)
+    if ok:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+@pytest.fixture
+def store(tmp_path, rng):
+    s = Store.create(tmp_path / "st", disks=3, num_layers=2, num_kv_heads=2, head_dim=16)
+    kv = random_kv(rng, 500, 2, 16, "float16")
+    cl = random_clusters(rng, 500, 25, 40)
+    s.write_layer(1, kv, cl)
+    s.close()
+    return str(tmp_path / "st"), kv, cl
+
+
+def test_help_on_every_command():
+    out = run("--help").stdout
+    for cmd in ("info", "verify", "read", "demo"):
+        assert cmd in out
+        assert "Usage" in run(cmd, "--help").stdout
+
+
+def test_info_json(store):
+    path, kv, cl = store
+    d = json.loads(run("info", path, "--json").stdout)
+    assert d["num_disks"] == 3 and d["clusters"] == 25 and d["entries"] == 500
+    assert d["engine"] in ("io_uring", "threads")
+    assert d["replication"] >= 1.0
+    assert "layer" in run("info", path).stdout
+
+
+def test_verify_and_flipped_byte(store):
+    path, kv, cl = store
+    assert "ok" in run("verify", path).stdout
+    with Store.open(path) as s:
+        li = s.layer(1)
+        c = int(li.cluster_copies([4])[0])
+        disk, off = int(li.copy_disk[c]), int(li.copy_off[c])
+        dpath = s.disk_paths[disk]
+    with open(dpath, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 1]))
+    p = run("verify", path, ok=False)
+    assert p.returncode == 1
+    assert f"cluster 4 disk {disk}" in p.stdout and dpath in p.stdout
+    p = run("verify", path, "--json", ok=False)
+    assert json.loads(p.stdout)["failures"][0]["cluster"] == 4
+
+
+def test_read_to_npy(store, tmp_path):
+    path, kv, cl = store
+    out = tmp_path / "c.npy"
+    run("read", path, "--layer", "1", "--cluster", "7", "--out", str(out))
+    arr = np.load(out)
+    assert arr.view(np.uint16).tobytes() == kv[cl[7]].view(np.uint16).tobytes()
+    assert "entries" in run("read", path, "--layer", "1", "--tokens", "3,1,4").stdout
+
+
+def test_errors_are_one_line(store, tmp_path):
+    path, _, _ = store
+    p = run("read", path, "--layer", "1", "--cluster", "999", ok=False)
+    assert p.returncode == 1 and "cluster 999" in p.stderr and "Traceback" not in p.stderr
+    p = run("info", str(tmp_path / "nope"), ok=False)
+    assert p.returncode == 1 and "does not exist" in p.stderr
+    p = run("read", path, "--layer", "1", ok=False)
+    assert p.returncode == 2

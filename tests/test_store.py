@@ -1,0 +1,336 @@
+"""Store round trips and failure modes (the storage core)."""
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+from conftest import is_root, random_clusters, random_kv, same_bits
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import swarmfs
+from swarmfs import Store
+from swarmfs import _errors as E
+from swarmfs import _format as F
+
+
+def make_store(path, rng, *, S=600, H=2, d=16, dtype="float16", ndisks=4, clusters=40,
+               extra=60, layers=(0,), engine=None, **kw):
+    s = Store.create(path, disks=ndisks, num_layers=max(layers) + 1, num_kv_heads=H,
+                     head_dim=d, dtype=dtype, engine=engine, **kw)
+    kvs, cls = {}, {}
+    for layer in layers:
+        kv = random_kv(rng, S, H, d, dtype)
+        c = random_clusters(rng, S, clusters, extra)
+        s.write_layer(layer, kv, c)
+        kvs[layer], cls[layer] = kv, c
+    return s, kvs, cls
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(S=st.integers(1, 300), H=st.sampled_from([1, 2, 3, 8]), d=st.sampled_from([4, 16, 32, 64]),
+       dtype=st.sampled_from(["float16", "bfloat16", "float32"]), ndisks=st.integers(1, 8),
+       nclusters=st.integers(1, 30), extra=st.integers(0, 100), seed=st.integers(0, 2**31),
+       engine=st.sampled_from(["io_uring", "threads"]))
+def test_every_entry_round_trips_bit_exact(tmp_path_factory, S, H, d, dtype, ndisks,
+                                           nclusters, extra, seed, engine):
+    rng = np.random.default_rng(seed)
+    nclusters = min(nclusters, S)
+    path = tmp_path_factory.mktemp("rt")
+    s, kvs, cls = make_store(path, rng, S=S, H=H, d=d, dtype=dtype, ndisks=ndisks,
+                             clusters=nclusters, extra=extra, engine=engine)
+    kv, clusters = kvs[0], cls[0]
+    with s:
+        for cid, members in enumerate(clusters):
+            got = s.read_cluster(0, cid)
+            assert same_bits(got, kv[members])
+            assert list(s.cluster_tokens(0, cid)) == list(members)
+        toks = rng.integers(0, S, size=min(3 * S, 500))
+        assert same_bits(s.read_entries(0, toks), kv[toks])
+        assert s.stats().engine.engine == engine
+    with Store.open(path, engine=engine) as s2:
+        assert same_bits(s2.read_entries(0, np.arange(S)), kv)
+        assert s2.verify() == []
+
+
+def test_replica_index_maps_every_copy(tmp_path, rng):
+    s, kvs, cls = make_store(tmp_path / "st", rng)
+    li = s.layer(0)
+    counts = np.zeros(600, dtype=int)
+    for c in cls[0]:
+        counts[c] += 1
+    assert (np.diff(li.tok_ptr) == counts).all()
+    # every copy of token t holds t's bytes
+    t = int(np.argmax(counts))
+    for c in li.token_copies([t]):
+        assert li.members[c] == t
+    assert s.info()["replication"] == pytest.approx(counts.sum() / 600, abs=1e-3)
+    s.close()
+
+
+def test_torch_and_pinned_output(tmp_path, rng):
+    torch = pytest.importorskip("torch")
+    for dtype in ("float16", "bfloat16"):
+        s, kvs, cls = make_store(tmp_path / dtype, rng, dtype=dtype)
+        t = s.read_cluster(0, 3, torch=True)
+        assert isinstance(t, torch.Tensor) and tuple(t.shape[1:]) == (2, 2, 16)
+        assert t.dtype == {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        want = torch.from_numpy(kvs[0][cls[0][3]].view(np.int16)).view(t.dtype)
+        assert torch.equal(t.view(torch.int16), want.view(torch.int16))
+        p = s.read_entries(0, [5, 1, 5], torch=True, pinned=True)
+        assert same_bits(p.view(torch.int16).numpy(), kvs[0][[5, 1, 5]].view(np.int16))
+        s.close()
+
+
+def test_multiple_layers_and_rewrite(tmp_path, rng):
+    s, kvs, cls = make_store(tmp_path / "st", rng, layers=(0, 2))
+    assert s.layers == [0, 2]
+    with pytest.raises(E.OutOfRangeError):
+        s.read_cluster(1, 0)
+    kv_new = random_kv(rng, 100, 2, 16, "float16")
+    s.write_layer(0, kv_new, [np.arange(50), np.arange(50, 100)])
+    assert same_bits(s.read_cluster(0, 1), kv_new[50:])
+    assert same_bits(s.read_cluster(2, 0), kvs[2][cls[2][0]])
+    s.close()
+    with Store.open(tmp_path / "st") as s2:
+        assert s2.num_tokens(0) == 100 and s2.verify() == []
+    # only the referenced index files (and the previous generation) remain
+    names = os.listdir(tmp_path / "st" / F.INDEX_DIR)
+    assert len(names) <= 3
+
+
+# -- bad input and faults ----------------------------------------------------
+
+def test_store_path_present_is_refused_without_force(tmp_path, rng):
+    s, _, _ = make_store(tmp_path / "st", rng)
+    s.close()
+    with pytest.raises(E.StoreExistsError) as ei:
+        Store.create(tmp_path / "st", disks=2, num_layers=1, num_kv_heads=1, head_dim=8)
+    assert "st" in str(ei.value)
+    s = Store.create(tmp_path / "st", disks=2, num_layers=1, num_kv_heads=1, head_dim=8,
+                     force=True)
+    assert s.layers == [] and s.num_disks == 2
+    s.close()
+
+
+def test_foreign_disk_is_refused(tmp_path, rng):
+    s, _, _ = make_store(tmp_path / "a", rng)
+    disk0 = s.disk_paths[0]
+    s.close()
+    with pytest.raises(E.StoreExistsError) as ei:
+        Store.create(tmp_path / "b", disks=[disk0, tmp_path / "x.img"], num_layers=1,
+                     num_kv_heads=1, head_dim=8)
+    assert ei.value.disk == 0
+
+
+def test_flipped_byte_is_caught_naming_disk_and_cluster(tmp_path, rng):
+    s, kvs, cls = make_store(tmp_path / "st", rng)
+    li = s.layer(0)
+    cid = 7
+    copies = li.cluster_copies([cid])
+    c = int(copies[2])
+    disk, off = int(li.copy_disk[c]), int(li.copy_off[c])
+    path = s.disk_paths[disk]
+    s.close()
+    with open(path, "r+b") as f:
+        f.seek(off + 5)
+        b = f.read(1)
+        f.seek(off + 5)
+        f.write(bytes([b[0] ^ 0x40]))
+    with Store.open(tmp_path / "st") as s:
+        with pytest.raises(E.ChecksumError) as ei:
+            s.read_cluster(0, cid)
+        assert ei.value.disk == disk and ei.value.layer == 0
+        # the token may live in several clusters; the copy read belongs to cid here
+        assert ei.value.cluster == cid
+        bad = s.verify()
+        assert len(bad) == 1 and bad[0]["disk"] == disk and bad[0]["cluster"] == cid
+        # reads that avoid the bad entry still work
+        other = (cid + 1) % len(cls[0])
+        if int(li.members[c]) not in set(cls[0][other].tolist()):
+            assert same_bits(s.read_cluster(0, other), kvs[0][cls[0][other]])
+    with Store.open(tmp_path / "st", verify=False) as s:
+        s.read_cluster(0, cid)  # checksums off: the read succeeds
+        assert s.stats().verify_checksums is False
+
+
+def test_truncated_disk(tmp_path, rng):
+    s, _, _ = make_store(tmp_path / "st", rng)
+    path = s.disk_paths[2]
+    s.close()
+    os.truncate(path, os.path.getsize(path) - 4096)
+    with pytest.raises(E.DiskTruncatedError) as ei:
+        Store.open(tmp_path / "st")
+    assert ei.value.disk == 2 and path in str(ei.value)
+
+
+def test_swapped_missing_and_foreign_disks(tmp_path, rng):
+    s, _, _ = make_store(tmp_path / "st", rng)
+    p0, p1 = s.disk_paths[0], s.disk_paths[1]
+    s.close()
+    tmp = p0 + ".tmp"
+    os.rename(p0, tmp)
+    with pytest.raises(E.DiskMissingError) as ei:
+        Store.open(tmp_path / "st")
+    assert ei.value.disk == 0
+    os.rename(p1, p0)
+    os.rename(tmp, p1)
+    with pytest.raises(E.DiskMismatchError) as ei:
+        Store.open(tmp_path / "st")
+    assert ei.value.disk == 0 and "swapped" in str(ei.value)
+    os.rename(p0, tmp)
+    os.rename(p1, p0)
+    os.rename(tmp, p1)
+    other, _, _ = make_store(tmp_path / "other", rng)
+    other.close()
+    shutil.copy(other.disk_paths[3], s.disk_paths[3])
+    with pytest.raises(E.DiskMismatchError) as ei:
+        Store.open(tmp_path / "st")
+    assert ei.value.disk == 3 and "another store" in str(ei.value)
+    with open(s.disk_paths[3], "r+b") as f:
+        f.write(b"garbage!")
+    with pytest.raises(E.DiskMismatchError):
+        Store.open(tmp_path / "st")
+
+
+def test_shape_and_dtype_mismatch_on_write(tmp_path, rng):
+    s = Store.create(tmp_path / "st", disks=2, num_layers=2, num_kv_heads=2, head_dim=8)
+    kv = random_kv(rng, 10, 2, 8, "float16")
+    with pytest.raises(E.ShapeError, match="dtype"):
+        s.write_layer(0, kv.astype(np.float32), [np.arange(10)])
+    with pytest.raises(E.ShapeError, match="shape"):
+        s.write_layer(0, kv[:, :, :1], [np.arange(10)])
+    with pytest.raises(E.ShapeError, match="no cluster"):
+        s.write_layer(0, kv, [np.arange(9)])
+    with pytest.raises(E.ShapeError, match="twice"):
+        s.write_layer(0, kv, [np.array([0, 1, 1]), np.arange(10)])
+    with pytest.raises(E.ShapeError, match="medoid"):
+        s.write_layer(0, kv, [np.arange(5), np.arange(5, 10)], medoids=[0, 1])
+    with pytest.raises(E.OutOfRangeError):
+        s.write_layer(5, kv, [np.arange(10)])
+    assert s.layers == [] and s.manifest["generation"] == 0
+    s.close()
+
+
+def test_bad_reads(tmp_path, rng):
+    s, _, _ = make_store(tmp_path / "st", rng)
+    with pytest.raises(E.OutOfRangeError):
+        s.read_cluster(0, 10_000)
+    with pytest.raises(E.OutOfRangeError):
+        s.read_entries(0, [0, 600])
+    with pytest.raises(E.OutOfRangeError):
+        s.read_entries(0, [-1])
+    with pytest.raises(E.OutOfRangeError):
+        s.read_cluster(7, 0)
+    s.close()
+
+
+def test_bad_manifest(tmp_path, rng):
+    s, _, _ = make_store(tmp_path / "st", rng)
+    s.close()
+    with pytest.raises(E.StoreNotFoundError):
+        Store.open(tmp_path / "none")
+    mpath = tmp_path / "st" / F.MANIFEST
+    good = mpath.read_text()
+    m = json.loads(good)
+    m["format_version"] = 99
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(E.ManifestError, match="version"):
+        Store.open(tmp_path / "st")
+    mpath.write_text("{not json")
+    with pytest.raises(E.ManifestError):
+        Store.open(tmp_path / "st")
+    mpath.write_text(good)
+    idx = tmp_path / "st" / F.INDEX_DIR / m["layers"]["0"]["index"]["file"]
+    raw = bytearray(idx.read_bytes())
+    raw[-3] ^= 1
+    idx.write_bytes(bytes(raw))
+    with Store.open(tmp_path / "st") as s2:
+        with pytest.raises(E.ManifestError, match="checksum"):
+            s2.read_cluster(0, 0)
+
+
+class _FailingWrites:
+    """Fault injection: a wrapper of the real engine whose writes fail with
+    ENOSPC after ``ok`` successful write batches (reads pass through)."""
+
+    def __init__(self, engine, ok):
+        self.engine, self.ok = engine, ok
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def execute(self, op, disk, *a, **kw):
+        from swarmfs._engine import WRITE
+        if op == WRITE:
+            if self.ok == 0:
+                raise E.DiskFullError("injected ENOSPC", disk=int(np.asarray(disk)[0]))
+            self.ok -= 1
+        return self.engine.execute(op, disk, *a, **kw)
+
+
+def test_disk_full_mid_write_commits_nothing(tmp_path, rng, monkeypatch):
+    monkeypatch.setattr("swarmfs._store._WRITE_CHUNK", 64 << 10)
+    s, kvs, cls = make_store(tmp_path / "st", rng, S=300)
+    before = s.manifest
+    s.engine = _FailingWrites(s.engine, ok=2)
+    big = random_kv(rng, 3000, 2, 16, "float16")
+    with pytest.raises(E.DiskFullError):
+        s.write_layer(1 if s.num_layers > 1 else 0, big, random_clusters(rng, 3000, 50))
+    assert s.manifest == before
+    s.close()
+    with Store.open(tmp_path / "st") as s2:
+        assert s2.manifest == before
+        assert same_bits(s2.read_entries(0, np.arange(300)), kvs[0])
+        assert s2.verify() == []
+
+
+def test_capacity_is_enforced_before_writing(tmp_path, rng):
+    s = Store.create(tmp_path / "st", disks=2, num_layers=1, num_kv_heads=2, head_dim=16,
+                     disk_size=64 << 10)
+    kv = random_kv(rng, 100, 2, 16, "float16")   # 100 x 128 bytes: fits
+    s.write_layer(0, kv, [np.arange(100)])
+    big = random_kv(rng, 2000, 2, 16, "float16")  # 256 KiB: does not
+    with pytest.raises(E.DiskFullError) as ei:
+        s.write_layer(0, big, [np.arange(2000)])
+    assert ei.value.disk in (0, 1)
+    assert same_bits(s.read_cluster(0, 0), kv)
+    s.close()
+
+
+@pytest.mark.skipif(not is_root(), reason="mounting a small tmpfs needs root")
+def test_real_enospc_on_a_full_filesystem(rng):
+    mnt = tempfile.mkdtemp(prefix="swarmfs-full-")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", mnt], check=True)
+    try:
+        disks = [os.path.join(mnt, f"d{i}") for i in range(2)]
+        store = os.path.join(mnt, "st")
+        s = Store.create(store, disks=disks, num_layers=2, num_kv_heads=2, head_dim=16)
+        kv = random_kv(rng, 1000, 2, 16, "float16")   # 128 KB
+        s.write_layer(0, kv, random_clusters(rng, 1000, 20))
+        big = random_kv(rng, 40000, 2, 16, "float16")  # 5 MB: cannot fit
+        with pytest.raises(E.DiskFullError) as ei:
+            s.write_layer(1, big, random_clusters(rng, 40000, 100))
+        assert ei.value.disk in (0, 1)
+        s.close()
+        with Store.open(store) as s2:
+            assert s2.layers == [0]
+            assert same_bits(s2.read_entries(0, np.arange(1000)), kv)
+            assert s2.verify() == []
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)
+        os.rmdir(mnt)
+
+
+def test_public_names_are_exported():
+    for name in ("Store", "StoreStats", "Engine", "EngineStats", "Plan", "plan_reads",
+                 "SwarmError", "ChecksumError", "DiskFullError", "LayerIndex"):
+        assert hasattr(swarmfs, name)
+    for name in E.__all__:
+        assert issubclass(getattr(E, name), E.SwarmError)
+        assert getattr(swarmfs, name) is getattr(E, name)
