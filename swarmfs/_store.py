@@ -14,7 +14,6 @@ import dataclasses
 import fcntl
 import os
 import shutil
-import stat
 import threading
 import time
 
@@ -22,17 +21,17 @@ import numpy as np
 
 from . import _errors as E
 from . import _format as F
-from ._engine import (READ, WRITE, Engine, EngineStats, device_size, gather_rows,
-                      logical_block_size, open_disk, scatter_rows, verify_rows,
+from ._engine import (READ, Engine, EngineStats, device_size, gather_rows,
+                      verify_rows,
                       xxh3_ranges, xxh3_rows)
 from ._index import LayerIndex
 from ._planner import Plan, plan_reads
-from .layout._place import copy_locations, place_clusters
+from ._disks import create_disks, open_disks
+from ._write import as_bytes_rows, chunk_bounds, clusters_csr, write_extents
+from .layout._place import place_clusters
 
 __all__ = ["Store", "StoreStats"]
 
-_WRITE_CHUNK = 64 << 20      # bytes of staged layer data per write batch
-_WRITE_REQUEST = 1 << 20     # bytes per write request
 _POOL_KEEP = 4               # staging buffers kept for reuse
 
 
@@ -59,53 +58,6 @@ class StoreStats:
     bytes_returned: int
     bytes_read: int
     checksum_failures: int
-
-
-def _as_bytes_rows(kv, entry_shape: tuple, dtype_name: str, *, layer=None,
-                   store=None) -> np.ndarray:
-    """KV array [S, 2, H, d] (numpy or torch) -> uint8 [S, entry_bytes] view."""
-    want = F.numpy_dtype(dtype_name)
-    if hasattr(kv, "detach"):  # torch
-        import torch
-        tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16,
-               "float32": torch.float32}[dtype_name]
-        if kv.dtype != tdt:
-            raise E.ShapeError(f"KV dtype {kv.dtype} does not match the store dtype "
-                               f"{dtype_name}", store=store, layer=layer)
-        shape = tuple(kv.shape)
-        arr = kv.detach().cpu().contiguous().view(torch.uint8).numpy()
-    else:
-        arr = np.asarray(kv)
-        if arr.dtype != want:
-            raise E.ShapeError(f"KV dtype {arr.dtype} does not match the store dtype "
-                               f"{dtype_name}", store=store, layer=layer)
-        shape = arr.shape
-        arr = np.ascontiguousarray(arr)
-    if len(shape) != 4 or tuple(shape[1:]) != entry_shape:
-        raise E.ShapeError(f"KV shape {tuple(shape)} is not [S, {', '.join(map(str, entry_shape))}]",
-                           store=store, layer=layer)
-    if shape[0] == 0:
-        raise E.ShapeError("KV array has no tokens", store=store, layer=layer)
-    return arr.reshape(shape[0], -1).view(np.uint8)
-
-
-def _clusters_csr(clusters, *, layer=None, store=None) -> tuple[np.ndarray, np.ndarray]:
-    if isinstance(clusters, tuple) and len(clusters) == 2:
-        ptr = np.asarray(clusters[0], dtype=np.int64)
-        members = np.asarray(clusters[1], dtype=np.int64)
-    else:
-        lists = [np.asarray(c, dtype=np.int64).reshape(-1) for c in clusters]
-        ptr = np.zeros(len(lists) + 1, dtype=np.int64)
-        np.cumsum([len(c) for c in lists], out=ptr[1:])
-        members = np.concatenate(lists) if lists else np.empty(0, np.int64)
-    if ptr.ndim != 1 or ptr.shape[0] < 2 or ptr[0] != 0 or ptr[-1] != members.shape[0]:
-        raise E.ShapeError("clusters must be a non-empty CSR (ptr, members) or list",
-                           store=store, layer=layer)
-    if np.any(np.diff(ptr) <= 0):
-        c = int(np.flatnonzero(np.diff(ptr) <= 0)[0])
-        raise E.ShapeError("clusters must not be empty", store=store, layer=layer,
-                           cluster=c)
-    return ptr, members
 
 
 class Store:
@@ -219,48 +171,8 @@ class Store:
             disk_paths = [os.path.abspath(str(p)) for p in disks]
             if not 1 <= len(disk_paths) <= 256 or len(set(disk_paths)) != len(disk_paths):
                 raise E.ShapeError("disks must be 1 to 256 distinct paths", store=path)
-        uid = F.new_uuid()
-        fds, caps, bss = [], [], []
-        try:
-            for i, p in enumerate(disk_paths):
-                fd = open_disk(p, write=True, create=not os.path.exists(p), disk=i, store=path)
-                fds.append(fd)
-                cls._check_reusable(fd, p, i, path, force)
-                bss.append(logical_block_size(fd))
-                if stat.S_ISBLK(os.fstat(fd).st_mode):
-                    caps.append(device_size(fd))
-                else:
-                    os.ftruncate(fd, 0)
-                    if disk_size:
-                        try:
-                            os.posix_fallocate(fd, 0, int(disk_size))
-                        except OSError as exc:
-                            raise E.DiskFullError(f"cannot preallocate {disk_size} bytes: "
-                                                  f"{exc.strerror}", disk=i, path=p,
-                                                  store=path) from exc
-                    caps.append(int(disk_size or 0))
-            bs = int(block_size or max(bss + [512]))
-            if bs & (bs - 1) or bs < max(bss) or bs > F.DATA_START:
-                raise E.ShapeError(f"block size {bs} must be a power of two between the "
-                                   f"disks' logical block size ({max(bss)}) and {F.DATA_START}",
-                                   store=path)
-            tmp = Engine(fds, kind=engine, queue_depth=8, block_sizes=[bs] * len(fds),
-                         names=disk_paths, store=path)
-            buf = tmp.alloc(F.SUPERBLOCK_SIZE * len(fds), register=False)
-            for i in range(len(fds)):
-                sb = F.pack_superblock(store_uuid=uid, disk_index=i, disk_count=len(fds),
-                                       block_size=bs, capacity=caps[i])
-                buf.array[i * F.SUPERBLOCK_SIZE:(i + 1) * F.SUPERBLOCK_SIZE] = \
-                    np.frombuffer(sb, dtype=np.uint8)
-            n = len(fds)
-            tmp.execute(WRITE, np.arange(n), np.zeros(n), [F.SUPERBLOCK_SIZE] * n,
-                        np.arange(n) * F.SUPERBLOCK_SIZE, buf)
-            tmp.close()
-            for fd in fds:
-                os.fsync(fd)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        uid, caps, bs = create_disks(path, disk_paths, force=force, disk_size=disk_size,
+                                     block_size=block_size, engine=engine)
         entry_bytes = 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype]
         manifest = {
             "format": "swarmfs",
@@ -282,30 +194,6 @@ class Store:
         F.write_manifest(path, manifest)
         return cls.open(path, engine=engine, queue_depth=queue_depth, verify=verify,
                         writable=True)
-
-    @staticmethod
-    def _check_reusable(fd, p, i, store, force):
-        """Refuse to overwrite a disk of another store (or a block device with
-        data on it) unless forced."""
-        if force:
-            return
-        size = device_size(fd)
-        if size < F.SUPERBLOCK_SIZE:
-            return
-        import mmap
-        m = mmap.mmap(-1, F.SUPERBLOCK_SIZE)
-        try:
-            os.preadv(fd, [m], 0)
-            raw = bytes(m)
-        finally:
-            m.close()
-        if raw[:8] == F.MAGIC:
-            raise E.StoreExistsError("disk belongs to another swarmfs store "
-                                     "(use force=True / --force to overwrite)",
-                                     disk=i, path=p, store=store)
-        if stat.S_ISBLK(os.fstat(fd).st_mode) and any(raw):
-            raise E.StoreExistsError("block device holds data (use force=True / --force "
-                                     "to overwrite)", disk=i, path=p, store=store)
 
     @staticmethod
     def _rel(store, p):
@@ -337,55 +225,7 @@ class Store:
         """
         path = os.path.abspath(path)
         m = F.read_manifest(path)
-        try:
-            uid = bytes.fromhex(m["uuid"])
-            disks = m["disks"]
-            bs = int(m["block_size"])
-            n = len(disks)
-        except (KeyError, ValueError, TypeError) as exc:
-            raise E.ManifestError(f"manifest lacks a field: {exc}", store=path) from exc
-        fds = []
-        try:
-            for i, rec in enumerate(disks):
-                p = rec["path"] if os.path.isabs(rec["path"]) else os.path.join(path, rec["path"])
-                fd = open_disk(p, write=writable, disk=i, store=path)
-                fds.append(fd)
-                size = device_size(fd)
-                if size < F.SUPERBLOCK_SIZE:
-                    raise E.DiskTruncatedError(f"disk is {size} bytes, smaller than a "
-                                               "superblock", disk=i, path=p, store=path)
-                import mmap
-                mm = mmap.mmap(-1, F.SUPERBLOCK_SIZE)
-                try:
-                    os.preadv(fd, [mm], 0)
-                    raw = bytes(mm)
-                finally:
-                    mm.close()
-                sb = F.unpack_superblock(raw, disk=i, path=p, store=path)
-                if sb["uuid"] != uid:
-                    raise E.DiskMismatchError("disk belongs to another store "
-                                              f"(UUID {sb['uuid'].hex()}, manifest "
-                                              f"{uid.hex()})", disk=i, path=p, store=path)
-                if sb["disk_index"] != i or sb["disk_count"] != n:
-                    raise E.DiskMismatchError(
-                        f"disk carries index {sb['disk_index']} of {sb['disk_count']} but "
-                        f"is listed as {i} of {n} (disks swapped?)", disk=i, path=p,
-                        store=path)
-                if sb["block_size"] != bs:
-                    raise E.DiskMismatchError("superblock block size differs from the "
-                                              "manifest", disk=i, path=p, store=path)
-                if size < int(rec["end"]):
-                    raise E.DiskTruncatedError(
-                        f"disk is {size} bytes but holds data up to byte {rec['end']} "
-                        "(truncated)", disk=i, path=p, store=path)
-                if logical_block_size(fd) > bs:
-                    raise E.DiskMismatchError(f"disk's logical block size exceeds the "
-                                              f"store block size {bs}", disk=i, path=p,
-                                              store=path)
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
+        fds = open_disks(path, m, writable=writable)
         try:
             return cls(path, m, fds, engine_kind=engine, queue_depth=queue_depth,
                        verify=verify, writable=writable)
@@ -535,9 +375,9 @@ class Store:
         if not 0 <= layer < self.num_layers:
             raise E.OutOfRangeError(f"layer {layer} outside [0, {self.num_layers})",
                                     store=self.path, layer=layer)
-        rows = _as_bytes_rows(kv, self.entry_shape, self.dtype, layer=layer, store=self.path)
+        rows = as_bytes_rows(kv, self.entry_shape, self.dtype, layer=layer, store=self.path)
         S = rows.shape[0]
-        ptr, members = _clusters_csr(clusters, layer=layer, store=self.path)
+        ptr, members = clusters_csr(clusters, layer=layer, store=self.path)
         C = ptr.shape[0] - 1
         if members.min() < 0 or members.max() >= S:
             raise E.ShapeError(f"a cluster member is outside [0, {S})", store=self.path,
@@ -576,7 +416,7 @@ class Store:
                                 entry_bytes=self.entry_bytes, block_size=self.block_size,
                                 disk_end=disk_end, p_global=int(self._m["p_global"]))
             self._check_capacity(pl.disk_end, layer)
-            extent_xxh = self._write_extents(rows, ptr, members, pl, disk_end, layer)
+            extent_xxh = write_extents(self, rows, ptr, members, pl, layer)
             for fd in self._fds:
                 os.fdatasync(fd)
             arrays = dict(members_ptr=ptr, members=members, medoid=medoids,
@@ -616,47 +456,6 @@ class Store:
                 raise E.DiskFullError(f"layer needs bytes up to {int(new_end[i])} but the "
                                       f"disk holds {cap}", disk=i, path=self.disk_paths[i],
                                       store=self.path, layer=layer)
-
-    def _write_extents(self, rows, ptr, members, pl, disk_end, layer) -> np.ndarray:
-        """Stage and write all extents of a layer, in chunks of clusters."""
-        N, Eb = self.num_disks, self.entry_bytes
-        C = ptr.shape[0] - 1
-        ext = pl.extent_bytes
-        cl_bytes = ext.sum(axis=1)
-        extent_xxh = np.zeros((C, N), dtype=np.uint64)
-        cuts = chunk_bounds(cl_bytes, _WRITE_CHUNK)
-        for c0, c1 in zip(cuts[:-1], cuts[1:]):
-            c0, c1 = int(c0), int(c1)
-            lo = pl.extent_off[c0]
-            hi = pl.extent_off[c1 - 1] + ext[c1 - 1]
-            seg = hi - lo
-            base = np.zeros(N, dtype=np.uint64)
-            np.cumsum(seg[:-1], out=base[1:])
-            total = int(seg.sum())
-            with self._staging(total) as buf:
-                buf.array[:total] = 0
-                m0, m1 = int(ptr[c0]), int(ptr[c1])
-                sub_ptr = ptr[c0:c1 + 1] - m0
-                _, cdisk, coff = copy_locations(sub_ptr, pl.start_disk[c0:c1],
-                                                pl.extent_off[c0:c1], ndisks=N, entry_bytes=Eb)
-                dst = base[cdisk] + (coff - lo[cdisk])
-                scatter_rows(buf.array, dst, rows, members[m0:m1], Eb)
-                cnt = pl.counts[c0:c1]
-                has = cnt > 0
-                cc, dd = np.nonzero(has)
-                off_in = base[dd] + (pl.extent_off[c0:c1][cc, dd] - lo[dd])
-                extent_xxh[c0 + cc, dd] = xxh3_ranges(buf.array, off_in,
-                                                      cnt[cc, dd].astype(np.uint64) * np.uint64(Eb))
-                # requests: each disk's segment in pieces of _WRITE_REQUEST bytes
-                npieces = (seg + np.uint64(_WRITE_REQUEST - 1)) // np.uint64(_WRITE_REQUEST)
-                rd = np.repeat(np.arange(N), npieces.astype(np.int64))
-                k = np.arange(rd.shape[0]) - np.repeat(np.cumsum(npieces) - npieces,
-                                                       npieces.astype(np.int64)).astype(np.int64)
-                roff = lo[rd] + k.astype(np.uint64) * np.uint64(_WRITE_REQUEST)
-                rlen = np.minimum(np.uint64(_WRITE_REQUEST), hi[rd] - roff)
-                rdst = base[rd] + (roff - lo[rd])
-                self.engine.execute(WRITE, rd, roff, rlen, rdst, buf, layer=layer)
-        return extent_xxh
 
     # -- reading ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -926,19 +725,6 @@ class Store:
             "kv_bytes": copies * self.entry_bytes,
             "layers": layers,
         }
-
-
-def chunk_bounds(sizes: np.ndarray, limit: int) -> np.ndarray:
-    """Cut points [0, ..., n] splitting items of ``sizes`` bytes into
-    consecutive groups of about ``limit`` bytes (an item larger than the limit
-    forms its own group)."""
-    sizes = np.asarray(sizes, dtype=np.int64)
-    n = sizes.shape[0]
-    if n == 0:
-        return np.array([0], dtype=np.int64)
-    group = (np.cumsum(sizes) - 1) // max(int(limit), 1)
-    cuts = np.flatnonzero(np.diff(group)) + 1
-    return np.concatenate([[0], cuts, [n]]).astype(np.int64)
 
 
 def _size_or_none(p):

@@ -275,7 +275,7 @@ class _FailingWrites:
 
 
 def test_disk_full_mid_write_commits_nothing(tmp_path, rng, monkeypatch):
-    monkeypatch.setattr("swarmfs._store._WRITE_CHUNK", 64 << 10)
+    monkeypatch.setattr("swarmfs._write.WRITE_CHUNK", 64 << 10)
     s, kvs, cls = make_store(tmp_path / "st", rng, S=300)
     before = s.manifest
     s.engine = _FailingWrites(s.engine, ok=2)

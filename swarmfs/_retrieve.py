@@ -1,0 +1,338 @@
+"""Decode-time retrieval: medoid scoring, cluster selection, batched fetch.
+
+SWARM §5.2 and §6.1.  For each layer the :class:`Retriever` keeps in DRAM the
+medoid keys (the index), the local window (the last W tokens) and the hot
+clusters chosen by eq. 6.  A query is scored against the medoids; clusters are
+taken in score order until the entry budget r x S is met; their entries are
+united and deduplicated (eq. 8), entries already in DRAM are dropped, and the
+rest are scheduled as entry buckets over the disks and read in one batched
+submission.  Nothing loops in Python per entry or per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+
+import numpy as np
+
+from . import _errors as E
+from ._store import Store, to_torch
+
+__all__ = ["Retriever", "Retrieval", "RetrievalStats", "group_queries", "select_clusters"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalStats:
+    """What one :meth:`Retriever.retrieve` call cost.
+
+    Attributes:
+        score_us: medoid scoring (µs).
+        select_us: cluster choice in score order until the budget (µs).
+        plan_us: union, dedup (eq. 8), DRAM filter, entry buckets, coalescing (µs).
+        io_us: the batched read, incl. checksum verification (µs).
+        assemble_us: building K/V from DRAM and SSD rows (µs).
+        total_us: wall time of the call (µs).
+        budget: entry budget r x S (entries).
+        clusters_selected: clusters chosen by score.
+        hot_clusters_selected: of those, hot clusters served from DRAM.
+        entries: distinct entries returned.
+        entries_dram: of those, served from DRAM (local window, hot clusters).
+        entries_ssd: of those, read from the disks.
+        duplicates_removed: copies dropped by deduplication.
+        bytes_read: bytes read from the disks (bytes, incl. alignment).
+        requests: read requests submitted.
+        disk_bytes: bytes per disk.
+        disk_requests: requests per disk.
+        max_mean_load: max over mean of per-disk bytes (1.0 = balanced).
+        effective_gbps: useful entry bytes from SSD / io time (GB/s).
+    """
+    score_us: float
+    select_us: float
+    plan_us: float
+    io_us: float
+    assemble_us: float
+    total_us: float
+    budget: int
+    clusters_selected: int
+    hot_clusters_selected: int
+    entries: int
+    entries_dram: int
+    entries_ssd: int
+    duplicates_removed: int
+    bytes_read: int
+    requests: int
+    disk_bytes: tuple
+    disk_requests: tuple
+    max_mean_load: float
+    effective_gbps: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Retrieval:
+    """Result of one retrieval.
+
+    Attributes:
+        k: keys [H_kv, n, head_dim] (torch, store dtype).
+        v: values [H_kv, n, head_dim].
+        positions: int64 [n] token positions of the entries (ascending).
+        clusters: int64 [c] selected cluster ids, in score order.
+        stats: :class:`RetrievalStats`.
+    """
+    k: object
+    v: object
+    positions: np.ndarray
+    clusters: np.ndarray
+    stats: RetrievalStats
+
+
+def group_queries(q, num_kv_heads: int) -> np.ndarray:
+    """Sum the query heads of each GQA group: [B, H_q, d] -> float32 [B, H_kv*d].
+
+    Query head h uses KV head h // (H_q / H_kv).  Because
+    sum_h q_h . k = (sum_h q_h) . k, scoring the summed query against a key
+    of KV head g equals summing the per-head scores of g's query heads (§6.1,
+    applied to the medoid index of §5.2).  ``q`` may be [H_q, d] (one query),
+    numpy or torch.
+
+    Raises:
+        ValueError: H_q is not a multiple of num_kv_heads.
+    """
+    if hasattr(q, "detach"):
+        q = q.detach().float().cpu().numpy()
+    q = np.asarray(q, dtype=np.float32)
+    if q.ndim == 2:
+        q = q[None]
+    H = int(num_kv_heads)
+    if q.ndim != 3 or q.shape[1] % H:
+        raise ValueError(f"query shape {q.shape} is not [B, H_q, d] with H_q a multiple "
+                         f"of {H}")
+    B, Hq, d = q.shape
+    return q.reshape(B, H, Hq // H, d).sum(axis=2).reshape(B, H * d)
+
+
+def select_clusters(scores: np.ndarray, sizes: np.ndarray, budget: int) -> np.ndarray:
+    """Clusters in descending score order until their sizes reach ``budget``.
+
+    SWARM §5.2: clusters are taken by medoid score until the entry budget is
+    met (the last cluster may overshoot it).  Only the top of the order is
+    sorted (argpartition), so the cost is O(C) plus a small sort.
+
+    Args:
+        scores: float [C] medoid scores of one query.
+        sizes: int [C] cluster sizes (entries).
+        budget: entries wanted.
+
+    Returns:
+        int64 [c] cluster ids, best first.
+    """
+    C = scores.shape[0]
+    if budget <= 0 or C == 0:
+        return np.empty(0, dtype=np.int64)
+    mean = max(float(sizes.mean()), 1.0)
+    k = min(C, int(budget / mean * 2) + 8)
+    while True:
+        if k < C:
+            top = np.argpartition(-scores, k - 1)[:k]
+            top = top[np.argsort(-scores[top], kind="stable")]
+        else:
+            top = np.argsort(-scores, kind="stable")
+        cum = np.cumsum(sizes[top])
+        n = int(np.searchsorted(cum, budget)) + 1
+        if n <= top.shape[0] or k >= C:
+            return top[:min(n, top.shape[0])].astype(np.int64)
+        k = min(C, 2 * k)
+
+
+class _LayerState:
+    """DRAM partition of one layer: medoid index, local window, hot clusters."""
+
+    def __init__(self, store: Store, layer: int, local_window: int, hot):
+        li = store.layer(layer)
+        self.li = li
+        S = li.num_tokens
+        H, d = store.num_kv_heads, store.head_dim
+        self.medoids = np.ascontiguousarray(
+            store.medoid_keys(layer).astype(np.float32).reshape(li.num_clusters, H * d))
+        self.sizes = li.sizes
+        self.hot = np.asarray(li.hot if hot is None else hot, dtype=bool)
+        resident = np.zeros(S, dtype=bool)
+        W = min(int(local_window), S)
+        resident[S - W:] = True
+        self.window = np.arange(S - W, S, dtype=np.int64)
+        if self.hot.any():
+            resident[li.members[li.cluster_copies(np.flatnonzero(self.hot))]] = True
+        self.resident = resident
+        toks = np.flatnonzero(resident)
+        self.slot = np.full(S, -1, dtype=np.int64)
+        self.slot[toks] = np.arange(toks.shape[0])
+        rows = store.read_entries(layer, toks) if toks.size else \
+            np.empty((0,) + store.entry_shape, store.np_dtype)
+        self.rows = np.ascontiguousarray(rows).reshape(toks.shape[0], -1).view(np.uint8)
+        self.dram_bytes = int(self.rows.nbytes + self.medoids.nbytes)
+
+
+class Retriever:
+    """Serve decode-step KV retrieval from a store (SWARM §5.2, §6.1).
+
+    Args:
+        store: an open :class:`Store`.
+        sparsity: r, fraction of the context's entries each query may use
+            (the entry budget is ceil(r x S), local window included; §8.1
+            uses 0.10).
+        local_window: W, the last W tokens kept in DRAM (default: the
+            layer's manifest value).
+        hot: override of the hot-cluster mask per layer ({layer: bool [C]}),
+            default the store's eq. 6 choice.
+        policy: ``"balanced"`` (§6.1 entry buckets) or ``"first"`` (static).
+        dedup: eq. 8 deduplication (False reads every selected copy).
+        max_gap: coalesce entries on a disk separated by at most this many bytes.
+
+    Raises:
+        LayoutError: sparsity outside (0, 1].
+    """
+
+    def __init__(self, store: Store, *, sparsity: float = 0.1,
+                 local_window: int | None = None, hot: dict | None = None,
+                 policy: str = "balanced", dedup: bool = True, max_gap: int = 0):
+        if not 0 < sparsity <= 1:
+            raise E.LayoutError(f"sparsity ratio must be in (0, 1], got {sparsity}",
+                                store=store.path)
+        self.store = store
+        self.sparsity = float(sparsity)
+        self.local_window = local_window
+        self.policy, self.dedup, self.max_gap = policy, dedup, max_gap
+        self._hot = hot or {}
+        self._layers: dict[int, _LayerState] = {}
+        self._lock = threading.Lock()
+        self.group = store.model.get("num_query_heads", store.num_kv_heads) // store.num_kv_heads
+
+    def layer_state(self, layer: int) -> _LayerState:
+        """The DRAM partition of a layer (loaded on first use: one batched read
+        of the local window and the hot clusters)."""
+        st = self._layers.get(layer)
+        if st is None:
+            with self._lock:
+                st = self._layers.get(layer)
+                if st is None:
+                    W = self.local_window
+                    if W is None:
+                        W = self.store.layer_info(layer)["local_window"]
+                    st = _LayerState(self.store, layer, W, self._hot.get(layer))
+                    self._layers[layer] = st
+        return st
+
+    def dram_bytes(self) -> int:
+        """Bytes held in DRAM by the loaded layers (medoids, window, hot clusters)."""
+        return sum(s.dram_bytes for s in self._layers.values())
+
+    # -- the three steps ----------------------------------------------------
+    def score(self, layer: int, q) -> np.ndarray:
+        """Medoid scores of one or more queries: float32 [B, C].
+
+        ``q`` is [H_q, d] or [B, H_q, d] (numpy or torch).  The query heads of
+        a GQA group are summed before the product, which equals summing the
+        per-head scores q_h . k_m over the heads that share a KV head.
+        """
+        st = self.layer_state(layer)
+        qg = self._group_sum(q)
+        return qg @ st.medoids.T
+
+    def _group_sum(self, q) -> np.ndarray:
+        try:
+            return group_queries(q, self.store.num_kv_heads)
+        except ValueError as exc:
+            raise E.ShapeError(str(exc), store=self.store.path) from None
+
+    def select(self, layer: int, scores: np.ndarray, budget: int) -> np.ndarray:
+        """Cluster choice for one query's scores (see :func:`select_clusters`)."""
+        return select_clusters(scores, self.layer_state(layer).sizes, budget)
+
+    # -- one decode step ------------------------------------------------------
+    def budget(self, layer: int) -> int:
+        """Entry budget ceil(r x S) of a layer (local window included)."""
+        return int(math.ceil(self.sparsity * self.layer_state(layer).li.num_tokens))
+
+    def retrieve(self, layer: int, q, *, torch: bool = True, pinned: bool = False,
+                 budget: int | None = None) -> Retrieval:
+        """Fetch the KV entries a query (or a batch of queries) needs.
+
+        Args:
+            layer: layer number.
+            q: query [H_q, head_dim] or a batch [B, H_q, head_dim]; with a batch
+                the clusters of all queries are united into one read.
+            torch: return torch tensors (else numpy).
+            pinned: place the SSD rows in pinned host memory first.
+            budget: entry budget per query (default ceil(r x S)).
+
+        Returns:
+            A :class:`Retrieval` with K and V [H_kv, n, head_dim].
+
+        Raises:
+            ShapeError: bad query shape.  ChecksumError / IOFailedError when
+            the read fails: a retrieval that cannot be served is never
+            returned with garbage.
+        """
+        t0 = time.perf_counter()
+        st = self.layer_state(layer)
+        li = st.li
+        S = li.num_tokens
+        total_budget = self.budget(layer) if budget is None else int(budget)
+        if not 0 < total_budget <= S:
+            raise E.LayoutError(f"entry budget {total_budget} outside [1, {S}]",
+                                store=self.store.path, layer=layer)
+        scores = self.score(layer, q)
+        t1 = time.perf_counter()
+        want = max(total_budget - st.window.shape[0], 0)
+        sel = [self.select(layer, s, want) for s in scores]
+        clusters = np.unique(np.concatenate(sel)) if len(sel) > 1 else sel[0]
+        t2 = time.perf_counter()
+        copies = li.cluster_copies(clusters)
+        toks = li.members[copies]
+        ssd = ~st.resident[toks]
+        cand = copies[ssd]
+        plan = self.store.plan_copies(li, cand, policy=self.policy, dedup=self.dedup,
+                                      max_gap=self.max_gap)
+        dram_toks = np.union1d(st.window, toks[~ssd])
+        t3 = time.perf_counter()
+        rows_ssd = self.store.execute(li, plan, cand)
+        t4 = time.perf_counter()
+        pos = np.concatenate([dram_toks, plan.tokens])
+        rows = np.concatenate([st.rows[st.slot[dram_toks]], rows_ssd]) if dram_toks.size \
+            else rows_ssd
+        order = np.argsort(pos, kind="stable")
+        pos = pos[order]
+        rows = rows[order]
+        if pinned:
+            buf = self.store.engine.alloc(rows.nbytes, pinned=True, register=False)
+            arr = buf.array[:rows.nbytes].reshape(rows.shape)
+            arr[...] = rows
+            rows = arr
+        n = pos.shape[0]
+        kv = rows.view(self.store.np_dtype).reshape(n, 2, self.store.num_kv_heads,
+                                                    self.store.head_dim)
+        k = kv[:, 0].transpose(1, 0, 2)
+        v = kv[:, 1].transpose(1, 0, 2)
+        if torch:
+            k = to_torch(np.ascontiguousarray(k), self.store.dtype)
+            v = to_torch(np.ascontiguousarray(v), self.store.dtype)
+        t5 = time.perf_counter()
+        io_s = t4 - t3
+        N = self.store.num_disks
+        stats = RetrievalStats(
+            score_us=(t1 - t0) * 1e6, select_us=(t2 - t1) * 1e6, plan_us=(t3 - t2) * 1e6,
+            io_us=io_s * 1e6, assemble_us=(t5 - t4) * 1e6, total_us=(t5 - t0) * 1e6,
+            budget=total_budget, clusters_selected=int(clusters.shape[0]),
+            hot_clusters_selected=int(st.hot[clusters].sum()) if clusters.size else 0,
+            entries=n, entries_dram=int(dram_toks.shape[0]),
+            entries_ssd=plan.num_entries,
+            duplicates_removed=int(cand.shape[0] - plan.num_entries) if self.dedup else 0,
+            bytes_read=plan.staging_bytes, requests=plan.num_requests,
+            disk_bytes=tuple(int(x) for x in plan.disk_bytes),
+            disk_requests=tuple(int(x) for x in np.bincount(plan.disk, minlength=N)),
+            max_mean_load=plan.max_mean_load,
+            effective_gbps=(plan.num_entries * self.store.entry_bytes / io_s / 1e9)
+            if io_s > 0 and plan.num_entries else 0.0)
+        return Retrieval(k=k, v=v, positions=pos, clusters=clusters, stats=stats)
