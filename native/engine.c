@@ -597,3 +597,136 @@ void se_assign_buckets(int64_t n, const int64_t *ptr, const int32_t *cdisk,
             load[cdisk[best]]++;
     }
 }
+
+/* ---- medoid scoring ---------------------------------------------------- */
+
+#include <immintrin.h>
+
+static inline float half_to_float(uint16_t h, int kind)
+{
+    if (kind == 2) {
+        uint32_t u = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    /* IEEE fp16 -> fp32 */
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+    if (e == 0) {
+        if (m == 0) {
+            u = s;
+        } else {
+            e = 127 - 15 + 1;
+            while (!(m & 0x400)) {
+                m <<= 1;
+                e--;
+            }
+            u = s | (e << 23) | ((m & 0x3ff) << 13);
+        }
+    } else if (e == 31) {
+        u = s | 0x7f800000 | (m << 13);
+    } else {
+        u = s | ((e + 127 - 15) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void gemv_scalar(const uint16_t *m, int64_t rows, int64_t cols, int kind,
+                        const float *q, int64_t nq, float *out)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = m + r * cols;
+        for (int64_t b = 0; b < nq; b++) {
+            float acc = 0.f;
+            for (int64_t c = 0; c < cols; c++)
+                acc += half_to_float(row[c], kind) * q[b * cols + c];
+            out[b * rows + r] = acc;
+        }
+    }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void gemv_avx2(const uint16_t *m, int64_t rows, int64_t cols, int kind,
+                      const float *q, int64_t nq, float *out)
+{
+    int64_t cv = cols & ~(int64_t)7;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = m + r * cols;
+        for (int64_t b = 0; b < nq; b++) {
+            const float *qb = q + b * cols;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t c = 0; c < cv; c += 8) {
+                __m128i h = _mm_loadu_si128((const __m128i *)(row + c));
+                __m256 x = kind == 2
+                    ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                    : _mm256_cvtph_ps(h);
+                acc = _mm256_fmadd_ps(x, _mm256_loadu_ps(qb + c), acc);
+            }
+            __m128 lo = _mm256_castps256_ps128(acc), hi = _mm256_extractf128_ps(acc, 1);
+            lo = _mm_add_ps(lo, hi);
+            lo = _mm_hadd_ps(lo, lo);
+            lo = _mm_hadd_ps(lo, lo);
+            float s = _mm_cvtss_f32(lo);
+            for (int64_t c = cv; c < cols; c++)
+                s += half_to_float(row[c], kind) * qb[c];
+            out[b * rows + r] = s;
+        }
+    }
+}
+
+#define LOAD16(kind, p)                                                             \
+    ((kind) == 2 ? _mm512_castsi512_ps(_mm512_slli_epi32(                            \
+                       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), \
+                       16))                                                          \
+                 : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))))
+
+__attribute__((target("avx512f")))
+static void gemv_avx512(const uint16_t *m, int64_t rows, int64_t cols, int kind,
+                        const float *q, int64_t nq, float *out)
+{
+    /* four independent accumulators hide the FMA latency */
+    int64_t c4 = cols & ~(int64_t)63, cv = cols & ~(int64_t)15;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = m + r * cols;
+        for (int64_t b = 0; b < nq; b++) {
+            const float *qb = q + b * cols;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+            int64_t c = 0;
+            for (; c < c4; c += 64) {
+                a0 = _mm512_fmadd_ps(LOAD16(kind, row + c), _mm512_loadu_ps(qb + c), a0);
+                a1 = _mm512_fmadd_ps(LOAD16(kind, row + c + 16), _mm512_loadu_ps(qb + c + 16), a1);
+                a2 = _mm512_fmadd_ps(LOAD16(kind, row + c + 32), _mm512_loadu_ps(qb + c + 32), a2);
+                a3 = _mm512_fmadd_ps(LOAD16(kind, row + c + 48), _mm512_loadu_ps(qb + c + 48), a3);
+            }
+            for (; c < cv; c += 16)
+                a0 = _mm512_fmadd_ps(LOAD16(kind, row + c), _mm512_loadu_ps(qb + c), a0);
+            float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1),
+                                                         _mm512_add_ps(a2, a3)));
+            for (; c < cols; c++)
+                s += half_to_float(row[c], kind) * qb[c];
+            out[b * rows + r] = s;
+        }
+    }
+}
+
+int se_gemv_half(const uint16_t *m, int64_t rows, int64_t cols, int kind,
+                 const float *q, int64_t nq, float *out)
+{
+    if (!m || !q || !out || rows < 0 || cols <= 0 || nq <= 0 || (kind != 1 && kind != 2))
+        return -EINVAL;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) {
+        gemv_avx512(m, rows, cols, kind, q, nq, out);
+        return 3;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+        gemv_avx2(m, rows, cols, kind, q, nq, out);
+        return 2;
+    }
+    gemv_scalar(m, rows, cols, kind, q, nq, out);
+    return 1;
+}

@@ -110,4 +110,11 @@ int64_t se_verify_rows(const char *buf, const uint64_t *off, int64_t n,
 void se_assign_buckets(int64_t n, const int64_t *ptr, const int32_t *cdisk,
                        int64_t *load, int ndisks, int64_t *choice);
 
+/* Medoid scoring GEMV: out[b * rows + r] = sum_c M[r, c] * q[b, c] for
+ * nq queries, M in fp16 (kind 1) or bf16 (kind 2) bits, q and out float32.
+ * One thread; AVX-512 / AVX2+F16C paths chosen at run time, scalar otherwise.
+ * Returns the path used: 3 avx512, 2 avx2, 1 scalar, or -EINVAL. */
+int se_gemv_half(const uint16_t *m, int64_t rows, int64_t cols, int kind,
+                 const float *q, int64_t nq, float *out);
+
 #endif

@@ -535,3 +535,31 @@ def assign_buckets(ptr: np.ndarray, cdisk: np.ndarray, ndisks: int,
                               ndisks,
                               ffi.from_buffer("int64_t[]", choice, require_writable=True))
     return choice, load
+
+
+def gemv_half(m: np.ndarray, q: np.ndarray, *, bf16: bool) -> np.ndarray:
+    """Scores of float32 queries against fp16/bf16 rows, in C, one thread.
+
+    Args:
+        m: [rows, cols] fp16 or bf16 (any 2-byte dtype; the bits are read).
+        q: float32 [B, cols].
+        bf16: the rows are bfloat16 (else IEEE fp16).
+
+    Returns:
+        float32 [B, rows]: ``q @ m.T`` accumulated in fp32 (AVX-512 or
+        AVX2+F16C when the CPU has them).
+    """
+    m = np.ascontiguousarray(m)
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    rows, cols = m.shape
+    if m.itemsize != 2 or q.ndim != 2 or q.shape[1] != cols:
+        raise ValueError(f"gemv_half: rows {m.shape} {m.dtype} and queries {q.shape} "
+                         "do not match")
+    out = np.empty((q.shape[0], rows), dtype=np.float32)
+    if rows:
+        ret = lib.se_gemv_half(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), rows, cols,
+                               2 if bf16 else 1, ffi.from_buffer("float[]", q), q.shape[0],
+                               ffi.from_buffer("float[]", out, require_writable=True))
+        if ret < 0:
+            raise ValueError(f"gemv_half failed: {os.strerror(-ret)}")
+    return out

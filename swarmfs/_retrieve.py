@@ -19,9 +19,11 @@ import time
 import numpy as np
 
 from . import _errors as E
+from ._engine import gemv_half
 from ._store import Store, to_torch
 
-__all__ = ["Retriever", "Retrieval", "RetrievalStats", "group_queries", "select_clusters"]
+__all__ = ["Retriever", "Retrieval", "RetrievalStats", "group_queries", "select_clusters",
+           "score_medoids"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,36 @@ class Retrieval:
     positions: np.ndarray
     clusters: np.ndarray
     stats: RetrievalStats
+
+
+_BLAS = None
+
+
+def single_threaded_blas():
+    """Context in which numpy's BLAS runs on one thread.
+
+    The medoid GEMV is memory-bound; on a few shared cores a multi-threaded
+    BLAS spends more time synchronising its threads than computing (measured
+    here: 8 ms instead of 0.2 ms for a 16 MB index when another process is
+    busy).  ``threadpoolctl`` switches the pool for the call only (~6 µs).
+    """
+    global _BLAS
+    if _BLAS is None:
+        from threadpoolctl import ThreadpoolController
+        _BLAS = ThreadpoolController()
+    return _BLAS.limit(limits=1, user_api="blas")
+
+
+def score_medoids(medoids: np.ndarray, qg: np.ndarray) -> np.ndarray:
+    """Medoid scores: float32 [B, C] = qg [B, H_kv*d] @ medoids [C, H_kv*d].T.
+
+    fp16/bf16 medoids are scored by the C kernel ``gemv_half`` (fp32
+    accumulation), fp32 ones by single-threaded BLAS.
+    """
+    if medoids.dtype == np.float32:
+        with single_threaded_blas():
+            return qg @ medoids.T
+    return gemv_half(medoids, qg, bf16=medoids.dtype.name == "bfloat16")
 
 
 def group_queries(q, num_kv_heads: int) -> np.ndarray:
@@ -154,8 +186,10 @@ class _LayerState:
         self.li = li
         S = li.num_tokens
         H, d = store.num_kv_heads, store.head_dim
-        self.medoids = np.ascontiguousarray(
-            store.medoid_keys(layer).astype(np.float32).reshape(li.num_clusters, H * d))
+        # the medoid index stays in the store dtype: fp16/bf16 halve the bytes a
+        # query must stream (scored by a C GEMV), fp32 goes to BLAS
+        self.medoids = np.ascontiguousarray(store.medoid_keys(layer)).reshape(
+            li.num_clusters, H * d)
         self.sizes = li.sizes
         self.hot = np.asarray(li.hot if hot is None else hot, dtype=bool)
         resident = np.zeros(S, dtype=bool)
@@ -237,8 +271,7 @@ class Retriever:
         per-head scores q_h . k_m over the heads that share a KV head.
         """
         st = self.layer_state(layer)
-        qg = self._group_sum(q)
-        return qg @ st.medoids.T
+        return score_medoids(st.medoids, self._group_sum(q))
 
     def _group_sum(self, q) -> np.ndarray:
         try:
