@@ -23,6 +23,7 @@ from ._errors import LayoutError as LayoutError
 from ._errors import ManifestError as ManifestError
 from ._errors import MisalignedRequestError as MisalignedRequestError
 from ._errors import ModelError as ModelError
+from ._errors import MountError as MountError
 from ._errors import NotFoundError as NotFoundError
 from ._errors import OutOfRangeError as OutOfRangeError
 from ._errors import ShapeError as ShapeError
@@ -33,6 +34,9 @@ from ._index import LayerIndex as LayerIndex
 from ._planner import Plan as Plan
 from ._planner import plan_reads as plan_reads
 from ._store import Store as Store
+from ._retrieve import Retrieval as Retrieval
+from ._retrieve import RetrievalStats as RetrievalStats
+from ._retrieve import Retriever as Retriever
 from ._store import StoreStats as StoreStats
 
 __version__ = "0.1.0"

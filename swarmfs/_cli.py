@@ -182,5 +182,48 @@ def demo(workdir, disks, engine):
                "submit calls")
 
 
+@main.command()
+@click.argument("store", type=click.Path())
+@click.argument("mountpoint", type=click.Path())
+@click.option("--foreground", "-f", is_flag=True, help="Serve in this process until unmounted.")
+@click.option("--allow-other", is_flag=True, help="Let other users read the mount.")
+@click.option("--debug", is_flag=True, help="Log every FUSE request to stderr.")
+@click.option("--direct-io", is_flag=True,
+              help="Bypass the page cache for KV files (faster single readers; no mmap).")
+@click.option("--readahead", type=int, default=4 << 20, show_default=True,
+              help="Read-ahead window for sequential readers, in bytes (0 = off).")
+@click.option("--no-verify", is_flag=True, help="Do not verify checksums on read.")
+@click.option("--log-file", type=click.Path(), default=None, help="Daemon log file.")
+@ENGINE_OPT
+def mount(store, mountpoint, foreground, allow_other, debug, direct_io, readahead,
+          no_verify, log_file, engine):
+    """Mount STORE read-only at MOUNTPOINT (FUSE): ls, cat and np.load the clusters.
+
+    Without --foreground the command returns once the mount is up.  Unmount
+    with `swarmfs umount MOUNTPOINT`.
+    """
+    try:
+        from ._fuse import mount as do_mount
+    except ImportError as exc:
+        raise click.ClickException(f"mounting needs pyfuse3 and trio "
+                                   f"(pip install 'swarmfs[mount]'): {exc}")
+    pid = do_mount(store, mountpoint, foreground=foreground, allow_other=allow_other,
+                   debug=debug, direct_io=direct_io, readahead=readahead,
+                   verify=not no_verify, engine=engine, log_file=log_file)
+    if pid:
+        click.echo(f"mounted {store} at {mountpoint} (pid {pid}); "
+                   f"unmount with: swarmfs umount {mountpoint}")
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path())
+@click.option("--lazy", "-z", is_flag=True,
+              help="Detach now even if busy or dead (fusermount3 -u -z).")
+def umount(mountpoint, lazy):
+    """Unmount a swarmfs mount (also a dead one, with --lazy)."""
+    from ._fuse import umount as do_umount
+    do_umount(mountpoint, lazy=lazy)
+
+
 if __name__ == "__main__":
     main()

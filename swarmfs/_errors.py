@@ -28,6 +28,7 @@ __all__ = [
     "LayoutError",
     "ModelError",
     "NotFoundError",
+    "MountError",
 ]
 
 
@@ -150,3 +151,10 @@ class NotFoundError(SwarmError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return Exception.__str__(self)
+
+
+class MountError(SwarmError, OSError):
+    """Raised by ``mount``/``umount`` when the mount point is unusable
+    (missing, not a directory, already mounted, a dead FUSE mount), when the
+    kernel refuses the mount, or when unmounting fails.  The message says what
+    to do (e.g. ``swarmfs umount --lazy MOUNTPOINT``)."""

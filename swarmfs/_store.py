@@ -107,6 +107,7 @@ class Store:
         self._pool_lock = threading.Lock()
         self._counters = dict(cluster_reads=0, entry_reads=0, entries_returned=0,
                               bytes_returned=0, bytes_read=0, checksum_failures=0)
+        self._counter_lock = threading.Lock()
         self._closed = False
 
     # -- construction --------------------------------------------------------
@@ -206,7 +207,8 @@ class Store:
 
     @classmethod
     def open(cls, path, *, engine: str | None = None, queue_depth: int = 128,
-             verify: bool = True, writable: bool = False) -> "Store":
+             verify: bool = True, writable: bool = False,
+             preload: bool = False) -> "Store":
         """Open a store and check every disk.
 
         Args:
@@ -216,6 +218,9 @@ class Store:
             queue_depth: io_uring queue depth (threads for the fallback).
             verify: verify XXH3-64 checksums of everything read (default on).
             writable: open the disks read-write (needed for ``write_layer``).
+            preload: load every layer's index now instead of on first use
+                (long-lived readers: a writer deletes index files two
+                generations old, which a lazy reader could still need).
 
         Raises:
             StoreNotFoundError, ManifestError: no or bad manifest.
@@ -227,12 +232,20 @@ class Store:
         m = F.read_manifest(path)
         fds = open_disks(path, m, writable=writable)
         try:
-            return cls(path, m, fds, engine_kind=engine, queue_depth=queue_depth,
-                       verify=verify, writable=writable)
+            store = cls(path, m, fds, engine_kind=engine, queue_depth=queue_depth,
+                        verify=verify, writable=writable)
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
+        if preload:
+            try:
+                for layer in store.layers:
+                    store.layer(layer)
+            except BaseException:
+                store.close()
+                raise
+        return store
 
     def close(self) -> None:
         """Close the engine and the disks."""
@@ -540,7 +553,7 @@ class Store:
             if verify and plan.num_entries:
                 bad = verify_rows(buf.array, plan.src, Eb, li.token_xxh[li.members[copy_ids]])
                 if bad.size:
-                    self._counters["checksum_failures"] += int(bad.size)
+                    self._count(checksum_failures=int(bad.size))
                     c = int(copy_ids[bad[0]])
                     raise E.ChecksumError(
                         f"entry of token {int(li.members[c])} at offset "
@@ -551,10 +564,14 @@ class Store:
                         cluster=int(li.copy_cluster[c]))
             src = plan.src if order is None else plan.src[order]
             rows = gather_rows(buf.array, src, Eb, out)
-        self._counters["bytes_read"] += int(plan.staging_bytes)
-        self._counters["entries_returned"] += rows.shape[0]
-        self._counters["bytes_returned"] += rows.nbytes
+        self._count(bytes_read=int(plan.staging_bytes), entries_returned=rows.shape[0],
+                    bytes_returned=rows.nbytes)
         return rows
+
+    def _count(self, **kw) -> None:
+        with self._counter_lock:
+            for k, v in kw.items():
+                self._counters[k] += v
 
     def _rows_to_entries(self, rows: np.ndarray, *, torch: bool, pinned: bool):
         n = rows.shape[0]
@@ -590,7 +607,7 @@ class Store:
                           entry_bytes=self.entry_bytes, block_size=self.block_size,
                           max_request=1 << 20)
         rows = self.execute(li, plan, copies, verify=verify, cluster=cid)
-        self._counters["cluster_reads"] += 1
+        self._count(cluster_reads=1)
         return self._rows_to_entries(rows, torch=torch, pinned=pinned)
 
     def read_cluster_range(self, layer: int, cid: int, start: int, length: int,
@@ -640,7 +657,7 @@ class Store:
                           block_size=self.block_size, policy=policy, max_gap=max_gap)
         order = np.searchsorted(plan.tokens, t)
         rows = self.execute(li, plan, copies, order=order, verify=verify)
-        self._counters["entry_reads"] += 1
+        self._count(entry_reads=1)
         return self._rows_to_entries(rows, torch=torch, pinned=pinned)
 
     # -- verification -----------------------------------------------------------
@@ -686,15 +703,17 @@ class Store:
                     failures.append({"layer": layer, "cluster": int(cc[sl][k]), "disk": d,
                                      "path": self.disk_paths[d], "offset": int(offs[k]),
                                      "error": "extent checksum mismatch"})
-                self._counters["checksum_failures"] += int(bad.size)
+                self._count(checksum_failures=int(bad.size))
                 if progress is not None:
                     progress(int(lens.sum()))
         return failures
 
     def stats(self) -> StoreStats:
         """Counters since open, as a :class:`StoreStats`."""
+        with self._counter_lock:
+            counters = dict(self._counters)
         return StoreStats(engine=self.engine.stats(), verify_checksums=self.verify_checksums,
-                          **self._counters)
+                          **counters)
 
     def info(self) -> dict:
         """JSON-ready summary: disks, sizes, layers, clusters, replication, engine."""

@@ -1,0 +1,377 @@
+"""A read-only FUSE view of a store (pyfuse3 on trio).
+
+``mount(store, mountpoint)`` serves the tree of ``_fuse_tree`` (see its module
+docstring for the names) with the operations of ``_fuse_ops``;
+``umount(mountpoint)`` takes it down.  KV bytes are read in worker threads by
+``_fuse_stream``: a request reads only the entries it covers, through the
+fast path's planner, engine and checksum verification (``Store.plan_copies``
++ ``Store.execute``, what ``Store.read_cluster_range`` does); a failed checksum
+is logged and the reader gets EIO.
+
+Start-up is ``pyfuse3.init`` -> ``trio.run(pyfuse3.main)`` ->
+``pyfuse3.close(unmount=True)`` in a ``finally``, so a crash or a signal does
+not leave a dead mount behind.
+
+Run as ``python -m swarmfs._fuse STORE MOUNTPOINT [--foreground] ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import re
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import pyfuse3
+import trio
+
+from . import _errors as E
+from ._fuse_ops import MAX_READ, SwarmFS
+from ._store import Store
+
+__all__ = ["mount", "umount", "MountError", "SwarmFS", "MAX_READ"]
+
+log = logging.getLogger("swarmfs.fuse")
+
+
+MountError = E.MountError
+
+
+# -- mounting -------------------------------------------------------------------
+
+def _dead_mount_error(mountpoint: str) -> MountError:
+    return MountError(
+        "mount point is a dead FUSE mount (Transport endpoint is not connected): the "
+        f"process that served it is gone.  Run `swarmfs umount --lazy {mountpoint}` "
+        f"(fusermount3 -u -z {mountpoint}) and mount again", path=mountpoint)
+
+
+def _check_mountpoint(mountpoint: str) -> None:
+    try:
+        st = os.stat(mountpoint)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise _dead_mount_error(mountpoint) from None
+        if exc.errno == errno.ENOENT:
+            raise MountError("mount point does not exist", path=mountpoint) from None
+        raise MountError(f"mount point is unusable: {exc.strerror}",
+                         path=mountpoint) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise MountError("mount point is not a directory", path=mountpoint)
+    if os.path.ismount(mountpoint):
+        # stat may come from cached attributes; statfs always asks the server
+        try:
+            os.statvfs(mountpoint)
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:
+                raise _dead_mount_error(mountpoint) from None
+        raise MountError("something is already mounted here (`swarmfs umount "
+                         f"{mountpoint}` first)", path=mountpoint)
+
+
+def _fuse_options(store_path: str, *, allow_other: bool, debug: bool) -> set:
+    opts = set(pyfuse3.default_options)
+    opts |= {"ro", "subtype=swarmfs"}
+    if any(c in store_path for c in ",\\ \t\n"):
+        opts.add("fsname=swarmfs")
+    else:
+        opts.add(f"fsname={store_path}")
+    if allow_other:
+        opts.add("allow_other")
+    if debug:
+        opts.add("debug")
+    return opts
+
+
+async def _run(ops: SwarmFS, signals: bool) -> None:
+    async with trio.open_nursery() as nursery:
+        ops.kv.nursery = nursery
+        if signals:
+            await nursery.start(_unmount_on_signal)
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+async def _unmount_on_signal(task_status=trio.TASK_STATUS_IGNORED) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as sigs:
+        task_status.started()
+        async for signum in sigs:
+            log.info("%s: unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _serve(store: Store, mountpoint: str, *, allow_other: bool, debug: bool,
+           direct_io: bool, threads: int, readahead: int, ready=None) -> None:
+    """Mount ``store`` and serve it until unmounted or signalled."""
+    ops = SwarmFS(store, direct_io=direct_io, threads=threads, readahead=readahead)
+    opts = _fuse_options(store.path, allow_other=allow_other, debug=debug)
+    main_thread = threading.current_thread() is threading.main_thread()
+    # until trio's signal receiver takes over, SIGTERM/SIGHUP unwind through
+    # the finally below (SIGINT does so as KeyboardInterrupt)
+    old = {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGTERM, signal.SIGHUP)} \
+        if main_thread else {}
+    try:
+        try:
+            pyfuse3.init(ops, mountpoint, opts)
+        except RuntimeError as exc:
+            hint = (" (as non-root, --allow-other needs user_allow_other in /etc/fuse.conf)"
+                    if allow_other else "")
+            raise MountError(f"the kernel refused the mount: {exc}{hint}",
+                             path=mountpoint, store=store.path) from None
+        try:
+            log.info("mounted %s on %s (engine %s, checksums %s, direct_io %s)", store.path,
+                     mountpoint, store.engine.kind, "on" if store.verify_checksums else "off",
+                     direct_io)
+            if ready is not None:
+                ready("ok")
+            trio.run(_run, ops, main_thread)
+        finally:
+            pyfuse3.close(unmount=True)
+            log.info("unmounted %s", mountpoint)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def mount(store_path, mountpoint, *, foreground: bool = True, allow_other: bool = False,
+          debug: bool = False, direct_io: bool = False, threads: int = 8,
+          readahead: int = 4 << 20, verify: bool = True, engine: str | None = None, log_file=None,
+          timeout: float = 30.0):
+    """Mount a store read-only at ``mountpoint`` (``swarmfs mount``).
+
+    The store is opened (superblocks, manifest, disks) before anything is
+    mounted, so a bad store raises here with nothing left behind.
+
+    Foreground: serves in this process until ``swarmfs umount`` /
+    ``fusermount3 -u`` or SIGINT, SIGTERM or SIGHUP, then unmounts and returns
+    None.  Must run in the main thread for the signals to be caught.
+
+    Background: after the store opened, starts a new session running
+    ``python -m swarmfs._fuse ... --foreground`` (a fresh process, which opens
+    the store again, so no io_uring ring crosses a fork), waits until it
+    reports the mount and ``os.path.ismount`` is true (deadline ``timeout``
+    seconds), and returns its pid.  Its log goes to ``log_file`` (appended)
+    or nowhere.
+
+    Args:
+        store_path: the store directory.
+        mountpoint: an existing empty directory.
+        allow_other: let other users read the mount (FUSE ``allow_other``).
+        debug: log every request (libfuse ``debug``) and debug messages.
+        direct_io: bypass the page cache for KV files (see :class:`SwarmFS`).
+        threads: worker threads for store reads.
+        readahead: largest read-ahead window of a sequential reader of a KV
+            file, in bytes (0: none; see ``_fuse_stream``).
+        verify: verify checksums of everything read (default on).
+        engine: engine kind for ``Store.open`` (default: auto).
+
+    Raises:
+        SwarmError subclasses from ``Store.open``: the store cannot be opened.
+        MountError: the mount point is unusable (missing, already mounted, a
+            dead FUSE mount -- the message names ``swarmfs umount --lazy``),
+            the kernel refused the mount, or the background process failed.
+    """
+    store_path = os.path.abspath(os.fspath(store_path))
+    mountpoint = os.path.abspath(os.fspath(mountpoint))
+    _check_mountpoint(mountpoint)
+    if not foreground:
+        Store.open(store_path, verify=verify, engine=engine).close()
+        return _spawn(store_path, mountpoint, allow_other=allow_other, debug=debug,
+                      direct_io=direct_io, threads=threads, readahead=readahead,
+                      verify=verify, engine=engine, log_file=log_file, timeout=timeout)
+    store = Store.open(store_path, verify=verify, engine=engine, preload=True)
+    try:
+        _serve(store, mountpoint, allow_other=allow_other, debug=debug,
+               direct_io=direct_io, threads=threads, readahead=readahead)
+    finally:
+        store.close()
+    return None
+
+
+def _spawn(store_path, mountpoint, *, allow_other, debug, direct_io, threads, readahead,
+           verify, engine, log_file, timeout) -> int:
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "swarmfs._fuse", store_path, mountpoint, "--foreground",
+           "--ready-fd", str(w), "--threads", str(threads), "--readahead", str(readahead)]
+    cmd += ["--allow-other"] * allow_other + ["--debug"] * debug + \
+        ["--direct-io"] * direct_io + ["--no-verify"] * (not verify)
+    if engine:
+        cmd += ["--engine", engine]
+    env = dict(os.environ)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, env.get("PYTHONPATH")]))
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                pass_fds=(w,), start_new_session=True, cwd="/", env=env)
+    finally:
+        os.close(w)
+        if log_file:
+            out.close()
+    deadline = time.monotonic() + timeout
+    msg = b""
+    try:
+        while not msg.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                break
+            chunk = os.read(r, 4096)
+            if not chunk:
+                break
+            msg += chunk
+    finally:
+        os.close(r)
+    text = msg.decode(errors="replace").strip()
+    if text == "ok":
+        while time.monotonic() < deadline:
+            if os.path.ismount(mountpoint):
+                return proc.pid
+            if proc.poll() is not None:
+                break
+            time.sleep(0.01)
+    if proc.poll() is None:
+        proc.terminate()            # it unmounts (if it got that far) and exits
+    try:
+        rc = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        rc = None
+    if text.startswith("error: "):
+        raise MountError(text[len("error: "):], path=mountpoint, store=store_path)
+    raise MountError(f"the mount process did not come up within {timeout:g} s "
+                     f"(exit status {rc}; see {log_file or 'its log, with log_file='})",
+                     path=mountpoint, store=store_path)
+
+
+def _mount_entry(mountpoint: str):
+    """``(fstype, source)`` of the mount at ``mountpoint`` from
+    /proc/self/mountinfo, or None."""
+    want = os.path.abspath(mountpoint)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5:
+            continue
+        mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if mp == want:
+            rf = right.split()
+            found = (rf[0] if rf else "", rf[1] if len(rf) > 1 else "")
+    return found
+
+
+def umount(mountpoint, lazy: bool = False) -> None:
+    """Unmount a FUSE mount (``swarmfs umount``): ``fusermount3 -u``, with
+    ``lazy`` ``-z`` (detach now, clean up when no longer busy; also clears a
+    dead mount whose process is gone).  The serving process then unmounts
+    cleanly and exits.
+
+    Raises:
+        MountError: nothing FUSE is mounted there, the mount is busy (use
+            ``lazy``), or the unmount tool failed.
+    """
+    mountpoint = os.path.abspath(os.fspath(mountpoint))
+    entry = _mount_entry(mountpoint)
+    if entry is None:
+        raise MountError("not mounted", path=mountpoint)
+    if not entry[0].startswith("fuse"):
+        raise MountError(f"not a FUSE mount (type {entry[0]})", path=mountpoint)
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    if tool:
+        cmd = [tool, "-u"] + (["-z"] if lazy else []) + ["--", mountpoint]
+    elif os.geteuid() == 0 and shutil.which("umount"):
+        cmd = ["umount"] + (["-l"] if lazy else []) + [mountpoint]
+    else:
+        raise MountError("neither fusermount3 nor fusermount is installed (package fuse3)",
+                         path=mountpoint)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        msg = (r.stderr or r.stdout).strip() or f"{cmd[0]} exited with {r.returncode}"
+        hint = "" if lazy or "busy" not in msg.lower() else \
+            " (files are open under it: close them, or use --lazy)"
+        raise MountError(f"cannot unmount: {msg}{hint}", path=mountpoint)
+
+
+# -- python -m swarmfs._fuse ---------------------------------------------------
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m swarmfs._fuse",
+                                description="Mount a swarmfs store read-only.")
+    p.add_argument("store")
+    p.add_argument("mountpoint")
+    p.add_argument("-f", "--foreground", action="store_true")
+    p.add_argument("--allow-other", action="store_true")
+    p.add_argument("--debug", action="store_true")
+    p.add_argument("--direct-io", action="store_true")
+    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--readahead", type=int, default=4 << 20,
+                   help="largest read-ahead window in bytes (0: off)")
+    p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--engine", default=None)
+    p.add_argument("--log-file", default=None)
+    p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO,
+                        format="%(asctime)s swarmfs[%(process)d] %(levelname)s %(message)s")
+    kw = dict(allow_other=a.allow_other, debug=a.debug, direct_io=a.direct_io,
+              threads=a.threads, readahead=a.readahead)
+    if a.ready_fd is None:
+        try:
+            pid = mount(a.store, a.mountpoint, foreground=a.foreground, verify=not a.no_verify,
+                        engine=a.engine, log_file=a.log_file, **kw)
+        except E.SwarmError as exc:
+            print(f"swarmfs: error: {exc}", file=sys.stderr)
+            return 1
+        if pid is not None:
+            print(pid)
+        return 0
+    # the background child: report success or the error through the pipe
+    fd = a.ready_fd
+    os.set_inheritable(fd, False)
+
+    def ready(msg):
+        nonlocal fd
+        if fd is not None:
+            os.write(fd, (msg.replace("\n", " ") + "\n").encode())
+            os.close(fd)
+            fd = None
+
+    try:
+        mountpoint = os.path.abspath(a.mountpoint)
+        _check_mountpoint(mountpoint)
+        store = Store.open(os.path.abspath(a.store), verify=not a.no_verify, engine=a.engine,
+                           preload=True)
+        try:
+            _serve(store, mountpoint, ready=ready, **kw)
+        finally:
+            store.close()
+    except E.SwarmError as exc:
+        log.error("%s", exc)
+        ready(f"error: {exc}")
+        return 1
+    except BaseException as exc:
+        ready(f"error: {type(exc).__name__}: {exc}")
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

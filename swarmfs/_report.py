@@ -1,0 +1,115 @@
+"""Retrieval quality against the oracle, and the demo's report table.
+
+Accuracy follows SWARM §8.1-8.2: for a query, the *oracle* takes the exact
+top-k entries (k = ceil(r x S)) by attention; a method's **attention-mass
+recall** is the attention mass its retrieved entries carry divided by the mass
+of the oracle's top-k; the **relative error** is
+||o_sparse - o_full|| / ||o_full|| of the attention output over all query heads,
+where o_sparse is softmax attention restricted to the retrieved entries.
+
+The attention mass of a token is the softmax probability summed over all query
+heads and divided by their number (an entry holds every KV head).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["attention_logits", "token_mass", "evaluate_query", "summarize"]
+
+
+def _f32(x):
+    if hasattr(x, "detach"):
+        x = x.detach().float().cpu().numpy()
+    return np.asarray(x, dtype=np.float32)
+
+
+def attention_logits(q, k, scaling: float) -> np.ndarray:
+    """Scaled logits of queries against keys with GQA head mapping.
+
+    Args:
+        q: [H_q, n, d] queries.
+        k: [H_kv, S, d] keys.
+        scaling: softmax scale (usually d**-0.5).
+
+    Returns:
+        float32 [H_q, n, S]; query head h uses KV head h // (H_q / H_kv).
+    """
+    q, k = _f32(q), _f32(k)
+    Hq, H = q.shape[0], k.shape[0]
+    g = Hq // H
+    out = np.einsum("hgnd,hsd->hgns", q.reshape(H, g, q.shape[1], q.shape[2]), k)
+    return out.reshape(Hq, q.shape[1], k.shape[1]) * np.float32(scaling)
+
+
+def _softmax(x, axis=-1):
+    m = x.max(axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def token_mass(logits: np.ndarray) -> np.ndarray:
+    """Attention mass per token: softmax over keys, mean over heads: [n, S]."""
+    return _softmax(logits, -1).mean(axis=0)
+
+
+def _attend(logits, v, g):
+    """softmax(logits) @ v per head: logits [H_q, n, S'], v [H_kv, S', d]."""
+    p = _softmax(logits, -1)
+    Hq, n, _ = p.shape
+    H = v.shape[0]
+    return np.einsum("hgns,hsd->hgnd", p.reshape(H, g, n, -1), v).reshape(Hq, n, -1)
+
+
+def evaluate_query(q, k_ctx, v_ctx, positions, *, k_ret=None, v_ret=None,
+                   scaling: float, ratio: float) -> dict:
+    """Accuracy of one retrieval for one query against the oracle.
+
+    Args:
+        q: [H_q, d] the query.
+        k_ctx, v_ctx: [H_kv, S, d] the full context (ground truth).
+        positions: int [n] token positions the method retrieved.
+        k_ret, v_ret: [H_kv, n, d] the K/V the method returned for those
+            positions (read from the store); default taken from the context.
+        scaling: softmax scale.
+        ratio: sparsity ratio r (oracle budget k = ceil(r x S)).
+
+    Returns:
+        dict with ``recall`` (method mass / oracle mass), ``mass``,
+        ``oracle_mass``, ``rel_error``, ``oracle_rel_error``, ``entries``
+        and ``budget``.
+    """
+    q = _f32(q)[:, None, :]
+    k_ctx, v_ctx = _f32(k_ctx), _f32(v_ctx)
+    S = k_ctx.shape[1]
+    g = q.shape[0] // k_ctx.shape[0]
+    budget = int(math.ceil(ratio * S))
+    logits = attention_logits(q, k_ctx, scaling)           # [H_q, 1, S]
+    mass = token_mass(logits)[0]                           # [S]
+    top = np.argpartition(-mass, budget - 1)[:budget]
+    pos = np.asarray(positions, dtype=np.int64)
+    full = _attend(logits, v_ctx, g)
+    kr = k_ctx[:, pos] if k_ret is None else _f32(k_ret)
+    vr = v_ctx[:, pos] if v_ret is None else _f32(v_ret)
+    sparse = _attend(attention_logits(q, kr, scaling), vr, g)
+    oracle = _attend(logits[:, :, top], v_ctx[:, top], g)
+    nrm = float(np.linalg.norm(full))
+    m_ret = float(mass[pos].sum())
+    m_orc = float(mass[top].sum())
+    return {"recall": m_ret / m_orc if m_orc else 0.0, "mass": m_ret,
+            "oracle_mass": m_orc,
+            "rel_error": float(np.linalg.norm(sparse - full)) / nrm,
+            "oracle_rel_error": float(np.linalg.norm(oracle - full)) / nrm,
+            "entries": int(pos.shape[0]), "budget": budget}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Mean of each numeric field over per-query result dicts."""
+    out = {}
+    for key in rows[0]:
+        vals = [r[key] for r in rows if isinstance(r[key], (int, float))]
+        if vals:
+            out[key] = float(np.mean(vals))
+    return out

@@ -1,0 +1,652 @@
+"""The read-only FUSE view (swarmfs._fuse, _fuse_tree, _fuse_stream).
+
+Real mounts of real stores on O_DIRECT file disks: every mount runs in a
+subprocess (``python -m swarmfs._fuse STORE MNT --foreground``), is polled
+with a deadline until ``os.path.ismount``, and is always unmounted in teardown
+(fusermount3 -u, then -uz, then kill).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+if not os.path.exists("/dev/fuse"):
+    pytest.skip("/dev/fuse is missing (no FUSE in this kernel or container)",
+                allow_module_level=True)
+if shutil.which("fusermount3") is None:
+    pytest.skip("fusermount3 is missing (install fuse3)", allow_module_level=True)
+if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+    pytest.skip("/dev/fuse is not accessible to this user", allow_module_level=True)
+pyfuse3 = pytest.importorskip("pyfuse3")
+trio = pytest.importorskip("trio")
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from swarmfs import Store  # noqa: E402
+from swarmfs import _fuse_tree as T  # noqa: E402
+from swarmfs._fuse import MountError, umount  # noqa: E402
+from swarmfs._fuse_stream import KVReader, Stream  # noqa: E402
+
+from conftest import random_clusters, random_kv, same_bits  # noqa: E402
+
+pytestmark = pytest.mark.fuse
+
+DEADLINE = 30.0
+C0 = 5000                    # clusters of layer 0
+BIG = 40_000                 # entries of layer 1's cluster 0 (128 B each: 5 MiB)
+
+
+# -- helpers ---------------------------------------------------------------------
+
+def _wait(pred, timeout=DEADLINE, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def _mounted(mnt):
+    try:
+        return os.path.ismount(mnt)
+    except OSError:
+        return False
+
+
+def _in_mountinfo(mnt):
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == mnt for line in f)
+
+
+def _direct_io_ok(d):
+    """Whether files under ``d`` accept an aligned O_DIRECT read."""
+    import mmap
+    p = os.path.join(d, ".odirect-probe")
+    with open(p, "wb") as f:
+        f.write(b"\0" * 8192)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    m = mmap.mmap(-1, 4096)
+    try:
+        os.preadv(fd, [m], 4096)
+        return True
+    except OSError:
+        return False
+    finally:
+        m.close()
+        os.close(fd)
+        os.unlink(p)
+
+
+class Mount:
+    """A mount served by a subprocess; unmounted and reaped on exit, also
+    when the test failed."""
+
+    def __init__(self, store, mnt, *args):
+        self.store, self.mnt, self.args = str(store), str(mnt), list(args)
+        self.proc = None
+        self.log = os.path.join(os.path.dirname(self.mnt), os.path.basename(self.mnt) + ".log")
+
+    def start(self):
+        os.makedirs(self.mnt, exist_ok=True)
+        self._logf = open(self.log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmfs._fuse", self.store, self.mnt, "--foreground",
+             *self.args], stdout=self._logf, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + DEADLINE
+        while not _mounted(self.mnt):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mount failed:\n{self.output()}")
+            time.sleep(0.005)
+        return self
+
+    def output(self):
+        with open(self.log, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def stop(self):
+        if _in_mountinfo(self.mnt):
+            subprocess.run(["fusermount3", "-u", self.mnt], capture_output=True)
+        if _in_mountinfo(self.mnt):
+            subprocess.run(["fusermount3", "-uz", self.mnt], capture_output=True)
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "_logf", None):
+            self._logf.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _build_main_store(path):
+    rng = np.random.default_rng(7)
+    s = Store.create(path, disks=4, num_layers=2, num_kv_heads=2, head_dim=16,
+                     dtype="float16")
+    S0 = 4 * C0
+    s.write_layer(0, random_kv(rng, S0, 2, 16, "float16"),
+                  random_clusters(rng, S0, C0, extra_copies=300))
+    S1 = BIG + 3000
+    s.write_layer(1, random_kv(rng, S1, 2, 16, "float16"),
+                  [np.arange(BIG), np.arange(BIG, S1), np.array([5, BIG + 1, 17])])
+    return s
+
+
+# -- fixtures --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuse")
+    if not _direct_io_ok(str(d)):
+        pytest.skip(f"{d} does not support O_DIRECT")
+    return d
+
+
+@pytest.fixture(scope="module")
+def store(workdir):
+    s = _build_main_store(str(workdir / "store"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def mnt(store, workdir):
+    with Mount(store.path, workdir / "mnt") as m:
+        yield m.mnt
+
+
+def _cdir(mnt, layer, c):
+    return os.path.join(mnt, "layers", f"{layer:02d}", "clusters", f"{c:06d}")
+
+
+def _sha(b):
+    return hashlib.sha256(b).hexdigest()
+
+
+# -- the tree without FUSE ---------------------------------------------------------
+
+node_st = st.one_of(
+    st.sampled_from([T.Node(k) for k in (T.ROOT, T.MANIFEST, T.STATS, T.DISKS, T.LAYERS)]),
+    st.builds(lambda k, i: T.Node(k, disk=i), st.sampled_from([T.DISK_DIR, T.DISK_INFO]),
+              st.integers(0, 255)),
+    st.builds(lambda k, l: T.Node(k, layer=l), st.sampled_from([T.LAYER_DIR, T.MEDOIDS,
+                                                                 T.CLUSTERS]),
+              st.integers(0, T.MAX_LAYERS - 1)),
+    st.builds(lambda k, l, c: T.Node(k, layer=l, cluster=c),
+              st.sampled_from([T.CLUSTER_DIR, T.KV_BIN, T.KV_NPY, T.TOKENS, T.CLUSTER_INFO]),
+              st.integers(0, T.MAX_LAYERS - 1), st.integers(0, (1 << 40) - 1)))
+
+
+@given(node_st)
+def test_inode_arithmetic_round_trips(node):
+    ino = T.encode(node)
+    assert 0 < ino < 1 << 63
+    assert T.decode(ino) == node
+
+
+@given(st.integers(0, (1 << 63) - 1))
+def test_decode_never_raises(ino):
+    node = T.decode(ino)
+    assert node is None or T.encode(node) == ino
+
+
+@given(st.lists(st.integers(0, 10**12), max_size=50))
+def test_tokens_text_size_is_exact(toks):
+    t = np.array(toks, dtype=np.int64)
+    assert T.tokens_text_size(t) == len(T.tokens_text(t))
+
+
+@given(st.integers(0, 10**9), st.integers(1, 64), st.integers(1, 1024),
+       st.sampled_from(["float16", "float32", "bfloat16"]))
+def test_npy_header_is_numpy_readable_and_aligned(n, H, d, dtype):
+    import io
+    h = T.npy_header(T.npy_descr(dtype), (n, 2, H, d))
+    assert len(h) % 64 == 0
+    f = io.BytesIO(h)
+    assert np.lib.format.read_magic(f) == (1, 0)
+    shape, fortran, dt = np.lib.format.read_array_header_1_0(f)
+    assert shape == (n, 2, H, d) and not fortran
+    assert dt == np.dtype(T.npy_descr(dtype)) and f.tell() == len(h)
+
+
+def test_lookup_counts_forget_never_raises(store):
+    c = T.LookupCounts(store)
+    ino = T.encode(T.Node(T.KV_BIN, layer=0, cluster=17))
+    c.add(ino)
+    c.add(ino)
+    c.forget(ino, 1)
+    assert c.get(ino) == 1 and c.total == 1
+    c.forget(ino, 5)                    # more than it holds: clamped, counted
+    c.forget(T.encode(T.Node(T.KV_BIN, layer=1, cluster=0)), 3)   # never looked up
+    c.forget((1 << 62) + 12345, 1)                                # garbage inode
+    assert c.get(ino) == 0 and c.total == 0 and c.underflows == 3
+
+
+def test_readdir_resumes_from_any_next_id(store):
+    tree = T.Tree(store)
+    parent = T.Node(T.CLUSTERS, layer=0)
+    full = list(tree.entries(parent, 0))
+    assert [n for n, _, _ in full] == [b"%06d" % c for c in range(C0)]
+    for start in (1, 2, 999, C0 - 1, C0):
+        tail = list(tree.entries(parent, start))
+        assert tail == full[start:]
+    # every next_id resumes right after its entry, in every directory
+    for d in (T.Node(T.ROOT), T.Node(T.DISKS), T.Node(T.LAYERS), T.Node(T.LAYER_DIR, layer=1),
+              T.Node(T.CLUSTER_DIR, layer=1, cluster=2), T.Node(T.DISK_DIR, disk=3)):
+        ents = list(tree.entries(d, 0))
+        for i, (_, _, nid) in enumerate(ents):
+            assert list(tree.entries(d, nid)) == ents[i + 1:]
+        assert all(tree.lookup(d, name) == node for name, node, _ in ents)
+
+
+def test_names_are_canonical(store):
+    tree = T.Tree(store)
+    cl = T.Node(T.CLUSTERS, layer=0)
+    assert tree.lookup(cl, b"000042") == T.Node(T.CLUSTER_DIR, layer=0, cluster=42)
+    for bad in (b"42", b"0000042", b"-00001", b"00004a", b"%06d" % C0, b""):
+        assert tree.lookup(cl, bad) is None
+    layers = T.Node(T.LAYERS)
+    assert tree.lookup(layers, b"01") == T.Node(T.LAYER_DIR, layer=1)
+    assert tree.lookup(layers, b"1") is None and tree.lookup(layers, b"02") is None
+
+
+# -- the read path without FUSE (pytest-trio) -------------------------------------------
+
+@pytest.mark.trio
+async def test_kv_reader_ranges_and_readahead(store):
+    want = store.read_cluster(1, 0).tobytes()
+    nbytes = len(want)
+    reader = KVReader(store, limiter=trio.CapacityLimiter(4), window_max=1 << 20)
+    async with trio.open_nursery() as nursery:
+        reader.nursery = nursery
+        # a small read reads only the entries it covers: no read-ahead
+        before = store.stats().bytes_read
+        s = Stream(1, 0, nbytes)
+        assert bytes(await reader.read(s, 1000, 100)) == want[1000:1100]
+        assert store.stats().bytes_read - before <= 4 * 512
+        reader.close(s)
+        # a sequential stream is served from read-ahead windows
+        s = Stream(1, 0, nbytes)
+        got = bytearray()
+        off = 0
+        while True:
+            b = bytes(await reader.read(s, off, 128 << 10))
+            if not b:
+                break
+            got += b
+            off += len(b)
+        assert bytes(got) == want
+        assert reader.counters["readahead_hits"] > 0
+        reader.close(s)
+        # concurrent random reads on one stream
+        s = Stream(1, 0, nbytes)
+        rng = np.random.default_rng(3)
+
+        async def one(o, n):
+            assert bytes(await reader.read(s, o, n)) == want[o:o + n]
+
+        async with trio.open_nursery() as inner:
+            for o, n in zip(rng.integers(0, nbytes, 64), rng.integers(1, 300_000, 64)):
+                inner.start_soon(one, int(o), int(n))
+        assert bytes(await reader.read(s, nbytes, 10)) == b""
+        reader.close(s)
+    assert reader.pool.allocated <= reader.pool.budget
+
+
+# -- through the mount ---------------------------------------------------------------
+
+def test_tree_listing(mnt, store):
+    assert sorted(os.listdir(mnt)) == ["disks", "layers", "manifest.json", "stats.json"]
+    assert sorted(os.listdir(os.path.join(mnt, "disks"))) == ["0", "1", "2", "3"]
+    assert sorted(os.listdir(os.path.join(mnt, "layers"))) == ["00", "01"]
+    assert sorted(os.listdir(os.path.join(mnt, "layers", "01"))) == ["clusters", "medoids.npy"]
+    assert sorted(os.listdir(_cdir(mnt, 1, 2))) == ["info.json", "kv.bin", "kv.npy",
+                                                    "tokens.txt"]
+    ls = subprocess.run(["ls", "-a", _cdir(mnt, 0, 7)], capture_output=True, text=True,
+                        check=True).stdout.split()
+    assert set(ls) - {".", ".."} == {"info.json", "kv.bin", "kv.npy", "tokens.txt"}
+
+
+def test_directory_of_5000_clusters_lists_exactly(mnt):
+    d = os.path.join(mnt, "layers", "00", "clusters")
+    want = [f"{c:06d}" for c in range(C0)]
+    names = os.listdir(d)
+    assert len(names) == C0 and sorted(names) == want
+    out = subprocess.run(["ls", d], capture_output=True, text=True, check=True).stdout.split()
+    assert out == want
+    with os.scandir(d) as it:          # getdents in small steps: resumes by next_id
+        assert sorted(e.name for e in it) == want
+    assert os.stat(d).st_nlink == C0 + 2
+
+
+def test_manifest_and_medoids(mnt, store):
+    with open(os.path.join(mnt, "manifest.json"), "rb") as f:
+        got = f.read()
+    with open(os.path.join(store.path, "manifest.json"), "rb") as f:
+        assert got == f.read()
+    for l in (0, 1):
+        m = np.load(os.path.join(mnt, "layers", f"{l:02d}", "medoids.npy"))
+        assert same_bits(m, store.medoid_keys(l))
+
+
+def test_kv_files_match_the_fast_path(mnt, store):
+    rng = np.random.default_rng(1)
+    picks = [(0, 0), (0, C0 - 1)] + [(0, int(c)) for c in rng.choice(C0, 150, replace=False)]
+    picks += [(1, c) for c in range(3)]
+    for l, c in picks:
+        want = store.read_cluster(l, c)
+        d = _cdir(mnt, l, c)
+        with open(os.path.join(d, "kv.bin"), "rb") as f:
+            assert f.read() == want.tobytes(), (l, c)
+        got = np.load(os.path.join(d, "kv.npy"))
+        assert got.shape == want.shape and same_bits(got, want), (l, c)
+        with open(os.path.join(d, "tokens.txt")) as f:
+            toks = [int(x) for x in f.read().split()]
+        assert toks == store.cluster_tokens(l, c).tolist()
+        with open(os.path.join(d, "info.json")) as f:
+            info = json.load(f)
+        ref = store.layer(l).cluster_info(c)
+        assert {k: info[k] for k in ref} == ref
+    # np.load with mmap (page cache mode allows it)
+    m = np.load(os.path.join(_cdir(mnt, 1, 0), "kv.npy"), mmap_mode="r")
+    assert same_bits(np.asarray(m), store.read_cluster(1, 0))
+
+
+def test_cat_dd_stat_du_agree(mnt, store):
+    d = _cdir(mnt, 1, 0)
+    want = store.read_cluster(1, 0).tobytes()
+    kvbin = os.path.join(d, "kv.bin")
+    cat = subprocess.run(["cat", kvbin], capture_output=True, check=True).stdout
+    assert cat == want
+    dd = subprocess.run(["dd", f"if={kvbin}", "bs=1M", "status=none"], capture_output=True,
+                        check=True).stdout
+    assert dd == want
+    # a partial dd: 3 blocks of 4 KiB from block 100
+    dd = subprocess.run(["dd", f"if={kvbin}", "bs=4k", "skip=100", "count=3", "status=none"],
+                        capture_output=True, check=True).stdout
+    assert dd == want[100 * 4096:103 * 4096]
+    sizes = {}
+    for name in ("kv.bin", "kv.npy", "tokens.txt", "info.json"):
+        p = os.path.join(d, name)
+        st_ = os.stat(p)
+        with open(p, "rb") as f:
+            data = f.read()
+        assert st_.st_size == len(data), name
+        assert st_.st_blocks == -(-len(data) // 512), name
+        assert st_.st_blksize > 0
+        out = subprocess.run(["stat", "-c", "%s %b %B", p], capture_output=True, text=True,
+                             check=True).stdout.split()
+        assert int(out[0]) == len(data) and int(out[1]) * int(out[2]) == st_.st_blocks * 512
+        sizes[name] = len(data)
+    assert sizes["kv.bin"] == BIG * store.entry_bytes
+    du = subprocess.run(["du", "-sb", d], capture_output=True, text=True, check=True).stdout
+    assert int(du.split()[0]) == sum(sizes.values())
+    du = subprocess.run(["du", "-s", "-B1", d], capture_output=True, text=True,
+                        check=True).stdout
+    assert int(du.split()[0]) == sum(-(-n // 512) * 512 for n in sizes.values())
+    cp = os.path.join(os.path.dirname(mnt), "copy.bin")
+    subprocess.run(["cp", kvbin, cp], check=True)
+    with open(cp, "rb") as f:
+        assert f.read() == want
+    os.unlink(cp)
+
+
+def test_random_preads_and_eof(mnt, store):
+    want = store.read_cluster(1, 1).tobytes()
+    hdr = T.npy_header("<f2", (len(want) // store.entry_bytes, 2, 2, 16))
+    rng = np.random.default_rng(5)
+    for name, ref in (("kv.bin", want), ("kv.npy", hdr + want)):
+        fd = os.open(os.path.join(_cdir(mnt, 1, 1), name), os.O_RDONLY)
+        try:
+            for o, n in zip(rng.integers(0, len(ref), 100), rng.integers(1, 70_000, 100)):
+                assert os.pread(fd, int(n), int(o)) == ref[o:o + n]
+            assert os.pread(fd, 1 << 20, len(ref) - 10) == ref[-10:]     # short only at EOF
+            assert os.pread(fd, 100, len(ref)) == b""
+            assert os.pread(fd, 100, len(ref) + 12345) == b""
+        finally:
+            os.close(fd)
+
+
+def test_read_only_and_errors(mnt):
+    d = _cdir(mnt, 0, 3)
+    f = os.path.join(d, "kv.bin")
+
+    def err(fn, *a):
+        with pytest.raises(OSError) as ei:
+            fn(*a)
+        return ei.value.errno
+
+    assert err(open, f, "r+b") == errno.EROFS
+    assert err(open, f, "ab") == errno.EROFS
+    assert err(open, os.path.join(d, "new"), "wb") == errno.EROFS
+    assert err(os.mkdir, os.path.join(d, "sub")) == errno.EROFS
+    assert err(os.unlink, f) == errno.EROFS
+    assert err(os.rmdir, d) == errno.EROFS
+    assert err(os.rename, f, os.path.join(d, "x")) == errno.EROFS
+    assert err(os.chmod, f, 0o644) == errno.EROFS
+    assert err(os.truncate, f, 0) == errno.EROFS
+    assert err(os.utime, f) == errno.EROFS
+    assert err(os.symlink, "kv.bin", os.path.join(d, "ln")) == errno.EROFS
+    assert err(os.link, f, os.path.join(d, "hl")) == errno.EROFS
+    assert err(os.setxattr, f, "user.x", b"1") == errno.EROFS
+    for missing in ("nope", "layers/02", "layers/1", "layers/00/clusters/42",
+                    f"layers/00/clusters/{C0:06d}", "layers/00/clusters/000001/kv.txt",
+                    "disks/4", "disks/00"):
+        assert err(os.stat, os.path.join(mnt, missing)) == errno.ENOENT, missing
+    assert err(os.stat, os.path.join(mnt, "manifest.json", "x")) == errno.ENOTDIR
+    assert err(lambda: open(d, "rb").read()) == errno.EISDIR
+    r = subprocess.run(["cat", d], capture_output=True, text=True)
+    assert r.returncode != 0 and "Is a directory" in r.stderr
+    r = subprocess.run(["sh", "-c", f"echo x > {f}"], capture_output=True, text=True)
+    assert r.returncode != 0 and "Read-only file system" in r.stderr
+
+
+def test_stats_and_disk_info_are_live(mnt, store):
+    def stats():
+        with open(os.path.join(mnt, "stats.json")) as f:
+            return json.load(f)
+
+    a = stats()
+    assert a["engine"] in ("io_uring", "threads") and a["verify_checksums"] is True
+    assert len(a["disks"]) == store.num_disks
+    with open(os.path.join(_cdir(mnt, 0, 11), "kv.bin"), "rb") as f:
+        f.read()
+    b = stats()
+    assert b["mount"]["kv_bytes_returned"] > a["mount"]["kv_bytes_returned"]
+    assert sum(x["bytes"] for x in b["disks"]) > sum(x["bytes"] for x in a["disks"])
+    assert b["mount"]["kernel_lookups"] > 0 and "hits" in b["cache"]
+    for i in range(store.num_disks):
+        p = os.path.join(mnt, "disks", str(i), "info.json")
+        with open(p) as f:
+            info = json.load(f)
+        assert info["index"] == i and info["path"] == store.disk_paths[i]
+        assert info["size"] == os.path.getsize(store.disk_paths[i])
+        assert info["block_size"] == store.block_size and info["bytes_read"] >= 0
+
+
+def test_concurrent_readers_get_correct_bytes(mnt, store, workdir):
+    want = {c: _sha(store.read_cluster(1, c).tobytes()) for c in (0, 1)}
+    files = [os.path.join(_cdir(mnt, 1, c), "kv.bin") for c in (0, 1, 0, 1, 0)]
+    # a second store handle reads the fast path while the cats run
+    fast_ok = []
+
+    def fast():
+        with Store.open(store.path) as s2:
+            for _ in range(5):
+                fast_ok.append(_sha(s2.read_cluster(1, 0).tobytes()) == want[0])
+
+    t = threading.Thread(target=fast)
+    t.start()
+    procs = [subprocess.Popen(["sh", "-c", f"cat {p} | sha256sum"], stdout=subprocess.PIPE)
+             for p in files]
+    outs = [p.communicate(timeout=DEADLINE)[0].split()[0].decode() for p in procs]
+    t.join(DEADLINE)
+    assert outs == [want[0], want[1], want[0], want[1], want[0]]
+    assert fast_ok == [True] * 5
+
+
+# -- mounts of their own -------------------------------------------------------------
+
+def test_bfloat16_descr_and_checksum_failure_gives_eio(workdir, rng):
+    import ml_dtypes
+    path = str(workdir / "bf16")
+    s = Store.create(path, disks=3, num_layers=1, num_kv_heads=2, head_dim=8,
+                     dtype="bfloat16")
+    S = 600
+    s.write_layer(0, random_kv(rng, S, 2, 8, "bfloat16"),
+                  [np.arange(0, 400), np.arange(400, 600), np.array([1, 401])])
+    good = s.read_cluster(0, 1)
+    bad = s.read_cluster(0, 0).tobytes()
+    info = s.layer(0).cluster_info(0)
+    eb = s.entry_bytes
+    s.close()
+    with Mount(path, workdir / "mnt-bf16") as m:
+        got = np.load(os.path.join(_cdir(m.mnt, 0, 1), "kv.npy"))
+        assert got.dtype == np.dtype("<u2") and got.shape == good.shape
+        assert (got.view(ml_dtypes.bfloat16).view(np.uint16) == good.view(np.uint16)).all()
+        # flip a byte of an entry in the middle of cluster 0 (on its first extent)
+        ext = info["extents"][0]
+        slot = ext["entries"] // 2
+        with open(os.path.join(path, "disks", f"disk-{ext['disk']}.img"), "r+b") as f:
+            f.seek(ext["offset"] + slot * eb + 3)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x40]))
+            f.flush()
+            os.fsync(f.fileno())
+        j = ((ext["disk"] - info["start_disk"]) % 3) + 3 * slot     # cluster-order index
+        kvbin = os.path.join(_cdir(m.mnt, 0, 0), "kv.bin")
+        fd = os.open(kvbin, os.O_RDONLY)
+        try:
+            with pytest.raises(OSError) as ei:
+                os.pread(fd, eb, j * eb)
+            assert ei.value.errno == errno.EIO
+            # a page that does not hold the bad entry still reads (only the
+            # entries a request covers are read and verified)
+            page = 0 if j * eb >= 4096 else len(bad) // 4096
+            assert (j * eb) // 4096 != page
+            assert os.pread(fd, 100, page * 4096) == bad[page * 4096:page * 4096 + 100]
+        finally:
+            os.close(fd)
+        r = subprocess.run(["cat", kvbin], capture_output=True)
+        assert r.returncode != 0 and b"Input/output error" in r.stderr
+        with open(os.path.join(_cdir(m.mnt, 0, 1), "kv.bin"), "rb") as f:
+            assert f.read() == good.tobytes()
+        with open(os.path.join(m.mnt, "stats.json")) as f:
+            assert json.load(f)["mount"]["checksum_failures"] >= 1
+        _wait(lambda: "checksum" in m.output(), what="the checksum failure in the log")
+
+
+def test_sigterm_unmounts_cleanly(store, workdir):
+    m = Mount(store.path, workdir / "mnt-term").start()
+    try:
+        assert os.listdir(m.mnt)
+        m.proc.send_signal(signal.SIGTERM)
+        assert m.proc.wait(timeout=DEADLINE) == 0
+        assert not _in_mountinfo(m.mnt)
+        assert os.listdir(m.mnt) == []
+    finally:
+        m.stop()
+
+
+def test_dead_mount_point_gives_a_way_out(store, workdir):
+    m = Mount(store.path, workdir / "mnt-dead").start()
+    try:
+        m.proc.send_signal(signal.SIGKILL)        # no chance to unmount
+        m.proc.wait(timeout=DEADLINE)
+        with pytest.raises(OSError) as ei:
+            os.statvfs(m.mnt)                     # stat may be answered from cache
+        assert ei.value.errno == errno.ENOTCONN
+        r = subprocess.run([sys.executable, "-m", "swarmfs._fuse", store.path, m.mnt,
+                            "--foreground"], capture_output=True, text=True, timeout=DEADLINE)
+        assert r.returncode == 1
+        assert "Transport endpoint is not connected" in r.stderr
+        assert "umount --lazy" in r.stderr
+        umount(m.mnt, lazy=True)
+        assert not _in_mountinfo(m.mnt) and os.listdir(m.mnt) == []
+        with pytest.raises(MountError, match="not mounted"):
+            umount(m.mnt)
+    finally:
+        m.stop()
+
+
+def test_bad_store_fails_before_mounting(workdir):
+    mnt = str(workdir / "mnt-bad")
+    os.makedirs(mnt, exist_ok=True)
+    r = subprocess.run([sys.executable, "-m", "swarmfs._fuse", str(workdir / "no-store"), mnt,
+                        "--foreground"], capture_output=True, text=True, timeout=DEADLINE)
+    assert r.returncode == 1 and "swarmfs: error:" in r.stderr
+    assert not _in_mountinfo(mnt)
+
+
+def test_background_mount_and_umount(store, workdir):
+    mnt = str(workdir / "mnt-bg")
+    os.makedirs(mnt, exist_ok=True)
+    code = ("import sys; from swarmfs._fuse import mount; "
+            "print(mount(sys.argv[1], sys.argv[2], foreground=False))")
+    try:
+        r = subprocess.run([sys.executable, "-c", code, store.path, mnt], capture_output=True,
+                           text=True, timeout=DEADLINE)
+        assert r.returncode == 0, r.stderr
+        pid = int(r.stdout.split()[-1])
+        assert _mounted(mnt)                 # up when mount() returned
+        with open(os.path.join(mnt, "manifest.json"), "rb") as f:
+            assert json.loads(f.read())["uuid"] == store.uuid
+        umount(mnt)
+        assert not _in_mountinfo(mnt)
+
+        def gone():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().split(") ")[1].startswith("Z")
+            except FileNotFoundError:
+                return True
+        _wait(gone, what="the mount daemon to exit")
+    finally:
+        if _in_mountinfo(mnt):
+            subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
+        with contextlib.suppress(NameError, ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_direct_io_mode(store, workdir):
+    want = store.read_cluster(1, 0).tobytes()
+    with Mount(store.path, workdir / "mnt-direct", "--direct-io") as m:
+        kvbin = os.path.join(_cdir(m.mnt, 1, 0), "kv.bin")
+        dd = subprocess.run(["dd", f"if={kvbin}", "bs=1M", "status=none"],
+                            capture_output=True, check=True).stdout
+        assert dd == want
+        procs = [subprocess.Popen(["sh", "-c", f"cat {kvbin} | sha256sum"],
+                                  stdout=subprocess.PIPE) for _ in range(3)]
+        assert {p.communicate(timeout=DEADLINE)[0].split()[0].decode() for p in procs} == \
+            {_sha(want)}
+        got = np.load(os.path.join(_cdir(m.mnt, 0, 9), "kv.npy"))
+        assert same_bits(got, store.read_cluster(0, 9))
+        fd = os.open(kvbin, os.O_RDONLY)
+        try:
+            assert os.pread(fd, 10_000, 123_457) == want[123_457:133_457]
+        finally:
+            os.close(fd)

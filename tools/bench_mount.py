@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Benchmark the FUSE mount against the fast path.
+
+Builds (or reuses) two stores under --dir:
+
+* ``big``: one layer of --big-clusters clusters of --cluster-mib MiB each
+  (entries [2, 8, 128] float16 = 4 KiB), striped over --disks file disks;
+* ``wide``: one layer of --clusters small clusters (entries [2, 2, 16] float16).
+
+and measures, side by side in every run (median of --runs):
+
+* fast path: ``Store.read_cluster`` of a big cluster (one batched submission);
+* fast path in 1 MiB pieces: ``Store.read_cluster_range`` per MiB (what the
+  mount does per FUSE request, without FUSE);
+* mount, page cache (default): ``dd if=.../kv.bin bs=1M of=/dev/null`` after
+  ``posix_fadvise(DONTNEED)`` drops the file's cached pages; also ``cat``;
+* mount, ``--direct-io``: the same dd;
+* concurrent: --concurrent dd processes on different big clusters at once,
+  against the fast path reading the same clusters one after another;
+* ``ls -R`` of the wide layer's ``clusters/`` on a fresh mount (entries/s).
+
+Writes everything to --out as JSON and prints a table.
+
+    python tools/bench_mount.py --dir /tmp/swarmfs-bench --runs 5 --out bench_mount.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from swarmfs import Store
+
+MiB = 1 << 20
+
+
+def build_big(path, *, disks, clusters, cluster_mib, seed=0):
+    shape = (2, 8, 128)
+    eb = 2 * 8 * 128 * 2
+    n = cluster_mib * MiB // eb
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        with contextlib.suppress(Exception):
+            with Store.open(path) as s:
+                if s.num_clusters(0) == clusters and int(s.layer(0).sizes[0]) == n \
+                        and s.num_disks == disks:
+                    return
+    shutil.rmtree(path, ignore_errors=True)
+    rng = np.random.default_rng(seed)
+    S = n * clusters
+    kv = rng.standard_normal((S,) + shape, dtype=np.float32).astype(np.float16)
+    s = Store.create(path, disks=disks, num_layers=1, num_kv_heads=8, head_dim=128,
+                     dtype="float16")
+    s.write_layer(0, kv, [np.arange(i * n, (i + 1) * n) for i in range(clusters)])
+    s.close()
+
+
+def build_wide(path, *, disks, clusters, seed=1):
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        with contextlib.suppress(Exception):
+            with Store.open(path) as s:
+                if s.num_clusters(0) == clusters and s.num_disks == disks:
+                    return
+    shutil.rmtree(path, ignore_errors=True)
+    rng = np.random.default_rng(seed)
+    S = clusters * 4
+    kv = rng.standard_normal((S, 2, 2, 16), dtype=np.float32).astype(np.float16)
+    cuts = np.sort(rng.choice(np.arange(1, S), clusters - 1, replace=False))
+    s = Store.create(path, disks=disks, num_layers=1, num_kv_heads=2, head_dim=16,
+                     dtype="float16")
+    s.write_layer(0, kv, np.split(rng.permutation(S), cuts))
+    s.close()
+
+
+class Mount:
+    """A mount served by ``python -m swarmfs._fuse ... --foreground``."""
+
+    def __init__(self, store, mnt, *extra):
+        self.store, self.mnt, self.extra = store, mnt, list(extra)
+        self.proc = None
+
+    def __enter__(self):
+        os.makedirs(self.mnt, exist_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "swarmfs._fuse", self.store,
+                                      self.mnt, "--foreground", *self.extra],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(self.mnt):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                err = self.proc.stderr.read().decode() if self.proc.poll() is not None else ""
+                self.__exit__()
+                raise RuntimeError(f"mount of {self.store} failed: {err}")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        if os.path.ismount(self.mnt):
+            subprocess.run(["fusermount3", "-u", self.mnt], capture_output=True)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                subprocess.run(["fusermount3", "-uz", self.mnt], capture_output=True)
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stderr.close()
+
+
+def drop_file_cache(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def timed(cmd):
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t
+
+
+def timed_parallel(cmds):
+    t = time.perf_counter()
+    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for c in cmds]
+    for p in procs:
+        if p.wait() != 0:
+            raise RuntimeError(f"{p.args} failed")
+    return time.perf_counter() - t
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/tmp/swarmfs-bench")
+    ap.add_argument("--disks", type=int, default=4)
+    ap.add_argument("--cluster-mib", type=int, default=64)
+    ap.add_argument("--big-clusters", type=int, default=4)
+    ap.add_argument("--clusters", type=int, default=100_000)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--ls-runs", type=int, default=3)
+    ap.add_argument("--concurrent", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--out", default="bench_mount.json")
+    a = ap.parse_args(argv)
+    os.makedirs(a.dir, exist_ok=True)
+    big, wide = os.path.join(a.dir, "big"), os.path.join(a.dir, "wide")
+    t0 = time.perf_counter()
+    build_big(big, disks=a.disks, clusters=max(a.big_clusters, a.concurrent),
+              cluster_mib=a.cluster_mib)
+    build_wide(wide, disks=a.disks, clusters=a.clusters)
+    print(f"stores ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+    store = Store.open(big)
+    nbytes = int(store.layer(0).sizes[0]) * store.entry_bytes
+    conc = list(range(max(a.concurrent, 1)))
+    times = {k: [] for k in ("fast_read_cluster", "fast_range_1MiB", "mount_dd_1M",
+                             "mount_cat", "mount_direct_dd_1M", "fast_concurrent",
+                             "mount_concurrent_dd_1M")}
+    m1, m2 = os.path.join(a.dir, "mnt"), os.path.join(a.dir, "mnt-direct")
+    thr = ["--threads", str(a.threads)]
+    with Mount(big, m1, *thr), Mount(big, m2, "--direct-io", *thr):
+        kv = lambda m, c=0: os.path.join(m, "layers", "00", "clusters", f"{c:06d}", "kv.bin")
+        # correctness once, and warm-up of the index on both mounts
+        want = store.read_cluster(0, 0).tobytes()
+        for m in (m1, m2):
+            with open(kv(m), "rb") as f:
+                if f.read() != want:
+                    raise RuntimeError(f"{m}: bytes differ from the fast path")
+        for _ in range(a.runs):
+            t = time.perf_counter()
+            store.read_cluster(0, 0)
+            times["fast_read_cluster"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for off in range(0, nbytes, MiB):
+                store.read_cluster_range(0, 0, off, MiB)
+            times["fast_range_1MiB"].append(time.perf_counter() - t)
+            drop_file_cache(kv(m1))
+            times["mount_dd_1M"].append(timed(["dd", f"if={kv(m1)}", "of=/dev/null", "bs=1M"]))
+            drop_file_cache(kv(m1))
+            times["mount_cat"].append(timed(["sh", "-c", f"cat {kv(m1)} > /dev/null"]))
+            times["mount_direct_dd_1M"].append(
+                timed(["dd", f"if={kv(m2)}", "of=/dev/null", "bs=1M"]))
+            if a.concurrent > 1:
+                t = time.perf_counter()
+                for c in conc:
+                    store.read_cluster(0, c)
+                times["fast_concurrent"].append(time.perf_counter() - t)
+                for c in conc:
+                    drop_file_cache(kv(m1, c))
+                times["mount_concurrent_dd_1M"].append(timed_parallel(
+                    [["dd", f"if={kv(m1, c)}", "of=/dev/null", "bs=1M"] for c in conc]))
+    store.close()
+
+    ls_times, ls_entries = [], None
+    m3 = os.path.join(a.dir, "mnt-wide")
+    for _ in range(a.ls_runs):
+        with Mount(wide, m3, *thr):
+            d = os.path.join(m3, "layers", "00", "clusters")
+            t = time.perf_counter()
+            out = subprocess.run(["ls", "-R", d], check=True, capture_output=True).stdout
+            ls_times.append(time.perf_counter() - t)
+            ls_entries = sum(1 for line in out.splitlines() if line and not line.endswith(b":"))
+
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    mbps = lambda sec, n=nbytes: n / sec / 1e6
+    fast = mbps(med["fast_read_cluster"])
+    # (name, median seconds, MB/s, MB/s of the fast-path baseline it is compared with)
+    rows = [("fast path read_cluster", med["fast_read_cluster"], fast, fast),
+            ("fast path read_cluster_range, 1 MiB pieces", med["fast_range_1MiB"],
+             mbps(med["fast_range_1MiB"]), fast),
+            ("mount dd bs=1M (page cache)", med["mount_dd_1M"], mbps(med["mount_dd_1M"]), fast),
+            ("mount cat (page cache)", med["mount_cat"], mbps(med["mount_cat"]), fast),
+            ("mount dd bs=1M (--direct-io)", med["mount_direct_dd_1M"],
+             mbps(med["mount_direct_dd_1M"]), fast)]
+    if a.concurrent > 1:
+        tot = nbytes * len(conc)
+        cfast = mbps(med["fast_concurrent"], tot)
+        rows += [(f"fast path read_cluster x{len(conc)} (one after another)",
+                  med["fast_concurrent"], cfast, cfast),
+                 (f"mount {len(conc)} concurrent dd bs=1M (page cache)",
+                  med["mount_concurrent_dd_1M"], mbps(med["mount_concurrent_dd_1M"], tot), cfast)]
+    result = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "host": {"kernel": platform.release(), "cpus": os.cpu_count(),
+                 "python": platform.python_version()},
+        "params": vars(a), "cluster_bytes": nbytes,
+        "runs_seconds": times,
+        "median_seconds": med,
+        "throughput_MBps": {name: round(v, 1) for name, _, v, _ in rows},
+        "ratio_to_fast_path": {name: round(v / base, 3) for name, _, v, base in rows},
+        "ls_R": {"entries": ls_entries, "clusters": a.clusters, "seconds": ls_times,
+                 "median_seconds": statistics.median(ls_times) if ls_times else None,
+                 "entries_per_s": round(ls_entries / statistics.median(ls_times))
+                 if ls_times else None},
+    }
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    w = max(len(r[0]) for r in rows)
+    print(f"{'':{w}}  {'median s':>9}  {'MB/s':>8}  {'vs fast':>7}")
+    for name, sec, v, _ in rows:
+        print(f"{name:{w}}  {sec:9.4f}  {v:8.1f}  {result['ratio_to_fast_path'][name]:7.3f}")
+    if ls_times:
+        print(f"ls -R of {a.clusters} clusters: {ls_entries} entries, median "
+              f"{result['ls_R']['median_seconds']:.2f} s "
+              f"({result['ls_R']['entries_per_s']} entries/s)")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
