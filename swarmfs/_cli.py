@@ -155,31 +155,125 @@ def read(store, layer, cid, tokens, out, no_verify, engine):
                f"V mean {a[:, 1].mean():+.4f} std {a[:, 1].std():.4f}")
 
 
+def _layout_options(f):
+    """Options shared by build and demo (offline layout, SWARM §5)."""
+    opts = [
+        click.option("--ratio", type=float, default=0.10, show_default=True,
+                     help="Sparsity ratio r: profile top-k and retrieval budget (§8.1)."),
+        click.option("--tau", type=float, default=None,
+                     help="Clustering radius in (0, 1] (default: the layout's)."),
+        click.option("--metric", type=click.Choice(["jaccard", "eq2"]), default=None,
+                     help="Co-activation distance (default jaccard; eq2 = paper eq. 2-3)."),
+        click.option("--local-window", type=int, default=256, show_default=True,
+                     help="Tokens kept in DRAM (§5.2)."),
+        click.option("--hot-fraction", type=float, default=0.02, show_default=True,
+                     help="DRAM budget for hot clusters, fraction of a layer's KV bytes (eq. 6)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _params(ratio, tau, metric, local_window, hot_fraction):
+    from ._demo import LayoutParams
+    if not 0 < ratio <= 1:
+        raise E.LayoutError(f"--ratio must be in (0, 1], got {ratio}")
+    if tau is not None and not 0 < tau <= 1:
+        raise E.LayoutError(f"--tau must be in (0, 1], got {tau}")
+    return LayoutParams(ratio=ratio, tau=tau, metric=metric, local_window=local_window,
+                        hot_fraction=hot_fraction)
+
+
 @main.command()
-@click.option("--dir", "workdir", type=click.Path(), default="demo-store",
-              help="Directory for the store and its disk files.")
-@click.option("--disks", type=int, default=4, help="Number of disk files.")
+@click.option("--model", type=click.Path(), default=None,
+              help="Local Hugging Face model directory (default all-MiniLM-L6-v2, offline).")
+@click.option("--text", "text_file", type=click.Path(), default=None,
+              help="Text file (default: the Python standard library's docstrings).")
+@click.option("--max-tokens", type=int, default=16384, show_default=True,
+              help="Keep the first N tokens (0 = all).")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "model"]),
+              default="float32", show_default=True, help="Stored K/V/Q dtype.")
+@click.option("--out", type=click.Path(), required=True, help="Output .safetensors file.")
+def capture(model, text_file, max_tokens, dtype, out):
+    """Run a model over a text and record K, V and Q of every layer (post-RoPE).
+
+    Texts longer than the model's window run as consecutive windows whose K/V
+    form one long context.
+    """
+    from .layout import _capture as C
+    text = C.read_text(text_file) if text_file else None
+    cap = C.capture(model, text, max_tokens=max_tokens or None, dtype=dtype,
+                    text_source=text_file)
+    C.save_capture(out, cap)
+    click.echo(f"wrote {out}: {cap.num_layers} layers, {cap.num_tokens} tokens, "
+               f"{cap.num_kv_heads} KV heads / {cap.num_query_heads} query heads x "
+               f"{cap.head_dim}, {cap.k.dtype}")
+
+
+@main.command()
+@click.argument("kv_file", type=click.Path())
+@click.argument("store", type=click.Path())
+@click.option("--disks", type=int, default=4, show_default=True,
+              help="Number of file disks under STORE/disks.")
+@click.option("--disk", "disk_paths", multiple=True, type=click.Path(),
+              help="A disk path (file or block device); repeat for each disk.")
+@click.option("--context", type=int, default=None, help="Store only the first N tokens.")
+@click.option("--profile-queries", type=click.Path(), default=None,
+              help="Profile with the queries of another capture (dataset shift, §8.4).")
+@click.option("--force", is_flag=True, help="Replace an existing store / foreign disks.")
+@_layout_options
 @ENGINE_OPT
-def demo(workdir, disks, engine):
-    """Build a store on N disk files, verify it and read it back (interim)."""
-    from ._store import Store
-    rng = np.random.default_rng(0)
-    S, H, d = 4096, 12, 32
-    kv = rng.standard_normal((S, 2, H, d)).astype(np.float16)
-    perm = rng.permutation(S)
-    clusters = np.array_split(perm, 128)
-    s = Store.create(workdir, disks=disks, num_layers=1, num_kv_heads=H, head_dim=d,
-                     dtype="float16", engine=engine, force=True)
+def build(kv_file, store, disks, disk_paths, context, profile_queries, force, ratio, tau,
+          metric, local_window, hot_fraction, engine):
+    """Lay out a captured KV file (profile, cluster, place) into a new store."""
+    from ._demo import build_store
+    from .layout import _capture as C
+    params = _params(ratio, tau, metric, local_window, hot_fraction)
+    cap = C.load_capture(kv_file)
+    pcap = C.load_capture(profile_queries) if profile_queries else None
+    s, rep = build_store(cap, store, disks=list(disk_paths) or disks, params=params,
+                         context=context, force=force, engine=engine, profile_cap=pcap)
     with s:
-        s.write_layer(0, kv, clusters)
-        ok = all(np.array_equal(s.read_cluster(0, c).view(np.uint16),
-                                kv[clusters[c]].view(np.uint16)) for c in range(128))
-        bad = s.verify()
-        st = s.stats()
-    click.echo(f"store {os.path.abspath(workdir)}: {disks} disks, {S} entries in 128 clusters; "
-               f"read back bit-exact: {ok}; verify: {'ok' if not bad else bad}; engine "
-               f"{st.engine.engine}, {st.engine.requests} requests, {st.engine.submit_calls} "
-               "submit calls")
+        info = s.info()
+    click.echo(f"built {info['path']}: {info['clusters']} clusters over {info['num_disks']} "
+               f"disks, {info['entries']} entries, replication {info['replication']}")
+    for layer, x in rep.items():
+        click.echo(f"  layer {layer}: {x['clusters']} clusters, mean size "
+                   f"{x['mean_size']:.1f}, replication {x['replication']:.3f}, "
+                   f"{x['hot_clusters']} hot")
+
+
+@main.command()
+@click.option("--dir", "workdir", type=click.Path(), default="demo-store", show_default=True,
+              help="Directory for the store and its disk files (replaced).")
+@click.option("--disks", type=int, default=4, show_default=True, help="Number of disk files.")
+@click.option("--model", type=click.Path(), default=None,
+              help="Local HF model directory (default all-MiniLM-L6-v2, offline).")
+@click.option("--text", "text_file", type=click.Path(), default=None,
+              help="Text file (default: the Python standard library's docstrings).")
+@click.option("--context", type=int, default=16384, show_default=True,
+              help="Tokens of context to store.")
+@click.option("--eval-queries", type=int, default=64, show_default=True,
+              help="Held-out queries (the tokens after the context).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_layout_options
+@ENGINE_OPT
+def demo(workdir, disks, model, text_file, context, eval_queries, as_json, ratio, tau,
+         metric, local_window, hot_fraction, engine):
+    """The main job: capture a real model's KV cache over real text, lay it out
+    by co-activation, store it on N disk files, retrieve for held-out queries
+    and report recall and error against the oracle."""
+    from ._demo import render, run_demo
+    from .layout import _capture as C
+    params = _params(ratio, tau, metric, local_window, hot_fraction)
+    text = C.read_text(text_file) if text_file else None
+    rep = run_demo(workdir, model=model, text=text, text_source=text_file, disks=disks,
+                   context=context, eval_queries=eval_queries, params=params, engine=engine,
+                   progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(rep, indent=1, default=float))
+    else:
+        render(rep)
 
 
 @main.command()

@@ -28,9 +28,15 @@ import numpy as np
 
 from ._engine import assign_buckets
 
-__all__ = ["Plan", "plan_reads", "POLICIES"]
+__all__ = ["Plan", "plan_reads", "POLICIES", "MAX_REQUEST"]
 
 POLICIES = ("balanced", "first")
+
+#: Default cap on one coalesced request (bytes).  512 KiB: NVMe drives split
+#: larger transfers at their MDTS anyway (commonly 128 KiB-2 MiB), and the
+#: emulated testbed's loop devices split above 128 pages (512 KiB), which
+#: blk-throttle then charges twice (docs/benchmarks.md).
+MAX_REQUEST = 512 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +121,7 @@ def _choose_copies(tok: np.ndarray, cdisk: np.ndarray, ndisks: int, policy: str)
 
 
 def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
-               block_size: int, max_gap: int = 0, max_request: int = 1 << 20,
+               block_size: int, max_gap: int = 0, max_request: int = MAX_REQUEST,
                policy: str = "balanced", dedup: bool = True) -> Plan:
     """Plan block-aligned reads of KV entries from candidate copies.
 

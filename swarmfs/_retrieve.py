@@ -20,6 +20,7 @@ import numpy as np
 
 from . import _errors as E
 from ._engine import gemv_half
+from ._selectors import MedoidSelector
 from ._store import Store, to_torch
 
 __all__ = ["Retriever", "Retrieval", "RetrievalStats", "group_queries", "select_clusters",
@@ -181,15 +182,10 @@ def select_clusters(scores: np.ndarray, sizes: np.ndarray, budget: int) -> np.nd
 class _LayerState:
     """DRAM partition of one layer: medoid index, local window, hot clusters."""
 
-    def __init__(self, store: Store, layer: int, local_window: int, hot):
+    def __init__(self, store: Store, layer: int, local_window: int, hot, selector):
         li = store.layer(layer)
         self.li = li
         S = li.num_tokens
-        H, d = store.num_kv_heads, store.head_dim
-        # the medoid index stays in the store dtype: fp16/bf16 halve the bytes a
-        # query must stream (scored by a C GEMV), fp32 goes to BLAS
-        self.medoids = np.ascontiguousarray(store.medoid_keys(layer)).reshape(
-            li.num_clusters, H * d)
         self.sizes = li.sizes
         self.hot = np.asarray(li.hot if hot is None else hot, dtype=bool)
         resident = np.zeros(S, dtype=bool)
@@ -205,7 +201,7 @@ class _LayerState:
         rows = store.read_entries(layer, toks) if toks.size else \
             np.empty((0,) + store.entry_shape, store.np_dtype)
         self.rows = np.ascontiguousarray(rows).reshape(toks.shape[0], -1).view(np.uint8)
-        self.dram_bytes = int(self.rows.nbytes + self.medoids.nbytes)
+        self.dram_bytes = int(self.rows.nbytes + selector.dram_bytes(layer))
 
 
 class Retriever:
@@ -223,6 +219,8 @@ class Retriever:
         policy: ``"balanced"`` (§6.1 entry buckets) or ``"first"`` (static).
         dedup: eq. 8 deduplication (False reads every selected copy).
         max_gap: coalesce entries on a disk separated by at most this many bytes.
+        selector: what scores a query (default :class:`MedoidSelector`, SWARM's
+            medoid index); the baselines of §8 plug in here (``_selectors``).
 
     Raises:
         LayoutError: sparsity outside (0, 1].
@@ -230,7 +228,8 @@ class Retriever:
 
     def __init__(self, store: Store, *, sparsity: float = 0.1,
                  local_window: int | None = None, hot: dict | None = None,
-                 policy: str = "balanced", dedup: bool = True, max_gap: int = 0):
+                 policy: str = "balanced", dedup: bool = True, max_gap: int = 0,
+                 selector=None):
         if not 0 < sparsity <= 1:
             raise E.LayoutError(f"sparsity ratio must be in (0, 1], got {sparsity}",
                                 store=store.path)
@@ -239,6 +238,7 @@ class Retriever:
         self.local_window = local_window
         self.policy, self.dedup, self.max_gap = policy, dedup, max_gap
         self._hot = hot or {}
+        self.selector = selector if selector is not None else MedoidSelector(store)
         self._layers: dict[int, _LayerState] = {}
         self._lock = threading.Lock()
         self.group = store.model.get("num_query_heads", store.num_kv_heads) // store.num_kv_heads
@@ -254,7 +254,8 @@ class Retriever:
                     W = self.local_window
                     if W is None:
                         W = self.store.layer_info(layer)["local_window"]
-                    st = _LayerState(self.store, layer, W, self._hot.get(layer))
+                    st = _LayerState(self.store, layer, W, self._hot.get(layer),
+                                     self.selector)
                     self._layers[layer] = st
         return st
 
@@ -264,14 +265,15 @@ class Retriever:
 
     # -- the three steps ----------------------------------------------------
     def score(self, layer: int, q) -> np.ndarray:
-        """Medoid scores of one or more queries: float32 [B, C].
+        """Selector scores of one or more queries: float32 [B, C] (medoid
+        scores for SWARM; [B, S] for a token selector).
 
         ``q`` is [H_q, d] or [B, H_q, d] (numpy or torch).  The query heads of
         a GQA group are summed before the product, which equals summing the
         per-head scores q_h . k_m over the heads that share a KV head.
         """
-        st = self.layer_state(layer)
-        return score_medoids(st.medoids, self._group_sum(q))
+        self.layer_state(layer)
+        return self.selector.scores(layer, self._group_sum(q))
 
     def _group_sum(self, q) -> np.ndarray:
         try:
@@ -282,6 +284,22 @@ class Retriever:
     def select(self, layer: int, scores: np.ndarray, budget: int) -> np.ndarray:
         """Cluster choice for one query's scores (see :func:`select_clusters`)."""
         return select_clusters(scores, self.layer_state(layer).sizes, budget)
+
+    @staticmethod
+    def _select_unique(st, scores, want, window):
+        """Clusters in score order until they add ``want`` distinct entries
+        outside the window (replicas and window overlap do not count twice)."""
+        li = st.li
+        lo = window[0] if window.size else li.num_tokens
+        extra = 0
+        for _ in range(8):
+            sel = select_clusters(scores, st.sizes, want + extra)
+            toks = li.members[li.cluster_copies(sel)]
+            got = np.unique(toks[toks < lo]).shape[0]
+            if got >= want or sel.shape[0] == li.num_clusters:
+                break
+            extra += want - got
+        return sel
 
     # -- one decode step ------------------------------------------------------
     def budget(self, layer: int) -> int:
@@ -318,17 +336,28 @@ class Retriever:
                                 store=self.store.path, layer=layer)
         scores = self.score(layer, q)
         t1 = time.perf_counter()
-        want = max(total_budget - st.window.shape[0], 0)
-        sel = [self.select(layer, s, want) for s in scores]
-        clusters = np.unique(np.concatenate(sel)) if len(sel) > 1 else sel[0]
-        t2 = time.perf_counter()
-        copies = li.cluster_copies(clusters)
+        window = st.window[max(st.window.shape[0] - total_budget, 0):]   # W <= budget
+        want = total_budget - window.shape[0]
+        if self.selector.kind == "tokens":
+            # exact top-k over all keys (outside the window); any copy may serve
+            sc = scores.copy()
+            sc[:, window] = -np.inf
+            top = np.argpartition(-sc, want - 1, axis=1)[:, :want] if want > 0 else \
+                np.empty((sc.shape[0], 0), np.int64)
+            clusters = np.empty(0, dtype=np.int64)
+            t2 = time.perf_counter()
+            copies = li.token_copies(np.unique(top))
+        else:
+            sel = [self._select_unique(st, s, want, window) for s in scores]
+            clusters = np.unique(np.concatenate(sel)) if len(sel) > 1 else sel[0]
+            t2 = time.perf_counter()
+            copies = li.cluster_copies(clusters)
         toks = li.members[copies]
         ssd = ~st.resident[toks]
         cand = copies[ssd]
         plan = self.store.plan_copies(li, cand, policy=self.policy, dedup=self.dedup,
                                       max_gap=self.max_gap)
-        dram_toks = np.union1d(st.window, toks[~ssd])
+        dram_toks = np.union1d(window, toks[~ssd])
         t3 = time.perf_counter()
         rows_ssd = self.store.execute(li, plan, cand)
         t4 = time.perf_counter()

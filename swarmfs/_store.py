@@ -25,7 +25,7 @@ from ._engine import (READ, Engine, EngineStats, device_size, gather_rows,
                       verify_rows,
                       xxh3_ranges, xxh3_rows)
 from ._index import LayerIndex
-from ._planner import Plan, plan_reads
+from ._planner import MAX_REQUEST, Plan, plan_reads
 from ._disks import create_disks, open_disks
 from ._write import as_bytes_rows, chunk_bounds, clusters_csr, write_extents
 from .layout._place import place_clusters
@@ -492,7 +492,7 @@ class Store:
                     self._pool.sort(key=lambda b: b.size)
                     self._pool.pop(0).release()
 
-    def plan(self, layer: int, tokens, *, max_gap: int = 0, max_request: int = 1 << 20,
+    def plan(self, layer: int, tokens, *, max_gap: int = 0, max_request: int = MAX_REQUEST,
              policy: str = "balanced", dedup: bool = True) -> Plan:
         """Plan reading the entries of ``tokens`` from any of their copies.
 
@@ -511,7 +511,7 @@ class Store:
                                 max_request=max_request, policy=policy, dedup=dedup)
 
     def plan_copies(self, li: LayerIndex, copies: np.ndarray, *, key=None,
-                    max_gap: int = 0, max_request: int = 1 << 20,
+                    max_gap: int = 0, max_request: int = MAX_REQUEST,
                     policy: str = "balanced", dedup: bool = True) -> Plan:
         """Plan reads of the given copies (``key`` groups copies of one entry;
         default the token).  ``Plan.copy`` indexes ``copies``."""
@@ -605,7 +605,7 @@ class Store:
         plan = plan_reads(np.arange(copies.shape[0]), li.copy_disk[copies],
                           li.copy_off[copies], ndisks=self.num_disks,
                           entry_bytes=self.entry_bytes, block_size=self.block_size,
-                          max_request=1 << 20)
+                          max_request=MAX_REQUEST)
         rows = self.execute(li, plan, copies, verify=verify, cluster=cid)
         self._count(cluster_reads=1)
         return self._rows_to_entries(rows, torch=torch, pinned=pinned)

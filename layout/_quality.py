@@ -1,0 +1,186 @@
+"""Retrieval quality of a clustering: attention-mass recall vs the oracle top-k.
+
+Mirrors what decoding does with a SWARM layout (§5.2, §6): the local window
+(the last ``W`` context entries) is always in DRAM; clusters are then taken in
+descending medoid score until the selected entries reach the budget
+``ceil(r * S)`` (the local window counts against it; the last cluster is taken
+whole, so the selection may overshoot).  Replicas and window entries are
+counted once (eq. 8's union).
+
+For a held-out query (one never used for profiling) that sees all ``S``
+context entries, let ``p(j) = (1 / H_q) sum_h softmax_j(q_h . k_{g(h), j} *
+scale)`` be its head-averaged attention over the context.  The *attention-mass
+recall* of a selection ``E`` is ``sum_{j in E} p(j) / sum_{j in T} p(j)``
+where ``T`` is the oracle: the ``|E|`` entries with the largest ``p`` (the
+same number of entries, so recall <= 1 and an overshooting last cluster earns
+nothing).
+
+Medoid scores (what retrieval ranks clusters by): ``"logit"`` sums the scaled
+logits ``q_h . k_{g(h), m} * scale`` over all query heads (i.e. over the query
+heads of every GQA group); ``"prob"`` sums per-head softmax probabilities over
+the medoids instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .._errors import LayoutError, ShapeError
+from ._profile import aggregate_scores
+
+__all__ = ["RecallReport", "evaluate_recall", "block_clustering"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallReport:
+    """Recall of one layer's layout on held-out queries.
+
+    Attributes:
+        recall: float64 [n] attention-mass recall per query (0..1).
+        selected: int64 [n] entries selected per query.
+        budget: the entry budget ceil(r * S).
+        clusters_read: int64 [n] clusters fetched per query.
+        oracle_mass: float64 [n] attention mass of the oracle top-``budget``.
+        window_bound: float64 [n] recall of the best selection of the same
+            size that contains the local window (window + oracle top of the
+            rest): what a perfect clustering would reach.
+    """
+    recall: np.ndarray
+    selected: np.ndarray
+    budget: int
+    clusters_read: np.ndarray
+    oracle_mass: np.ndarray
+    window_bound: np.ndarray
+
+    @property
+    def mean(self) -> float:
+        return float(self.recall.mean())
+
+    @property
+    def bound(self) -> float:
+        """Mean of ``window_bound``."""
+        return float(self.window_bound.mean())
+
+    @property
+    def overshoot(self) -> float:
+        """Mean selected / budget (>= 1)."""
+        return float(self.selected.mean() / self.budget)
+
+
+def block_clustering(num_tokens: int, block: int):
+    """Baseline layout: position-contiguous blocks, medoid = middle token.
+
+    Returns:
+        An object with ``ptr``, ``members`` and ``medoids`` (int64 CSR) that
+        :func:`evaluate_recall` accepts.
+    """
+    ptr = np.append(np.arange(0, num_tokens, block), num_tokens).astype(np.int64)
+    members = np.arange(num_tokens, dtype=np.int64)
+    medoids = np.minimum(ptr[:-1] + block // 2, num_tokens - 1)
+    ns = type("Blocks", (), {})()
+    ns.ptr, ns.members, ns.medoids = ptr, members, medoids
+    return ns
+
+
+def evaluate_recall(clustering, q_eval, k, *, ratio: float = 0.10,
+                    local_window: int = 256, score: str = "prob",
+                    scaling: float | None = None, batch: int = 64) -> RecallReport:
+    """Attention-mass recall of medoid-based cluster retrieval (see module doc).
+
+    Args:
+        clustering: a :class:`~._cluster.Clustering` (or anything with int
+            ``ptr`` [C+1], ``members`` [M], ``medoids`` [C]) over S tokens.
+        q_eval: float [H_q, n, d] held-out queries; each sees all S keys.
+        k: float [H_kv, S, d] the context's keys.
+        ratio: sparsity ratio r in (0, 1]; budget = ceil(r * S) entries.
+        local_window: W, last context entries always selected.
+        score: ``"logit"`` or ``"prob"`` medoid scoring.
+        scaling: logit scale (default d**-0.5).
+        batch: queries scored together.
+
+    Returns:
+        A :class:`RecallReport`.
+
+    Raises:
+        ShapeError: q/k shapes disagree or the clustering is not over S tokens.
+        LayoutError: bad ratio, local_window or score.
+    """
+    q_eval = np.asarray(q_eval)
+    k = np.ascontiguousarray(k, dtype=np.float32)
+    if q_eval.ndim != 3 or k.ndim != 3 or q_eval.shape[2] != k.shape[2] \
+            or q_eval.shape[0] % k.shape[0]:
+        raise ShapeError(f"q_eval {q_eval.shape} and k {k.shape} disagree")
+    H_q, n, d = q_eval.shape
+    H_kv, S, _ = k.shape
+    ptr = np.asarray(clustering.ptr, np.int64)
+    members = np.asarray(clustering.members, np.int64)
+    medoids = np.asarray(clustering.medoids, np.int64)
+    if members.size == 0 or members.max() >= S or np.bincount(members, minlength=S).min() == 0:
+        raise ShapeError(f"the clustering does not cover exactly the {S} context tokens")
+    if not 0 < ratio <= 1:
+        raise LayoutError(f"ratio must be in (0, 1], got {ratio}")
+    if local_window < 0:
+        raise LayoutError(f"local_window must be >= 0, got {local_window}")
+    if score not in ("logit", "prob"):
+        raise LayoutError(f"score must be 'logit' or 'prob', got {score!r}")
+    scaling = d ** -0.5 if scaling is None else float(scaling)
+    budget = max(1, math.ceil(ratio * S - 1e-9))
+    W = min(local_window, S)
+    sizes = np.diff(ptr)
+    g = H_q // H_kv
+    kmed = k[:, medoids]                                    # [H_kv, C, d]
+    in_win = np.zeros(S, bool)
+    in_win[S - W:] = True
+    recall = np.empty(n)
+    selected = np.empty(n, np.int64)
+    nread = np.empty(n, np.int64)
+    omass = np.empty(n)
+    wbound = np.empty(n)
+    for a in range(0, n, batch):
+        qb = np.ascontiguousarray(q_eval[:, a:a + batch], dtype=np.float32)
+        p = aggregate_scores(qb, k, scaling=scaling) / H_q      # [B, S]
+        if score == "prob":
+            ms = aggregate_scores(qb, kmed, scaling=scaling)
+        else:
+            ms = np.zeros((qb.shape[1], medoids.shape[0]), np.float32)
+            for h in range(H_q):
+                ms += qb[h] @ kmed[h // g].T
+        for r in range(qb.shape[1]):
+            order = np.argsort(-ms[r], kind="stable")
+            lens = sizes[order]
+            starts = ptr[order]
+            offs = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
+            flat = members[np.arange(int(lens.sum())) + offs]
+            new = ~in_win[flat]
+            _, first = np.unique(flat, return_index=True)
+            isfirst = np.zeros(flat.shape[0], bool)
+            isfirst[first] = True
+            new &= isfirst
+            cum = np.cumsum(new)
+            ends = np.cumsum(lens) - 1
+            need = budget - W
+            if need <= 0:
+                c = 0
+                sel = np.flatnonzero(in_win)
+            else:
+                c = int(np.searchsorted(cum[ends], need, side="left")) + 1
+                c = min(c, order.shape[0])
+                sel = np.union1d(flat[:ends[c - 1] + 1], np.flatnonzero(in_win))
+            pr = p[r]
+            m = sel.shape[0]
+            top = np.partition(pr, S - m)[S - m:].sum(dtype=np.float64)
+            recall[a + r] = pr[sel].sum(dtype=np.float64) / top if top > 0 else 1.0
+            selected[a + r] = m
+            nread[a + r] = c
+            omass[a + r] = np.partition(pr, S - budget)[S - budget:].sum(dtype=np.float64)
+            rest = pr[S - W:S].sum(dtype=np.float64)
+            extra = m - W
+            if extra > 0:
+                rest += np.partition(pr[:S - W], S - W - extra)[S - W - extra:].sum(
+                    dtype=np.float64)
+            wbound[a + r] = rest / top if top > 0 else 1.0
+    return RecallReport(recall=recall, selected=selected, budget=budget,
+                        clusters_read=nread, oracle_mass=omass, window_bound=wbound)

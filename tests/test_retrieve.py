@@ -1,0 +1,152 @@
+"""Retrieval: selection, DRAM partition, dedup and the baselines' selectors."""
+
+import numpy as np
+import pytest
+from conftest import random_clusters, random_kv, same_bits
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmfs import Retriever, Store
+from swarmfs import _errors as E
+from swarmfs._retrieve import group_queries, score_medoids, select_clusters
+from swarmfs._selectors import BoundSelector, MultiVectorSelector, TokenSelector
+
+S, H, HQ, D = 2000, 2, 8, 16
+
+
+@pytest.fixture
+def store(tmp_path, rng):
+    s = Store.create(tmp_path / "st", disks=4, num_layers=1, num_kv_heads=H, head_dim=D,
+                     num_query_heads=HQ, dtype="float16")
+    kv = random_kv(rng, S, H, D, "float16")
+    cl = random_clusters(rng, S, 100, 300)
+    hot = np.zeros(100, bool)
+    hot[[3, 17]] = True
+    s.write_layer(0, kv, cl, hot=hot, local_window=64)
+    yield s, kv, cl
+    s.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(-10, 10), min_size=1, max_size=50), st.integers(1, 300),
+       st.integers(0, 2**31))
+def test_select_clusters_takes_best_first_until_budget(scores, budget, seed):
+    rng = np.random.default_rng(seed)
+    sc = np.array(scores, dtype=np.float32)
+    sizes = rng.integers(1, 20, size=sc.shape[0])
+    sel = select_clusters(sc, sizes, budget)
+    assert len(set(sel.tolist())) == len(sel)
+    assert (np.diff(sc[sel]) <= 0).all()                       # descending scores
+    if sizes.sum() >= budget:
+        assert sizes[sel].sum() >= budget                      # budget met
+        assert sizes[sel[:-1]].sum() < budget                  # ...by the last one only
+    else:
+        assert len(sel) == len(sc)
+    rest = np.setdiff1d(np.arange(len(sc)), sel)
+    if rest.size and sel.size:
+        assert sc[rest].max() <= sc[sel].min()                 # nothing better was left out
+
+
+def test_group_sum_equals_sum_of_head_scores(rng):
+    q = rng.standard_normal((HQ, D)).astype(np.float32)
+    keys = rng.standard_normal((50, H, D)).astype(np.float16)
+    qg = group_queries(q, H)
+    fast = score_medoids(keys.reshape(50, H * D), qg)[0]
+    g = HQ // H
+    slow = sum(keys[:, h // g].astype(np.float32) @ q[h] for h in range(HQ))
+    assert np.allclose(fast, slow, rtol=1e-4, atol=1e-3)
+
+
+def test_retrieve_returns_window_and_selected_clusters_bit_exact(store, rng):
+    s, kv, cl = store
+    r = Retriever(s, sparsity=0.1)
+    q = rng.standard_normal((HQ, D))
+    out = r.retrieve(0, q, torch=False)
+    li = s.layer(0)
+    want = set(range(S - 64, S))
+    for c in out.clusters:
+        want |= set(cl[c].tolist())
+    assert set(out.positions.tolist()) == want                 # union, deduplicated
+    assert (np.diff(out.positions) > 0).all()
+    assert same_bits(out.k, kv[out.positions][:, 0].transpose(1, 0, 2))
+    assert same_bits(out.v, kv[out.positions][:, 1].transpose(1, 0, 2))
+    st_ = out.stats
+    assert st_.entries == st_.entries_dram + st_.entries_ssd
+    assert st_.entries >= r.budget(0) or out.clusters.size == li.num_clusters
+    assert sum(st_.disk_bytes) == st_.bytes_read
+    # the clusters are the best-scoring ones
+    sc = r.score(0, q)[0]
+    assert sc[out.clusters].min() >= np.delete(sc, out.clusters).max()
+
+
+def test_hot_clusters_and_window_are_served_from_dram(store, rng):
+    s, kv, cl = store
+    r = Retriever(s, sparsity=0.5)
+    out = r.retrieve(0, rng.standard_normal((HQ, D)), torch=False)
+    resident = set(range(S - 64, S)) | set(cl[3].tolist()) | set(cl[17].tolist())
+    on_ssd = set(out.positions.tolist()) - resident
+    assert out.stats.entries_ssd == len(on_ssd)
+
+
+def test_batch_retrieval_unites_queries_in_one_read(store, rng):
+    s, kv, cl = store
+    r = Retriever(s, sparsity=0.05)
+    qs = rng.standard_normal((4, HQ, D))
+    singles = [set(r.retrieve(0, q, torch=False).positions.tolist()) for q in qs]
+    before = s.stats().engine.executes
+    out = r.retrieve(0, qs, torch=False)
+    assert s.stats().engine.executes == before + 1           # one batched submission
+    assert set(out.positions.tolist()) == set().union(*singles)
+
+
+def test_no_dedup_reads_duplicates(store, rng):
+    s, kv, cl = store
+    q = rng.standard_normal((HQ, D))
+    a = Retriever(s, sparsity=0.3).retrieve(0, q, torch=False)
+    b = Retriever(s, sparsity=0.3, dedup=False).retrieve(0, q, torch=False)
+    assert b.stats.entries_ssd >= a.stats.entries_ssd
+    assert set(b.positions.tolist()) == set(a.positions.tolist())
+
+
+def test_token_selector_is_the_exact_top_k(store, rng):
+    s, kv, cl = store
+    keys = kv[:, 0].reshape(S, H * D)
+    r = Retriever(s, sparsity=0.1, selector=TokenSelector({0: keys}))
+    q = rng.standard_normal((HQ, D))
+    out = r.retrieve(0, q, torch=False)
+    sc = group_queries(q, H)[0] @ keys.astype(np.float32).T
+    sc[S - 64:] = -np.inf
+    k = r.budget(0) - 64
+    assert set(np.argsort(-sc)[:k].tolist()) <= set(out.positions.tolist())
+    assert out.stats.entries == r.budget(0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31))
+def test_quest_bound_is_an_upper_bound(seed):
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((40, 8)).astype(np.float32)
+    groups = np.array_split(np.arange(40), 5)
+    lo = np.stack([keys[g].min(0) for g in groups])
+    hi = np.stack([keys[g].max(0) for g in groups])
+    qg = rng.standard_normal((1, 8)).astype(np.float32)
+    ub = BoundSelector({0: (lo, hi)}).scores(0, qg)[0]
+    for c, g in enumerate(groups):
+        assert ub[c] >= (keys[g] @ qg[0]).max() - 1e-4
+
+
+def test_multi_vector_selector_takes_best_representative(rng):
+    reps = rng.standard_normal((10, 3, 8)).astype(np.float16)
+    qg = rng.standard_normal((1, 8)).astype(np.float32)
+    got = MultiVectorSelector({0: reps}).scores(0, qg)[0]
+    want = (reps.astype(np.float32) @ qg[0]).max(axis=1)
+    assert np.allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_bad_queries(store):
+    s, _, _ = store
+    r = Retriever(s)
+    with pytest.raises(E.ShapeError):
+        r.retrieve(0, np.zeros((3, D)))          # 3 query heads for 2 KV heads
+    with pytest.raises(E.LayoutError):
+        Retriever(s, sparsity=0)
