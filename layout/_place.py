@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["Placement", "start_disks", "stripe_counts", "place_clusters",
+__all__ = ["Placement", "PLACEMENTS", "start_disks", "stripe_counts", "place_clusters",
            "copy_locations"]
 
 
@@ -70,8 +70,12 @@ class Placement:
     disk_end: np.ndarray
 
 
+PLACEMENTS = ("eq7", "disk0")
+
+
 def place_clusters(sizes: np.ndarray, *, ndisks: int, entry_bytes: int,
-                   block_size: int, disk_end: np.ndarray, p_global: int = 0) -> Placement:
+                   block_size: int, disk_end: np.ndarray, p_global: int = 0,
+                   policy: str = "eq7") -> Placement:
     """Allocate extents for clusters appended after ``disk_end`` (eq. 7).
 
     Args:
@@ -81,9 +85,19 @@ def place_clusters(sizes: np.ndarray, *, ndisks: int, entry_bytes: int,
         block_size: store block size in bytes; extents are aligned to it.
         disk_end: uint64 [N] first free byte on each disk (block aligned).
         p_global: global disk pointer before these clusters.
+        policy: ``"eq7"`` (SWARM) or ``"disk0"``: every cluster starts at
+            disk 0 (the No-Balance placement ablation of §8.3, Fig. 13).
+
+    Raises:
+        ValueError: unknown policy.
     """
     sizes = np.asarray(sizes, dtype=np.int64)
+    if policy not in PLACEMENTS:
+        raise ValueError(f"unknown placement {policy!r}; use one of {PLACEMENTS}")
     start, p_new = start_disks(sizes, ndisks, p_global)
+    if policy == "disk0":
+        start = np.zeros_like(start)
+        p_new = p_global
     counts = stripe_counts(sizes, start, ndisks)
     bs = np.uint64(block_size)
     raw = counts.astype(np.uint64) * np.uint64(entry_bytes)

@@ -28,7 +28,7 @@ from ._index import LayerIndex
 from ._planner import MAX_REQUEST, Plan, plan_reads
 from ._disks import create_disks, open_disks
 from ._write import as_bytes_rows, chunk_bounds, clusters_csr, write_extents
-from .layout._place import place_clusters
+from .layout._place import PLACEMENTS, place_clusters
 
 __all__ = ["Store", "StoreStats"]
 
@@ -356,7 +356,8 @@ class Store:
             os.close(fd)
 
     def write_layer(self, layer: int, kv, clusters, medoids=None, *, hot=None,
-                    freq=None, local_window: int | None = None, extra: dict | None = None) -> None:
+                    freq=None, local_window: int | None = None, extra: dict | None = None,
+                    placement: str = "eq7") -> None:
         """Write (or rewrite) one layer and commit it.
 
         Clusters are placed by eq. 7 after the data already on the disks and
@@ -377,6 +378,8 @@ class Store:
             freq: float [C] profile activation frequency f_i per cluster.
             local_window: DRAM local window W in tokens (SWARM §5.2).
             extra: JSON-ready dict stored in the layer's manifest record.
+            placement: ``"eq7"`` (SWARM §5.2) or ``"disk0"`` (every cluster
+                starts at disk 0: the No-Balance ablation of §8.3).
 
         Raises:
             ShapeError: kv shape/dtype or cluster definitions are wrong.
@@ -416,6 +419,9 @@ class Store:
                                layer=layer, cluster=c)
         hot = np.zeros(C, np.uint8) if hot is None else np.asarray(hot).astype(np.uint8).reshape(-1)
         freq = np.zeros(C, np.float32) if freq is None else np.asarray(freq, np.float32).reshape(-1)
+        if placement not in PLACEMENTS:
+            raise E.LayoutError(f"unknown placement {placement!r}; use one of {PLACEMENTS}",
+                                store=self.path, layer=layer)
         if hot.shape[0] != C or freq.shape[0] != C:
             raise E.ShapeError("hot and freq need one value per cluster", store=self.path,
                                layer=layer)
@@ -427,7 +433,8 @@ class Store:
             disk_end = np.array([d["end"] for d in self._m["disks"]], dtype=np.uint64)
             pl = place_clusters(np.diff(ptr), ndisks=self.num_disks,
                                 entry_bytes=self.entry_bytes, block_size=self.block_size,
-                                disk_end=disk_end, p_global=int(self._m["p_global"]))
+                                disk_end=disk_end, p_global=int(self._m["p_global"]),
+                                policy=placement)
             self._check_capacity(pl.disk_end, layer)
             extent_xxh = write_extents(self, rows, ptr, members, pl, layer)
             for fd in self._fds:

@@ -43,3 +43,10 @@ def test_padding_to_block_size():
     pl = place_clusters([3], ndisks=1, entry_bytes=100, block_size=512,
                         disk_end=np.array([4096], dtype=np.uint64))
     assert pl.extent_bytes[0, 0] == 512 and pl.disk_end[0] == 4608
+
+
+def test_no_balance_placement_starts_every_cluster_at_disk_0():
+    pl = place_clusters([3, 5, 2, 4], ndisks=4, entry_bytes=512, block_size=512,
+                        disk_end=np.full(4, 4096, dtype=np.uint64), policy="disk0")
+    assert list(pl.start_disk) == [0, 0, 0, 0]
+    assert pl.counts[:, 0].tolist() == [1, 2, 1, 1]
