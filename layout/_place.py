@@ -75,7 +75,7 @@ PLACEMENTS = ("eq7", "disk0")
 
 def place_clusters(sizes: np.ndarray, *, ndisks: int, entry_bytes: int,
                    block_size: int, disk_end: np.ndarray, p_global: int = 0,
-                   policy: str = "eq7") -> Placement:
+                   policy: str = "eq7", start: np.ndarray | None = None) -> Placement:
     """Allocate extents for clusters appended after ``disk_end`` (eq. 7).
 
     Args:
@@ -87,14 +87,22 @@ def place_clusters(sizes: np.ndarray, *, ndisks: int, entry_bytes: int,
         p_global: global disk pointer before these clusters.
         policy: ``"eq7"`` (SWARM) or ``"disk0"``: every cluster starts at
             disk 0 (the No-Balance placement ablation of §8.3, Fig. 13).
+        start: explicit start disk per cluster (relocating existing clusters
+            keeps their start disk, so entry j stays on disk (id_i + j) mod N,
+            as §6.2 requires of appended entries); p_global is left as is.
 
     Raises:
         ValueError: unknown policy.
     """
     sizes = np.asarray(sizes, dtype=np.int64)
+    explicit = start
     if policy not in PLACEMENTS:
         raise ValueError(f"unknown placement {policy!r}; use one of {PLACEMENTS}")
     start, p_new = start_disks(sizes, ndisks, p_global)
+    if explicit is not None:
+        start, p_new = np.asarray(explicit, dtype=np.int32).reshape(-1), p_global
+        if start.shape != sizes.shape:
+            raise ValueError("start needs one disk per cluster")
     if policy == "disk0":
         start = np.zeros_like(start)
         p_new = p_global

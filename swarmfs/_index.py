@@ -16,7 +16,18 @@ import numpy as np
 from . import _errors as E
 from .layout._place import copy_locations, stripe_counts
 
-__all__ = ["LayerIndex"]
+__all__ = ["LayerIndex", "concat_ranges"]
+
+
+def concat_ranges(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(lo[i], lo[i] + n[i])`` for all i, vectorised:
+    int64 [sum(n)]."""
+    lo = np.asarray(lo, dtype=np.int64)
+    n = np.asarray(n, dtype=np.int64)
+    total = int(n.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    return np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(total, dtype=np.int64)
 
 
 class LayerIndex:
@@ -110,21 +121,13 @@ class LayerIndex:
         """Copy ids of the given clusters, concatenated in cluster order."""
         cids = np.asarray(cids, dtype=np.int64).reshape(-1)
         lo = self.members_ptr[cids]
-        n = self.members_ptr[cids + 1] - lo
-        total = int(n.sum())
-        if total == 0:
-            return np.empty(0, dtype=np.int64)
-        starts = np.repeat(lo - (np.cumsum(n) - n), n)
-        return starts + np.arange(total, dtype=np.int64)
+        return concat_ranges(lo, self.members_ptr[cids + 1] - lo)
 
     def token_copies(self, tokens) -> np.ndarray:
         """Every copy id of the given tokens (tokens assumed valid)."""
         t = np.asarray(tokens, dtype=np.int64)
         lo = self.tok_ptr[t]
-        n = self.tok_ptr[t + 1] - lo
-        total = int(n.sum())
-        starts = np.repeat(lo - (np.cumsum(n) - n), n)
-        return self.tok_copy[starts + np.arange(total, dtype=np.int64)]
+        return self.tok_copy[concat_ranges(lo, self.tok_ptr[t + 1] - lo)]
 
     @property
     def replication(self) -> float:

@@ -334,3 +334,57 @@ def test_public_names_are_exported():
     for name in E.__all__:
         assert issubclass(getattr(E, name), E.SwarmError)
         assert getattr(swarmfs, name) is getattr(E, name)
+
+
+# -- appending (SWARM §6.2) ----------------------------------------------------
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 60), seed=st.integers(0, 2**31), ndisks=st.integers(1, 5),
+       dtype=st.sampled_from(["float16", "float32"]))
+def test_append_grows_clusters_and_adds_new_ones(tmp_path_factory, n, seed, ndisks, dtype):
+    rng = np.random.default_rng(seed)
+    path = tmp_path_factory.mktemp("app")
+    s, kvs, cls = make_store(path, rng, S=200, clusters=15, extra=20, ndisks=ndisks,
+                             dtype=dtype)
+    kv_new = random_kv(rng, n, 2, 16, dtype)
+    joins = [rng.choice(15, size=rng.integers(0, 3), replace=False) for _ in range(n)]
+    gen = s.manifest["generation"]
+    pos = s.append(0, kv_new, joins, group=8)
+    assert list(pos) == list(range(200, 200 + n))
+    assert s.manifest["generation"] == gen + 1
+    kv_all = np.concatenate([kvs[0], kv_new])
+    li = s.layer(0)
+    for c in range(15):
+        added = [200 + i for i in range(n) if c in set(joins[i].tolist())]
+        want = list(cls[0][c]) + added
+        assert list(s.cluster_tokens(0, c)) == want
+        assert same_bits(s.read_cluster(0, c), kv_all[want])
+        # §6.2: appended entry j = |C_i| lands on disk (id_i + j) mod N
+        for j in range(len(cls[0][c]), len(want)):
+            copy = li.members_ptr[c] + j
+            assert li.copy_disk[copy] == (li.start_disk[c] + j) % ndisks
+    lone = [200 + i for i in range(n) if len(joins[i]) == 0]
+    assert s.num_clusters(0) == 15 + -(-len(lone) // 8)
+    assert same_bits(s.read_entries(0, np.arange(200 + n)), kv_all)
+    assert s.verify() == []
+    s.close()
+    with Store.open(path) as s2:
+        assert s2.num_tokens(0) == 200 + n
+        assert same_bits(s2.read_entries(0, np.arange(200 + n)), kv_all)
+
+
+def test_append_bad_input_commits_nothing(tmp_path, rng):
+    s, kvs, cls = make_store(tmp_path / "st", rng, S=100, clusters=5, extra=0)
+    before = s.manifest
+    kv = random_kv(rng, 3, 2, 16, "float16")
+    with pytest.raises(E.OutOfRangeError):
+        s.append(0, kv, [[0], [99], []])
+    with pytest.raises(E.ShapeError):
+        s.append(0, kv, [[0], [1]])
+    with pytest.raises(E.ShapeError):
+        s.append(0, kv.astype(np.float32), None)
+    with pytest.raises(E.ShapeError):
+        s.append(0, kv, [[1, 1], [], []])
+    assert s.manifest == before
+    s.close()
