@@ -31,6 +31,8 @@ from ._errors import StoreExistsError as StoreExistsError
 from ._errors import StoreNotFoundError as StoreNotFoundError
 from ._errors import SwarmError as SwarmError
 from ._index import LayerIndex as LayerIndex
+from ._online import DecodeSession as DecodeSession
+from ._online import StepResult as StepResult
 from ._planner import Plan as Plan
 from ._planner import plan_reads as plan_reads
 from ._store import Store as Store

@@ -83,12 +83,15 @@ class Retrieval:
         positions: int64 [n] token positions of the entries (ascending).
         clusters: int64 [c] selected cluster ids, in score order.
         stats: :class:`RetrievalStats`.
+        rows: uint8 [n, entry_bytes] the same entries as raw rows (what K and
+            V view), in ``positions`` order.
     """
     k: object
     v: object
     positions: np.ndarray
     clusters: np.ndarray
     stats: RetrievalStats
+    rows: np.ndarray = None
 
 
 _BLAS = None
@@ -180,28 +183,93 @@ def select_clusters(scores: np.ndarray, sizes: np.ndarray, budget: int) -> np.nd
 
 
 class _LayerState:
-    """DRAM partition of one layer: medoid index, local window, hot clusters."""
+    """DRAM partition of one layer (SWARM §5.2): the local window and the hot
+    clusters, as a pool of entry rows with a slot per resident token.
+
+    A token is resident while something holds it: the window, or any hot
+    cluster that contains it (``refs`` counts the holders), so clusters can be
+    admitted and evicted one by one (§6.2 cache replacement) without copying
+    the rest of the pool.
+    """
 
     def __init__(self, store: Store, layer: int, local_window: int, hot, selector):
         li = store.layer(layer)
         self.li = li
         S = li.num_tokens
         self.sizes = li.sizes
-        self.hot = np.asarray(li.hot if hot is None else hot, dtype=bool)
-        resident = np.zeros(S, dtype=bool)
+        self.entry_bytes = store.entry_bytes
+        self.hot = np.zeros(li.num_clusters, dtype=bool)
         W = min(int(local_window), S)
-        resident[S - W:] = True
         self.window = np.arange(S - W, S, dtype=np.int64)
-        if self.hot.any():
-            resident[li.members[li.cluster_copies(np.flatnonzero(self.hot))]] = True
-        self.resident = resident
-        toks = np.flatnonzero(resident)
+        self.refs = np.zeros(S, dtype=np.int32)
         self.slot = np.full(S, -1, dtype=np.int64)
-        self.slot[toks] = np.arange(toks.shape[0])
-        rows = store.read_entries(layer, toks) if toks.size else \
-            np.empty((0,) + store.entry_shape, store.np_dtype)
-        self.rows = np.ascontiguousarray(rows).reshape(toks.shape[0], -1).view(np.uint8)
-        self.dram_bytes = int(self.rows.nbytes + selector.dram_bytes(layer))
+        self.rows = np.empty((0, store.entry_bytes), dtype=np.uint8)
+        self.free = np.empty(0, dtype=np.int64)
+        self.selector_bytes = int(selector.dram_bytes(layer))
+        want_hot = np.asarray(li.hot if hot is None else hot, dtype=bool)
+        hot_ids = np.flatnonzero(want_hot)
+        toks = np.union1d(self.window, li.members[li.cluster_copies(hot_ids)])
+        rows = store.read_entries(layer, toks).reshape(toks.shape[0], -1).view(np.uint8) \
+            if toks.size else np.empty((0, store.entry_bytes), np.uint8)
+        self.hold(self.window, toks, rows)
+        self.admit(hot_ids, toks, rows)
+
+    @property
+    def resident(self) -> np.ndarray:
+        """bool [S]: tokens whose entries are in DRAM."""
+        return self.refs > 0
+
+    @property
+    def dram_bytes(self) -> int:
+        """Bytes in DRAM: resident entries plus the selector's index."""
+        return int((self.refs > 0).sum()) * self.entry_bytes + self.selector_bytes
+
+    def hold(self, toks: np.ndarray, src_toks: np.ndarray, src_rows: np.ndarray) -> None:
+        """Take a reference on tokens; rows of newly resident ones are copied
+        from ``src_rows`` (rows of the sorted token array ``src_toks``)."""
+        toks = np.asarray(toks, dtype=np.int64)
+        if toks.size == 0:
+            return
+        new = np.unique(toks[self.refs[toks] == 0])
+        np.add.at(self.refs, toks, 1)
+        if new.size:
+            need = new.shape[0] - self.free.shape[0]
+            if need > 0:
+                base = self.rows.shape[0]
+                grow = max(need, base // 2, 64)
+                self.rows = np.concatenate([self.rows,
+                                            np.empty((grow, self.entry_bytes), np.uint8)])
+                self.free = np.concatenate([self.free, np.arange(base, base + grow)])
+            slots, self.free = self.free[:new.shape[0]], self.free[new.shape[0]:]
+            self.slot[new] = slots
+            self.rows[slots] = src_rows[np.searchsorted(src_toks, new)]
+
+    def release(self, toks: np.ndarray) -> None:
+        """Drop a reference on tokens; slots of tokens no longer held are freed."""
+        toks = np.asarray(toks, dtype=np.int64)
+        if toks.size == 0:
+            return
+        np.add.at(self.refs, toks, -1)
+        gone = np.unique(toks[self.refs[toks] == 0])
+        if gone.size:
+            self.free = np.concatenate([self.free, self.slot[gone]])
+            self.slot[gone] = -1
+
+    def admit(self, clusters, src_toks, src_rows) -> None:
+        """Make clusters hot; their rows come from (src_toks, src_rows)."""
+        clusters = np.asarray(clusters, dtype=np.int64)
+        clusters = clusters[~self.hot[clusters]]
+        if clusters.size:
+            self.hot[clusters] = True
+            self.hold(self.li.members[self.li.cluster_copies(clusters)], src_toks, src_rows)
+
+    def evict(self, clusters) -> None:
+        """Make clusters cold again."""
+        clusters = np.asarray(clusters, dtype=np.int64)
+        clusters = clusters[self.hot[clusters]]
+        if clusters.size:
+            self.hot[clusters] = False
+            self.release(self.li.members[self.li.cluster_copies(clusters)])
 
 
 class Retriever:
@@ -243,6 +311,20 @@ class Retriever:
         self._lock = threading.Lock()
         self.group = store.model.get("num_query_heads", store.num_kv_heads) // store.num_kv_heads
 
+    def refresh(self, layer: int, *, hot=None) -> None:
+        """Forget a layer's DRAM state (after the layer changed on disk, e.g.
+        :meth:`Store.append`); it is rebuilt on next use with ``hot`` as the
+        hot-cluster mask (default the store's)."""
+        with self._lock:
+            self._layers.pop(layer, None)
+            if hot is not None:
+                self._hot[layer] = np.asarray(hot, dtype=bool)
+            elif layer in self._hot:
+                del self._hot[layer]
+        sel = getattr(self.selector, "_m", None)
+        if isinstance(sel, dict):
+            sel.pop(layer, None)
+
     def layer_state(self, layer: int) -> _LayerState:
         """The DRAM partition of a layer (loaded on first use: one batched read
         of the local window and the hot clusters)."""
@@ -261,7 +343,7 @@ class Retriever:
 
     def dram_bytes(self) -> int:
         """Bytes held in DRAM by the loaded layers (medoids, window, hot clusters)."""
-        return sum(s.dram_bytes for s in self._layers.values())
+        return sum(st.dram_bytes for st in self._layers.values())
 
     # -- the three steps ----------------------------------------------------
     def score(self, layer: int, q) -> np.ndarray:
@@ -397,4 +479,4 @@ class Retriever:
             max_mean_load=plan.max_mean_load,
             effective_gbps=(plan.num_entries * self.store.entry_bytes / io_s / 1e9)
             if io_s > 0 and plan.num_entries else 0.0)
-        return Retrieval(k=k, v=v, positions=pos, clusters=clusters, stats=stats)
+        return Retrieval(k=k, v=v, positions=pos, clusters=clusters, stats=stats, rows=rows)

@@ -1,0 +1,271 @@
+"""Keeping clusters and the DRAM cache current while tokens arrive (SWARM §6.2).
+
+A :class:`DecodeSession` drives one layer of a decode loop over a
+:class:`~swarmfs.Retriever`:
+
+* **New entries** stay in DRAM, in the local window, for W steps (§5.2).  In
+  that time their co-activation with the clusters' medoids is counted: at a
+  step, an entry and a medoid are *co-activated* when both draw at least the
+  uniform share of the step's attention (aggregated over query heads, over
+  the entries the step attends to), the same "activated by the same query"
+  relation the offline profile counts.  After W steps eq. 9 gives
+  d(e_new, C_i) = 1 - f(e_new, m_i) / W; the entry joins every cluster with
+  d < tau (at most ``max_joins``, the closest first: controlled replication),
+  or, if none, a new cluster of such entries.  Matured entries are written in
+  batches with :meth:`Store.append`, which puts entry |C_i| of cluster i on
+  disk (id_i + |C_i|) mod N.
+* **Cache replacement**: each step a selected cluster's frequency f_i rises by
+  one and a cached cluster that was not selected loses one; the hot set is
+  re-chosen by the eq. 6 score among the cached and the just-selected
+  clusters under the DRAM budget (the paper keeps a min-heap; choosing over
+  that small set each step is equivalent and vectorised).  Admitted clusters
+  are filled from the rows this step already read; evicted ones free their
+  slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from . import _errors as E
+from ._report import attention_logits
+from ._retrieve import Retrieval, Retriever
+
+__all__ = ["DecodeSession", "StepResult"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One decode step of a :class:`DecodeSession`.
+
+    Attributes:
+        k, v: numpy [H_kv, n, head_dim]: the retrieved entries followed by the
+            new entries still pending in DRAM (store dtype).
+        positions: int64 [n] token positions (pending ones are >= the layer's
+            stored length).
+        retrieval: the underlying :class:`Retrieval` of stored entries.
+        admitted, evicted: clusters that entered / left the hot set.
+        flushed: positions of entries written to the store at this step.
+    """
+    k: np.ndarray
+    v: np.ndarray
+    positions: np.ndarray
+    retrieval: Retrieval
+    admitted: np.ndarray
+    evicted: np.ndarray
+    flushed: np.ndarray
+
+
+class DecodeSession:
+    """Online maintenance of one layer during decoding (SWARM §6.2).
+
+    Args:
+        retriever: a :class:`Retriever` over a writable store.
+        layer: the layer.
+        tau: eq. 9 radius in (0, 1]: join clusters co-activated in more than
+            (1 - tau) of the W steps.
+        window: W, steps a new entry is observed before it is placed
+            (default: the layer's local window).
+        max_joins: most clusters a new entry joins (replicas).
+        group: size of new clusters made of entries that join none.
+        flush_batch: write matured entries once this many are waiting.
+        hot_budget_bytes: DRAM bytes for hot clusters (default: what the
+            store's hot set takes).
+        t_base_us, t_transfer_us: eq. 6 costs (µs).
+        adapt_cache: run cache replacement (False: the hot set stays).
+
+    Raises:
+        LayoutError: tau outside (0, 1].
+    """
+
+    def __init__(self, retriever: Retriever, layer: int, *, tau: float = 0.5,
+                 window: int | None = None, max_joins: int = 2, group: int = 16,
+                 flush_batch: int = 32, hot_budget_bytes: int | None = None,
+                 t_base_us: float = 80.0, t_transfer_us: float = 2.0,
+                 adapt_cache: bool = True):
+        if not 0 < tau <= 1:
+            raise E.LayoutError(f"tau must be in (0, 1], got {tau}", layer=layer)
+        self.r = retriever
+        self.store = retriever.store
+        self.layer = int(layer)
+        st = retriever.layer_state(self.layer)
+        self.tau, self.max_joins, self.group = float(tau), int(max_joins), int(group)
+        self.window = int(window if window is not None else max(st.window.shape[0], 1))
+        self.flush_batch = int(flush_batch)
+        self.t_base, self.t_transfer = float(t_base_us), float(t_transfer_us)
+        self.adapt_cache = adapt_cache
+        li = st.li
+        self.freq = li.freq.astype(np.float64).copy()
+        self.hot_budget = int(hot_budget_bytes if hot_budget_bytes is not None else
+                              int(li.sizes[st.hot].sum()) * self.store.entry_bytes)
+        E_ = self.store.entry_bytes
+        self.pend_rows = np.empty((0, E_), np.uint8)
+        self.pend_age = np.empty(0, np.int64)
+        self.pend_f = np.zeros((0, li.num_clusters), np.int32)
+        self.hits = 0
+        self.lookups = 0
+
+    # -- one step ------------------------------------------------------------
+    def step(self, q, k_new=None, v_new=None) -> StepResult:
+        """Serve one decode step and add this step's new entry.
+
+        Args:
+            q: query [H_q, head_dim] of this step.
+            k_new, v_new: [H_kv, head_dim] K and V of the token produced at
+                this step (store dtype), or None.
+
+        Returns:
+            A :class:`StepResult`.
+        """
+        ret = self.r.retrieve(self.layer, q, torch=False)
+        st = self.r.layer_state(self.layer)
+        S = st.li.num_tokens
+        n_pend = self.pend_rows.shape[0]
+        rows = np.concatenate([ret.rows, self.pend_rows]) if n_pend else ret.rows
+        pos = np.concatenate([ret.positions, S + np.arange(n_pend)])
+        kv = rows.view(self.store.np_dtype).reshape(rows.shape[0], 2, self.store.num_kv_heads,
+                                                    self.store.head_dim)
+        k = np.ascontiguousarray(kv[:, 0].transpose(1, 0, 2))
+        v = np.ascontiguousarray(kv[:, 1].transpose(1, 0, 2))
+        self._count_coactivation(q, k, ret, n_pend)
+        admitted, evicted = self._replace_cache(ret) if self.adapt_cache else \
+            (np.empty(0, np.int64), np.empty(0, np.int64))
+        if k_new is not None:
+            self._add_pending(k_new, v_new)
+        flushed = self._flush_matured()
+        return StepResult(k=k, v=v, positions=pos, retrieval=ret, admitted=admitted,
+                          evicted=evicted, flushed=flushed)
+
+    def _count_coactivation(self, q, k, ret: Retrieval, n_pend: int) -> None:
+        """Eq. 9 counts: pending entries x selected clusters whose medoids drew
+        at least the uniform share of this step's attention."""
+        if n_pend:
+            self.pend_age += 1
+        if not n_pend or ret.clusters.size == 0:
+            return
+        scale = self.store.head_dim ** -0.5
+        qq = np.asarray(q, dtype=np.float32)[:, None, :]
+        logits = attention_logits(qq, k, scale)[:, 0, :]           # [H_q, n]
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        mass = p.mean(axis=0)                                       # [n]
+        active = mass >= 1.0 / mass.shape[0]
+        n_ret = ret.positions.shape[0]
+        pend_active = np.flatnonzero(active[n_ret:])
+        if pend_active.size == 0:
+            return
+        li = self.r.layer_state(self.layer).li
+        med = li.medoid[ret.clusters]
+        idx = np.searchsorted(ret.positions, med)
+        idx = np.minimum(idx, n_ret - 1)
+        ok = (ret.positions[idx] == med) & active[:n_ret][idx]
+        cl = ret.clusters[ok]
+        if cl.size:
+            self.pend_f[np.ix_(pend_active, cl)] += 1
+
+    def _replace_cache(self, ret: Retrieval):
+        """§6.2 cache replacement over the hot set and this step's clusters."""
+        st = self.r.layer_state(self.layer)
+        sel = ret.clusters
+        self.lookups += int(sel.size)
+        self.hits += int(st.hot[sel].sum()) if sel.size else 0
+        idle = st.hot.copy()
+        idle[sel] = False
+        self.freq[sel] += 1.0
+        self.freq[idle] = np.maximum(self.freq[idle] - 1.0, 0.0)
+        cand = np.union1d(np.flatnonzero(st.hot), sel)
+        if cand.size == 0:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        sizes = st.sizes[cand].astype(np.float64)
+        score = (self.freq[cand] * self.t_base + sizes * self.t_transfer) / sizes
+        order = cand[np.argsort(-score, kind="stable")]
+        cum = np.cumsum(st.sizes[order] * self.store.entry_bytes)
+        keep = order[cum <= self.hot_budget]
+        want = np.zeros_like(st.hot)
+        want[keep] = True
+        admitted = np.flatnonzero(want & ~st.hot)
+        evicted = np.flatnonzero(st.hot & ~want)
+        st.evict(evicted)
+        st.admit(admitted, ret.positions, ret.rows)   # admitted clusters were just read
+        return admitted, evicted
+
+    def _add_pending(self, k_new, v_new) -> None:
+        H, d = self.store.num_kv_heads, self.store.head_dim
+        k_new, v_new = np.asarray(k_new), np.asarray(v_new)
+        if k_new.shape != (H, d) or v_new.shape != (H, d) or \
+                k_new.dtype != self.store.np_dtype or v_new.dtype != self.store.np_dtype:
+            raise E.ShapeError(f"new K/V must be [{H}, {d}] {self.store.dtype}, got "
+                               f"{k_new.shape} {k_new.dtype}", layer=self.layer)
+        row = np.ascontiguousarray(np.stack([k_new, v_new])).reshape(1, -1).view(np.uint8)
+        self.pend_rows = np.concatenate([self.pend_rows, row])
+        self.pend_age = np.append(self.pend_age, 0)
+        self.pend_f = np.concatenate([self.pend_f,
+                                      np.zeros((1, self.pend_f.shape[1]), np.int32)])
+
+    def joins(self, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Clusters each matured entry joins, as a CSR ``(ptr, clusters)``:
+        d = 1 - f/W < tau (eq. 9), the closest ``max_joins`` first.
+
+        Args:
+            f: int [n, C] co-activation counts of n matured entries.
+        """
+        n, C = f.shape
+        d = np.where(1.0 - f / float(self.window) < self.tau, 1.0 - f / float(self.window),
+                     np.inf)
+        k = min(self.max_joins, C)
+        if n == 0 or k == 0:
+            return np.zeros(n + 1, np.int64), np.empty(0, np.int64)
+        idx = np.argpartition(d, k - 1, axis=1)[:, :k] if k < C else \
+            np.broadcast_to(np.arange(C), (n, C)).copy()
+        vals = np.take_along_axis(d, idx, 1)
+        order = np.argsort(vals, axis=1, kind="stable")
+        idx = np.take_along_axis(idx, order, 1)
+        valid = np.isfinite(np.take_along_axis(vals, order, 1))
+        ptr = np.zeros(n + 1, np.int64)
+        np.cumsum(valid.sum(axis=1), out=ptr[1:])
+        return ptr, idx[valid].astype(np.int64)
+
+    def _flush_matured(self, force: bool = False) -> np.ndarray:
+        ready = int((self.pend_age >= self.window).sum())
+        if not force and ready < self.flush_batch:
+            return np.empty(0, np.int64)
+        n = self.pend_rows.shape[0] if force else ready   # pending are in age order
+        if n == 0:
+            return np.empty(0, np.int64)
+        kv = self.pend_rows[:n].view(self.store.np_dtype).reshape(
+            n, 2, self.store.num_kv_heads, self.store.head_dim)
+        joins = self.joins(self.pend_f[:n])
+        st = self.r.layer_state(self.layer)
+        C_old = st.li.num_clusters
+        hot = st.hot.copy()
+        pos = self.store.append(self.layer, kv, joins, group=self.group)
+        C_new = self.store.num_clusters(self.layer)
+        self.pend_rows, self.pend_age = self.pend_rows[n:], self.pend_age[n:]
+        self.pend_f = np.concatenate([self.pend_f[n:],
+                                      np.zeros((self.pend_f.shape[0] - n, C_new - C_old),
+                                               np.int32)], axis=1)
+        self.freq = np.concatenate([self.freq, np.zeros(C_new - C_old)])
+        self.r.refresh(self.layer, hot=np.concatenate([hot, np.zeros(C_new - C_old, bool)]))
+        return pos
+
+    def flush(self) -> np.ndarray:
+        """Write every pending entry now (e.g. at the end of a request)."""
+        return self._flush_matured(force=True)
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of selected clusters that were hot (cache hit rate)."""
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def pending(self) -> int:
+        """New entries still only in DRAM."""
+        return int(self.pend_rows.shape[0])
+
+    @staticmethod
+    def budget_for(retriever: Retriever, layer: int) -> int:
+        """Entry budget ceil(r x S) of a layer at its current length."""
+        return int(math.ceil(retriever.sparsity * retriever.store.num_tokens(layer)))
