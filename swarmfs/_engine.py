@@ -51,6 +51,11 @@ _BLKGETSIZE64 = 0x80081272
 _warned_fallback = False
 
 
+def _uring_open(pp, cfds, nfds, queue_depth):
+    """``se_uring_open`` (a seam where tests inject ENOSYS/EPERM faults)."""
+    return lib.se_uring_open(pp, cfds, nfds, queue_depth)
+
+
 def logical_block_size(fd: int) -> int:
     """Logical block size in bytes that O_DIRECT I/O on ``fd`` must respect.
 
@@ -261,7 +266,7 @@ class Engine:
         self._ptr = None
         self.fallback_reason = None
         if kind in ("auto", "io_uring"):
-            ret = lib.se_uring_open(pp, cfds, len(self.fds), queue_depth)
+            ret = _uring_open(pp, cfds, len(self.fds), queue_depth)
             if ret == 0:
                 self._ptr = pp[0]
             elif kind == "io_uring" or -ret not in _FALLBACK_ERRNOS:

@@ -207,3 +207,26 @@ def test_assign_buckets_greedy():
     choice, load = assign_buckets(ptr, cdisk, 2)
     assert list(choice) == [0, 1, 3, 4]
     assert list(load) == [2, 2]
+
+
+@pytest.mark.parametrize("err", ["ENOSYS", "EPERM"])
+def test_fallback_when_io_uring_is_unavailable(disks, monkeypatch, err, rng):
+    """Fault injection: io_uring setup fails as with the io_uring_disabled sysctl
+    (EPERM) or an old kernel/seccomp (ENOSYS); the thread engine takes over with
+    a one-line warning and reads the same bytes."""
+    import errno
+
+    import swarmfs._engine as eng_mod
+    _, data, fds = disks
+    code = getattr(errno, err)
+    monkeypatch.setattr(eng_mod, "_uring_open", lambda *a: -code)
+    monkeypatch.setattr(eng_mod, "_warned_fallback", False)
+    with pytest.warns(RuntimeWarning, match="io_uring unavailable"):
+        eng = Engine(fds, kind="auto", queue_depth=8)
+    assert eng.kind == "threads" and eng.stats().engine == "threads"
+    assert eng.fallback_reason
+    buf = eng.alloc(8192)
+    eng.execute(READ, [1, 2], [4096, 0], [4096, 4096], [0, 4096], buf)
+    assert buf.array[:4096].tobytes() == data[1][4096:8192].tobytes()
+    with pytest.raises(E.IOFailedError):
+        Engine(fds, kind="io_uring")   # asked for explicitly: no silent fallback
