@@ -309,7 +309,32 @@ class Retriever:
         self.selector = selector if selector is not None else MedoidSelector(store)
         self._layers: dict[int, _LayerState] = {}
         self._lock = threading.Lock()
+        self._pool = None
         self.group = store.model.get("num_query_heads", store.num_kv_heads) // store.num_kv_heads
+
+    def prefetch(self, layer: int, q, **kw):
+        """Start :meth:`retrieve` in a background thread (SWARM §7's pipelined
+        prefetch: score and fetch layer L+1 with the query predicted from layer
+        L while layer L computes).  The engine releases the GIL while it waits
+        on the disks, so the caller's work overlaps the I/O.
+
+        Returns:
+            a ``concurrent.futures.Future`` whose ``result()`` is the
+            :class:`Retrieval` (or raises what ``retrieve`` raised).
+        """
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    import concurrent.futures
+                    self._pool = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="swarmfs-prefetch")
+        return self._pool.submit(self.retrieve, layer, q, **kw)
+
+    def close(self) -> None:
+        """Stop the prefetch thread (the store stays open)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def refresh(self, layer: int, *, hot=None) -> None:
         """Forget a layer's DRAM state (after the layer changed on disk, e.g.

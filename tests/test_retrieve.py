@@ -150,3 +150,15 @@ def test_bad_queries(store):
         r.retrieve(0, np.zeros((3, D)))          # 3 query heads for 2 KV heads
     with pytest.raises(E.LayoutError):
         Retriever(s, sparsity=0)
+
+
+def test_prefetch_overlaps_and_matches_retrieve(store, rng):
+    s, kv, cl = store
+    r = Retriever(s, sparsity=0.1)
+    q = rng.standard_normal((HQ, D))
+    fut = r.prefetch(0, q, torch=False)
+    direct = r.retrieve(0, q, torch=False)
+    got = fut.result(timeout=30)
+    assert np.array_equal(got.positions, direct.positions)
+    assert same_bits(got.k, direct.k)
+    r.close()
