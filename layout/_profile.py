@@ -28,6 +28,7 @@ dense matrix; ``_cluster`` evaluates them for candidate pairs only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -35,8 +36,9 @@ import scipy.sparse as sp
 
 from .._errors import LayoutError, ShapeError
 
-__all__ = ["Profile", "profile_layer", "profile_capture", "sample_queries",
-           "aggregate_scores", "DEFAULT_RATIO", "DEFAULT_MAX_QUERIES"]
+__all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_RATIO", "Profile", "aggregate_scores",
+           "entry_bitsets", "one_blas_thread", "pair_intersections", "popcount_rows",
+           "profile_capture", "profile_layer", "sample_queries"]
 
 #: Default sparsity ratio r (SWARM §8.1: all methods at 10%).
 DEFAULT_RATIO = 0.10
@@ -44,7 +46,7 @@ DEFAULT_RATIO = 0.10
 DEFAULT_MAX_QUERIES = 2048
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Profile:
     """Activated sets of the profiled queries of one layer.
 
@@ -101,17 +103,35 @@ class Profile:
         return pair_intersections(bits, np.asarray(i, np.int64), np.asarray(j, np.int64))
 
 
-def entry_bitsets(profile: Profile) -> np.ndarray:
-    """uint64 [S, ceil(n / 64)]: bit q of row j is set iff query q activated entry j."""
+def entry_bitsets(profile: Profile, chunk: int = 8192) -> np.ndarray:
+    """uint64 [S, ceil(n / 64)]: bit q of row j is set iff query q activated entry j.
+
+    Bit ``q`` lives in word ``q // 64`` at position ``q % 64``.  Built in
+    chunks of entries (dense bool [chunk, n] -> ``np.packbits``), so memory
+    stays at O(S n / 8) bytes.
+    """
     n, S = profile.num_queries, profile.num_tokens
     words = max(1, (n + 63) // 64)
     bits = np.zeros((S, words), np.uint64)
-    coo = profile.acts.tocoo()
-    q = coo.row.astype(np.int64)
-    flat = coo.col.astype(np.int64) * words + (q >> 6)
-    np.bitwise_or.at(bits.reshape(-1), flat, np.left_shift(np.uint64(1),
-                                                           (q & 63).astype(np.uint64)))
+    E = profile.by_entry()
+    for a in range(0, S, chunk):
+        b = min(a + chunk, S)
+        dense = np.zeros((b - a, words * 64), bool)
+        dense[:, :n] = E[a:b].toarray()
+        packed = np.packbits(dense, axis=1, bitorder="little")
+        bits[a:b] = packed.view("<u8")
     return bits
+
+
+_POPCOUNT8 = np.array([x.bit_count() for x in range(256)], np.uint8)
+
+
+def popcount_rows(words: np.ndarray) -> np.ndarray:
+    """int64 [R]: number of set bits in each row of a uint64 [R, W] array."""
+    if hasattr(np, "bitwise_count"):                       # numpy >= 2.0
+        return np.bitwise_count(words).sum(axis=1, dtype=np.int64)
+    b = np.ascontiguousarray(words).view(np.uint8).reshape(words.shape[0], -1)
+    return _POPCOUNT8[b].sum(axis=1, dtype=np.int64)
 
 
 def pair_intersections(bits: np.ndarray, i: np.ndarray, j: np.ndarray,
@@ -120,8 +140,23 @@ def pair_intersections(bits: np.ndarray, i: np.ndarray, j: np.ndarray,
     out = np.empty(i.shape[0], np.int64)
     for a in range(0, i.shape[0], chunk):
         b = min(a + chunk, i.shape[0])
-        out[a:b] = np.bitwise_count(bits[i[a:b]] & bits[j[a:b]]).sum(axis=1, dtype=np.int64)
+        out[a:b] = popcount_rows(bits[i[a:b]] & bits[j[a:b]])
     return out
+
+
+def one_blas_thread():
+    """Context in which numpy's BLAS uses one thread (threadpoolctl, if present).
+
+    The products here are skinny ([batch, d] x [d, S]); on a few shared cores a
+    multi-threaded OpenBLAS spends its time synchronising: profiling 16K
+    tokens took 7.4 s with the default pool and 0.49 s on one thread while
+    another process was busy.
+    """
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:                                       # pragma: no cover
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
 
 
 def sample_queries(num_tokens: int, max_queries: int = DEFAULT_MAX_QUERIES,
@@ -181,10 +216,27 @@ def aggregate_scores(q: np.ndarray, k: np.ndarray, *, scaling: float | None = No
     return agg
 
 
+def _profile_rows(q, kf, pos, counts, scaling, batch, cols) -> None:
+    """Append each profiled query's activated entries (sorted) to ``cols``."""
+    for a in range(0, pos.shape[0], batch):
+        p = pos[a:a + batch]
+        T = int(p[-1]) + 1
+        qb = np.ascontiguousarray(q[:, p], dtype=np.float32)
+        agg = aggregate_scores(qb, kf[:, :T], scaling=scaling, limits=p)
+        for r, t in enumerate(p):
+            kt = int(counts[a + r])
+            row = agg[r, :t + 1]
+            if kt >= t + 1:
+                sel = np.arange(t + 1)
+            else:
+                sel = np.argpartition(row, t + 1 - kt)[t + 1 - kt:]
+            cols.append(np.sort(sel))
+
+
 def profile_layer(q, k, *, ratio: float = DEFAULT_RATIO, queries=None,
                   max_queries: int = DEFAULT_MAX_QUERIES, seed: int = 0,
                   scaling: float | None = None, layer: int | None = None,
-                  batch: int = 32) -> Profile:
+                  batch: int = 64) -> Profile:
     """Profile one layer's activated sets (SWARM §5.1 step 1).
 
     Query position ``t`` sees keys ``0..t`` and activates the
@@ -200,7 +252,7 @@ def profile_layer(q, k, *, ratio: float = DEFAULT_RATIO, queries=None,
         max_queries, seed: the default sample.
         scaling: logit scale (default d**-0.5; pass ``Capture.scaling``).
         layer: recorded in the result.
-        batch: queries scored together (memory ~ 2 x batch x S x 4 bytes).
+        batch: queries scored together (memory ~ 3 x batch x S x 4 bytes).
 
     Returns:
         A :class:`Profile`.
@@ -230,19 +282,8 @@ def profile_layer(q, k, *, ratio: float = DEFAULT_RATIO, queries=None,
     counts = np.ceil(ratio * (pos + 1) - 1e-9).astype(np.int64)   # k_t >= 1
     counts = np.clip(counts, 1, pos + 1)
     cols = []
-    for a in range(0, pos.shape[0], batch):
-        p = pos[a:a + batch]
-        T = int(p[-1]) + 1
-        qb = np.ascontiguousarray(q[:, p], dtype=np.float32)
-        agg = aggregate_scores(qb, kf[:, :T], scaling=scaling, limits=p)
-        for r, t in enumerate(p):
-            kt = int(counts[a + r])
-            row = agg[r, :t + 1]
-            if kt >= t + 1:
-                sel = np.arange(t + 1)
-            else:
-                sel = np.argpartition(row, t + 1 - kt)[t + 1 - kt:]
-            cols.append(np.sort(sel))
+    with one_blas_thread():
+        _profile_rows(q, kf, pos, counts, scaling, batch, cols)
     indptr = np.zeros(pos.shape[0] + 1, np.int64)
     np.cumsum(counts, out=indptr[1:])
     indices = np.concatenate(cols).astype(np.int32 if S < 2 ** 31 else np.int64)

@@ -29,12 +29,12 @@ import math
 import numpy as np
 
 from .._errors import LayoutError, ShapeError
-from ._profile import aggregate_scores
+from ._profile import aggregate_scores, one_blas_thread
 
-__all__ = ["RecallReport", "evaluate_recall", "block_clustering"]
+__all__ = ["RecallReport", "block_clustering", "evaluate_recall"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class RecallReport:
     """Recall of one layer's layout on held-out queries.
 
@@ -113,8 +113,8 @@ def evaluate_recall(clustering, q_eval, k, *, ratio: float = 0.10,
     if q_eval.ndim != 3 or k.ndim != 3 or q_eval.shape[2] != k.shape[2] \
             or q_eval.shape[0] % k.shape[0]:
         raise ShapeError(f"q_eval {q_eval.shape} and k {k.shape} disagree")
-    H_q, n, d = q_eval.shape
-    H_kv, S, _ = k.shape
+    d = q_eval.shape[2]
+    S = k.shape[1]
     ptr = np.asarray(clustering.ptr, np.int64)
     members = np.asarray(clustering.members, np.int64)
     medoids = np.asarray(clustering.medoids, np.int64)
@@ -130,10 +130,19 @@ def evaluate_recall(clustering, q_eval, k, *, ratio: float = 0.10,
     budget = max(1, math.ceil(ratio * S - 1e-9))
     W = min(local_window, S)
     sizes = np.diff(ptr)
-    g = H_q // H_kv
     kmed = k[:, medoids]                                    # [H_kv, C, d]
     in_win = np.zeros(S, bool)
     in_win[S - W:] = True
+    with one_blas_thread():
+        return _evaluate(ptr, members, medoids, sizes, q_eval, k, kmed, in_win, budget, W,
+                         score, scaling, batch)
+
+
+def _evaluate(ptr, members, medoids, sizes, q_eval, k, kmed, in_win, budget, W, score,
+              scaling, batch) -> RecallReport:
+    H_q, n, _ = q_eval.shape
+    H_kv, S, _ = k.shape
+    g = H_q // H_kv
     recall = np.empty(n)
     selected = np.empty(n, np.int64)
     nread = np.empty(n, np.int64)

@@ -18,10 +18,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from swarmfs._errors import LayoutError, ModelError, ShapeError, SwarmError  # noqa: E402
-from swarmfs.layout._capture import (MIN_TOKENS, Capture, capture,  # noqa: E402
-                                     default_model_path, load_capture, read_text,
-                                     save_capture, stdlib_text)
+from swarmfs._errors import LayoutError, ModelError, ShapeError, SwarmError
+from swarmfs.layout._capture import (MIN_TOKENS, Capture, capture, default_model_path,
+                                     load_capture, read_text, save_capture, stdlib_text)
 
 pytestmark = pytest.mark.model
 

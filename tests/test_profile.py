@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmfs._errors import LayoutError, ShapeError
+from swarmfs.layout._capture import Capture
 from swarmfs.layout._profile import (DEFAULT_MAX_QUERIES, Profile, aggregate_scores,
-                                     entry_bitsets, pair_intersections, profile_layer,
-                                     sample_queries)
+                                     entry_bitsets, pair_intersections, profile_capture,
+                                     profile_layer, sample_queries)
 
 WIKI = pathlib.Path("/work/shared/data/wikitext2_raw_test.raw")
 
@@ -31,7 +32,7 @@ def real_qk():
 
 def brute_force(q, k, scaling, ratio, positions):
     """Per query t: keys 0..t, sum over heads of softmax probs, top ceil(r(t+1))."""
-    H_q, _, d = q.shape
+    H_q = q.shape[0]
     g = H_q // k.shape[0]
     out = []
     for t in positions:
@@ -98,6 +99,18 @@ def test_causal_counts_and_default_sample(real_qk):
     assert np.all(coo.col <= prof.queries[coo.row])          # causal: key <= query
     # all positions when S is small
     assert profile_layer(q[:, :64], k[:, :64], scaling=scaling).num_queries == 64
+
+
+def test_profile_capture(real_qk):
+    q, k, scaling = real_qk
+    cap = Capture(k=k[None], v=k[None], q=q[None], token_ids=np.zeros(k.shape[1], np.int32),
+                  meta={"layers": [2], "scaling": scaling})
+    prof = profile_capture(cap, 0, max_queries=100)
+    ref = profile_layer(q, k, scaling=scaling, max_queries=100)
+    assert prof.layer == 2
+    assert (prof.acts != ref.acts).nnz == 0
+    with pytest.raises(LayoutError):
+        profile_capture(cap, 1)
 
 
 def test_sample_queries_deterministic():

@@ -17,8 +17,20 @@ evaluation uses ``--heldout`` queries drawn from the following tokens (never
 profiled), each attending to the whole context.
 
     python tools/bench_layout.py scale --out bench-out/layout-scale.json
-    python tools/bench_layout.py recall --context 3072 --out bench-out/recall-3k.json
-    python tools/bench_layout.py recall --context 16384 --out bench-out/recall-16k.json
+    python tools/bench_layout.py recall --context 3072 --eq2-counts 0.0125,0.025 \
+        --out bench-out/recall-3k.json
+    python tools/bench_layout.py recall --context 16384 --heldout-span 4096 \
+        --eq2-counts 0.0125,0.025 --out bench-out/recall-16k.json
+    python tools/bench_layout.py recall --datasets wikitext2 --context 16384 \
+        --heldout-span 4096 --taus 0.5,0.6,0.7 --eq2-counts 0.0125,0.025,0.05 \
+        --out bench-out/recall-sweep-16k.json
+
+``--eq2-counts`` gives eq. 2's threshold as a fraction of the profiled queries
+(0.0125 x 2048 = 26 co-activations, i.e. tau = 1 - 26 / F).  Recall lines
+report, per layer: ``W256``/``W0`` = local window of 256 / none, ``prob``/
+``logit`` = medoid scoring, ``bound`` = best possible recall with the window
+forced in, ``reads`` = clusters fetched per query, ``blocks`` = recall of
+position-contiguous blocks of the same mean size.
 """
 
 from __future__ import annotations
@@ -142,13 +154,13 @@ def cmd_recall(args) -> dict:
         rng = np.random.default_rng(args.seed)
         pool = np.arange(ctx, ctx + span)
         held = np.sort(rng.choice(pool, size=min(args.heldout, span), replace=False))
-        for L in range(cap.num_layers):
+        for L in (args.layers or range(cap.num_layers)):
             k = np.ascontiguousarray(cap.k[L][:, :ctx], dtype=np.float32)
             qe = np.ascontiguousarray(cap.q[L][:, held], dtype=np.float32)
             prof = profile_layer(cap.q[L][:, :ctx], k, scaling=cap.scaling,
                                  max_queries=args.max_queries)
             n_q = prof.num_queries
-            settings = [("jaccard", args.tau or DEFAULT_TAU, None)]
+            settings = [("jaccard", tau, None) for tau in (args.taus or [DEFAULT_TAU])]
             settings += [("eq2", eq2_tau(prof, frac * n_q), frac)
                          for frac in args.eq2_counts]
             for metric, tau, frac in settings:
@@ -171,7 +183,7 @@ def cmd_recall(args) -> dict:
                     rec[f"blocks_prob_W{W}"] = evaluate_recall(
                         b, qe, k, scaling=cap.scaling, local_window=W).mean
                 results.append(rec)
-                name = metric if frac is None else f"eq2 f>{frac * n_q:.0f}"
+                name = f"jaccard {tau:g}" if frac is None else f"eq2 f>{frac * n_q:.0f}"
                 print(f"{ds:>9} L{L} {name:>12}: C={rec['clusters']:>6} "
                       f"size {rec['size_mean']:5.1f} rep {rec['replication']:4.2f} "
                       f"single {rec['singletons']:>5} | W256 prob {rec['recall_prob_W256']:.3f} "
@@ -199,7 +211,10 @@ def main(argv=None) -> None:
     rc.add_argument("--heldout-span", type=int, default=None,
                     help="held-out queries come from [context, context + span)")
     rc.add_argument("--max-queries", type=int, default=2048)
-    rc.add_argument("--tau", type=float, default=None)
+    rc.add_argument("--taus", type=lambda s: [float(x) for x in s.split(",") if x],
+                    default=None, help="Jaccard radii (default: the library default)")
+    rc.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",") if x],
+                    default=None)
     rc.add_argument("--eq2-counts", type=lambda s: [float(x) for x in s.split(",") if x],
                     default=[0.025, 0.05, 0.1],
                     help="eq. 2 thresholds as fractions of the profiled queries")
