@@ -45,7 +45,7 @@ ffibuilder.set_source(
     '#include "engine.h"',
     sources=[os.path.relpath(os.path.join(HERE, "engine.c"))],
     include_dirs=[os.path.relpath(HERE)],
-    libraries=[_uring_lib(), "pthread"],
+    libraries=[_uring_lib(), "pthread", "m"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )
 

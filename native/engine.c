@@ -601,6 +601,7 @@ void se_assign_buckets(int64_t n, const int64_t *ptr, const int32_t *cdisk,
 /* ---- medoid scoring ---------------------------------------------------- */
 
 #include <immintrin.h>
+#include <math.h>
 
 static inline float half_to_float(uint16_t h, int kind)
 {
@@ -633,11 +634,11 @@ static inline float half_to_float(uint16_t h, int kind)
     return f;
 }
 
-static void gemv_scalar(const uint16_t *m, int64_t rows, int64_t cols, int kind,
-                        const float *q, int64_t nq, float *out)
+static void gemv_scalar(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
+                        int kind, const float *q, int64_t nq, float *out)
 {
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *row = m + r * cols;
+        const uint16_t *row = m + r * ld;
         for (int64_t b = 0; b < nq; b++) {
             float acc = 0.f;
             for (int64_t c = 0; c < cols; c++)
@@ -648,12 +649,12 @@ static void gemv_scalar(const uint16_t *m, int64_t rows, int64_t cols, int kind,
 }
 
 __attribute__((target("avx2,fma,f16c")))
-static void gemv_avx2(const uint16_t *m, int64_t rows, int64_t cols, int kind,
-                      const float *q, int64_t nq, float *out)
+static void gemv_avx2(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
+                      int kind, const float *q, int64_t nq, float *out)
 {
     int64_t cv = cols & ~(int64_t)7;
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *row = m + r * cols;
+        const uint16_t *row = m + r * ld;
         for (int64_t b = 0; b < nq; b++) {
             const float *qb = q + b * cols;
             __m256 acc = _mm256_setzero_ps();
@@ -683,13 +684,13 @@ static void gemv_avx2(const uint16_t *m, int64_t rows, int64_t cols, int kind,
                  : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))))
 
 __attribute__((target("avx512f")))
-static void gemv_avx512(const uint16_t *m, int64_t rows, int64_t cols, int kind,
-                        const float *q, int64_t nq, float *out)
+static void gemv_avx512(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
+                        int kind, const float *q, int64_t nq, float *out)
 {
     /* four independent accumulators hide the FMA latency */
     int64_t c4 = cols & ~(int64_t)63, cv = cols & ~(int64_t)15;
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *row = m + r * cols;
+        const uint16_t *row = m + r * ld;
         for (int64_t b = 0; b < nq; b++) {
             const float *qb = q + b * cols;
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -712,21 +713,103 @@ static void gemv_avx512(const uint16_t *m, int64_t rows, int64_t cols, int kind,
     }
 }
 
-int se_gemv_half(const uint16_t *m, int64_t rows, int64_t cols, int kind,
+int se_gemv_half(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld, int kind,
                  const float *q, int64_t nq, float *out)
 {
-    if (!m || !q || !out || rows < 0 || cols <= 0 || nq <= 0 || (kind != 1 && kind != 2))
+    if (!m || !q || !out || rows < 0 || cols <= 0 || ld < cols || nq <= 0 ||
+        (kind != 1 && kind != 2))
         return -EINVAL;
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) {
-        gemv_avx512(m, rows, cols, kind, q, nq, out);
+        gemv_avx512(m, rows, cols, ld, kind, q, nq, out);
         return 3;
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c")) {
-        gemv_avx2(m, rows, cols, kind, q, nq, out);
+        gemv_avx2(m, rows, cols, ld, kind, q, nq, out);
         return 2;
     }
-    gemv_scalar(m, rows, cols, kind, q, nq, out);
+    gemv_scalar(m, rows, cols, ld, kind, q, nq, out);
     return 1;
+}
+
+/* exp(x) for x <= 0 (or any x > -87), AVX-512: 2^(x log2 e) split into an
+ * integer power (scalef) and a degree-6 polynomial of the fraction; relative
+ * error ~2e-7, which is below fp32 softmax noise. */
+__attribute__((target("avx512f")))
+static inline __m512 exp512(__m512 x)
+{
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, log2e);
+    __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, i);                        /* f in [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.5353362e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6184503e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503339e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, i);
+}
+
+__attribute__((target("avx512f")))
+static void softmax_sum_avx512(const float *x, int64_t nh, int64_t n, float scale, float *out)
+{
+    int64_t nv = n & ~(int64_t)15;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t h = 0; h < nh; h++) {
+        const float *row = x + h * n;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        int64_t c = 0;
+        for (; c < nv; c += 16)
+            mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + c));
+        float m = _mm512_reduce_max_ps(mx);
+        for (; c < n; c++)
+            m = row[c] > m ? row[c] : m;
+        m *= scale;
+        const __m512 mv = _mm512_set1_ps(m);
+        __m512 acc = _mm512_setzero_ps();
+        for (c = 0; c < nv; c += 16)
+            acc = _mm512_add_ps(acc, exp512(_mm512_fmsub_ps(_mm512_loadu_ps(row + c), sc, mv)));
+        float sum = _mm512_reduce_add_ps(acc);
+        for (c = nv; c < n; c++)
+            sum += expf(row[c] * scale - m);
+        const __m512 inv = _mm512_set1_ps(1.0f / sum);
+        for (c = 0; c < nv; c += 16) {
+            __m512 e = exp512(_mm512_fmsub_ps(_mm512_loadu_ps(row + c), sc, mv));
+            __m512 o = h ? _mm512_loadu_ps(out + c) : _mm512_setzero_ps();
+            _mm512_storeu_ps(out + c, _mm512_fmadd_ps(e, inv, o));
+        }
+        for (c = nv; c < n; c++)
+            out[c] = (h ? out[c] : 0.0f) + expf(row[c] * scale - m) / sum;
+    }
+}
+
+static void softmax_sum_scalar(const float *x, int64_t nh, int64_t n, float scale, float *out)
+{
+    for (int64_t h = 0; h < nh; h++) {
+        const float *row = x + h * n;
+        float m = -INFINITY, sum = 0.f;
+        for (int64_t c = 0; c < n; c++)
+            m = row[c] > m ? row[c] : m;
+        m *= scale;
+        for (int64_t c = 0; c < n; c++)
+            sum += expf(row[c] * scale - m);
+        for (int64_t c = 0; c < n; c++)
+            out[c] = (h ? out[c] : 0.0f) + expf(row[c] * scale - m) / sum;
+    }
+}
+
+int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *out)
+{
+    if (!x || !out || nh <= 0 || n <= 0 || !(scale > 0))
+        return -EINVAL;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+        softmax_sum_avx512(x, nh, n, scale, out);
+    else
+        softmax_sum_scalar(x, nh, n, scale, out);
+    return 0;
 }

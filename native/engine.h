@@ -110,11 +110,17 @@ int64_t se_verify_rows(const char *buf, const uint64_t *off, int64_t n,
 void se_assign_buckets(int64_t n, const int64_t *ptr, const int32_t *cdisk,
                        int64_t *load, int ndisks, int64_t *choice);
 
-/* Medoid scoring GEMV: out[b * rows + r] = sum_c M[r, c] * q[b, c] for
- * nq queries, M in fp16 (kind 1) or bf16 (kind 2) bits, q and out float32.
- * One thread; AVX-512 / AVX2+F16C paths chosen at run time, scalar otherwise.
- * Returns the path used: 3 avx512, 2 avx2, 1 scalar, or -EINVAL. */
-int se_gemv_half(const uint16_t *m, int64_t rows, int64_t cols, int kind,
+/* Medoid scoring GEMV: out[b * rows + r] = sum_c M[r * ld + c] * q[b * cols + c]
+ * for nq queries, M in fp16 (kind 1) or bf16 (kind 2) bits with row stride ld
+ * (elements), q and out float32.  One thread; AVX-512 / AVX2+F16C paths chosen
+ * at run time, scalar otherwise.  Returns the path used: 3 avx512, 2 avx2,
+ * 1 scalar, or -EINVAL. */
+int se_gemv_half(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld, int kind,
                  const float *q, int64_t nq, float *out);
+
+/* Softmax of each of nh rows of x [nh, n] (after multiplying by scale),
+ * summed over the rows into out [n] (out is overwritten).  Vectorised exp on
+ * AVX-512.  Returns 0 or -EINVAL. */
+int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *out);
 
 #endif

@@ -542,29 +542,51 @@ def assign_buckets(ptr: np.ndarray, cdisk: np.ndarray, ndisks: int,
     return choice, load
 
 
-def gemv_half(m: np.ndarray, q: np.ndarray, *, bf16: bool) -> np.ndarray:
+def gemv_half(m: np.ndarray, q: np.ndarray, *, bf16: bool, col0: int = 0,
+              cols: int | None = None) -> np.ndarray:
     """Scores of float32 queries against fp16/bf16 rows, in C, one thread.
 
     Args:
-        m: [rows, cols] fp16 or bf16 (any 2-byte dtype; the bits are read).
+        m: C-contiguous [rows, width] fp16 or bf16 (any 2-byte dtype; the bits
+            are read).
         q: float32 [B, cols].
         bf16: the rows are bfloat16 (else IEEE fp16).
+        col0, cols: use columns ``col0:col0+cols`` of each row (default all),
+            e.g. one KV head of a [C, H_kv*d] medoid matrix.
 
     Returns:
-        float32 [B, rows]: ``q @ m.T`` accumulated in fp32 (AVX-512 or
-        AVX2+F16C when the CPU has them).
+        float32 [B, rows]: ``q @ m[:, col0:col0+cols].T`` accumulated in fp32
+        (AVX-512 or AVX2+F16C when the CPU has them).
     """
-    m = np.ascontiguousarray(m)
+    if not m.flags.c_contiguous:
+        m = np.ascontiguousarray(m)
     q = np.ascontiguousarray(q, dtype=np.float32)
-    rows, cols = m.shape
-    if m.itemsize != 2 or q.ndim != 2 or q.shape[1] != cols:
+    rows, width = m.shape
+    cols = width - col0 if cols is None else int(cols)
+    if m.itemsize != 2 or q.ndim != 2 or q.shape[1] != cols or col0 < 0 or \
+            col0 + cols > width:
         raise ValueError(f"gemv_half: rows {m.shape} {m.dtype} and queries {q.shape} "
                          "do not match")
     out = np.empty((q.shape[0], rows), dtype=np.float32)
     if rows:
-        ret = lib.se_gemv_half(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), rows, cols,
-                               2 if bf16 else 1, ffi.from_buffer("float[]", q), q.shape[0],
+        base = ffi.cast("uint16_t *", ffi.from_buffer("uint16_t[]", m.view(np.uint16))) + col0
+        ret = lib.se_gemv_half(base, rows, cols, width, 2 if bf16 else 1,
+                               ffi.from_buffer("float[]", q), q.shape[0],
                                ffi.from_buffer("float[]", out, require_writable=True))
         if ret < 0:
             raise ValueError(f"gemv_half failed: {os.strerror(-ret)}")
+    return out
+
+
+def softmax_sum(x: np.ndarray, scale: float) -> np.ndarray:
+    """Sum over rows of softmax(scale * row): float32 [n] for x float32 [nh, n]
+    (C, vectorised exp)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    nh, n = x.shape
+    out = np.zeros(n, dtype=np.float32)
+    if nh and n:
+        ret = lib.se_softmax_sum(ffi.from_buffer("float[]", x), nh, n, float(scale),
+                                 ffi.from_buffer("float[]", out, require_writable=True))
+        if ret < 0:
+            raise ValueError(f"softmax_sum failed: {os.strerror(-ret)}")
     return out

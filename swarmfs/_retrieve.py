@@ -289,6 +289,8 @@ class Retriever:
         max_gap: coalesce entries on a disk separated by at most this many bytes.
         selector: what scores a query (default :class:`MedoidSelector`, SWARM's
             medoid index); the baselines of §8 plug in here (``_selectors``).
+        score: the medoid score when ``selector`` is None: ``"prob"``
+            (per-head softmax over the medoids, summed) or ``"logit"``.
 
     Raises:
         LayoutError: sparsity outside (0, 1].
@@ -297,7 +299,7 @@ class Retriever:
     def __init__(self, store: Store, *, sparsity: float = 0.1,
                  local_window: int | None = None, hot: dict | None = None,
                  policy: str = "balanced", dedup: bool = True, max_gap: int = 0,
-                 selector=None):
+                 selector=None, score: str = "prob"):
         if not 0 < sparsity <= 1:
             raise E.LayoutError(f"sparsity ratio must be in (0, 1], got {sparsity}",
                                 store=store.path)
@@ -306,7 +308,7 @@ class Retriever:
         self.local_window = local_window
         self.policy, self.dedup, self.max_gap = policy, dedup, max_gap
         self._hot = hot or {}
-        self.selector = selector if selector is not None else MedoidSelector(store)
+        self.selector = selector if selector is not None else MedoidSelector(store, score)
         self._layers: dict[int, _LayerState] = {}
         self._lock = threading.Lock()
         self._pool = None
@@ -380,13 +382,20 @@ class Retriever:
         per-head scores q_h . k_m over the heads that share a KV head.
         """
         self.layer_state(layer)
-        return self.selector.scores(layer, self._group_sum(q))
+        return self.selector.scores(layer, self._queries(q))
 
-    def _group_sum(self, q) -> np.ndarray:
-        try:
-            return group_queries(q, self.store.num_kv_heads)
-        except ValueError as exc:
-            raise E.ShapeError(str(exc), store=self.store.path) from None
+    def _queries(self, q) -> np.ndarray:
+        """float32 [B, H_q, d] from [H_q, d] or [B, H_q, d] (numpy or torch)."""
+        if hasattr(q, "detach"):
+            q = q.detach().float().cpu().numpy()
+        q = np.asarray(q, dtype=np.float32)
+        if q.ndim == 2:
+            q = q[None]
+        H, d = self.store.num_kv_heads, self.store.head_dim
+        if q.ndim != 3 or q.shape[2] != d or q.shape[1] % H:
+            raise E.ShapeError(f"query shape {q.shape} is not [B, H_q, {d}] with H_q a "
+                               f"multiple of {H}", store=self.store.path)
+        return np.ascontiguousarray(q)
 
     def select(self, layer: int, scores: np.ndarray, budget: int) -> np.ndarray:
         """Cluster choice for one query's scores (see :func:`select_clusters`)."""

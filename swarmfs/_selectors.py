@@ -14,8 +14,10 @@ in DRAM).  The baselines of §8 differ only in this step, so the
 * :class:`TokenSelector` -- every key: the exact top-k tokens (the oracle,
   "No Cluster" in §8.1, which pays for scoring all keys).
 
-All take the GQA-summed query ``qg`` [B, H_kv*d] (see ``group_queries``) and
-return float32 scores [B, C] (tokens: [B, S]).
+All take the queries ``q`` float32 [B, H_q, d] and return float32 scores
+[B, C] (tokens: [B, S]).  Selectors that score by a dot product sum the query
+heads of each GQA group first (``group_queries``), which is equivalent; they
+also accept such an already summed ``qg`` [B, H_kv*d].
 """
 
 from __future__ import annotations
@@ -26,19 +28,61 @@ __all__ = ["MedoidSelector", "VectorSelector", "MultiVectorSelector", "BoundSele
            "TokenSelector"]
 
 
-def _gemv(m: np.ndarray, qg: np.ndarray) -> np.ndarray:
-    from ._retrieve import score_medoids
-    return score_medoids(m, qg)
+def _gemv(m: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Dot-product scores with the GQA groups summed: [B, rows]."""
+    from ._retrieve import group_queries, score_medoids
+    if q.ndim == 2:                          # already [B, H_kv*d]
+        return score_medoids(m, np.asarray(q, np.float32))
+    return score_medoids(m, group_queries(q, m.shape[-1] // q.shape[-1]))
+
+
+def head_logits(m: np.ndarray, q: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """Per-query-head logits q_h . k_{g(h)} of rows ``m`` [C, H_kv*d] (store
+    dtype): float32 [B, H_q, C]; query head h uses KV head h // (H_q / H_kv)."""
+    from ._engine import gemv_half
+    from ._retrieve import single_threaded_blas
+    B, Hq, d = q.shape
+    H = int(num_kv_heads)
+    G = Hq // H
+    C = m.shape[0]
+    out = np.empty((B, Hq, C), np.float32)
+    for g in range(H):              # one pass per KV head over its slice of the index
+        qg = q[:, g * G:(g + 1) * G, :].reshape(B * G, d)
+        if m.dtype == np.float32:
+            with single_threaded_blas():
+                r = qg @ m[:, g * d:(g + 1) * d].T
+        else:
+            r = gemv_half(m, qg, bf16=m.dtype.name == "bfloat16", col0=g * d, cols=d)
+        out[:, g * G:(g + 1) * G, :] = r.reshape(B, G, C)
+    return out
+
+
+SCORES = ("prob", "logit")
 
 
 class MedoidSelector:
-    """SWARM §5.2: score each cluster by its medoid's key (store dtype)."""
+    """SWARM §5.2: score each cluster by its medoid's key (store dtype).
+
+    Args:
+        store: the store.
+        score: ``"prob"`` (default): each query head's softmax over the
+            medoids, summed over heads -- a cluster ranks by the attention
+            mass its medoid would draw, which is what recall measures (the
+            layout benchmark measured mean recall 0.885 against 0.834 for
+            ``"logit"`` on WikiText-2 at 16K tokens); ``"logit"``: the scaled
+            logits summed over heads, computed on the GQA-summed query (one
+            GEMV, the cheapest).
+    """
 
     kind = "clusters"
     name = "swarm"
 
-    def __init__(self, store):
+    def __init__(self, store, score: str = "prob"):
+        if score not in SCORES:
+            raise ValueError(f"unknown medoid score {score!r}; use one of {SCORES}")
         self.store = store
+        self.score = score
+        self.scale = float(store.head_dim) ** -0.5
         self._m = {}
 
     def _medoids(self, layer):
@@ -49,8 +93,13 @@ class MedoidSelector:
             self._m[layer] = m
         return m
 
-    def scores(self, layer: int, qg: np.ndarray) -> np.ndarray:
-        return _gemv(self._medoids(layer), qg)
+    def scores(self, layer: int, q: np.ndarray) -> np.ndarray:
+        m = self._medoids(layer)
+        if self.score == "logit":
+            return _gemv(m, q)
+        from ._engine import softmax_sum
+        logits = head_logits(m, q, self.store.num_kv_heads)
+        return np.stack([softmax_sum(x, self.scale) for x in logits])
 
     def dram_bytes(self, layer: int) -> int:
         return int(self._medoids(layer).nbytes)
@@ -65,8 +114,8 @@ class VectorSelector:
         self.vectors = {k: np.ascontiguousarray(v) for k, v in vectors.items()}
         self.name = name
 
-    def scores(self, layer, qg):
-        return _gemv(self.vectors[layer], qg)
+    def scores(self, layer, q):
+        return _gemv(self.vectors[layer], q)
 
     def dram_bytes(self, layer):
         return int(self.vectors[layer].nbytes)
@@ -82,10 +131,10 @@ class MultiVectorSelector:
         self.reps = {k: np.ascontiguousarray(v) for k, v in reps.items()}
         self.name = name
 
-    def scores(self, layer, qg):
+    def scores(self, layer, q):
         r = self.reps[layer]
         C, R, D = r.shape
-        return _gemv(r.reshape(C * R, D), qg).reshape(qg.shape[0], C, R).max(axis=2)
+        return _gemv(r.reshape(C * R, D), q).reshape(q.shape[0], C, R).max(axis=2)
 
     def dram_bytes(self, layer):
         return int(self.reps[layer].nbytes)
@@ -103,8 +152,11 @@ class BoundSelector:
         self.bounds = {k: (np.ascontiguousarray(lo, np.float32), np.ascontiguousarray(hi, np.float32))
                        for k, (lo, hi) in bounds.items()}
 
-    def scores(self, layer, qg):
+    def scores(self, layer, q):
+        from ._retrieve import group_queries
         lo, hi = self.bounds[layer]
+        qg = np.asarray(q, np.float32) if q.ndim == 2 else \
+            group_queries(q, lo.shape[1] // q.shape[-1])
         pos = np.maximum(qg, 0)
         neg = np.minimum(qg, 0)
         # max(q lo, q hi) = q+ hi + q- lo, summed over channels: two GEMVs
@@ -125,8 +177,8 @@ class TokenSelector:
     def __init__(self, keys: dict):
         self.keys = {k: np.ascontiguousarray(v) for k, v in keys.items()}
 
-    def scores(self, layer, qg):
-        return _gemv(self.keys[layer], qg)
+    def scores(self, layer, q):
+        return _gemv(self.keys[layer], q)
 
     def dram_bytes(self, layer):
         return int(self.keys[layer].nbytes)
