@@ -464,7 +464,8 @@ def capture(model=None, text: str | None = None, *, token_ids=None,
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=S, unit="tok", desc=f"capture {name.rsplit('/', 1)[-1]}")
+        bar = tqdm(total=S, unit="tok", desc=f"capture {name.rsplit('/', 1)[-1]}",
+                   disable=None)       # None: off when stderr is not a terminal
     token = _recorder.set(record)
     try:
         with torch.inference_mode():

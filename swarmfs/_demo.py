@@ -121,7 +121,7 @@ def build_store(cap, store_path, *, disks=4, params: LayoutParams = LayoutParams
                          num_query_heads=cap.num_query_heads, force=force, engine=engine)
     report = {}
     for layer in tqdm(range(cap.num_layers), desc="layout+write", unit="layer",
-                      disable=not progress):
+                      disable=None if progress else True):
         k = cap.k[layer][:, :S]
         v = cap.v[layer][:, :S]
         q = cap.q[layer][:, :S] if profile_cap is None else profile_cap.q[layer]
@@ -157,7 +157,7 @@ def evaluate_store(store: Store, cap, *, context: int, eval_positions, ratio: fl
     r = Retriever(store, sparsity=ratio)
     out = {}
     S = int(context)
-    for layer in tqdm(store.layers, desc="retrieve", unit="layer", disable=not progress):
+    for layer in tqdm(store.layers, desc="retrieve", unit="layer", disable=None if progress else True):
         k_ctx = cap.k[layer][:, :S]
         v_ctx = cap.v[layer][:, :S]
         r.layer_state(layer)      # load the DRAM partition before timing

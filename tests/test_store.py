@@ -334,6 +334,12 @@ def test_public_names_are_exported():
     for name in E.__all__:
         assert issubclass(getattr(E, name), E.SwarmError)
         assert getattr(swarmfs, name) is getattr(E, name)
+    for name in ("Retriever", "Retrieval", "RetrievalStats", "DecodeSession", "StepResult"):
+        assert hasattr(swarmfs, name)
+    import swarmfs.layout as L
+    for name in ("capture", "save_capture", "load_capture", "profile_layer", "cluster",
+                 "Clustering", "hot_clusters", "place_clusters", "evaluate_recall"):
+        assert hasattr(L, name), name
 
 
 # -- appending (SWARM §6.2) ----------------------------------------------------
