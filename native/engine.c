@@ -684,33 +684,185 @@ static void gemv_avx2(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
                  : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))))
 
 __attribute__((target("avx512f")))
-static void gemv_avx512(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
-                        int kind, const float *q, int64_t nq, float *out)
+static void gemv_avx512_1(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
+                          int kind, const float *qb, float *out)
 {
-    /* four independent accumulators hide the FMA latency */
+    /* one query: four independent accumulators hide the FMA latency */
     int64_t c4 = cols & ~(int64_t)63, cv = cols & ~(int64_t)15;
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = m + r * ld;
-        for (int64_t b = 0; b < nq; b++) {
-            const float *qb = q + b * cols;
-            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-            __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        int64_t c = 0;
+        for (; c < c4; c += 64) {
+            a0 = _mm512_fmadd_ps(LOAD16(kind, row + c), _mm512_loadu_ps(qb + c), a0);
+            a1 = _mm512_fmadd_ps(LOAD16(kind, row + c + 16), _mm512_loadu_ps(qb + c + 16), a1);
+            a2 = _mm512_fmadd_ps(LOAD16(kind, row + c + 32), _mm512_loadu_ps(qb + c + 32), a2);
+            a3 = _mm512_fmadd_ps(LOAD16(kind, row + c + 48), _mm512_loadu_ps(qb + c + 48), a3);
+        }
+        for (; c < cv; c += 16)
+            a0 = _mm512_fmadd_ps(LOAD16(kind, row + c), _mm512_loadu_ps(qb + c), a0);
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1),
+                                                     _mm512_add_ps(a2, a3)));
+        for (; c < cols; c++)
+            s += half_to_float(row[c], kind) * qb[c];
+        out[r] = s;
+    }
+}
+
+#define QBLK 8
+
+__attribute__((target("avx512f")))
+static void gemv_avx512_n(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
+                          int kind, const float *q, int64_t nq, float *out)
+{
+    /* several queries: convert each 16-element chunk of a row once and
+     * multiply it into up to QBLK accumulators (one per query) */
+    int64_t cv = cols & ~(int64_t)15;
+    for (int64_t b0 = 0; b0 < nq; b0 += QBLK) {
+        int64_t nb = nq - b0 < QBLK ? nq - b0 : QBLK;
+        for (int64_t r = 0; r < rows; r++) {
+            const uint16_t *row = m + r * ld;
+            __m512 acc[QBLK];
+            for (int b = 0; b < QBLK; b++)
+                acc[b] = _mm512_setzero_ps();
             int64_t c = 0;
-            for (; c < c4; c += 64) {
-                a0 = _mm512_fmadd_ps(LOAD16(kind, row + c), _mm512_loadu_ps(qb + c), a0);
-                a1 = _mm512_fmadd_ps(LOAD16(kind, row + c + 16), _mm512_loadu_ps(qb + c + 16), a1);
-                a2 = _mm512_fmadd_ps(LOAD16(kind, row + c + 32), _mm512_loadu_ps(qb + c + 32), a2);
-                a3 = _mm512_fmadd_ps(LOAD16(kind, row + c + 48), _mm512_loadu_ps(qb + c + 48), a3);
+            for (; c < cv; c += 16) {
+                __m512 x = LOAD16(kind, row + c);
+#pragma GCC unroll 8
+                for (int b = 0; b < QBLK; b++)
+                    if (b < nb)
+                        acc[b] = _mm512_fmadd_ps(x, _mm512_loadu_ps(q + (b0 + b) * cols + c),
+                                                 acc[b]);
             }
-            for (; c < cv; c += 16)
-                a0 = _mm512_fmadd_ps(LOAD16(kind, row + c), _mm512_loadu_ps(qb + c), a0);
-            float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1),
-                                                         _mm512_add_ps(a2, a3)));
-            for (; c < cols; c++)
-                s += half_to_float(row[c], kind) * qb[c];
-            out[b * rows + r] = s;
+            for (int b = 0; b < nb; b++) {
+                float s = _mm512_reduce_add_ps(acc[b]);
+                for (int64_t cc = c; cc < cols; cc++)
+                    s += half_to_float(row[cc], kind) * q[(b0 + b) * cols + cc];
+                out[(b0 + b) * rows + r] = s;
+            }
         }
     }
+}
+
+__attribute__((target("avx512f")))
+static void gemv_avx512(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
+                        int kind, const float *q, int64_t nq, float *out)
+{
+    if (nq == 1)
+        gemv_avx512_1(m, rows, cols, ld, kind, q, out);
+    else
+        gemv_avx512_n(m, rows, cols, ld, kind, q, nq, out);
+}
+
+/* The 8 horizontal sums of a0..a7 (16 lanes each), as one 8-lane vector. */
+__attribute__((target("avx512f,avx512dq")))
+static inline __m256 hsum8x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3, __m512 a4,
+                              __m512 a5, __m512 a6, __m512 a7)
+{
+#define HALVES(a) _mm256_add_ps(_mm512_castps512_ps256(a), \
+                                _mm512_extractf32x8_ps(a, 1))
+    __m256 s0 = HALVES(a0), s1 = HALVES(a1), s2 = HALVES(a2), s3 = HALVES(a3);
+    __m256 s4 = HALVES(a4), s5 = HALVES(a5), s6 = HALVES(a6), s7 = HALVES(a7);
+#undef HALVES
+    __m256 b0 = _mm256_hadd_ps(s0, s1), b1 = _mm256_hadd_ps(s2, s3);
+    __m256 b2 = _mm256_hadd_ps(s4, s5), b3 = _mm256_hadd_ps(s6, s7);
+    __m256 c0 = _mm256_hadd_ps(b0, b1), c1 = _mm256_hadd_ps(b2, b3);
+    __m128 r0 = _mm_add_ps(_mm256_castps256_ps128(c0), _mm256_extractf128_ps(c0, 1));
+    __m128 r1 = _mm_add_ps(_mm256_castps256_ps128(c1), _mm256_extractf128_ps(c1, 1));
+    return _mm256_set_m128(r1, r0);
+}
+
+__attribute__((target("avx512f,avx512dq")))
+static void head_logits_avx512(const uint16_t *m, int64_t rows, int64_t H, int64_t d,
+                               int kind, const float *q, int64_t nq, int64_t Hq,
+                               float *out)
+{
+    /* For each row and KV head, the (query, query head) pairs that read that
+     * head go in blocks of 8 with one accumulator each (unused slots repeat a
+     * valid query and are discarded), so each 16-element chunk is converted
+     * once and feeds 8 FMAs. */
+    int64_t G = Hq / H, dv = d & ~(int64_t)15, P = nq * G, nblk = (P + 7) / 8;
+    /* (query, head) index of each accumulator slot, per KV head: computed once */
+    int64_t *slot = malloc(sizeof(int64_t) * (size_t)(H * nblk * 8));
+    if (!slot)
+        return;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t k = 0; k < nblk * 8; k++) {
+            int64_t pk = k < P ? k : (k / 8) * 8;
+            slot[g * nblk * 8 + k] = (pk / G) * Hq + g * G + pk % G;
+        }
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = m + r * H * d;
+        for (int64_t g = 0; g < H; g++) {
+            const uint16_t *seg = row + g * d;
+            for (int64_t p0 = 0; p0 < P; p0 += 8) {
+                const int64_t *sl = slot + g * nblk * 8 + p0;
+                const float *qp[8];
+                for (int k = 0; k < 8; k++)
+                    qp[k] = q + sl[k] * d;
+                __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+                __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+                __m512 a4 = _mm512_setzero_ps(), a5 = _mm512_setzero_ps();
+                __m512 a6 = _mm512_setzero_ps(), a7 = _mm512_setzero_ps();
+                int64_t c = 0;
+                for (; c < dv; c += 16) {
+                    __m512 x = LOAD16(kind, seg + c);
+                    a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(qp[0] + c), a0);
+                    a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(qp[1] + c), a1);
+                    a2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(qp[2] + c), a2);
+                    a3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(qp[3] + c), a3);
+                    a4 = _mm512_fmadd_ps(x, _mm512_loadu_ps(qp[4] + c), a4);
+                    a5 = _mm512_fmadd_ps(x, _mm512_loadu_ps(qp[5] + c), a5);
+                    a6 = _mm512_fmadd_ps(x, _mm512_loadu_ps(qp[6] + c), a6);
+                    a7 = _mm512_fmadd_ps(x, _mm512_loadu_ps(qp[7] + c), a7);
+                }
+                float sum[8];
+                _mm256_storeu_ps(sum, hsum8x16(a0, a1, a2, a3, a4, a5, a6, a7));
+                int64_t np_ = P - p0 < 8 ? P - p0 : 8;
+                for (int k = 0; k < np_; k++) {
+                    for (int64_t cc = c; cc < d; cc++)
+                        sum[k] += half_to_float(seg[cc], kind) * qp[k][cc];
+                    out[sl[k] * rows + r] = sum[k];
+                }
+            }
+        }
+    }
+    free(slot);
+}
+
+int se_head_logits(const uint16_t *m, int64_t rows, int64_t H, int64_t d, int kind,
+                   const float *q, int64_t nq, int64_t Hq, float *out)
+{
+    if (!m || !q || !out || rows < 0 || H <= 0 || d <= 0 || nq <= 0 || Hq <= 0 ||
+        Hq % H || (kind != 1 && kind != 2))
+        return -EINVAL;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
+        head_logits_avx512(m, rows, H, d, kind, q, nq, Hq, out);
+        return 0;
+    }
+    /* other CPUs: one strided GEMV per KV head */
+    int64_t G = Hq / H;
+    float *tmp = malloc(sizeof(float) * (size_t)(nq * G * rows + 1));
+    float *qg = malloc(sizeof(float) * (size_t)(nq * G * d + 1));
+    if (!tmp || !qg) {
+        free(tmp);
+        free(qg);
+        return -ENOMEM;
+    }
+    for (int64_t g = 0; g < H; g++) {
+        for (int64_t b = 0; b < nq; b++)
+            memcpy(qg + b * G * d, q + (b * Hq + g * G) * d, sizeof(float) * (size_t)(G * d));
+        se_gemv_half(m + g * d, rows, d, H * d, kind, qg, nq * G, tmp);
+        for (int64_t b = 0; b < nq; b++)
+            for (int64_t j = 0; j < G; j++)
+                memcpy(out + (b * Hq + g * G + j) * rows, tmp + (b * G + j) * rows,
+                       sizeof(float) * (size_t)rows);
+    }
+    free(tmp);
+    free(qg);
+    return 0;
 }
 
 int se_gemv_half(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld, int kind,

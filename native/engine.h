@@ -118,6 +118,13 @@ void se_assign_buckets(int64_t n, const int64_t *ptr, const int32_t *cdisk,
 int se_gemv_half(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld, int kind,
                  const float *q, int64_t nq, float *out);
 
+/* Per-query-head logits against rows of H_kv heads, one pass over m:
+ * m [rows, H_kv * d] (fp16 kind 1 / bf16 kind 2), q float32 [nq, H_q, d],
+ * out float32 [nq, H_q, rows]; query head h uses KV head h / (H_q / H_kv).
+ * Returns 0 or -EINVAL. */
+int se_head_logits(const uint16_t *m, int64_t rows, int64_t num_kv_heads, int64_t d,
+                   int kind, const float *q, int64_t nq, int64_t num_q_heads, float *out);
+
 /* Softmax of each of nh rows of x [nh, n] (after multiplying by scale),
  * summed over the rows into out [n] (out is overwritten).  Vectorised exp on
  * AVX-512.  Returns 0 or -EINVAL. */

@@ -578,6 +578,36 @@ def gemv_half(m: np.ndarray, q: np.ndarray, *, bf16: bool, col0: int = 0,
     return out
 
 
+def head_logits_half(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *,
+                     bf16: bool) -> np.ndarray:
+    """Per-query-head logits against fp16/bf16 rows in one pass over them (C).
+
+    Args:
+        m: C-contiguous [rows, H_kv * d] 2-byte floats.
+        q: float32 [B, H_q, d]; query head h uses KV head h // (H_q / H_kv).
+
+    Returns:
+        float32 [B, H_q, rows] of q_h . m[:, g(h)] (fp32 accumulation).
+    """
+    if not m.flags.c_contiguous:
+        m = np.ascontiguousarray(m)
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    B, Hq, d = q.shape
+    rows = m.shape[0]
+    if m.itemsize != 2 or m.shape[1] != num_kv_heads * d or Hq % num_kv_heads:
+        raise ValueError(f"head_logits: rows {m.shape} and queries {q.shape} do not match "
+                         f"{num_kv_heads} KV heads")
+    out = np.empty((B, Hq, rows), dtype=np.float32)
+    if rows:
+        ret = lib.se_head_logits(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), rows,
+                                 num_kv_heads, d, 2 if bf16 else 1,
+                                 ffi.from_buffer("float[]", q), B, Hq,
+                                 ffi.from_buffer("float[]", out, require_writable=True))
+        if ret < 0:
+            raise ValueError(f"head_logits failed: {os.strerror(-ret)}")
+    return out
+
+
 def softmax_sum(x: np.ndarray, scale: float) -> np.ndarray:
     """Sum over rows of softmax(scale * row): float32 [n] for x float32 [nh, n]
     (C, vectorised exp)."""

@@ -39,21 +39,18 @@ def _gemv(m: np.ndarray, q: np.ndarray) -> np.ndarray:
 def head_logits(m: np.ndarray, q: np.ndarray, num_kv_heads: int) -> np.ndarray:
     """Per-query-head logits q_h . k_{g(h)} of rows ``m`` [C, H_kv*d] (store
     dtype): float32 [B, H_q, C]; query head h uses KV head h // (H_q / H_kv)."""
-    from ._engine import gemv_half
+    from ._engine import head_logits_half
     from ._retrieve import single_threaded_blas
     B, Hq, d = q.shape
     H = int(num_kv_heads)
+    if m.dtype != np.float32:       # one pass over the index, in C
+        return head_logits_half(m, q, H, bf16=m.dtype.name == "bfloat16")
     G = Hq // H
-    C = m.shape[0]
-    out = np.empty((B, Hq, C), np.float32)
-    for g in range(H):              # one pass per KV head over its slice of the index
-        qg = q[:, g * G:(g + 1) * G, :].reshape(B * G, d)
-        if m.dtype == np.float32:
-            with single_threaded_blas():
-                r = qg @ m[:, g * d:(g + 1) * d].T
-        else:
-            r = gemv_half(m, qg, bf16=m.dtype.name == "bfloat16", col0=g * d, cols=d)
-        out[:, g * G:(g + 1) * G, :] = r.reshape(B, G, C)
+    out = np.empty((B, Hq, m.shape[0]), np.float32)
+    mh = m.reshape(m.shape[0], H, d)
+    with single_threaded_blas():
+        for g in range(H):
+            out[:, g * G:(g + 1) * G, :] = (q[:, g * G:(g + 1) * G, :] @ mh[:, g, :].T)
     return out
 
 

@@ -22,13 +22,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
 
 from swarmfs import plan_reads
+from swarmfs._engine import softmax_sum
 from swarmfs._retrieve import (group_queries, score_medoids, select_clusters,
                                single_threaded_blas)
+from swarmfs._selectors import head_logits
 
 PAPER = {131072: (1.635, 0.236), 262144: (3.136, 0.374), 524288: (6.176, 0.554),
          1048576: (12.15, 0.999)}
@@ -45,17 +48,22 @@ def median_ms(f, reps):
 
 
 def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128):
-    C = S // cluster_size
-    q = rng.standard_normal((Hq, d)).astype(np.float32)
-    sizes = rng.integers(max(cluster_size // 2, 1), cluster_size * 3 // 2 + 1, size=C)
+    C = int(round(S / cluster_size))
+    q = rng.standard_normal((1, Hq, d)).astype(np.float32)
+    sizes = rng.integers(max(int(cluster_size) // 2, 1), int(cluster_size * 1.5) + 1, size=C)
     medoids = rng.standard_normal((C, H * d)).astype(np.float16)   # the store dtype
     budget = int(np.ceil(r * S))
+    scale = d ** -0.5
 
-    def swarm():
-        qg = group_queries(q, H)
-        select_clusters(score_medoids(medoids, qg)[0], sizes, budget)
+    def swarm_prob():      # the Retriever's default (MedoidSelector score="prob")
+        sc = softmax_sum(head_logits(medoids, q, H)[0], scale)
+        select_clusters(sc, sizes, budget)
 
-    t_swarm = median_ms(swarm, reps)
+    def swarm_logit():     # MedoidSelector score="logit": GQA-summed query, one GEMV
+        select_clusters(score_medoids(medoids, group_queries(q, H))[0], sizes, budget)
+
+    t_prob = median_ms(swarm_prob, reps)
+    t_logit = median_ms(swarm_logit, reps)
     del medoids
     keys = rng.standard_normal((S, H * d), dtype=np.float32)
 
@@ -67,8 +75,9 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128):
 
     t_naive = median_ms(naive, max(reps // 10, 5))
     return {"tokens": S, "medoids": C, "mean_cluster_size": cluster_size,
-            "naive_ms": t_naive, "swarm_ms": t_swarm, "speedup": t_naive / t_swarm,
-            "swarm_index_bytes": C * H * d * 2, "swarm_index_bytes_f32": C * H * d * 4,
+            "naive_ms": t_naive, "swarm_ms": t_prob, "swarm_logit_ms": t_logit,
+            "speedup": t_naive / t_prob,
+            "swarm_index_bytes": C * H * d * 2,
             "paper_naive_ms": PAPER.get(S, (None, None))[0],
             "paper_swarm_ms": PAPER.get(S, (None, None))[1]}
 
@@ -93,26 +102,35 @@ def bench_planning(reps, rng, n=100_000, replicated=0.3, ndisks=4, S=1 << 20, E=
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="131072,262144,524288,1048576")
-    ap.add_argument("--cluster-size", type=int, default=64,
-                    help="mean entries per cluster (C = S / this)")
+    ap.add_argument("--cluster-sizes", default="14.9,19.4,25.2,32.8",
+                    help="mean entries per cluster at each --tokens value (C = S / size); "
+                         "default: the layout's measured sizes (MiniLM over WikiText-2: "
+                         "14.9 at 128K, bench_layout.py) grown as S^0.377 as measured "
+                         "from 16K to 128K")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--out", default="bench-out/select")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = []
-    print(f"{'tokens':>8} {'medoids':>8} {'naive ms':>9} {'swarm ms':>9} {'paper':>7} "
-          f"{'speedup':>8}")
-    for S in (int(x) for x in a.tokens.split(",")):
-        r = bench_selection(S, a.cluster_size, a.reps, rng)
+    print(f"{'tokens':>8} {'medoids':>8} {'naive ms':>9} {'swarm ms':>9} {'logit ms':>9} "
+          f"{'paper':>7} {'speedup':>8}")
+    sizes = [float(x) for x in a.cluster_sizes.split(",")]
+    toks = [int(x) for x in a.tokens.split(",")]
+    if len(sizes) == 1:
+        sizes = sizes * len(toks)
+    for S, cs in zip(toks, sizes):
+        r = bench_selection(S, cs, a.reps, rng)
         rows.append(r)
         print(f"{S:8d} {r['medoids']:8d} {r['naive_ms']:9.3f} {r['swarm_ms']:9.3f} "
-              f"{r['paper_swarm_ms'] or 0:7.3f} {r['speedup']:8.1f}", flush=True)
+              f"{r['swarm_logit_ms']:9.3f} {r['paper_swarm_ms'] or 0:7.3f} "
+              f"{r['speedup']:8.1f}", flush=True)
     plan = bench_planning(max(a.reps // 4, 20), rng)
     print(f"planning {plan['entries']} entries ({plan['candidates']} candidate copies, "
           f"{plan['disks']} disks): {plan['plan_ms']:.2f} ms, {plan['requests']} requests")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
-        json.dump({"selection": rows, "planning": plan, "cluster_size": a.cluster_size},
+        json.dump({"selection": rows, "planning": plan, "cluster_sizes": sizes,
+                   "command": "tools/bench_select.py " + " ".join(argv or sys.argv[1:])},
                   f, indent=1)
     print(f"wrote {a.out}.json")
 
