@@ -24,10 +24,10 @@ from . import _format as F
 from ._engine import (READ, Engine, EngineStats, device_size, gather_rows,
                       verify_rows,
                       xxh3_ranges, xxh3_rows)
-from ._index import LayerIndex, concat_ranges
+from ._index import LayerIndex
 from ._planner import MAX_REQUEST, Plan, plan_reads
 from ._disks import create_disks, open_disks
-from ._write import as_bytes_rows, chunk_bounds, clusters_csr, write_extents
+from ._write import append_tokens, as_bytes_rows, chunk_bounds, clusters_csr, write_extents
 from .layout._place import PLACEMENTS, place_clusters
 
 __all__ = ["Store", "StoreStats"]
@@ -507,98 +507,7 @@ class Store:
             OutOfRangeError: a cluster id that does not exist.
             DiskFullError, IOFailedError: nothing is committed.
         """
-        li = self.layer(layer)
-        rows_new = as_bytes_rows(kv, self.entry_shape, self.dtype, layer=layer, store=self.path)
-        n = rows_new.shape[0]
-        S, C = li.num_tokens, li.num_clusters
-        if joins is None:
-            jptr, jcl = np.zeros(n + 1, np.int64), np.empty(0, np.int64)
-        elif isinstance(joins, tuple):
-            jptr, jcl = np.asarray(joins[0], np.int64), np.asarray(joins[1], np.int64)
-        else:
-            lists = [np.asarray(j, np.int64).reshape(-1) for j in joins]
-            jptr = np.zeros(len(lists) + 1, np.int64)
-            np.cumsum([x.shape[0] for x in lists], out=jptr[1:])
-            jcl = np.concatenate(lists) if lists else np.empty(0, np.int64)
-        if jptr.shape[0] != n + 1 or jptr[0] != 0 or jptr[-1] != jcl.shape[0] or \
-                np.any(np.diff(jptr) < 0):
-            raise E.ShapeError(f"joins must list clusters for each of the {n} new tokens",
-                               store=self.path, layer=layer)
-        if jcl.size and (jcl.min() < 0 or jcl.max() >= C):
-            raise E.OutOfRangeError(f"cluster {int(jcl[(jcl < 0) | (jcl >= C)][0])} does not "
-                                    "exist", store=self.path, layer=layer)
-        jtok = np.repeat(np.arange(n, dtype=np.int64), np.diff(jptr))
-        if np.unique(jtok * C + jcl).shape[0] != jtok.shape[0]:
-            raise E.ShapeError("a new token joins the same cluster twice", store=self.path,
-                               layer=layer)
-        # new clusters for tokens that join nothing: runs of `group` tokens
-        lone = np.flatnonzero(np.diff(jptr) == 0)
-        gid = np.arange(lone.shape[0]) // max(int(group), 1)
-        k_new = int(gid[-1]) + 1 if lone.size else 0
-        # the full new cluster table: old copies, then additions, then new clusters
-        old_sizes = li.sizes
-        add = np.bincount(jcl, minlength=C)
-        grow = np.flatnonzero(add > 0)
-        sizes = np.concatenate([old_sizes + add, np.bincount(gid, minlength=k_new)])
-        ptr = np.zeros(C + k_new + 1, np.int64)
-        np.cumsum(sizes, out=ptr[1:])
-        members = np.empty(int(ptr[-1]), np.int64)
-        members[ptr[li.copy_cluster] + li.copy_slot] = li.members
-        order = np.argsort(jcl * (n + 1) + jtok, kind="stable")   # by cluster, then token
-        jc, jt = jcl[order], jtok[order]
-        rank = np.arange(jc.shape[0]) - np.searchsorted(jc, jc)
-        members[ptr[jc] + old_sizes[jc] + rank] = S + jt
-        members[ptr[C + gid] + (np.arange(lone.shape[0]) - np.searchsorted(gid, gid))] = S + lone
-        # rows of every entry that is (re)written: old entries of growing clusters
-        # are read back from the disks (verified), new ones come from kv
-        write = np.concatenate([grow, np.arange(C, C + k_new)])
-        w_copies = concat_ranges(ptr[write], sizes[write])
-        w_tok = members[w_copies]
-        old_tok = np.unique(w_tok[w_tok < S])
-        rows = np.empty((old_tok.shape[0] + n, self.entry_bytes), np.uint8)
-        if old_tok.size:
-            rows[:old_tok.shape[0]] = self.read_entries(layer, old_tok).reshape(
-                old_tok.shape[0], -1).view(np.uint8)
-        rows[old_tok.shape[0]:] = rows_new
-        local = np.where(w_tok < S, np.searchsorted(old_tok, w_tok), old_tok.shape[0] + w_tok - S)
-        w_sizes = sizes[write]
-        w_ptr = np.zeros(write.shape[0] + 1, np.int64)
-        np.cumsum(w_sizes, out=w_ptr[1:])
-        with self._write_lock():
-            disk_end = np.array([d["end"] for d in self._m["disks"]], dtype=np.uint64)
-            p0 = int(self._m["p_global"])
-            start = np.concatenate([li.start_disk[grow],
-                                    place_clusters(sizes[C:], ndisks=self.num_disks,
-                                                   entry_bytes=self.entry_bytes,
-                                                   block_size=self.block_size,
-                                                   disk_end=disk_end, p_global=p0).start_disk])
-            p_new = p0 + int(sizes[C:].sum())
-            pl = place_clusters(w_sizes, ndisks=self.num_disks, entry_bytes=self.entry_bytes,
-                                block_size=self.block_size, disk_end=disk_end, p_global=p0,
-                                start=start)
-            self._check_capacity(pl.disk_end, layer)
-            xxh = write_extents(self, rows, w_ptr, local, pl, layer)
-            for fd in self._fds:
-                os.fdatasync(fd)
-            N = self.num_disks
-            extent_off = np.concatenate([li.extent_off, np.zeros((k_new, N), np.uint64)])
-            extent_xxh = np.concatenate([li.extent_xxh, np.zeros((k_new, N), np.uint64)])
-            start_disk = np.concatenate([li.start_disk, start[grow.shape[0]:]]).astype(np.int32)
-            extent_off[write] = pl.extent_off
-            extent_xxh[write] = xxh
-            medoid = np.concatenate([li.medoid, S + lone[np.searchsorted(gid, np.arange(k_new))]])
-            half = self.entry_bytes // 2
-            new_keys = rows_new[medoid[C:] - S, :half]
-            arrays = dict(
-                members_ptr=ptr, members=members, medoid=medoid, start_disk=start_disk,
-                extent_off=extent_off, extent_xxh=extent_xxh,
-                token_xxh=np.concatenate([li.token_xxh, xxh3_rows(rows_new, self.entry_bytes)]),
-                medoid_keys=np.concatenate([li.medoid_keys, new_keys]),
-                hot=np.concatenate([li.hot, np.zeros(k_new, np.uint8)]),
-                freq=np.concatenate([li.freq, np.zeros(k_new, np.float32)]))
-            self._commit_layer(layer, arrays, disk_end=pl.disk_end, p_global=p_new,
-                               record={})
-        return np.arange(S, S + n, dtype=np.int64)
+        return append_tokens(self, layer, kv, joins, group=group)
 
     def _check_capacity(self, new_end, layer):
         for i, d in enumerate(self._m["disks"]):

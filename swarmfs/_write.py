@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import _errors as E
 from . import _format as F
-from ._engine import WRITE, scatter_rows, xxh3_ranges
-from .layout._place import copy_locations
+from ._engine import WRITE, scatter_rows, xxh3_ranges, xxh3_rows
+from ._index import concat_ranges
+from .layout._place import copy_locations, place_clusters
 
-__all__ = ["as_bytes_rows", "clusters_csr", "write_extents", "chunk_bounds"]
+__all__ = ["as_bytes_rows", "clusters_csr", "write_extents", "chunk_bounds", "append_tokens"]
 
 WRITE_CHUNK = 64 << 20      # bytes of staged layer data per write batch
 WRITE_REQUEST = 1 << 20     # bytes per write request
@@ -118,3 +121,102 @@ def write_extents(store, rows, ptr, members, pl, layer) -> np.ndarray:
             rdst = base[rd] + (roff - lo[rd])
             store.engine.execute(WRITE, rd, roff, rlen, rdst, buf, layer=layer)
     return extent_xxh
+
+
+def append_tokens(store, layer: int, kv, joins, *, group: int) -> np.ndarray:
+    """The work of :meth:`Store.append` (see there): new cluster table, rows of
+    the clusters that grow (read back, verified) and of the new entries,
+    copy-on-write extents keeping each cluster's start disk, one commit."""
+    self = store
+    li = self.layer(layer)
+    rows_new = as_bytes_rows(kv, self.entry_shape, self.dtype, layer=layer, store=self.path)
+    n = rows_new.shape[0]
+    S, C = li.num_tokens, li.num_clusters
+    if joins is None:
+        jptr, jcl = np.zeros(n + 1, np.int64), np.empty(0, np.int64)
+    elif isinstance(joins, tuple):
+        jptr, jcl = np.asarray(joins[0], np.int64), np.asarray(joins[1], np.int64)
+    else:
+        lists = [np.asarray(j, np.int64).reshape(-1) for j in joins]
+        jptr = np.zeros(len(lists) + 1, np.int64)
+        np.cumsum([x.shape[0] for x in lists], out=jptr[1:])
+        jcl = np.concatenate(lists) if lists else np.empty(0, np.int64)
+    if jptr.shape[0] != n + 1 or jptr[0] != 0 or jptr[-1] != jcl.shape[0] or \
+            np.any(np.diff(jptr) < 0):
+        raise E.ShapeError(f"joins must list clusters for each of the {n} new tokens",
+                           store=self.path, layer=layer)
+    if jcl.size and (jcl.min() < 0 or jcl.max() >= C):
+        raise E.OutOfRangeError(f"cluster {int(jcl[(jcl < 0) | (jcl >= C)][0])} does not "
+                                "exist", store=self.path, layer=layer)
+    jtok = np.repeat(np.arange(n, dtype=np.int64), np.diff(jptr))
+    if np.unique(jtok * C + jcl).shape[0] != jtok.shape[0]:
+        raise E.ShapeError("a new token joins the same cluster twice", store=self.path,
+                           layer=layer)
+    # new clusters for tokens that join nothing: runs of `group` tokens
+    lone = np.flatnonzero(np.diff(jptr) == 0)
+    gid = np.arange(lone.shape[0]) // max(int(group), 1)
+    k_new = int(gid[-1]) + 1 if lone.size else 0
+    # the full new cluster table: old copies, then additions, then new clusters
+    old_sizes = li.sizes
+    add = np.bincount(jcl, minlength=C)
+    grow = np.flatnonzero(add > 0)
+    sizes = np.concatenate([old_sizes + add, np.bincount(gid, minlength=k_new)])
+    ptr = np.zeros(C + k_new + 1, np.int64)
+    np.cumsum(sizes, out=ptr[1:])
+    members = np.empty(int(ptr[-1]), np.int64)
+    members[ptr[li.copy_cluster] + li.copy_slot] = li.members
+    order = np.argsort(jcl * (n + 1) + jtok, kind="stable")   # by cluster, then token
+    jc, jt = jcl[order], jtok[order]
+    rank = np.arange(jc.shape[0]) - np.searchsorted(jc, jc)
+    members[ptr[jc] + old_sizes[jc] + rank] = S + jt
+    members[ptr[C + gid] + (np.arange(lone.shape[0]) - np.searchsorted(gid, gid))] = S + lone
+    # rows of every entry that is (re)written: old entries of growing clusters
+    # are read back from the disks (verified), new ones come from kv
+    write = np.concatenate([grow, np.arange(C, C + k_new)])
+    w_copies = concat_ranges(ptr[write], sizes[write])
+    w_tok = members[w_copies]
+    old_tok = np.unique(w_tok[w_tok < S])
+    rows = np.empty((old_tok.shape[0] + n, self.entry_bytes), np.uint8)
+    if old_tok.size:
+        rows[:old_tok.shape[0]] = self.read_entries(layer, old_tok).reshape(
+            old_tok.shape[0], -1).view(np.uint8)
+    rows[old_tok.shape[0]:] = rows_new
+    local = np.where(w_tok < S, np.searchsorted(old_tok, w_tok), old_tok.shape[0] + w_tok - S)
+    w_sizes = sizes[write]
+    w_ptr = np.zeros(write.shape[0] + 1, np.int64)
+    np.cumsum(w_sizes, out=w_ptr[1:])
+    with self._write_lock():
+        disk_end = np.array([d["end"] for d in self._m["disks"]], dtype=np.uint64)
+        p0 = int(self._m["p_global"])
+        start = np.concatenate([li.start_disk[grow],
+                                place_clusters(sizes[C:], ndisks=self.num_disks,
+                                               entry_bytes=self.entry_bytes,
+                                               block_size=self.block_size,
+                                               disk_end=disk_end, p_global=p0).start_disk])
+        p_new = p0 + int(sizes[C:].sum())
+        pl = place_clusters(w_sizes, ndisks=self.num_disks, entry_bytes=self.entry_bytes,
+                            block_size=self.block_size, disk_end=disk_end, p_global=p0,
+                            start=start)
+        self._check_capacity(pl.disk_end, layer)
+        xxh = write_extents(self, rows, w_ptr, local, pl, layer)
+        for fd in self._fds:
+            os.fdatasync(fd)
+        N = self.num_disks
+        extent_off = np.concatenate([li.extent_off, np.zeros((k_new, N), np.uint64)])
+        extent_xxh = np.concatenate([li.extent_xxh, np.zeros((k_new, N), np.uint64)])
+        start_disk = np.concatenate([li.start_disk, start[grow.shape[0]:]]).astype(np.int32)
+        extent_off[write] = pl.extent_off
+        extent_xxh[write] = xxh
+        medoid = np.concatenate([li.medoid, S + lone[np.searchsorted(gid, np.arange(k_new))]])
+        half = self.entry_bytes // 2
+        new_keys = rows_new[medoid[C:] - S, :half]
+        arrays = dict(
+            members_ptr=ptr, members=members, medoid=medoid, start_disk=start_disk,
+            extent_off=extent_off, extent_xxh=extent_xxh,
+            token_xxh=np.concatenate([li.token_xxh, xxh3_rows(rows_new, self.entry_bytes)]),
+            medoid_keys=np.concatenate([li.medoid_keys, new_keys]),
+            hot=np.concatenate([li.hot, np.zeros(k_new, np.uint8)]),
+            freq=np.concatenate([li.freq, np.zeros(k_new, np.float32)]))
+        self._commit_layer(layer, arrays, disk_end=pl.disk_end, p_global=p_new,
+                           record={})
+    return np.arange(S, S + n, dtype=np.int64)
