@@ -64,7 +64,7 @@ MAX_DEFAULT_WINDOW = 8192
 
 #: Characters of stdlib docstrings used when no text is given (~15K MiniLM
 #: tokens; ~0.4 GB of float32 Q/K/V for MiniLM's 6 layers).
-DEFAULT_TEXT_CHARS = 60_000
+DEFAULT_TEXT_CHARS = 80_000
 
 _ATTN_NAME = "swarmfs_capture"
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -501,6 +501,12 @@ def capture(model=None, text: str | None = None, *, token_ids=None,
 
 # -- file format ----------------------------------------------------------------
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_capture(path, cap: Capture) -> None:
     """Write a capture to one safetensors file.
 
@@ -520,6 +526,7 @@ def save_capture(path, cap: Capture) -> None:
                    "q": np.ascontiguousarray(cap.q),
                    "token_ids": np.ascontiguousarray(cap.token_ids, dtype=np.int32)},
                   tmp, metadata=meta)
+        os.chmod(tmp, 0o666 & ~_umask())        # safetensors creates files 0600
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):

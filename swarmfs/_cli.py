@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -20,13 +21,31 @@ def _fail(exc: Exception) -> None:
 
 
 class _Group(click.Group):
-    """Turns SwarmError into a one-line message and exit status 1."""
+    """Turns SwarmError (and OSError/ValueError, e.g. a bad output path) into a
+    one-line message and exit status 1.  SWARMFS_DEBUG=1 shows tracebacks."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except E.SwarmError as exc:
             _fail(exc)
+        except (OSError, ValueError) as exc:
+            if os.environ.get("SWARMFS_DEBUG"):
+                raise
+            _fail(f"{type(exc).__name__}: {exc}")
+
+
+def _check_out(path: str) -> str:
+    """Fail fast (before slow work) when an output file cannot be written."""
+    path = os.path.abspath(path)
+    d = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise click.BadParameter(f"{path} is a directory", param_hint="--out")
+    if not os.path.isdir(d):
+        raise click.BadParameter(f"directory {d} does not exist", param_hint="--out")
+    if not os.access(d, os.W_OK):
+        raise click.BadParameter(f"directory {d} is not writable", param_hint="--out")
+    return path
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -121,7 +140,8 @@ def verify(store, layers, as_json, engine):
 @click.option("--tokens", default=None,
               help="Comma-separated token positions instead of a cluster.")
 @click.option("--out", type=click.Path(), default=None,
-              help="Write a .npy file ([n, 2, H_kv, d]) instead of printing a summary.")
+              help="Write a .npy file ([n, 2, H_kv, d]; bfloat16 as its raw uint16 bits) "
+                   "instead of printing a summary.")
 @click.option("--no-verify", is_flag=True, help="Skip checksum verification.")
 @ENGINE_OPT
 def read(store, layer, cid, tokens, out, no_verify, engine):
@@ -129,19 +149,26 @@ def read(store, layer, cid, tokens, out, no_verify, engine):
     from ._store import Store
     if (cid is None) == (tokens is None):
         raise click.UsageError("give exactly one of --cluster and --tokens")
+    if out:
+        out = _check_out(out)
     with Store.open(store, engine=engine, verify=not no_verify) as s:
         if cid is not None:
             arr = s.read_cluster(layer, cid)
             toks = s.cluster_tokens(layer, cid)
         else:
             try:
-                toks = np.array([int(t) for t in tokens.split(",") if t.strip()])
+                toks = np.array([int(t) for t in tokens.split(",") if t.strip()], dtype=np.int64)
             except ValueError:
                 raise click.BadParameter("tokens must be integers", param_hint="--tokens")
+            if toks.size == 0:
+                raise click.BadParameter("no tokens given", param_hint="--tokens")
             arr = s.read_entries(layer, toks)
         st = s.stats()
     if out:
-        np.save(out, arr)
+        if arr.dtype.name == "bfloat16":   # as the mount serves it: raw bits, exact
+            arr = arr.view(np.uint16)
+        with open(out, "wb") as f:        # np.save(path) would append ".npy"
+            np.save(f, arr)
         click.echo(f"wrote {out}: {arr.shape} {arr.dtype}")
         return
     click.echo(f"layer {layer} " + (f"cluster {cid}" if cid is not None else "tokens") +
@@ -200,6 +227,7 @@ def capture(model, text_file, max_tokens, dtype, out):
     form one long context.
     """
     from .layout import _capture as C
+    out = _check_out(out)
     text = C.read_text(text_file) if text_file else None
     cap = C.capture(model, text, max_tokens=max_tokens or None, dtype=dtype,
                     text_source=text_file)
@@ -244,7 +272,8 @@ def build(kv_file, store, disks, disk_paths, context, profile_queries, force, ra
 
 @main.command()
 @click.option("--dir", "workdir", type=click.Path(), default="demo-store", show_default=True,
-              help="Directory for the store and its disk files (replaced).")
+              help="The store directory (disk files under DIR/disks); a store there is "
+                   "replaced.")
 @click.option("--disks", type=int, default=4, show_default=True, help="Number of disk files.")
 @click.option("--model", type=click.Path(), default=None,
               help="Local HF model directory (default all-MiniLM-L6-v2, offline).")
@@ -286,7 +315,8 @@ def demo(workdir, disks, model, text_file, context, eval_queries, as_json, ratio
 @click.option("--readahead", type=int, default=4 << 20, show_default=True,
               help="Read-ahead window for sequential readers, in bytes (0 = off).")
 @click.option("--no-verify", is_flag=True, help="Do not verify checksums on read.")
-@click.option("--log-file", type=click.Path(), default=None, help="Daemon log file.")
+@click.option("--log-file", type=click.Path(), default=None,
+              help="Daemon log file (default $TMPDIR/swarmfs-mount-<mountpoint>.log).")
 @ENGINE_OPT
 def mount(store, mountpoint, foreground, allow_other, debug, direct_io, readahead,
           no_verify, log_file, engine):
@@ -296,15 +326,18 @@ def mount(store, mountpoint, foreground, allow_other, debug, direct_io, readahea
     with `swarmfs umount MOUNTPOINT`.
     """
     try:
+        from ._fuse import default_log_file
         from ._fuse import mount as do_mount
     except ImportError as exc:
         raise click.ClickException(f"mounting needs pyfuse3 and trio "
                                    f"(pip install 'swarmfs[mount]'): {exc}")
+    if not foreground and log_file is None:
+        log_file = default_log_file(mountpoint)
     pid = do_mount(store, mountpoint, foreground=foreground, allow_other=allow_other,
                    debug=debug, direct_io=direct_io, readahead=readahead,
                    verify=not no_verify, engine=engine, log_file=log_file)
     if pid:
-        click.echo(f"mounted {store} at {mountpoint} (pid {pid}); "
+        click.echo(f"mounted {store} at {mountpoint} (pid {pid}, log {log_file}); "
                    f"unmount with: swarmfs umount {mountpoint}")
 
 

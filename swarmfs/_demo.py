@@ -188,7 +188,8 @@ def run_demo(workdir: str, *, model=None, text=None, text_source=None, disks: in
     """Capture, lay out, store, retrieve and report (see the module docstring).
 
     Args:
-        workdir: directory for the store and its disk files (replaced).
+        workdir: the store directory; its disk files go to ``workdir/disks``
+            (replaced if it holds a store).
         model: local HF model directory (default all-MiniLM-L6-v2).
         text: the text (default the standard library's docstrings).
         disks: number of disk files.
@@ -199,6 +200,14 @@ def run_demo(workdir: str, *, model=None, text=None, text_source=None, disks: in
         The report dict (``layout``, ``retrieval``, ``store``, ``timing``).
     """
     from .layout import _capture
+    if not 1 <= int(disks) <= 256:
+        raise E.LayoutError(f"a store has 1 to 256 disks, got {disks}")
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise E.StoreExistsError("demo directory exists and is not a directory", store=workdir)
+    if os.path.isdir(workdir) and os.listdir(workdir) and \
+            not os.path.exists(os.path.join(workdir, "manifest.json")):
+        raise E.StoreExistsError("demo directory is not empty and holds no swarmfs store; "
+                                 "choose another --dir", store=workdir)
     t0 = time.perf_counter()
     total = context + eval_queries
     cap = _capture.capture(model, text, max_tokens=total, progress=progress,
@@ -207,9 +216,13 @@ def run_demo(workdir: str, *, model=None, text=None, text_source=None, disks: in
         if cap.num_tokens <= eval_queries + 256:
             raise E.ModelError(f"text gives {cap.num_tokens} tokens; the demo needs at "
                                f"least {eval_queries + 257} (context + held-out queries)")
+        import warnings
+        warnings.warn(f"swarmfs demo: the text gives {cap.num_tokens} tokens; storing a "
+                      f"context of {cap.num_tokens - eval_queries} instead of {context}",
+                      stacklevel=2)
         context = cap.num_tokens - eval_queries
     t1 = time.perf_counter()
-    store, layout = build_store(cap, os.path.join(workdir, "store"), disks=disks,
+    store, layout = build_store(cap, workdir, disks=disks,
                                 params=params, context=context, force=True, engine=engine,
                                 progress=progress)
     t2 = time.perf_counter()

@@ -241,8 +241,8 @@ class Engine:
         fds: open file descriptors (O_DIRECT), one per disk, in disk order.
         kind: ``"auto"`` (io_uring, else threads), ``"io_uring"`` or
             ``"threads"``.  Default: ``$SWARMFS_ENGINE`` or ``"auto"``.
-        queue_depth: io_uring SQ size (CQ is twice that), or the number of
-            worker threads of the fallback engine.
+        queue_depth: io_uring SQ size (CQ is twice that); the fallback
+            engine runs min(queue_depth, 32) worker threads.
         block_sizes: logical block size (bytes) of each disk, for the
             alignment checks.
 
@@ -260,7 +260,8 @@ class Engine:
                                       else [512] * len(self.fds), dtype=np.uint64)
         kind = kind or os.environ.get("SWARMFS_ENGINE", "auto")
         if kind not in ("auto", "io_uring", "threads"):
-            raise ValueError(f"unknown engine kind {kind!r}")
+            raise E.ConfigError(f"unknown engine kind {kind!r} (SWARMFS_ENGINE or engine=): "
+                                "use auto, io_uring or threads", store=store)
         cfds = ffi.new("int[]", self.fds)
         pp = ffi.new("se_engine **")
         self._ptr = None
@@ -280,7 +281,8 @@ class Engine:
                                   RuntimeWarning, stacklevel=2)
                     _warned_fallback = True
         if self._ptr is None:
-            ret = lib.se_threads_open(pp, cfds, len(self.fds), queue_depth)
+            # a thread per in-flight request: more threads than this only contend
+            ret = lib.se_threads_open(pp, cfds, len(self.fds), min(queue_depth, 32))
             if ret != 0:
                 raise E.IOFailedError(f"engine setup failed: {os.strerror(-ret)}",
                                       errno=-ret, store=store)

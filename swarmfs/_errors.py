@@ -29,6 +29,7 @@ __all__ = [
     "ModelError",
     "NotFoundError",
     "MountError",
+    "ConfigError",
 ]
 
 
@@ -158,3 +159,8 @@ class MountError(SwarmError, OSError):
     (missing, not a directory, already mounted, a dead FUSE mount), when the
     kernel refuses the mount, or when unmounting fails.  The message says what
     to do (e.g. ``swarmfs umount --lazy MOUNTPOINT``)."""
+
+
+class ConfigError(SwarmError, ValueError):
+    """Raised for an invalid option or environment setting (for example an
+    unknown ``SWARMFS_ENGINE`` value).  Fix the setting; nothing was done."""

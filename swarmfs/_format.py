@@ -151,13 +151,20 @@ def read_manifest(store_dir: str) -> dict:
         ManifestError: unreadable JSON or an unsupported format version.
     """
     path = os.path.join(store_dir, MANIFEST)
+    if os.path.exists(store_dir) and not os.path.isdir(store_dir):
+        raise E.StoreNotFoundError("is a file, not a store directory", store=store_dir)
     if not os.path.isdir(store_dir):
         raise E.StoreNotFoundError("store directory does not exist", store=store_dir)
     try:
         with open(path, "rb") as f:
             m = json.loads(f.read())
     except FileNotFoundError as exc:
-        raise E.StoreNotFoundError("no manifest.json (not a swarmfs store)",
+        hint = ""
+        for sub in sorted(os.listdir(store_dir)):
+            if os.path.isfile(os.path.join(store_dir, sub, MANIFEST)):
+                hint = f"; did you mean {os.path.join(store_dir, sub)}?"
+                break
+        raise E.StoreNotFoundError("no manifest.json (not a swarmfs store)" + hint,
                                    store=store_dir) from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise E.ManifestError(f"manifest.json is not valid JSON: {exc}",

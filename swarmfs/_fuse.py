@@ -27,6 +27,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -38,7 +39,7 @@ from . import _errors as E
 from ._fuse_ops import MAX_READ, SwarmFS
 from ._store import Store
 
-__all__ = ["mount", "umount", "MountError", "SwarmFS", "MAX_READ"]
+__all__ = ["mount", "umount", "default_log_file", "MountError", "SwarmFS", "MAX_READ"]
 
 log = logging.getLogger("swarmfs.fuse")
 
@@ -164,8 +165,9 @@ def mount(store_path, mountpoint, *, foreground: bool = True, allow_other: bool 
     ``python -m swarmfs._fuse ... --foreground`` (a fresh process, which opens
     the store again, so no io_uring ring crosses a fork), waits until it
     reports the mount and ``os.path.ismount`` is true (deadline ``timeout``
-    seconds), and returns its pid.  Its log goes to ``log_file`` (appended)
-    or nowhere.
+    seconds), and returns its pid.  Its log goes to ``log_file`` (appended),
+    by default ``$TMPDIR/swarmfs-mount-<mountpoint with / as ->.log``
+    (:func:`default_log_file`).
 
     Args:
         store_path: the store directory.
@@ -214,7 +216,9 @@ def _spawn(store_path, mountpoint, *, allow_other, debug, direct_io, threads, re
     env = dict(os.environ)
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, env.get("PYTHONPATH")]))
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    if log_file is None:     # keep the daemon's log (checksum failures, errors) somewhere
+        log_file = default_log_file(mountpoint)
+    out = open(log_file, "ab")
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                 pass_fds=(w,), start_new_session=True, cwd="/", env=env)
@@ -252,7 +256,7 @@ def _spawn(store_path, mountpoint, *, allow_other, debug, direct_io, threads, re
     if text.startswith("error: "):
         raise MountError(text[len("error: "):], path=mountpoint, store=store_path)
     raise MountError(f"the mount process did not come up within {timeout:g} s "
-                     f"(exit status {rc}; see {log_file or 'its log, with log_file='})",
+                     f"(exit status {rc}; see {log_file})",
                      path=mountpoint, store=store_path)
 
 
@@ -278,6 +282,12 @@ def _mount_entry(mountpoint: str):
     return found
 
 
+def default_log_file(mountpoint) -> str:
+    """Where a background mount logs when no log file is given."""
+    tag = os.path.abspath(os.fspath(mountpoint)).strip("/").replace("/", "-") or "root"
+    return os.path.join(tempfile.gettempdir(), f"swarmfs-mount-{tag}.log")
+
+
 def umount(mountpoint, lazy: bool = False) -> None:
     """Unmount a FUSE mount (``swarmfs umount``): ``fusermount3 -u``, with
     ``lazy`` ``-z`` (detach now, clean up when no longer busy; also clears a
@@ -291,6 +301,8 @@ def umount(mountpoint, lazy: bool = False) -> None:
     mountpoint = os.path.abspath(os.fspath(mountpoint))
     entry = _mount_entry(mountpoint)
     if entry is None:
+        if not os.path.lexists(mountpoint):
+            raise MountError("does not exist", path=mountpoint)
         raise MountError("not mounted", path=mountpoint)
     if not entry[0].startswith("fuse"):
         raise MountError(f"not a FUSE mount (type {entry[0]})", path=mountpoint)

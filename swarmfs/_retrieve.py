@@ -418,6 +418,17 @@ class Retriever:
         return sel
 
     # -- one decode step ------------------------------------------------------
+    def window(self, layer: int, budget: int | None = None) -> np.ndarray:
+        """Token positions of the local window a query uses: the last
+        min(W, budget // 4) tokens (int64, ascending).  W is the layer's
+        local window (256 by default, §5.2); the quarter-budget cap only acts
+        on short contexts, where a 256-token window would otherwise take the
+        whole budget and no cluster would be read."""
+        st = self.layer_state(layer)
+        b = self.budget(layer) if budget is None else int(budget)
+        w = min(st.window.shape[0], b // 4)
+        return st.window[st.window.shape[0] - w:]
+
     def budget(self, layer: int) -> int:
         """Entry budget ceil(r x S) of a layer (local window included)."""
         return int(math.ceil(self.sparsity * self.layer_state(layer).li.num_tokens))
@@ -452,7 +463,7 @@ class Retriever:
                                 store=self.store.path, layer=layer)
         scores = self.score(layer, q)
         t1 = time.perf_counter()
-        window = st.window[max(st.window.shape[0] - total_budget, 0):]   # W <= budget
+        window = self.window(layer, total_budget)
         want = total_budget - window.shape[0]
         if self.selector.kind == "tokens":
             # exact top-k over all keys (outside the window); any copy may serve

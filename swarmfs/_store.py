@@ -154,15 +154,32 @@ class Store:
             raise E.StoreExistsError("store path exists and is not a directory", store=path)
         if os.path.isdir(path) and os.listdir(path):
             if not force:
-                raise E.StoreExistsError("store path is not empty (use force=True / --force "
-                                         "to replace it)", store=path)
+                what = ("a store already exists here" if os.path.exists(
+                    os.path.join(path, F.MANIFEST)) else "store path is not empty")
+                raise E.StoreExistsError(f"{what} (replace it with --force / force=True)",
+                                         store=path)
             for sub in (F.MANIFEST, F.INDEX_DIR, "disks"):
                 p = os.path.join(path, sub)
                 if os.path.isdir(p):
                     shutil.rmtree(p)
                 elif os.path.exists(p):
                     os.unlink(p)
+        created = not os.path.exists(path)
         os.makedirs(path, exist_ok=True)
+        try:
+            return cls._create(path, disks=disks, num_layers=num_layers,
+                               num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                               model_name=model_name, num_query_heads=num_query_heads,
+                               disk_size=disk_size, block_size=block_size, force=force,
+                               engine=engine, queue_depth=queue_depth, verify=verify)
+        except BaseException:
+            if created:      # leave nothing behind for a store that never existed
+                shutil.rmtree(path, ignore_errors=True)
+            raise
+
+    @classmethod
+    def _create(cls, path, *, disks, num_layers, num_kv_heads, head_dim, dtype, model_name,
+                num_query_heads, disk_size, block_size, force, engine, queue_depth, verify):
         if isinstance(disks, int):
             if not 1 <= disks <= 256:
                 raise E.ShapeError(f"a store has 1 to 256 disks, got {disks}", store=path)

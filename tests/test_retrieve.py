@@ -63,7 +63,9 @@ def test_retrieve_returns_window_and_selected_clusters_bit_exact(store, rng):
     q = rng.standard_normal((HQ, D))
     out = r.retrieve(0, q, torch=False)
     li = s.layer(0)
-    want = set(range(S - 64, S))
+    win = r.window(0)
+    assert list(win) == list(range(S - 50, S))           # min(64, budget 200 // 4)
+    want = set(win.tolist())
     for c in out.clusters:
         want |= set(cl[c].tolist())
     assert set(out.positions.tolist()) == want                 # union, deduplicated
@@ -115,8 +117,9 @@ def test_token_selector_is_the_exact_top_k(store, rng):
     q = rng.standard_normal((HQ, D))
     out = r.retrieve(0, q, torch=False)
     sc = group_queries(q, H)[0] @ keys.astype(np.float32).T
-    sc[S - 64:] = -np.inf
-    k = r.budget(0) - 64
+    W = len(r.window(0))
+    sc[S - W:] = -np.inf
+    k = r.budget(0) - W
     assert set(np.argsort(-sc)[:k].tolist()) <= set(out.positions.tolist())
     assert out.stats.entries == r.budget(0)
 
