@@ -77,7 +77,7 @@ def info(store, as_json, engine):
         return
     from rich.console import Console
     from rich.table import Table
-    con = Console()
+    con = Console(width=max(Console().width, 140))
     m = d["model"]
     con.print(f"[bold]{d['path']}[/]  uuid {d['uuid']}  format v{d['format_version']}  "
               f"generation {d['generation']}")

@@ -192,7 +192,10 @@ class DiskStats:
         requests: requests completed on this disk.
         bytes: bytes transferred (bytes).
         busy_us: summed, per execute call, time from the first submission to
-            the last completion on this disk (microseconds).
+            the last completion on this disk (microseconds).  Completions
+            are timestamped per reaped batch, so when a plan completes in one
+            batch every disk shows the same time; per-disk ``bytes`` and
+            ``requests`` show the balance.
     """
     requests: int
     bytes: int
