@@ -26,22 +26,38 @@ def read_superblock(fd: int) -> bytes:
 
 
 def check_reusable(fd, p, i, store, force):
-    """Refuse to overwrite a disk of another store (or a block device with
-    data on it) unless forced.
+    """Refuse to overwrite anything that holds data unless forced: a disk of
+    another store, a non-empty regular file, or a block device with non-zero
+    bytes in its first MiB.
 
     Raises:
         StoreExistsError: naming the disk.
     """
-    if force or device_size(fd) < F.SUPERBLOCK_SIZE:
+    if force:
         return
-    raw = read_superblock(fd)
+    size = device_size(fd)
+    if size == 0:
+        return
+    raw = read_superblock(fd) if size >= F.SUPERBLOCK_SIZE else b""
     if raw[:8] == F.MAGIC:
         raise E.StoreExistsError("disk belongs to another swarmfs store "
-                                 "(use force=True / --force to overwrite)",
+                                 "(use --force / force=True to overwrite)",
                                  disk=i, path=p, store=store)
-    if stat.S_ISBLK(os.fstat(fd).st_mode) and any(raw):
-        raise E.StoreExistsError("block device holds data (use force=True / --force "
-                                 "to overwrite)", disk=i, path=p, store=store)
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        raise E.StoreExistsError(f"file exists and holds {size} bytes "
+                                 "(use --force / force=True to overwrite)",
+                                 disk=i, path=p, store=store)
+    probe = min(size, 1 << 20) // F.SUPERBLOCK_SIZE * F.SUPERBLOCK_SIZE
+    m = mmap.mmap(-1, max(probe, F.SUPERBLOCK_SIZE))
+    try:
+        os.preadv(fd, [memoryview(m)[:probe]], 0)
+        busy = any(m[:probe])
+    finally:
+        m.close()
+    if busy:
+        raise E.StoreExistsError("block device holds data in its first MiB "
+                                 "(use --force / force=True to overwrite)",
+                                 disk=i, path=p, store=store)
 
 
 def create_disks(path: str, disk_paths: list, *, force: bool, disk_size, block_size,

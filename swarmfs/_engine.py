@@ -49,6 +49,7 @@ _FALLBACK_ERRNOS = {errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP}
 _BLKSSZGET = 0x1268
 _BLKGETSIZE64 = 0x80081272
 _warned_fallback = False
+_MAX_REQUEST = (1 << 31) - 4096     # statuses are int32 byte counts
 
 
 def _uring_open(pp, cfds, nfds, queue_depth):
@@ -146,7 +147,8 @@ class AlignedBuffer:
             self.tensor = torch.empty(size, dtype=torch.uint8).pin_memory()
             self.array = self.tensor.numpy()
         else:
-            self._mmap = mmap.mmap(-1, size)
+            # private: a fork()ed child must not share staging memory with us
+            self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.array = np.frombuffer(self._mmap, dtype=np.uint8)
             if pinned:
                 _mlock(self.array)
@@ -154,17 +156,25 @@ class AlignedBuffer:
         self.size = size
         self.slot = -1
         self._engine = None
+        self._unreg = None
 
     def cdata(self):
         return ffi.cast("char *", self.address)
 
     def release(self) -> None:
-        if self._engine is not None and self.slot >= 0:
-            eng = self._engine()
-            if eng is not None and eng._ptr is not None:
-                lib.se_unregister_buffer(eng._ptr, self.slot)
+        """Unregister the buffer from its engine (if it still runs)."""
+        if self._unreg is not None:
+            self._unreg()            # runs at most once; also the GC path
+            self._unreg = None
         self.slot = -1
         self._engine = None
+
+
+def _unregister(engine_ref, slot: int) -> None:
+    """Finalizer of a registered buffer: unregister it if its engine is open."""
+    eng = engine_ref()
+    if eng is not None and eng._ptr is not None and os.getpid() == eng._pid:
+        lib.se_unregister_buffer(eng._ptr, slot)
 
 
 def _cuda_available() -> bool:
@@ -265,6 +275,13 @@ class Engine:
         if kind not in ("auto", "io_uring", "threads"):
             raise E.ConfigError(f"unknown engine kind {kind!r} (SWARMFS_ENGINE or engine=): "
                                 "use auto, io_uring or threads", store=store)
+        import numbers
+        if isinstance(queue_depth, bool) or not isinstance(queue_depth, numbers.Integral) or \
+                not 1 <= queue_depth <= 32768:
+            raise E.ConfigError(f"queue depth must be an integer in [1, 32768], got "
+                                f"{queue_depth!r}", store=store)
+        if not self.fds:
+            raise E.ConfigError("an engine needs at least one disk", store=store)
         cfds = ffi.new("int[]", self.fds)
         pp = ffi.new("se_engine **")
         self._ptr = None
@@ -291,6 +308,8 @@ class Engine:
                                       errno=-ret, store=store)
             self._ptr = pp[0]
         self.kind = _KINDS[lib.se_kind(self._ptr)]
+        self._pid = os.getpid()
+        self._registered = weakref.WeakSet()
         self.queue_depth = int(lib.se_queue_depth(self._ptr))
         self._finalizer = weakref.finalize(self, lib.se_close, self._ptr)
 
@@ -305,7 +324,8 @@ class Engine:
             if slot >= 0:
                 buf.slot = slot
                 buf._engine = weakref.ref(self)
-                weakref.finalize(buf, lib.se_unregister_buffer, self._ptr, slot)
+                buf._unreg = weakref.finalize(buf, _unregister, weakref.ref(self), slot)
+                self._registered.add(buf)
         return buf
 
     # -- execution -------------------------------------------------------
@@ -363,6 +383,15 @@ class Engine:
             DiskFullError: a write failed with ENOSPC/EFBIG/EDQUOT.
             IOFailedError: any other failed request (first failure named).
         """
+        if os.getpid() != self._pid:
+            raise E.SwarmError("this Store/Engine was opened in another process (fork); "
+                               "open the store again in this process", store=self.store)
+        if self._ptr is None:
+            raise E.SwarmError("the engine is closed", store=self.store)
+        length = np.asarray(length)
+        if length.size and (length.min() <= 0 or length.max() > _MAX_REQUEST):
+            raise E.OutOfRangeError(f"request lengths must be in [1, {_MAX_REQUEST}] bytes",
+                                    store=self.store, layer=layer, cluster=cluster)
         disk = np.ascontiguousarray(disk, dtype=np.int32)
         off = np.ascontiguousarray(off, dtype=np.uint64)
         length = np.ascontiguousarray(length, dtype=np.uint32)
@@ -427,8 +456,12 @@ class Engine:
             errors=int(c.errors), fixed_requests=int(c.fixed_requests), disks=disks)
 
     def close(self) -> None:
-        """Tear down the ring (the file descriptors stay open)."""
+        """Tear down the ring (the file descriptors stay open).  Registered
+        buffers are unregistered first and stay usable as plain memory."""
         if self._ptr is not None:
+            for buf in list(self._registered):
+                buf.release()
+            self._registered.clear()
             self._finalizer()
             self._ptr = None
 

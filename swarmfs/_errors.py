@@ -164,3 +164,35 @@ class MountError(SwarmError, OSError):
 class ConfigError(SwarmError, ValueError):
     """Raised for an invalid option or environment setting (for example an
     unknown ``SWARMFS_ENGINE`` value).  Fix the setting; nothing was done."""
+
+
+# -- argument checks shared by the API (errors live here, with their checks) ---
+
+def as_index(x, what: str, **where) -> int:
+    """``x`` as a Python int; bools, floats, None and strings are refused.
+
+    Raises:
+        OutOfRangeError: naming ``what`` and the context in ``where``.
+    """
+    import numbers
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise OutOfRangeError(f"{what} must be an integer, got {x!r}", **where)
+    return int(x)
+
+
+def as_int_array(x, what: str, **where):
+    """``x`` as a 1-D int64 numpy array; an empty list is fine, bools and
+    floats are refused (no silent truncation).
+
+    Raises:
+        OutOfRangeError: naming ``what``.
+    """
+    import numpy as np
+    a = np.asarray(x)
+    if a.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if a.dtype.kind not in "iu":
+        raise OutOfRangeError(f"{what} must be integers, got {a.dtype}", **where)
+    if a.dtype.kind == "u" and a.dtype.itemsize == 8 and a.max() > np.iinfo(np.int64).max:
+        raise OutOfRangeError(f"{what} holds a value beyond int64", **where)
+    return a.astype(np.int64, copy=False).reshape(-1)

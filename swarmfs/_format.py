@@ -137,10 +137,33 @@ def atomic_write(path: str, data: bytes) -> None:
     fsync_dir(d)
 
 
-def write_manifest(store_dir: str, manifest: dict) -> None:
-    """Atomically replace ``STORE/manifest.json``."""
-    data = json.dumps(manifest, indent=1, sort_keys=False).encode() + b"\n"
+def _manifest_checksum(m: dict) -> str:
+    body = {k: v for k, v in m.items() if k != "checksum"}
+    return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode())
+
+
+def write_manifest(store_dir: str, manifest: dict) -> dict:
+    """Atomically replace ``STORE/manifest.json`` (with an XXH3-64 of its
+    content in ``"checksum"``, so an edited or corrupt manifest is refused).
+    Returns the manifest as written."""
+    m = dict(manifest)
+    m["checksum"] = _manifest_checksum(m)
+    data = json.dumps(m, indent=1, sort_keys=False).encode() + b"\n"
     atomic_write(os.path.join(store_dir, MANIFEST), data)
+    # leftovers of writers that crashed before their rename
+    for name in os.listdir(store_dir):
+        if name.startswith(f".{MANIFEST}.tmp."):
+            try:
+                pid = int(name.rsplit(".", 1)[1])
+                os.kill(pid, 0)
+            except (ValueError, ProcessLookupError):
+                try:
+                    os.unlink(os.path.join(store_dir, name))
+                except OSError:
+                    pass
+            except PermissionError:
+                pass
+    return m
 
 
 def read_manifest(store_dir: str) -> dict:
@@ -166,6 +189,8 @@ def read_manifest(store_dir: str) -> dict:
                 break
         raise E.StoreNotFoundError("no manifest.json (not a swarmfs store)" + hint,
                                    store=store_dir) from exc
+    except IsADirectoryError as exc:
+        raise E.ManifestError("manifest.json is a directory", store=store_dir) from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise E.ManifestError(f"manifest.json is not valid JSON: {exc}",
                               store=store_dir) from exc
@@ -175,7 +200,66 @@ def read_manifest(store_dir: str) -> dict:
         raise E.ManifestError(f"format version {m.get('format_version')} is not "
                               f"supported (this swarmfs reads {FORMAT_VERSION})",
                               store=store_dir)
+    if m.get("checksum") != _manifest_checksum(m):
+        raise E.ManifestError("manifest.json fails its checksum (edited or corrupt); "
+                              "restore it from a backup", store=store_dir)
+    check_manifest(m, store_dir)
     return m
+
+
+def check_manifest(m: dict, store_dir) -> None:
+    """Structural checks of a manifest: types, ranges and consistency.
+
+    Raises:
+        ManifestError: naming the first field that is wrong.
+    """
+    def fail(msg, **kw):
+        raise E.ManifestError(f"manifest.json: {msg}", store=store_dir, **kw)
+
+    def integer(x, what, lo=0):
+        if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+            fail(f"{what} must be an integer >= {lo}, got {x!r}")
+        return x
+
+    model = m.get("model")
+    if not isinstance(model, dict):
+        fail("model is missing")
+    for k in ("num_layers", "num_kv_heads", "head_dim", "num_query_heads", "entry_bytes"):
+        integer(model.get(k), f"model.{k}", 1)
+    if model.get("dtype") not in DTYPES:
+        fail(f"model.dtype {model.get('dtype')!r} is not one of {sorted(DTYPES)}")
+    if model["entry_bytes"] != 2 * model["num_kv_heads"] * model["head_dim"] * \
+            DTYPES[model["dtype"]]:
+        fail("model.entry_bytes does not match 2 x num_kv_heads x head_dim x itemsize")
+    bs = integer(m.get("block_size"), "block_size", 512)
+    if bs & (bs - 1) or bs > DATA_START:
+        fail(f"block_size {bs} is not a power of two <= {DATA_START}")
+    integer(m.get("generation"), "generation")
+    integer(m.get("p_global"), "p_global")
+    disks = m.get("disks")
+    if not isinstance(disks, list) or not 1 <= len(disks) <= 256:
+        fail("disks must be a list of 1 to 256 disks")
+    for i, d in enumerate(disks):
+        if not isinstance(d, dict) or not isinstance(d.get("path"), str) or not d["path"]:
+            fail("disk record has no path", disk=i)
+        end = integer(d.get("end"), f"disks[{i}].end", DATA_START)
+        if end % bs:
+            fail(f"disks[{i}].end is not block aligned", disk=i)
+        integer(d.get("capacity"), f"disks[{i}].capacity")
+    layers = m.get("layers")
+    if not isinstance(layers, dict):
+        fail("layers must be an object")
+    for k, rec in layers.items():
+        if not k.isdigit() or not 0 <= int(k) < model["num_layers"]:
+            fail(f"layer key {k!r} is not a layer of the model")
+        if not isinstance(rec, dict) or not isinstance(rec.get("index"), dict):
+            fail("layer record has no index", layer=int(k))
+        for f in ("num_tokens", "num_clusters", "num_copies", "local_window"):
+            integer(rec.get(f), f"layers[{k}].{f}", 1 if f != "local_window" else 0)
+        idx = rec["index"]
+        if not isinstance(idx.get("file"), str) or not isinstance(idx.get("xxh3"), str) or \
+                "/" in idx["file"]:
+            fail("layer index record is malformed", layer=int(k))
 
 
 # -- per-layer index files ------------------------------------------------------
@@ -220,8 +304,14 @@ def save_index(store_dir: str, layer: int, generation: int, arrays: dict) -> dic
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        try:
+            os.unlink(path)          # no partial index file stays behind
+        except OSError:
+            pass
+        raise
+    os.close(fd)
     fsync_dir(d)
     return {"file": name, "xxh3": xxhash.xxh3_64_hexdigest(data), "bytes": len(data)}
 
@@ -245,6 +335,15 @@ def load_index(store_dir: str, layer: int, record: dict) -> dict:
         raise E.ManifestError(f"index file {record['file']} fails its checksum",
                               store=store_dir, layer=layer)
     try:
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8:8 + header_len]).get("__metadata__", {})
+    except (ValueError, UnicodeDecodeError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("layer") != str(layer):
+        raise E.ManifestError(f"index file {record['file']} belongs to layer "
+                              f"{(meta or {}).get('layer')}, not {layer}",
+                              store=store_dir, layer=layer)
+    try:
         arrays = load(data)
     except Exception as exc:  # safetensors raises its own error types
         raise E.ManifestError(f"index file {record['file']} is not readable: {exc}",
@@ -253,6 +352,13 @@ def load_index(store_dir: str, layer: int, record: dict) -> dict:
     if missing:
         raise E.ManifestError(f"index file {record['file']} lacks {sorted(missing)}",
                               store=store_dir, layer=layer)
+    ndim = {"extent_off": 2, "extent_xxh": 2, "medoid_keys": 2}
+    for k, dt in INDEX_ARRAYS.items():
+        a = arrays[k]
+        if a.dtype != np.dtype(dt) or a.ndim != ndim.get(k, 1):
+            raise E.ManifestError(f"index file {record['file']}: array {k} is "
+                                  f"{a.dtype} {a.ndim}-d, expected {np.dtype(dt)} "
+                                  f"{ndim.get(k, 1)}-d", store=store_dir, layer=layer)
     return arrays
 
 

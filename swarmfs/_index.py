@@ -98,7 +98,7 @@ class LayerIndex:
 
     # -- lookups -----------------------------------------------------------
     def check_cluster(self, cid: int) -> int:
-        cid = int(cid)
+        cid = E.as_index(cid, "cluster id", store=self.store, layer=self.layer)
         if not 0 <= cid < self.num_clusters:
             raise E.OutOfRangeError(f"cluster {cid} does not exist "
                                     f"(layer has {self.num_clusters})",
@@ -106,11 +106,7 @@ class LayerIndex:
         return cid
 
     def check_tokens(self, tokens) -> np.ndarray:
-        t = np.asarray(tokens)
-        if t.dtype.kind not in "iu":
-            raise E.OutOfRangeError(f"token positions must be integers, got {t.dtype}",
-                                    store=self.store, layer=self.layer)
-        t = t.astype(np.int64, copy=False).reshape(-1)
+        t = E.as_int_array(tokens, "token positions", store=self.store, layer=self.layer)
         if t.size and (t.min() < 0 or t.max() >= self.num_tokens):
             bad = t[(t < 0) | (t >= self.num_tokens)][0]
             raise E.OutOfRangeError(f"token {int(bad)} is outside [0, {self.num_tokens})",

@@ -122,6 +122,7 @@ class DecodeSession:
         """
         ret = self.r.retrieve(self.layer, q, torch=False)
         st = self.r.layer_state(self.layer)
+        self._check_layer(st)
         S = st.li.num_tokens
         n_pend = self.pend_rows.shape[0]
         rows = np.concatenate([ret.rows, self.pend_rows]) if n_pend else ret.rows
@@ -192,6 +193,12 @@ class DecodeSession:
         st.admit(admitted, ret.positions, ret.rows)   # admitted clusters were just read
         return admitted, evicted
 
+    def _check_layer(self, st) -> None:
+        if st.li.num_clusters != self.freq.shape[0] or \
+                st.li.num_clusters != self.pend_f.shape[1]:
+            raise E.SwarmError("the layer changed under this DecodeSession (another writer "
+                               "appended to it); start a new session", layer=self.layer)
+
     def _add_pending(self, k_new, v_new) -> None:
         H, d = self.store.num_kv_heads, self.store.head_dim
         k_new, v_new = np.asarray(k_new), np.asarray(v_new)
@@ -241,7 +248,8 @@ class DecodeSession:
         st = self.r.layer_state(self.layer)
         C_old = st.li.num_clusters
         hot = st.hot.copy()
-        pos = self.store.append(self.layer, kv, joins, group=self.group)
+        pos = self.store.append(self.layer, kv, joins, group=self.group,
+                                expect_tokens=st.li.num_tokens)
         C_new = self.store.num_clusters(self.layer)
         self.pend_rows, self.pend_age = self.pend_rows[n:], self.pend_age[n:]
         self.pend_f = np.concatenate([self.pend_f[n:],

@@ -27,6 +27,7 @@ import dataclasses
 import numpy as np
 
 from ._engine import assign_buckets
+from ._errors import ConfigError
 
 __all__ = ["Plan", "plan_reads", "POLICIES", "MAX_REQUEST"]
 
@@ -147,7 +148,7 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
         ValueError: on inconsistent inputs or an unknown policy.
     """
     if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; use one of {POLICIES}")
+        raise ConfigError(f"unknown policy {policy!r}; use one of {POLICIES}")
     tok = np.asarray(tok, dtype=np.int64)
     cdisk = np.asarray(cdisk, dtype=np.int32)
     coff = np.asarray(coff, dtype=np.uint64)

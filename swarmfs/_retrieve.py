@@ -300,8 +300,13 @@ class Retriever:
                  local_window: int | None = None, hot: dict | None = None,
                  policy: str = "balanced", dedup: bool = True, max_gap: int = 0,
                  selector=None, score: str = "prob"):
-        if not 0 < sparsity <= 1:
-            raise E.LayoutError(f"sparsity ratio must be in (0, 1], got {sparsity}",
+        import numbers
+        if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real) or \
+                not 0 < sparsity <= 1:
+            raise E.LayoutError(f"sparsity ratio must be a number in (0, 1], got {sparsity!r}",
+                                store=store.path)
+        if policy not in ("balanced", "first"):
+            raise E.ConfigError(f"unknown policy {policy!r}; use balanced or first",
                                 store=store.path)
         self.store = store
         self.sparsity = float(sparsity)
@@ -392,9 +397,12 @@ class Retriever:
         if q.ndim == 2:
             q = q[None]
         H, d = self.store.num_kv_heads, self.store.head_dim
-        if q.ndim != 3 or q.shape[2] != d or q.shape[1] % H:
-            raise E.ShapeError(f"query shape {q.shape} is not [B, H_q, {d}] with H_q a "
+        if q.ndim != 3 or q.shape[0] == 0 or q.shape[2] != d or q.shape[1] == 0 or \
+                q.shape[1] % H:
+            raise E.ShapeError(f"query shape {q.shape} is not [B >= 1, H_q, {d}] with H_q a "
                                f"multiple of {H}", store=self.store.path)
+        if not np.isfinite(q).all():
+            raise E.ShapeError("query holds NaN or inf", store=self.store.path)
         return np.ascontiguousarray(q)
 
     def select(self, layer: int, scores: np.ndarray, budget: int) -> np.ndarray:

@@ -10,6 +10,7 @@ format and ``_planner`` for read planning.
 from __future__ import annotations
 
 import contextlib
+import json
 import dataclasses
 import fcntl
 import os
@@ -108,6 +109,7 @@ class Store:
         self._counters = dict(cluster_reads=0, entry_reads=0, entries_returned=0,
                               bytes_returned=0, bytes_read=0, checksum_failures=0)
         self._counter_lock = threading.Lock()
+        self._writer_mutex = threading.Lock()
         self._closed = False
 
     # -- construction --------------------------------------------------------
@@ -148,8 +150,13 @@ class Store:
             raise E.ShapeError(f"unsupported dtype {dtype!r}; use one of {sorted(F.DTYPES)}")
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim)):
-            if int(v) <= 0:
-                raise E.ShapeError(f"{name} must be positive, got {v}")
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+                raise E.ShapeError(f"{name} must be a positive integer, got {v!r}")
+        if num_query_heads is not None and (
+                not isinstance(num_query_heads, (int, np.integer)) or num_query_heads <= 0
+                or num_query_heads % num_kv_heads):
+            raise E.ShapeError(f"num_query_heads must be a positive multiple of "
+                               f"num_kv_heads, got {num_query_heads!r}")
         if os.path.exists(path) and not os.path.isdir(path):
             raise E.StoreExistsError("store path exists and is not a directory", store=path)
         if os.path.isdir(path) and os.listdir(path):
@@ -245,6 +252,8 @@ class Store:
             DiskMismatchError: a disk is foreign, swapped or has no superblock.
             DiskTruncatedError: a disk is shorter than its committed data.
         """
+        if not isinstance(path, (str, os.PathLike)):
+            raise E.StoreNotFoundError(f"a store path must be a string or path, got {path!r}")
         path = os.path.abspath(path)
         m = F.read_manifest(path)
         fds = open_disks(path, m, writable=writable)
@@ -269,11 +278,11 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        self.engine.close()
         with self._pool_lock:
             for b in self._pool:
                 b.release()
             self._pool.clear()
+        self.engine.close()
         for fd in self._fds:
             os.close(fd)
 
@@ -300,10 +309,7 @@ class Store:
         return sorted(int(k) for k in self._m["layers"])
 
     def _check_layer(self, layer) -> int:
-        try:
-            layer = int(layer)
-        except (TypeError, ValueError):
-            raise E.OutOfRangeError(f"layer {layer!r} is not an integer", store=self.path)
+        layer = E.as_index(layer, "layer", store=self.path)
         if not 0 <= layer < self.num_layers:
             raise E.OutOfRangeError(f"layer {layer} outside [0, {self.num_layers})",
                                     store=self.path, layer=layer)
@@ -326,10 +332,20 @@ class Store:
             li = self._layers.get(layer)
             if li is None:
                 rec = self._m["layers"][str(layer)]
+                if not os.path.exists(os.path.join(self.path, F.INDEX_DIR,
+                                                   rec["index"]["file"])):
+                    raise E.ManifestError(
+                        f"index file {rec['index']['file']} is gone: the store was "
+                        "rewritten since this Store was opened; open it again",
+                        store=self.path, layer=layer)
                 arrays = F.load_index(self.path, layer, rec["index"])
-                li = LayerIndex(layer, arrays, num_tokens=rec["num_tokens"],
-                                ndisks=self.num_disks, entry_bytes=self.entry_bytes,
-                                block_size=self.block_size, store=self.path)
+                try:
+                    li = LayerIndex(layer, arrays, num_tokens=rec["num_tokens"],
+                                    ndisks=self.num_disks, entry_bytes=self.entry_bytes,
+                                    block_size=self.block_size, store=self.path)
+                except (ValueError, IndexError, TypeError) as exc:
+                    raise E.ManifestError(f"index of the layer is inconsistent: {exc}",
+                                          store=self.path, layer=layer) from exc
                 self._layers[layer] = li
         return li
 
@@ -358,19 +374,38 @@ class Store:
     # -- writing -------------------------------------------------------------
     @contextlib.contextmanager
     def _write_lock(self):
+        """Serialise writers: threads of this Store wait for each other, another
+        process holding the store's flock makes this one fail.  Inside, the
+        manifest is re-read, so a writer always extends the latest committed
+        state, also when another process committed since this Store opened."""
         if not self.writable:
             raise E.SwarmError("store is open read-only (open with writable=True)",
                                store=self.path)
-        fd = os.open(os.path.join(self.path, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                     0o644)
-        try:
+        with self._writer_mutex:
+            fd = os.open(os.path.join(self.path, ".lock"),
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise E.SwarmError("another process is writing this store", store=self.path)
-            yield
-        finally:
-            os.close(fd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise E.SwarmError("another process is writing this store",
+                                       store=self.path)
+                self._adopt_latest()
+                yield
+            finally:
+                os.close(fd)
+
+    def _adopt_latest(self) -> None:
+        """Take the committed manifest as the base (another writer may have
+        committed since this Store read it)."""
+        m = F.read_manifest(self.path)
+        if m.get("generation") != self._m.get("generation") or m != self._m:
+            if m.get("uuid") != self._m.get("uuid") or len(m["disks"]) != self.num_disks:
+                raise E.ManifestError("the store was replaced since it was opened; reopen it",
+                                      store=self.path)
+            self._m = m
+            with self._lock:
+                self._layers.clear()
 
     def write_layer(self, layer: int, kv, clusters, medoids=None, *, hot=None,
                     freq=None, local_window: int | None = None, extra: dict | None = None,
@@ -404,10 +439,16 @@ class Store:
             DiskFullError: a disk ran out of space (nothing is committed).
             IOFailedError: a write failed (nothing is committed).
         """
-        layer = int(layer)
+        layer = E.as_index(layer, "layer", store=self.path)
         if not 0 <= layer < self.num_layers:
             raise E.OutOfRangeError(f"layer {layer} outside [0, {self.num_layers})",
                                     store=self.path, layer=layer)
+        if extra is not None:
+            try:
+                json.dumps(extra)
+            except (TypeError, ValueError) as exc:
+                raise E.ShapeError(f"extra is not JSON-serialisable: {exc}",
+                                   store=self.path, layer=layer) from None
         rows = as_bytes_rows(kv, self.entry_shape, self.dtype, layer=layer, store=self.path)
         S = rows.shape[0]
         ptr, members = clusters_csr(clusters, layer=layer, store=self.path)
@@ -425,7 +466,7 @@ class Store:
             raise E.ShapeError("a token appears twice in one cluster", store=self.path,
                                layer=layer)
         medoids = (members[ptr[:-1]] if medoids is None
-                   else np.asarray(medoids, dtype=np.int64).reshape(-1))
+                   else E.as_int_array(medoids, "medoids", store=self.path, layer=layer))
         if medoids.shape[0] != C:
             raise E.ShapeError(f"{medoids.shape[0]} medoids for {C} clusters",
                                store=self.path, layer=layer)
@@ -434,8 +475,21 @@ class Store:
             c = int(np.flatnonzero(np.bincount(cl[is_med], minlength=C) == 0)[0])
             raise E.ShapeError("medoid is not a member of its cluster", store=self.path,
                                layer=layer, cluster=c)
-        hot = np.zeros(C, np.uint8) if hot is None else np.asarray(hot).astype(np.uint8).reshape(-1)
-        freq = np.zeros(C, np.float32) if freq is None else np.asarray(freq, np.float32).reshape(-1)
+        if hot is None:
+            hot = np.zeros(C, np.uint8)
+        else:
+            hot = np.asarray(hot).reshape(-1)
+            if hot.size and (hot.dtype.kind not in "biu" or not np.isin(hot, (0, 1)).all()):
+                raise E.ShapeError("hot must be a boolean (0/1) mask", store=self.path,
+                                   layer=layer)
+            hot = hot.astype(np.uint8)
+        try:
+            freq = np.zeros(C, np.float32) if freq is None else \
+                np.asarray(freq, dtype=np.float32).reshape(-1)
+        except (TypeError, ValueError):
+            raise E.ShapeError("freq must be numbers", store=self.path, layer=layer) from None
+        if freq.size and (not np.isfinite(freq).all() or freq.min() < 0):
+            raise E.ShapeError("freq must be finite and >= 0", store=self.path, layer=layer)
         if placement not in PLACEMENTS:
             raise E.LayoutError(f"unknown placement {placement!r}; use one of {PLACEMENTS}",
                                 store=self.path, layer=layer)
@@ -471,7 +525,10 @@ class Store:
         has fdatasync'ed the disks."""
         m = self.manifest
         gen = int(m["generation"]) + 1
-        rec = F.save_index(self.path, layer, gen, arrays)
+        try:
+            rec = F.save_index(self.path, layer, gen, arrays)
+        except OSError as exc:
+            raise _metadata_error(exc, self.path, layer) from exc
         old = m["layers"].get(str(layer))
         S = int(arrays["token_xxh"].shape[0])
         M = int(arrays["members"].shape[0])
@@ -489,13 +546,20 @@ class Store:
         keep = {r["index"]["file"] for r in m["layers"].values()}
         if old is not None:
             keep.add(old["index"]["file"])   # readers of the previous generation
-        F.write_manifest(self.path, m)
-        self._m = m
+        try:
+            self._m = F.write_manifest(self.path, m)
+        except OSError as exc:
+            try:
+                os.unlink(os.path.join(self.path, F.INDEX_DIR, rec["file"]))
+            except OSError:
+                pass
+            raise _metadata_error(exc, self.path, layer) from exc
         with self._lock:
             self._layers.pop(layer, None)
         F.remove_stale_indexes(self.path, keep)
 
-    def append(self, layer: int, kv, joins=None, *, group: int = 64) -> np.ndarray:
+    def append(self, layer: int, kv, joins=None, *, group: int = 64,
+               expect_tokens: int | None = None) -> np.ndarray:
         """Append new tokens to a layer (SWARM §6.2, cluster maintenance).
 
         The new entries get positions S..S+n-1.  A token joins the existing
@@ -515,6 +579,9 @@ class Store:
                 joins clusters ``clusters[ptr[i]:ptr[i+1]]``; or a list of n
                 int arrays; None = no token joins an existing cluster.
             group: size of the new clusters made of unassigned tokens.
+            expect_tokens: refuse (SwarmError) unless the layer holds exactly
+                this many tokens when the append commits, e.g. because the
+                caller already promised positions S..S+n-1 to its users.
 
         Returns:
             int64 [n] positions of the new tokens.
@@ -524,7 +591,7 @@ class Store:
             OutOfRangeError: a cluster id that does not exist.
             DiskFullError, IOFailedError: nothing is committed.
         """
-        return append_tokens(self, layer, kv, joins, group=group)
+        return append_tokens(self, layer, kv, joins, group=group, expect_tokens=expect_tokens)
 
     def _check_capacity(self, new_end, layer):
         for i, d in enumerate(self._m["disks"]):
@@ -680,6 +747,8 @@ class Store:
         cluster order, raw).  Reads only the entries the range covers."""
         li = self.layer(layer)
         cid = li.check_cluster(cid)
+        start = E.as_index(start, "start", store=self.path, layer=layer, cluster=cid)
+        length = E.as_index(length, "length", store=self.path, layer=layer, cluster=cid)
         Eb = self.entry_bytes
         n = int(li.sizes[cid])
         end = min(int(start) + int(length), n * Eb)
@@ -808,6 +877,16 @@ class Store:
             "kv_bytes": copies * self.entry_bytes,
             "layers": layers,
         }
+
+
+def _metadata_error(exc: OSError, store, layer) -> E.SwarmError:
+    """An OSError while writing the index or manifest, as a SwarmError."""
+    import errno
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return E.DiskFullError(f"no space for the index or manifest in the store "
+                               f"directory: {exc.strerror}", store=store, layer=layer)
+    return E.IOFailedError(f"cannot write the index or manifest: {exc.strerror}",
+                           errno=exc.errno, store=store, layer=layer)
 
 
 def _size_or_none(p):

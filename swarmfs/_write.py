@@ -47,11 +47,16 @@ def as_bytes_rows(kv, entry_shape: tuple, dtype_name: str, *, layer=None,
 
 
 def clusters_csr(clusters, *, layer=None, store=None) -> tuple[np.ndarray, np.ndarray]:
+    kw = dict(store=store, layer=layer)
     if isinstance(clusters, tuple) and len(clusters) == 2:
-        ptr = np.asarray(clusters[0], dtype=np.int64)
-        members = np.asarray(clusters[1], dtype=np.int64)
+        ptr = E.as_int_array(clusters[0], "cluster pointers", **kw)
+        members = E.as_int_array(clusters[1], "cluster members", **kw)
     else:
-        lists = [np.asarray(c, dtype=np.int64).reshape(-1) for c in clusters]
+        try:
+            lists = [E.as_int_array(c, "cluster members", **kw) for c in clusters]
+        except TypeError:
+            raise E.ShapeError("clusters must be a CSR (ptr, members) or a list of token "
+                               "arrays", **kw) from None
         ptr = np.zeros(len(lists) + 1, dtype=np.int64)
         np.cumsum([len(c) for c in lists], out=ptr[1:])
         members = np.concatenate(lists) if lists else np.empty(0, np.int64)
@@ -123,10 +128,17 @@ def write_extents(store, rows, ptr, members, pl, layer) -> np.ndarray:
     return extent_xxh
 
 
-def append_tokens(store, layer: int, kv, joins, *, group: int) -> np.ndarray:
+def append_tokens(store, layer: int, kv, joins, *, group: int,
+                  expect_tokens: int | None = None) -> np.ndarray:
     """The work of :meth:`Store.append` (see there): new cluster table, rows of
     the clusters that grow (read back, verified) and of the new entries,
     copy-on-write extents keeping each cluster's start disk, one commit."""
+    with store._write_lock():       # the whole append sees one committed state
+        return _append_locked(store, layer, kv, joins, group=group)
+
+
+def _append_locked(store, layer: int, kv, joins, *, group: int) -> np.ndarray:
+
     self = store
     li = self.layer(layer)
     rows_new = as_bytes_rows(kv, self.entry_shape, self.dtype, layer=layer, store=self.path)
@@ -135,9 +147,11 @@ def append_tokens(store, layer: int, kv, joins, *, group: int) -> np.ndarray:
     if joins is None:
         jptr, jcl = np.zeros(n + 1, np.int64), np.empty(0, np.int64)
     elif isinstance(joins, tuple):
-        jptr, jcl = np.asarray(joins[0], np.int64), np.asarray(joins[1], np.int64)
+        jptr = E.as_int_array(joins[0], "joins pointers", store=self.path, layer=layer)
+        jcl = E.as_int_array(joins[1], "joined clusters", store=self.path, layer=layer)
     else:
-        lists = [np.asarray(j, np.int64).reshape(-1) for j in joins]
+        lists = [E.as_int_array(j, "joined clusters", store=self.path, layer=layer)
+                 for j in joins]
         jptr = np.zeros(len(lists) + 1, np.int64)
         np.cumsum([x.shape[0] for x in lists], out=jptr[1:])
         jcl = np.concatenate(lists) if lists else np.empty(0, np.int64)
@@ -185,38 +199,37 @@ def append_tokens(store, layer: int, kv, joins, *, group: int) -> np.ndarray:
     w_sizes = sizes[write]
     w_ptr = np.zeros(write.shape[0] + 1, np.int64)
     np.cumsum(w_sizes, out=w_ptr[1:])
-    with self._write_lock():
-        disk_end = np.array([d["end"] for d in self._m["disks"]], dtype=np.uint64)
-        p0 = int(self._m["p_global"])
-        start = np.concatenate([li.start_disk[grow],
-                                place_clusters(sizes[C:], ndisks=self.num_disks,
-                                               entry_bytes=self.entry_bytes,
-                                               block_size=self.block_size,
-                                               disk_end=disk_end, p_global=p0).start_disk])
-        p_new = p0 + int(sizes[C:].sum())
-        pl = place_clusters(w_sizes, ndisks=self.num_disks, entry_bytes=self.entry_bytes,
-                            block_size=self.block_size, disk_end=disk_end, p_global=p0,
-                            start=start)
-        self._check_capacity(pl.disk_end, layer)
-        xxh = write_extents(self, rows, w_ptr, local, pl, layer)
-        for fd in self._fds:
-            os.fdatasync(fd)
-        N = self.num_disks
-        extent_off = np.concatenate([li.extent_off, np.zeros((k_new, N), np.uint64)])
-        extent_xxh = np.concatenate([li.extent_xxh, np.zeros((k_new, N), np.uint64)])
-        start_disk = np.concatenate([li.start_disk, start[grow.shape[0]:]]).astype(np.int32)
-        extent_off[write] = pl.extent_off
-        extent_xxh[write] = xxh
-        medoid = np.concatenate([li.medoid, S + lone[np.searchsorted(gid, np.arange(k_new))]])
-        half = self.entry_bytes // 2
-        new_keys = rows_new[medoid[C:] - S, :half]
-        arrays = dict(
-            members_ptr=ptr, members=members, medoid=medoid, start_disk=start_disk,
-            extent_off=extent_off, extent_xxh=extent_xxh,
-            token_xxh=np.concatenate([li.token_xxh, xxh3_rows(rows_new, self.entry_bytes)]),
-            medoid_keys=np.concatenate([li.medoid_keys, new_keys]),
-            hot=np.concatenate([li.hot, np.zeros(k_new, np.uint8)]),
-            freq=np.concatenate([li.freq, np.zeros(k_new, np.float32)]))
-        self._commit_layer(layer, arrays, disk_end=pl.disk_end, p_global=p_new,
-                           record={})
+    disk_end = np.array([d["end"] for d in self._m["disks"]], dtype=np.uint64)
+    p0 = int(self._m["p_global"])
+    start = np.concatenate([li.start_disk[grow],
+                            place_clusters(sizes[C:], ndisks=self.num_disks,
+                                           entry_bytes=self.entry_bytes,
+                                           block_size=self.block_size,
+                                           disk_end=disk_end, p_global=p0).start_disk])
+    p_new = p0 + int(sizes[C:].sum())
+    pl = place_clusters(w_sizes, ndisks=self.num_disks, entry_bytes=self.entry_bytes,
+                        block_size=self.block_size, disk_end=disk_end, p_global=p0,
+                        start=start)
+    self._check_capacity(pl.disk_end, layer)
+    xxh = write_extents(self, rows, w_ptr, local, pl, layer)
+    for fd in self._fds:
+        os.fdatasync(fd)
+    N = self.num_disks
+    extent_off = np.concatenate([li.extent_off, np.zeros((k_new, N), np.uint64)])
+    extent_xxh = np.concatenate([li.extent_xxh, np.zeros((k_new, N), np.uint64)])
+    start_disk = np.concatenate([li.start_disk, start[grow.shape[0]:]]).astype(np.int32)
+    extent_off[write] = pl.extent_off
+    extent_xxh[write] = xxh
+    medoid = np.concatenate([li.medoid, S + lone[np.searchsorted(gid, np.arange(k_new))]])
+    half = self.entry_bytes // 2
+    new_keys = rows_new[medoid[C:] - S, :half]
+    arrays = dict(
+        members_ptr=ptr, members=members, medoid=medoid, start_disk=start_disk,
+        extent_off=extent_off, extent_xxh=extent_xxh,
+        token_xxh=np.concatenate([li.token_xxh, xxh3_rows(rows_new, self.entry_bytes)]),
+        medoid_keys=np.concatenate([li.medoid_keys, new_keys]),
+        hot=np.concatenate([li.hot, np.zeros(k_new, np.uint8)]),
+        freq=np.concatenate([li.freq, np.zeros(k_new, np.float32)]))
+    self._commit_layer(layer, arrays, disk_end=pl.disk_end, p_global=p_new,
+                       record={})
     return np.arange(S, S + n, dtype=np.int64)

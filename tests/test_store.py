@@ -394,3 +394,100 @@ def test_append_bad_input_commits_nothing(tmp_path, rng):
         s.append(0, kv, [[1, 1], [], []])
     assert s.manifest == before
     s.close()
+
+
+# -- defects found by adversarial testing ----------------------------------------
+
+def test_a_second_writer_builds_on_the_first_writers_commit(tmp_path, rng):
+    s1, kvs, cls = make_store(tmp_path / "st", rng, layers=(0, 1, 2))
+    s2 = Store.open(tmp_path / "st", writable=True)      # opened before s1's next commit
+    kv1 = random_kv(rng, 50, 2, 16, "float16")
+    s1.write_layer(1, kv1, [np.arange(50)])
+    kv2 = random_kv(rng, 60, 2, 16, "float16")
+    s2.write_layer(2, kv2, [np.arange(60)])              # must not drop layer 1's commit
+    s1.close()
+    s2.close()
+    with Store.open(tmp_path / "st") as s:
+        assert s.layers == [0, 1, 2]
+        assert same_bits(s.read_entries(1, np.arange(50)), kv1)
+        assert same_bits(s.read_entries(2, np.arange(60)), kv2)
+        assert same_bits(s.read_entries(0, np.arange(600)), kvs[0])
+        assert s.verify() == []
+
+
+def test_appends_from_threads_are_serialised(tmp_path, rng):
+    import threading
+    s, kvs, cls = make_store(tmp_path / "st", rng, S=100, clusters=5, extra=0)
+    news = [random_kv(np.random.default_rng(i), 8, 2, 16, "float16") for i in range(6)]
+    got = {}
+
+    def go(i):
+        got[i] = s.append(0, news[i], None)
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert sorted(int(p[0]) for p in got.values()) == list(range(100, 148, 8))
+    for i, pos in got.items():
+        assert same_bits(s.read_entries(0, pos), news[i])
+    assert s.num_tokens(0) == 148
+    s.close()
+
+
+def test_edited_manifest_is_refused(tmp_path, rng):
+    s, _, _ = make_store(tmp_path / "st", rng)
+    s.close()
+    mpath = tmp_path / "st" / F.MANIFEST
+    m = json.loads(mpath.read_text())
+    m["disks"][0]["end"] = 4096                          # would let a write clobber data
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(E.ManifestError, match="checksum"):
+        Store.open(tmp_path / "st")
+
+
+def test_create_refuses_to_clobber_a_file_with_data(tmp_path):
+    f = tmp_path / "precious.bin"
+    f.write_bytes(b"x" * 100_000)
+    with pytest.raises(E.StoreExistsError) as ei:
+        Store.create(tmp_path / "st", disks=[f], num_layers=1, num_kv_heads=1, head_dim=8)
+    assert ei.value.disk == 0
+    assert f.read_bytes() == b"x" * 100_000
+    assert not (tmp_path / "st").exists()                # nothing left behind
+
+
+def test_store_used_after_fork_refuses_instead_of_misreading(tmp_path, rng):
+    s, kvs, _ = make_store(tmp_path / "st", rng)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            s.read_entries(0, [1, 2, 3])
+        except E.SwarmError as exc:
+            code = 0 if "fork" in str(exc) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert same_bits(s.read_entries(0, [1, 2, 3]), kvs[0][[1, 2, 3]])
+    s.close()
+
+
+def test_strict_argument_types(tmp_path, rng):
+    s, kvs, cls = make_store(tmp_path / "st", rng)
+    with pytest.raises(E.OutOfRangeError):
+        s.read_cluster(0, 1.9)
+    with pytest.raises(E.OutOfRangeError):
+        s.read_cluster(True, 1)
+    with pytest.raises(E.OutOfRangeError):
+        s.read_entries(0, [1.0, 2.0])
+    assert s.read_entries(0, []).shape == (0, 2, 2, 16)
+    with pytest.raises(E.ShapeError):
+        s.write_layer(0, kvs[0], cls[0], hot=np.full(len(cls[0]), -1))
+    with pytest.raises(E.OutOfRangeError):
+        s.write_layer(0, kvs[0], [c.astype(float) for c in cls[0]])
+    with pytest.raises(E.ConfigError):
+        s.plan(0, [1], policy="x")
+    with pytest.raises(E.ShapeError):
+        Store.create(tmp_path / "b", disks=1, num_layers=1, num_kv_heads=1, head_dim=2.5)
+    s.close()

@@ -1,0 +1,173 @@
+"""Smoke runs of the evaluation benchmarks (tools/bench), so the harness cannot rot.
+
+Every figure runs at tiny size on two plain disk files (no root, no testbed),
+on a real MiniLM trace of 4096 tokens captured into a temporary cache, and
+must write its JSON and PNG with sane fields.  Nothing here looks at timings.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.model
+
+BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench"
+sys.path.insert(0, str(BENCH))
+
+FIGURES = ["fig11_methods", "fig12_clustering", "fig13_placement", "fig14_retrieval",
+           "fig16_prefix_batch", "fig17_ssd_type", "fig18_num_disks", "fig19_tau",
+           "fig20_sparsity", "table4_selection"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    import _common as C
+    try:
+        from swarmfs.layout._capture import default_model_path
+        default_model_path()
+    except Exception as exc:  # the model package is missing
+        pytest.skip(str(exc))
+    if not (C.DATA / "wikitext2_raw_test.raw").exists():
+        pytest.skip("../shared/data not found")
+    cache = tmp_path_factory.mktemp("evalcache")
+    out = tmp_path_factory.mktemp("evalout")
+    C.load_trace(4096, cache=cache, progress=False)
+    return C, cache, out
+
+
+def finite(x):
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_truncated_model_gives_the_full_models_layer_2(env):
+    C, cache, _ = env
+    from swarmfs.layout._capture import capture
+    ids, seg = C.trace_tokens(600)
+    assert seg["wikitext2"][0] == 0 and seg["shakespeare"][0] == seg["wikitext2"][1]
+    full = capture(None, token_ids=ids, layers=[2], dtype="float16", progress=False)
+    cut = capture(C.truncated_model(3, cache), token_ids=ids, layers=[2], dtype="float16",
+                  progress=False)
+    for name in "qkv":
+        assert np.array_equal(getattr(full, name), getattr(cut, name))
+
+
+def test_widening_keeps_every_dot_product(env, rng):
+    C, _, _ = env
+    k = rng.standard_normal((12, 5, 32)).astype(np.float16)
+    v = rng.standard_normal((12, 5, 32)).astype(np.float16)
+    q = rng.standard_normal((12, 32)).astype(np.float32)
+    kv = C.widen_kv(k, v)
+    assert kv.shape == (5, 2, 8, 128) and kv.nbytes == 5 * C.ENTRY_BYTES
+    qw = C.widen_q(q).reshape(-1)
+    got = kv[:, 0].reshape(5, -1).astype(np.float32) @ qw
+    want = np.einsum("hsd,hd->s", k.astype(np.float32), q)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert np.array_equal(C.narrow(kv[:, 1].transpose(1, 0, 2), 12, 32), v)
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_figure_smoke_run(env, name):
+    C, cache, out = env
+    mod = __import__(name)
+    prefix = out / f"{name}-smoke"
+    p = mod.main(["--smoke", "--disks", "files:2", "--cache", str(cache),
+                  "--out", str(prefix)])
+    j = json.loads(prefix.with_suffix(".json").read_text())
+    assert prefix.with_suffix(".png").stat().st_size > 1000
+    assert j["figure"] == name.split("_")[0] and "command" in j and "machine" in j
+    assert j["command"].startswith(f"python tools/bench/{name}.py --smoke")
+    same = json.loads(json.dumps(p, default=C._json_default))
+    assert all(j[k] == v for k, v in same.items() if k not in ("command", "machine"))
+    check = globals().get(f"_check_{name.split('_')[0]}")
+    if check:
+        check(j)
+
+
+def _check_method_summary(x):
+    for k in ("io_us_median", "eff_gbps_median", "bytes_read_median", "requests_median"):
+        assert finite(x[k]) and x[k] > 0, k
+    assert 0 < x["recall_mean"] <= 1.0 + 1e-6
+    assert x["rel_error_mean"] >= 0 and x["index_bytes"] > 0
+
+
+def _check_fig11(j):
+    r = j["datasets"]["wikitext2"]
+    assert set(r["methods"]) == {"swarm", "no_cluster", "infllm", "pqcache", "quest"}
+    for x in r["methods"].values():
+        _check_method_summary(x)
+        # every step read at most its budget plus whole clusters, at least the budget
+        assert x["entries_median"] >= r["budget"]
+    assert r["methods"]["no_cluster"]["layout"]["replication"] == 1.0
+    assert set(r["ratios"]) == {"no_cluster", "infllm", "pqcache", "quest"}
+    assert all(finite(v["bw_ratio"]) for v in r["ratios"].values())
+
+
+def _check_fig12(j):
+    assert set(j["variants"]) == {"swarm", "medoid_only", "no_replica"}
+    for x in j["variants"].values():
+        _check_method_summary(x)
+    assert j["variants"]["no_replica"]["layout"]["replication"] == 1.0
+
+
+def _check_fig13(j):
+    v = j["variants"]
+    assert set(v) == {"swarm", "sequential", "no_balance"}
+    # the same entries are read three ways
+    assert v["swarm"]["useful_entries_median"] == v["sequential"]["useful_entries_median"]
+    assert v["no_balance"]["useful_entries_median"] == v["swarm"]["useful_entries_median"]
+
+
+def _check_fig14(j):
+    v = j["variants"]
+    assert set(v) == {"swarm", "static", "no_balance", "no_dedup"}
+    assert v["no_dedup"]["bytes_read_median"] >= v["swarm"]["bytes_read_median"]
+    assert v["no_balance"]["useful_entries_median"] == v["swarm"]["useful_entries_median"]
+
+
+def _check_fig16(j):
+    assert {(r["tokens"], r["batch"]) for r in j["rows"]} == \
+        {(t, b) for t in (1024, 2048) for b in (1, 4, 8)}
+    for r in j["rows"]:
+        assert finite(r["io_us_median"]) and r["index_bytes"] > 0
+
+
+def _check_fig17(j):
+    assert "files" in j["profiles"]
+    assert len(j["profiles"]["files"]["points"]) == 2
+
+
+def _check_fig18(j):
+    assert [p["disks"] for p in j["points"]] == [1, 2]
+    assert finite(j["targets"]["swarm_scaling"]["ratio"])
+
+
+def _check_fig19(j):
+    assert {r["tau"] for r in j["rows"]} == {0.5, 0.7}
+    for r in j["rows"]:
+        assert r["replication"] >= 1.0 and 0 < r["recall_mean"] <= 1.0 + 1e-6
+
+
+def _check_fig20(j):
+    assert [p["ratio"] for p in j["points"]] == [0.05, 0.1]
+    assert j["iso_accuracy"]["swarm_recall"] > 0
+
+
+def _check_table4(j):
+    for r in j["rows"]:
+        assert r["naive_ms"] > 0 and r["swarm_ms"] > 0 and r["swarm_index_bytes"] > 0
+        assert "synthetic" in r
+
+
+def test_summary_tables_from_smoke_outputs(env):
+    C, _, out = env
+    import run_all
+    if not (out / "fig11_methods-smoke.json").exists():
+        pytest.skip("runs after the figure smoke runs")
+    md = run_all.summary(smoke=True, outdir=out)
+    assert "### Fig. 11" in md and "### Table 4" in md and "| SWARM |" in md
