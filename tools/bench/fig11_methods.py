@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Fig. 11: I/O time per decode step, effective bandwidth and accuracy per method (r = 10%).
+
+SWARM against No Cluster (exact top-k over all keys, entries in token order),
+InfLLM-style blocks, PQCache/ClusterKV-style k-means clusters and Quest pages
+(``layout/_baselines.py``), all stored as layers of one store on the same
+disks, read by the same engine with the same entry budget ceil(r x S) (local
+window included, no hot-cluster cache).  One store per dataset.
+
+Each held-out query is first retrieved by every method (checksums verified):
+that pass gives the accuracy (attention-mass recall of the oracle's top-k and
+attention-output relative error, from the K/V read back), the selection
+times, and the exact read plan.  The plans are then replayed back to back,
+one block per method, methods in random order per repetition
+(``_common.Bench.stream``): I/O time per step = block time / steps, median
+over repetitions.
+
+    tools/testbed run -- python tools/bench/fig11_methods.py
+    python tools/bench/fig11_methods.py --smoke --disks files:2
+"""
+
+from __future__ import annotations
+
+import sys
+
+import _common as C
+import numpy as np
+
+METHODS = ("swarm", "no_cluster", "infllm", "pqcache", "quest")
+LABELS = {"swarm": "SWARM", "no_cluster": "No Cluster", "infllm": "InfLLM",
+          "pqcache": "PQCache", "quest": "Quest", "medoid_only": "Medoid Only",
+          "no_replica": "No Replica"}
+# paper (§8.2): SWARM's bandwidth over each baseline's
+PAPER_BW_RATIO = {"no_cluster": 3.95, "infllm": 2.67, "pqcache": 1.55}
+PAPER_IO_RATIO = 2.41
+
+
+def method_layouts(trace, start, S, methods, *, ratio=0.1, swarm_kw=None, verbose=True):
+    """Layouts of the given methods for one context (cached).  PQCache gets
+    SWARM's mean cluster size, so both indexes hold about as many vectors."""
+    lays = {}
+    sw, hit = C.build_layout("swarm", trace, start, S, ratio=ratio, **(swarm_kw or {}))
+    lays["swarm"] = sw
+    mean_size = round(float(sw.sizes.mean()), 1)
+    kw = {"infllm": {"block": 64, "reps": 4}, "pqcache": {"mean_size": mean_size},
+          "quest": {"page": 16}, "no_cluster": {"group": 64}}
+    for m in methods:
+        if m == "swarm":
+            continue
+        lays[m], hit = C.build_layout(m, trace, start, S, ratio=ratio, **kw.get(m, {}))
+    if verbose:
+        for m, lay in lays.items():
+            s = lay.summary()
+            print(f"  layout {m:12s} {s['clusters']:8d} clusters, mean {s['size_mean']:6.1f}, "
+                  f"replication {s['replication']:.2f}, built in {s['build_s']:.1f} s",
+                  file=sys.stderr)
+    return lays
+
+
+def measure(bench, names, positions, reps, *, seed=0, label=""):
+    """Record (accuracy pass, verified), then stream (timed): see ``Bench.measure``."""
+    return bench.measure(names, list(positions), reps, seed=seed, progress=label)
+
+
+def run_methods(a, trace, disks, start, S, methods, *, ratio=0.1, nq, reps, label,
+                store="methods", swarm_kw=None, layouts=None):
+    """Build (or load) every method's layout of one context, store them as
+    layers of one store on ``disks`` and measure them side by side."""
+    lays = layouts or method_layouts(trace, start, S, methods, ratio=ratio, swarm_kw=swarm_kw)
+    bench = C.Bench(C.store_dir(a, store), disks, trace, start, S,
+                    [C.Variant(m, lays[m]) for m in methods], ratio=ratio,
+                    queue_depth=a.qd)
+    pos = C.query_positions(trace, start, S, nq)
+    try:
+        res = measure(bench, methods, pos, reps, label=label)
+    finally:
+        bench.close()
+    return {"tokens": S, "start": start, "local_window": bench.W,
+            "budget": int(np.ceil(ratio * S)), "methods": res,
+            "ratios": ratios(res) if "swarm" in res else {}}
+
+
+def ratios(res: dict) -> dict:
+    """SWARM's effective-bandwidth ratio and I/O-time ratio over each method."""
+    sw = res["swarm"]
+    out = {}
+    for m, r in res.items():
+        if m == "swarm":
+            continue
+        io_total = r["io_us_median"] + (r["score_us_median"] if m == "no_cluster" else 0)
+        out[m] = {
+            "bw_ratio": sw["eff_gbps_median"] / r["eff_gbps_median"],
+            "goodput_ratio": (sw["goodput_gbps_median"] / r["goodput_gbps_median"]
+                              if sw.get("goodput_gbps_median") and r.get("goodput_gbps_median")
+                              else None),
+            "io_ratio": r["io_us_median"] / sw["io_us_median"],
+            "io_plus_score_ratio": (r["io_us_median"] + r["score_us_median"]) /
+                                   (sw["io_us_median"] + sw["score_us_median"]),
+            "recall_delta": sw["recall_mean"] - r["recall_mean"],
+            "rel_error_delta": r["rel_error_mean"] - sw["rel_error_mean"],
+            "paper_bw_ratio": PAPER_BW_RATIO.get(m),
+            "no_cluster_bw_incl_score_ratio": (
+                sw["eff_gbps_median"] / (r["useful_bytes_median"] / (io_total / 1e6) / 1e9)
+                if m == "no_cluster" else None),
+        }
+    return out
+
+
+def main(argv=None):
+    ap = C.parser(__doc__)
+    ap.add_argument("--tokens", type=int, default=None, help="context length S")
+    ap.add_argument("--datasets", default=None)
+    ap.add_argument("--ratio", type=float, default=0.1)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    a = C.parse(ap, argv)
+    S = a.tokens or (2048 if a.smoke else 131072)
+    datasets = (a.datasets or ("wikitext2" if a.smoke else "wikitext2,shakespeare,gsm8k")
+                ).split(",")
+    nq = a.queries or (3 if a.smoke else 24)
+    reps = a.reps or (1 if a.smoke else 3)
+    methods = a.methods.split(",")
+    trace, disks, out = C.setup(a, "fig11_methods",
+                                trace_tokens=(4096 if a.smoke else 0))
+    ceil_before = C.ceilings(disks, a.smoke)
+    results = {}
+    for ds in datasets:
+        start, S = C.context(trace, S, ds)
+        print(f"fig11: {ds}, S = {S}, {disks.count} disks", file=sys.stderr)
+        results[ds] = run_methods(a, trace, disks, start, S, methods, ratio=a.ratio, nq=nq,
+                                  reps=reps, label=f"fig11 {ds}", store="fig11")
+        _print(ds, results[ds]["methods"], results[ds]["ratios"])
+    ceil_after = C.ceilings(disks, a.smoke)
+    avg = _average(results, methods)
+    payload = {"figure": "fig11", "title": "methods at r = 10%", "ratio": a.ratio,
+               "tokens": S, "disks": disks.describe(), "queries": nq, "reps": reps,
+               "ceiling_before": ceil_before, "ceiling_after": ceil_after,
+               "datasets": results, "average": avg,
+               "paper": {"bw_ratio": PAPER_BW_RATIO, "io_ratio": PAPER_IO_RATIO}}
+    C.write_json(out, payload)
+    plot(payload, out)
+    return payload
+
+
+def _average(results, methods):
+    """Per method, the mean over datasets of the medians; ratios of those."""
+    avg = {}
+    for m in methods:
+        rows = [r["methods"][m] for r in results.values()]
+        avg[m] = {k: float(np.mean([x[k] for x in rows if x.get(k) is not None]))
+                  for k in rows[0] if isinstance(rows[0][k], (int, float))}
+    rat = {}
+    for m in methods:
+        if m == "swarm" or "swarm" not in methods:
+            continue
+        rr = [r["ratios"][m] for r in results.values()]
+        rat[m] = {k: (float(np.mean([x[k] for x in rr if x[k] is not None]))
+                      if any(x[k] is not None for x in rr) else None)
+                  for k in ("bw_ratio", "goodput_ratio", "io_ratio", "io_plus_score_ratio",
+                            "recall_delta", "rel_error_delta")}
+    return {"methods": avg, "ratios": rat}
+
+
+def _print(ds, res, rat):
+    print(f"  {'method':12s} {'I/O ms':>8s} {'score ms':>8s} {'GB/s':>6s} {'good':>6s} "
+          f"{'req KiB':>7s} {'recall':>6s} {'err':>6s} {'index MB':>8s}", file=sys.stderr)
+    for m, r in res.items():
+        print(f"  {m:12s} {r['io_us_median'] / 1e3:8.2f} {r['score_us_median'] / 1e3:8.2f} "
+              f"{r['eff_gbps_median']:6.3f} {r['goodput_gbps_median'] or 0:6.3f} "
+              f"{r['mean_request_kib_median']:7.1f} "
+              f"{r['recall_mean']:6.3f} {r['rel_error_mean']:6.3f} "
+              f"{r['index_bytes'] / 1e6:8.1f}", file=sys.stderr)
+    for m, x in rat.items():
+        print(f"  SWARM vs {m}: bandwidth x{x['bw_ratio']:.2f}, I/O time x{x['io_ratio']:.2f}",
+              file=sys.stderr)
+
+
+def plot(p, out):
+    plt = C.pyplot()
+    ds = list(p["datasets"])
+    methods = list(next(iter(p["datasets"].values()))["methods"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    w = 0.8 / len(methods)
+    x = np.arange(len(ds))
+    for i, m in enumerate(methods):
+        rows = [p["datasets"][d]["methods"][m] for d in ds]
+        io = [r["io_us_median"] / 1e3 for r in rows]
+        b = axes[0].bar(x + i * w, io, w, label=LABELS.get(m, m))
+        if m == "no_cluster":
+            axes[0].bar(x + i * w, [r["score_us_median"] / 1e3 for r in rows], w, bottom=io,
+                        color=b[0].get_facecolor(), alpha=0.4, hatch="//",
+                        label="No Cluster key scan")
+        axes[1].bar(x + i * w, [r["eff_gbps_median"] for r in rows], w, label=LABELS.get(m, m))
+        axes[2].bar(x + i * w, [r["recall_mean"] for r in rows], w, label=LABELS.get(m, m))
+    C.ceiling_lines(axes[1], p["ceiling_before"])
+    for ax, t in zip(axes, ("I/O time per decode step (ms, median)",
+                            "effective bandwidth (GB/s, median)",
+                            "attention-mass recall vs oracle top-k")):
+        ax.set_xticks(x + 0.4 - w / 2, ds)
+        ax.set_title(t, fontsize=10)
+        ax.grid(axis="y", alpha=.3)
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
+    d = p["disks"]
+    fig.suptitle(f"Fig. 11: S = {p['tokens']}, r = {p['ratio']}, {d['count']} x "
+                 f"{d['profile'] or 'file'} disks, 4 KiB entries", fontsize=11)
+    C.save_fig(fig, out)
+
+
+if __name__ == "__main__":
+    main()

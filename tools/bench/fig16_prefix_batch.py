@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Fig. 16: SWARM's I/O time per decode step vs prefix length, batch 1, 4 and 8.
+
+Contexts are prefixes of the trace (WikiText-2, then Tiny Shakespeare, GSM8K
+and the repeated sequence beyond 773K tokens; see ``_common``).  A batch is B
+held-out queries (consecutive decode positions standing in for B requests
+sharing the prefix): the Retriever unites their clusters into one
+deduplicated, balanced read.  One store per prefix length (the previous one
+is replaced).  Contexts longer than 256K tokens are laid out per 128K-token
+segment (``_common._segmented``).  Also records the selection latency (medoid scoring + cluster
+choice) and the medoid index size at each length, used by Table 4.
+
+    tools/testbed run -- python tools/bench/fig16_prefix_batch.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import _common as C
+import numpy as np
+
+#: longest context laid out in one piece; longer ones per SEGMENT tokens
+FULL_MAX = 262144
+SEGMENT = 131072
+
+
+def main(argv=None):
+    ap = C.parser(__doc__)
+    ap.add_argument("--tokens", default=None, help="comma list of prefix lengths")
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--ratio", type=float, default=0.1)
+    a = C.parse(ap, argv)
+    sizes = [int(x) for x in (a.tokens or ("1024,2048" if a.smoke else
+                                           "131072,262144,524288,1048576")).split(",")]
+    batches = [int(x) for x in a.batches.split(",")]
+    nsteps = a.queries or (2 if a.smoke else 4)         # batched steps per point
+    reps = a.reps or (1 if a.smoke else 2)
+    need = max(sizes) + C.QUERY_STRIDE * nsteps * max(batches) + 8
+    trace, disks, out = C.setup(a, "fig16_prefix_batch", trace_tokens=max(need, 4096))
+    ceil_before = C.ceilings(disks, a.smoke)
+    rows = []
+    for S in sizes:
+        start, S = C.context(trace, S, "wikitext2")
+        with C.timer(f"fig16 layout S={S}"):
+            lay, hit = C.build_layout("swarm", trace, start, S, ratio=a.ratio,
+                                      **({"segment": SEGMENT} if S > FULL_MAX else {}))
+        with C.timer(f"fig16 store S={S}"):
+            bench = C.Bench(C.store_dir(a, "fig16"), disks, trace, start, S,
+                            [C.Variant("swarm", lay)], ratio=a.ratio, queue_depth=a.qd)
+        pos = C.query_positions(trace, start, S, nsteps * max(batches))
+        rec = {f"B={B}": [bench.record("swarm", list(pos[i * B:(i + 1) * B]),
+                                       accuracy=(B == 1)) for i in range(nsteps)]
+               for B in batches}
+        timed = bench.stream(rec, reps, progress=f"fig16 S={S}")
+        for B in batches:
+            sel = rec[f"B={B}"]
+            rows.append({"tokens": S, "batch": B, **C.summarize(sel, timed[f"B={B}"]),
+                         "score_plus_select_us_median": float(np.median(
+                             [r["score_us"] + r["select_us"] for r in sel])),
+                         "index_bytes": bench.index_bytes("swarm"),
+                         "clusters": lay.num_clusters,
+                         "mean_cluster_size": float(lay.sizes.mean()),
+                         "replication": lay.summary()["replication"],
+                         "layout_build_s": lay.seconds, "layout_cached": hit,
+                         "recall_mean_b1": C.mean(rec[f"B={batches[0]}"], "recall"),
+                         "rel_error_mean_b1": C.mean(rec[f"B={batches[0]}"], "rel_error")})
+            r = rows[-1]
+            print(f"  S={S:8d} B={B}: I/O {r['io_us_median'] / 1e3:8.2f} ms, "
+                  f"{r['eff_gbps_median']:.3f} GB/s, read {r['bytes_read_median'] / 1e6:.1f} MB,"
+                  f" {r['requests_median']:.0f} requests", file=sys.stderr)
+        bench.close()
+    payload = {"figure": "fig16", "title": "prefix length x batch size", "ratio": a.ratio,
+               "disks": disks.describe(), "steps_per_point": nsteps, "reps": reps,
+               "ceiling_before": ceil_before, "ceiling_after": C.ceilings(disks, a.smoke),
+               "rows": rows}
+    C.write_json(out, payload)
+    plot(payload, out)
+    return payload
+
+
+def plot(p, out):
+    plt = C.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for B in sorted({r["batch"] for r in p["rows"]}):
+        rr = [r for r in p["rows"] if r["batch"] == B]
+        x = [r["tokens"] / 1024 for r in rr]
+        axes[0].plot(x, [r["io_us_median"] / 1e3 for r in rr], "o-", label=f"batch {B}")
+        axes[1].plot(x, [r["eff_gbps_median"] for r in rr], "o-", label=f"batch {B}")
+    C.ceiling_lines(axes[1], p["ceiling_before"])
+    axes[0].set_ylabel("I/O time per step (ms, median)")
+    axes[1].set_ylabel("effective bandwidth (GB/s, median)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prefix length (K tokens)")
+        ax.grid(alpha=.3)
+        ax.legend(fontsize=8)
+    axes[0].set_yscale("log")
+    fig.suptitle(f"Fig. 16: SWARM, r = {p['ratio']}, {p['disks']['count']} disks", fontsize=11)
+    C.save_fig(fig, out)
+
+
+if __name__ == "__main__":
+    main()

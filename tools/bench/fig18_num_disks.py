@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Fig. 18: effective bandwidth and I/O time vs number of SSDs (1 to 8).
+
+For N = 1, 2, 4, 8: every method's layout stored on the first N testbed
+devices (one store, replaced for each N), measured side by side as in
+Fig. 11, with the fio ceiling of those N devices measured in the same run.
+Targets: SWARM's effective bandwidth at 8 disks >= 7x that at 1 disk, and
+>= 90% of the fio 128 KiB ceiling at 4 and 8 disks.
+
+    tools/testbed run -- python tools/bench/fig18_num_disks.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import _common as C
+import numpy as np
+from fig11_methods import LABELS, METHODS, method_layouts, run_methods
+
+
+def main(argv=None):
+    ap = C.parser(__doc__)
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--counts", default=None, help="comma list of disk counts")
+    ap.add_argument("--dataset", default="wikitext2")
+    ap.add_argument("--ratio", type=float, default=0.1)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    a = C.parse(ap, argv)
+    S = a.tokens or (2048 if a.smoke else 65536)
+    counts = [int(x) for x in (a.counts or ("1,2" if a.smoke else "1,2,4,8")).split(",")]
+    nq = a.queries or (3 if a.smoke else 16)
+    reps = a.reps or (1 if a.smoke else 2)
+    methods = a.methods.split(",")
+    trace, disks, out = C.setup(a, "fig18_num_disks", trace_tokens=4096 if a.smoke else 0)
+    start, S = C.context(trace, S, a.dataset)
+    lays = method_layouts(trace, start, S, methods, ratio=a.ratio)
+    points = []
+    for n in counts:
+        d = disks.first(n)
+        print(f"fig18: {n} disks, S = {S}", file=sys.stderr)
+        ceil = C.ceilings(d, a.smoke)
+        r = run_methods(a, trace, d, start, S, methods, ratio=a.ratio, nq=nq, reps=reps,
+                        label=f"fig18 N={n}", store="fig18", layouts=lays)
+        r.update(disks=n, ceiling=ceil)
+        points.append(r)
+        for m, x in r["methods"].items():
+            frac = (x["eff_gbps_median"] / ceil["bw_128k"]["gb_per_s"]) if ceil else None
+            print(f"  N={n} {m:12s} I/O {x['io_us_median'] / 1e3:8.2f} ms, "
+                  f"{x['eff_gbps_median']:.3f} GB/s"
+                  + (f" = {frac:.0%} of fio 128k" if frac else ""), file=sys.stderr)
+    targets = _targets(points)
+    payload = {"figure": "fig18", "title": "number of SSDs", "tokens": S, "ratio": a.ratio,
+               "dataset": a.dataset, "disks": disks.describe(), "queries": nq, "reps": reps,
+               "points": points, "targets": targets}
+    C.write_json(out, payload)
+    plot(payload, out)
+    return payload
+
+
+def _targets(points):
+    by = {p["disks"]: p for p in points}
+    t = {}
+    if 1 in by and max(by) > 1:
+        hi = max(by)
+        t["swarm_scaling"] = {"from": 1, "to": hi,
+                              "ratio": by[hi]["methods"]["swarm"]["eff_gbps_median"] /
+                              by[1]["methods"]["swarm"]["eff_gbps_median"], "target": 7.0}
+    for n, p in by.items():
+        if p.get("ceiling"):
+            c = p["ceiling"]
+            sw = p["methods"]["swarm"]["eff_gbps_median"]
+            t[f"swarm_vs_fio_{n}"] = {"eff_gbps": sw, "fio_128k": c["bw_128k"]["gb_per_s"],
+                                      "fio_4k": c["iops_4k"]["gb_per_s"],
+                                      "fraction_128k": sw / c["bw_128k"]["gb_per_s"],
+                                      "target": 0.9}
+    return t
+
+
+def plot(p, out):
+    plt = C.pyplot()
+    pts = p["points"]
+    n = [x["disks"] for x in pts]
+    methods = list(pts[0]["methods"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for m in methods:
+        axes[0].plot(n, [x["methods"][m]["eff_gbps_median"] for x in pts], "o-",
+                     label=LABELS.get(m, m))
+        axes[1].plot(n, [x["methods"][m]["io_us_median"] / 1e3 for x in pts], "o-",
+                     label=LABELS.get(m, m))
+    if pts[0].get("ceiling"):
+        axes[0].plot(n, [x["ceiling"]["bw_128k"]["gb_per_s"] for x in pts], "k--",
+                     label="fio 128 KiB ceiling")
+        axes[0].plot(n, [x["ceiling"]["iops_4k"]["gb_per_s"] for x in pts], "k:",
+                     label="fio 4 KiB ceiling")
+    axes[0].set_ylabel("effective bandwidth (GB/s, median)")
+    axes[1].set_ylabel("I/O time per step (ms, median)")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(n, [str(x) for x in n])
+        ax.set_xlabel("SSDs")
+        ax.grid(alpha=.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Fig. 18: S = {p['tokens']}, r = {p['ratio']}", fontsize=11)
+    C.save_fig(fig, out)
+
+
+if __name__ == "__main__":
+    main()

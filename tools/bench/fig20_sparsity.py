@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Fig. 20: I/O time, effective bandwidth and accuracy vs the sparsity ratio r.
+
+Every method at each r (entry budget ceil(r x S), local window included), one
+store per r, methods interleaved as in Fig. 11.  SWARM is profiled at that r
+(its clusters depend on it); the baselines' layouts do not depend on r
+(PQCache keeps SWARM's r = 10% mean cluster size).
+
+Iso-accuracy: for each baseline, the I/O time it needs to reach SWARM's
+recall at r = 10% (linear interpolation of its recall-vs-I/O-time curve over
+r); the ratio to SWARM's I/O time at r = 10% is the "I/O time at equal
+accuracy" of the targets.
+
+    tools/testbed run -- python tools/bench/fig20_sparsity.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import _common as C
+import numpy as np
+from fig11_methods import LABELS, METHODS, method_layouts, run_methods
+
+
+def main(argv=None):
+    ap = C.parser(__doc__)
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--ratios", default=None)
+    ap.add_argument("--dataset", default="wikitext2")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    a = C.parse(ap, argv)
+    S = a.tokens or (2048 if a.smoke else 65536)
+    ratios = [float(x) for x in (a.ratios or ("0.05,0.1" if a.smoke else
+                                              "0.02,0.05,0.1,0.2,0.3")).split(",")]
+    nq = a.queries or (2 if a.smoke else 12)
+    reps = a.reps or (1 if a.smoke else 2)
+    methods = a.methods.split(",")
+    trace, disks, out = C.setup(a, "fig20_sparsity", trace_tokens=4096 if a.smoke else 0)
+    start, S = C.context(trace, S, a.dataset)
+    base = method_layouts(trace, start, S, methods, ratio=0.1)
+    ceil = C.ceilings(disks, a.smoke)
+    points = []
+    for r in ratios:
+        lays = dict(base)
+        if "swarm" in methods and r != 0.1:
+            lays["swarm"] = C.build_layout("swarm", trace, start, S, ratio=r)[0]
+        print(f"fig20: r = {r}, S = {S}", file=sys.stderr)
+        pt = run_methods(a, trace, disks, start, S, methods, ratio=r, nq=nq, reps=reps,
+                         label=f"fig20 r={r}", store="fig20", layouts=lays)
+        pt["ratio"] = r
+        points.append(pt)
+        for m, x in pt["methods"].items():
+            print(f"  r={r:.2f} {m:12s} I/O {x['io_us_median'] / 1e3:8.2f} ms, "
+                  f"{x['eff_gbps_median']:.3f} GB/s, recall {x['recall_mean']:.3f}",
+                  file=sys.stderr)
+    iso = iso_accuracy(points, methods)
+    payload = {"figure": "fig20", "title": "sparsity ratio", "tokens": S,
+               "dataset": a.dataset, "disks": disks.describe(), "queries": nq, "reps": reps,
+               "ceiling": ceil, "points": points, "iso_accuracy": iso}
+    C.write_json(out, payload)
+    plot(payload, out)
+    return payload
+
+
+def iso_accuracy(points, methods, ref_ratio=0.1):
+    """I/O time each method needs for SWARM's recall at r = ref_ratio."""
+    ref = [p for p in points if abs(p["ratio"] - ref_ratio) < 1e-9]
+    if not ref or "swarm" not in methods:
+        return {}
+    target = ref[0]["methods"]["swarm"]["recall_mean"]
+    sw_io = ref[0]["methods"]["swarm"]["io_us_median"]
+    out = {"swarm_recall": target, "swarm_io_us": sw_io, "methods": {}}
+    for m in methods:
+        if m == "swarm":
+            continue
+        rec = np.array([p["methods"][m]["recall_mean"] for p in points])
+        io = np.array([p["methods"][m]["io_us_median"] for p in points])
+        rr = np.array([p["ratio"] for p in points])
+        o = np.argsort(rr)
+        rec, io, rr = rec[o], io[o], rr[o]
+        hit = np.flatnonzero(rec >= target)
+        if hit.size == 0:
+            out["methods"][m] = {"reached": False, "max_recall": float(rec.max())}
+            continue
+        i = int(hit[0])
+        if i == 0:
+            need_io, need_r = io[0], rr[0]
+        else:
+            f = (target - rec[i - 1]) / (rec[i] - rec[i - 1])
+            need_io = io[i - 1] + f * (io[i] - io[i - 1])
+            need_r = rr[i - 1] + f * (rr[i] - rr[i - 1])
+        out["methods"][m] = {"reached": True, "ratio_needed": float(need_r),
+                             "io_us_needed": float(need_io),
+                             "io_ratio_vs_swarm": float(need_io / sw_io),
+                             "at_or_below_smallest_ratio": i == 0}
+    return out
+
+
+def plot(p, out):
+    plt = C.pyplot()
+    pts = p["points"]
+    r = [x["ratio"] for x in pts]
+    methods = list(pts[0]["methods"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for m in methods:
+        lab = LABELS.get(m, m)
+        axes[0].plot(r, [x["methods"][m]["io_us_median"] / 1e3 for x in pts], "o-", label=lab)
+        axes[1].plot(r, [x["methods"][m]["eff_gbps_median"] for x in pts], "o-", label=lab)
+        axes[2].plot([x["methods"][m]["io_us_median"] / 1e3 for x in pts],
+                     [x["methods"][m]["recall_mean"] for x in pts], "o-", label=lab)
+    C.ceiling_lines(axes[1], p["ceiling"])
+    axes[0].set_xlabel("sparsity ratio r")
+    axes[0].set_ylabel("I/O time per step (ms, median)")
+    axes[1].set_xlabel("sparsity ratio r")
+    axes[1].set_ylabel("effective bandwidth (GB/s, median)")
+    axes[2].set_xlabel("I/O time per step (ms)")
+    axes[2].set_ylabel("attention-mass recall")
+    axes[2].set_xscale("log")
+    for ax in axes:
+        ax.grid(alpha=.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Fig. 20: S = {p['tokens']}, {p['disks']['count']} disks "
+                 "(right: accuracy vs I/O time, one point per r)", fontsize=11)
+    C.save_fig(fig, out)
+
+
+if __name__ == "__main__":
+    main()

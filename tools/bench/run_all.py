@@ -1,0 +1,325 @@
+#!/usr/bin/env python3
+"""Run the whole evaluation (SWARM §8): every figure, then a Markdown summary.
+
+Each figure runs as its own process (so memory is returned between them),
+inheriting this process's cgroup: start it inside the testbed's throttled
+group.  Fig. 17's low-end profile runs on a temporary 4-disk ``900p``
+testbed that this script brings up and always takes down again.
+
+    tools/testbed up --disks 8 --size 2G --profile pm9a3
+    tools/testbed run -- python tools/bench/run_all.py
+    tools/testbed down
+
+    python tools/bench/run_all.py --smoke --disks files:2     # CI-sized, no root
+
+Outputs: ``bench-out/eval/<figure>.json|.png``, ``run_all.json`` (wall time and
+status per figure) and ``summary.md`` (the tables of docs/evaluation.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import _common as C
+
+HERE = pathlib.Path(__file__).resolve().parent
+#: (name, script, extra args) in run order
+FIGURES = [
+    ("fig11", "fig11_methods.py", []),
+    ("fig12", "fig12_clustering.py", []),
+    ("fig13", "fig13_placement.py", []),
+    ("fig14", "fig14_retrieval.py", []),
+    ("fig18", "fig18_num_disks.py", []),
+    ("fig20", "fig20_sparsity.py", []),
+    ("fig19", "fig19_tau.py", []),
+    ("fig17", "fig17_ssd_type.py", []),
+    ("fig16", "fig16_prefix_batch.py", []),
+    ("table4", "table4_selection.py", []),
+]
+LOW_END = {"name": "swarmfs-900p", "disks": 4, "size": "2G", "profile": "900p"}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--disks", default="testbed")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--only", default=None, help="comma list of figures (fig11,...,table4)")
+    ap.add_argument("--skip", default="")
+    ap.add_argument("--no-900p", action="store_true", help="fig17 on the main testbed only")
+    ap.add_argument("--cache", default=str(C.CACHE))
+    ap.add_argument("--trace-tokens", type=int, default=None,
+                    help="capture this many trace tokens first (default: what fig16 needs)")
+    a = ap.parse_args(argv)
+    only = set(a.only.split(",")) if a.only else None
+    skip = set(filter(None, a.skip.split(",")))
+    C.OUT.mkdir(parents=True, exist_ok=True)
+    common = ["--disks", a.disks, "--cache", a.cache] + (["--smoke"] if a.smoke else [])
+    log = {"command": " ".join(["run_all.py"] + (argv or sys.argv[1:])),
+           "machine": C.machine(), "figures": {}}
+    t_all = time.perf_counter()
+    # the trace first, so no figure pays for it inside its timing
+    with _step(log, "trace"):
+        need = a.trace_tokens or (4096 if a.smoke else 1048576 + 4096)
+        C.load_trace(need, cache=pathlib.Path(a.cache), progress=not a.smoke)
+    for name, script, extra in FIGURES:
+        if (only and name not in only) or name in skip:
+            continue
+        cmd = [sys.executable, str(HERE / script)] + common + extra
+        with _step(log, name):
+            _run(cmd, name)
+        if name == "fig17" and not a.smoke and not a.no_900p and a.disks.startswith("testbed"):
+            with _step(log, "fig17-900p"):
+                _low_end(cmd)
+            _run([sys.executable, str(HERE / script), "--merge"], "fig17-merge")
+    log["total_s"] = time.perf_counter() - t_all
+    suffix = "-smoke" if a.smoke else ""
+    (C.OUT / f"run_all{suffix}.json").write_text(json.dumps(log, indent=1))
+    md = summary(a.smoke)
+    (C.OUT / f"summary{suffix}.md").write_text(md)
+    print(md)
+    print(f"total {log['total_s'] / 60:.1f} min; wrote {C.OUT}/summary{suffix}.md",
+          file=sys.stderr)
+    failed = [k for k, v in log["figures"].items() if v["status"] != "ok"]
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)}")
+
+
+@contextlib.contextmanager
+def _step(log, name):
+    t0 = time.perf_counter()
+    print(f"== {name}", file=sys.stderr, flush=True)
+    rec = {"status": "ok"}
+    try:
+        yield
+    except (subprocess.CalledProcessError, SystemExit, RuntimeError) as exc:
+        rec["status"] = f"failed: {exc}"
+        print(f"!! {name} failed: {exc}", file=sys.stderr, flush=True)
+    finally:
+        rec["seconds"] = time.perf_counter() - t0
+        log["figures"][name] = rec
+        print(f"== {name}: {rec['status']}, {rec['seconds']:.0f} s", file=sys.stderr, flush=True)
+
+
+def _run(cmd, name):
+    subprocess.run(cmd, check=True)
+
+
+def _low_end(cmd):
+    """Fig. 17 on a temporary 900p testbed: up, run inside its cgroup, down."""
+    import _testbed as T
+    lim = T.limits_for(LOW_END["profile"])
+    backing = f"/dev/shm/{LOW_END['name']}"
+    T.down(LOW_END["name"], backing)          # leftovers of a crashed run
+    try:
+        st = T.up(LOW_END["disks"], LOW_END["size"], backing, limits=lim,
+                  profile=LOW_END["profile"], scale=T.DEFAULT_SCALE, name=LOW_END["name"])
+        cg = os.path.join(st["cgroup"]["path"], "cgroup.procs")
+        args = [a if a != "testbed" else f"testbed:{LOW_END['name']}" for a in cmd]
+        subprocess.run(["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', cg] + args,
+                       check=True)
+    finally:
+        rep = T.down(LOW_END["name"], backing)
+        print(f"  900p testbed down: {len(rep['devices_detached'])} devices detached",
+              file=sys.stderr)
+
+
+# -- the Markdown summary ------------------------------------------------------------
+
+def _load_json(name, smoke, outdir=None):
+    p = (outdir or C.OUT) / f"{name}{'-smoke' if smoke else ''}.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _ms(us):
+    return f"{us / 1e3:.2f}" if us is not None else "-"
+
+
+def summary(smoke: bool = False, outdir=None) -> str:
+    """Markdown tables of every figure's JSON present in ``outdir``
+    (default bench-out/eval)."""
+    from fig11_methods import LABELS
+
+    def _load(name, smoke):
+        return _load_json(name, smoke, outdir)
+
+    out = []
+    f11 = _load("fig11_methods", smoke)
+    if f11:
+        d = f11["disks"]
+        c = f11.get("ceiling_before") or {}
+        out.append(f"### Fig. 11: methods at r = {f11['ratio']} (S = {f11['tokens']}, "
+                   f"{d['count']} x {d['profile'] or 'file'} disks)\n")
+        if c:
+            out.append(f"fio ceiling in the same run: {c['bw_128k']['gb_per_s']:.3f} GB/s "
+                       f"(128 KiB, qd 32/device), {c['iops_4k']['gb_per_s']:.3f} GB/s "
+                       f"= {c['iops_4k']['iops'] / 1e3:.0f}k IOPS (4 KiB)\n")
+        out.append("| dataset | method | I/O ms | key-scan ms | eff. GB/s | % of fio 128k "
+                   "| MB read | requests | req KiB | recall | rel. error (oracle) "
+                   "| index MiB |")
+        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for ds, r in f11["datasets"].items():
+            for m, x in r["methods"].items():
+                frac = (f"{x['eff_gbps_median'] / c['bw_128k']['gb_per_s']:.0%}"
+                        if c else "-")
+                scan = _ms(x["score_us_median"]) if m == "no_cluster" else "-"
+                out.append(f"| {ds} | {LABELS.get(m, m)} | {_ms(x['io_us_median'])} | {scan} "
+                           f"| {x['eff_gbps_median']:.3f} | {frac} "
+                           f"| {x['bytes_read_median'] / 1e6:.1f} | {x['requests_median']:.0f} "
+                           f"| {x['mean_request_kib_median']:.1f} | {x['recall_mean']:.3f} "
+                           f"| {x['rel_error_mean']:.3f} ({x['oracle_rel_error_mean']:.3f}) "
+                           f"| {x['index_bytes'] / 2**20:.1f} |")
+        out.append("")
+        rat = f11["average"]["ratios"]
+        if rat:
+            out.append("SWARM over each baseline (mean over datasets of the per-dataset "
+                       "median ratios):\n")
+            out.append("| baseline | eff. bandwidth x | paper | I/O time x | paper "
+                       "| recall SWARM - baseline |")
+            out.append("|---|---:|---:|---:|---:|---:|")
+            for m, x in rat.items():
+                pb = f11["paper"]["bw_ratio"].get(m)
+                out.append(f"| {LABELS.get(m, m)} | {x['bw_ratio']:.2f} | "
+                           f"{pb if pb else '-'} | {x['io_ratio']:.2f} | "
+                           f"{f11['paper']['io_ratio'] if pb else '-'} "
+                           f"| {x['recall_delta']:+.3f} |")
+            out.append("")
+    for name, title, keys in (
+            ("fig12_clustering", "Fig. 12: clustering ablations",
+             ("io_us_median", "bytes_read_median", "recall_mean")),
+            ("fig13_placement", "Fig. 13: placement ablations",
+             ("io_us_median", "read_gbps_median", "max_mean_load_median")),
+            ("fig14_retrieval", "Fig. 14: retrieval ablations",
+             ("io_us_median", "bytes_read_median", "max_mean_load_median"))):
+        j = _load(name, smoke)
+        if not j:
+            continue
+        out.append(f"### {title} (S = {j['tokens']}, {j['disks']['count']} disks)\n")
+        out.append("| variant | " + " | ".join(keys) + " | vs SWARM |")
+        out.append("|---|" + "---:|" * (len(keys) + 1))
+        for n, x in j["variants"].items():
+            rr = j.get("ratios", {}).get(n, {})
+            vs = ", ".join(f"{k} {v:.2f}" for k, v in rr.items() if isinstance(v, float)
+                           and not k.startswith("paper"))
+            vals = " | ".join(_fmt(k, x.get(k)) for k in keys)
+            out.append(f"| {n} | {vals} | {vs or '-'} |")
+        out.append("")
+    f18 = _load("fig18_num_disks", smoke)
+    if f18:
+        out.append(f"### Fig. 18: number of SSDs (S = {f18['tokens']})\n")
+        ms = list(f18["points"][0]["methods"])
+        out.append("| SSDs | fio 128k GB/s | fio 4k GB/s | " +
+                   " | ".join(f"{LABELS.get(m, m)} GB/s" for m in ms) + " | SWARM I/O ms |")
+        out.append("|---:|---:|---:|" + "---:|" * (len(ms) + 1))
+        for p in f18["points"]:
+            c = p.get("ceiling") or {}
+            out.append(f"| {p['disks']} | "
+                       f"{c['bw_128k']['gb_per_s']:.3f} | {c['iops_4k']['gb_per_s']:.3f} | "
+                       if c else f"| {p['disks']} | - | - | ")
+            out[-1] += " | ".join(f"{p['methods'][m]['eff_gbps_median']:.3f}" for m in ms) + \
+                f" | {_ms(p['methods']['swarm']['io_us_median'])} |"
+        out.append("")
+        for k, t in f18["targets"].items():
+            out.append(f"- {k}: " + ", ".join(f"{a}={_num(b)}" for a, b in t.items()))
+        out.append("")
+    f20 = _load("fig20_sparsity", smoke)
+    if f20:
+        out.append(f"### Fig. 20: sparsity ratio (S = {f20['tokens']})\n")
+        ms = list(f20["points"][0]["methods"])
+        out.append("| r | " + " | ".join(f"{LABELS.get(m, m)} I/O ms / GB/s / recall"
+                                          for m in ms) + " |")
+        out.append("|---:|" + "---:|" * len(ms))
+        for p in f20["points"]:
+            out.append(f"| {p['ratio']} | " + " | ".join(
+                f"{_ms(p['methods'][m]['io_us_median'])} / "
+                f"{p['methods'][m]['eff_gbps_median']:.3f} / {p['methods'][m]['recall_mean']:.3f}"
+                for m in ms) + " |")
+        iso = f20.get("iso_accuracy") or {}
+        if iso:
+            out.append("")
+            out.append(f"Iso-accuracy (SWARM at r = 0.1: recall {iso['swarm_recall']:.3f}, "
+                       f"I/O {_ms(iso['swarm_io_us'])} ms):\n")
+            out.append("| baseline | r needed | I/O ms needed | I/O time x SWARM |")
+            out.append("|---|---:|---:|---:|")
+            for m, x in iso["methods"].items():
+                if x["reached"]:
+                    out.append(f"| {LABELS.get(m, m)} | {x['ratio_needed']:.3f} | "
+                               f"{_ms(x['io_us_needed'])} | {x['io_ratio_vs_swarm']:.2f} |")
+                else:
+                    out.append(f"| {LABELS.get(m, m)} | not reached (max recall "
+                               f"{x['max_recall']:.3f}) | - | - |")
+        out.append("")
+    f19 = _load("fig19_tau", smoke)
+    if f19:
+        out.append(f"### Fig. 19: tau with dataset shift (S = {f19['tokens']})\n")
+        out.append("| context | profiled on | tau | I/O ms | eff. GB/s | recall | clusters "
+                   "| replication |")
+        out.append("|---|---|---:|---:|---:|---:|---:|---:|")
+        for r in f19["rows"]:
+            out.append(f"| {r['context']} | {r['profile']} | {r['tau']} | "
+                       f"{_ms(r['io_us_median'])} | {r['eff_gbps_median']:.3f} | "
+                       f"{r['recall_mean']:.3f} | {r['clusters_total']} | "
+                       f"{r['replication']:.2f} |")
+        out.append("")
+    f17 = _load("fig17_ssd_type", smoke)
+    if f17:
+        out.append("### Fig. 17: SSD type (4 disks; effective GB/s, median)\n")
+        for prof, j in f17["profiles"].items():
+            c = j.get("ceiling") or {}
+            ms = list(j["points"][0]["methods"])
+            out.append(f"{prof}" + (f" (fio 128k {c['bw_128k']['gb_per_s']:.3f} GB/s, "
+                                    f"4k {c['iops_4k']['gb_per_s']:.3f} GB/s)" if c else "")
+                       + ":\n")
+            out.append("| S | " + " | ".join(LABELS.get(m, m) for m in ms) + " |")
+            out.append("|---:|" + "---:|" * len(ms))
+            for p in j["points"]:
+                out.append(f"| {p['tokens']} | " + " | ".join(
+                    f"{p['methods'][m]['eff_gbps_median']:.3f}" for m in ms) + " |")
+            out.append("")
+    f16 = _load("fig16_prefix_batch", smoke)
+    if f16:
+        out.append("### Fig. 16: prefix length x batch (SWARM)\n")
+        out.append("| S | batch | I/O ms | eff. GB/s | MB read | requests | recall (B=1) |")
+        out.append("|---:|---:|---:|---:|---:|---:|---:|")
+        for r in f16["rows"]:
+            out.append(f"| {r['tokens']} | {r['batch']} | {_ms(r['io_us_median'])} | "
+                       f"{r['eff_gbps_median']:.3f} | {r['bytes_read_median'] / 1e6:.1f} | "
+                       f"{r['requests_median']:.0f} | {r['recall_mean_b1']:.3f} |")
+        out.append("")
+    t4 = _load("table4_selection", smoke)
+    if t4:
+        out.append("### Table 4: selection latency\n")
+        out.append("| S | naive ms | medoid ms | speedup | medoid index MiB | clusters | "
+                   "paper naive / SWARM ms |")
+        out.append("|---:|---:|---:|---:|---:|---:|---:|")
+        for r in t4["rows"]:
+            pp = r.get("paper")
+            out.append(f"| {r['tokens']} | {r['naive_ms']:.3f} | {r['swarm_ms']:.3f} | "
+                       f"{r['speedup']:.1f} | {r['swarm_index_bytes'] / 2**20:.1f} | "
+                       f"{r['clusters']} | {f'{pp[0]} / {pp[1]}' if pp else '-'} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _fmt(k, v):
+    if v is None:
+        return "-"
+    if k.startswith("io_us"):
+        return f"{v / 1e3:.2f} ms"
+    if k.startswith("bytes"):
+        return f"{v / 1e6:.2f} MB"
+    return f"{v:.3f}"
+
+
+def _num(v):
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+if __name__ == "__main__":
+    main()
