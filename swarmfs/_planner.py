@@ -107,7 +107,8 @@ def _choose_copies(tok: np.ndarray, cdisk: np.ndarray, ndisks: int, policy: str)
     multi = np.flatnonzero(ucount > 1)
     # single-copy entries fill their buckets first; the rest, in ascending copy
     # count, go to the smallest bucket among their copies (C, sequential greedy)
-    load = np.bincount(cdisk[chosen[ucount == 1]], minlength=ndisks).astype(np.int64)
+    first_disk = cdisk[chosen]
+    load = np.bincount(first_disk, weights=ucount == 1, minlength=ndisks).astype(np.int64)
     mc = ucount[multi]
     porder = multi[np.argsort(mc.astype(np.uint8 if mc.max() < 256 else np.int64),
                               kind="stable")]     # radix sort on small counts
@@ -183,17 +184,19 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
     gap_ok = os_[1:] <= os_[:-1] + np.uint64(E + max_gap)
     np.logical_or(ds[1:] != ds[:-1], ~gap_ok, out=newrun[1:])
     run = np.cumsum(newrun) - 1
-    if max_request > 0:
-        run_base = os_[newrun][run]
+    rs = np.flatnonzero(newrun)
+    re = np.append(rs[1:], n) - 1
+    if max_request > 0 and (os_[re] - os_[rs]).max() + np.uint64(E) > np.uint64(max_request):
+        # split runs longer than max_request (only runs that need it pay)
+        run_base = os_[rs][run]
         chunk = (os_ - run_base) // np.uint64(max(max_request, E))
         split = np.empty(n, dtype=bool)
         split[0] = False
         split[1:] = (chunk[1:] != chunk[:-1]) & ~newrun[1:]
-        if split.any():
-            newrun |= split
-            run = np.cumsum(newrun) - 1
-    rs = np.flatnonzero(newrun)
-    re = np.append(rs[1:], n) - 1
+        newrun |= split
+        run = np.cumsum(newrun) - 1
+        rs = np.flatnonzero(newrun)
+        re = np.append(rs[1:], n) - 1
     bs = np.uint64(block_size)
     rstart = os_[rs] // bs * bs
     rend = (os_[re] + np.uint64(E) + bs - np.uint64(1)) // bs * bs
@@ -213,7 +216,8 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
     length = rend - rstart
 
     # round-robin submission order: rank within disk, then disk
-    rank = np.arange(nreq) - np.searchsorted(rdisk, rdisk, side="left")
+    per_disk = np.bincount(rdisk, minlength=ndisks)
+    rank = np.arange(nreq) - np.repeat(np.cumsum(per_disk) - per_disk, per_disk)
     sub = np.argsort(rank * ndisks + rdisk)
     pos = np.empty(nreq, dtype=np.int64)
     pos[sub] = np.arange(nreq)
