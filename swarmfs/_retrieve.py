@@ -353,9 +353,10 @@ class Retriever:
                 self._hot[layer] = np.asarray(hot, dtype=bool)
             elif layer in self._hot:
                 del self._hot[layer]
-        sel = getattr(self.selector, "_m", None)
-        if isinstance(sel, dict):
-            sel.pop(layer, None)
+        for cache in ("_m", "_mt"):
+            sel = getattr(self.selector, cache, None)
+            if isinstance(sel, dict):
+                sel.pop(layer, None)
 
     def layer_state(self, layer: int) -> _LayerState:
         """The DRAM partition of a layer (loaded on first use: one batched read

@@ -38,7 +38,8 @@ def _gemv(m: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 def head_logits(m: np.ndarray, q: np.ndarray, num_kv_heads: int) -> np.ndarray:
     """Per-query-head logits q_h . k_{g(h)} of rows ``m`` [C, H_kv*d] (store
-    dtype): float32 [B, H_q, C]; query head h uses KV head h // (H_q / H_kv)."""
+    dtype; fp32 may also come head-major as [H_kv, C, d]): float32
+    [B, H_q, C]; query head h uses KV head h // (H_q / H_kv)."""
     from ._engine import head_logits_half
     from ._retrieve import single_threaded_blas
     B, Hq, d = q.shape
@@ -46,12 +47,11 @@ def head_logits(m: np.ndarray, q: np.ndarray, num_kv_heads: int) -> np.ndarray:
     if m.dtype != np.float32:       # one pass over the index, in C
         return head_logits_half(m, q, H, bf16=m.dtype.name == "bfloat16")
     G = Hq // H
-    out = np.empty((B, Hq, m.shape[0]), np.float32)
-    mh = m.reshape(m.shape[0], H, d)
+    mt = m if m.ndim == 3 else np.ascontiguousarray(m.reshape(m.shape[0], H, d).transpose(1, 0, 2))
+    qh = q.reshape(B, H, G, d).transpose(1, 0, 2, 3).reshape(H, B * G, d)
     with single_threaded_blas():
-        for g in range(H):
-            out[:, g * G:(g + 1) * G, :] = (q[:, g * G:(g + 1) * G, :] @ mh[:, g, :].T)
-    return out
+        out = np.matmul(qh, mt.transpose(0, 2, 1))               # [H, B*G, C], one call
+    return np.ascontiguousarray(out.reshape(H, B, G, -1).transpose(1, 0, 2, 3)).reshape(B, Hq, -1)
 
 
 SCORES = ("prob", "logit")
@@ -81,6 +81,7 @@ class MedoidSelector:
         self.score = score
         self.scale = float(store.head_dim) ** -0.5
         self._m = {}
+        self._mt = {}
 
     def _medoids(self, layer):
         m = self._m.get(layer)
@@ -95,11 +96,19 @@ class MedoidSelector:
         if self.score == "logit":
             return _gemv(m, q)
         from ._engine import softmax_sum
+        if m.dtype == np.float32:        # fp32: a head-major copy, made once per layer
+            mt = self._mt.get(layer)
+            if mt is None:
+                H = self.store.num_kv_heads
+                mt = np.ascontiguousarray(m.reshape(m.shape[0], H, -1).transpose(1, 0, 2))
+                self._mt[layer] = mt
+            m = mt
         logits = head_logits(m, q, self.store.num_kv_heads)
         return np.stack([softmax_sum(x, self.scale) for x in logits])
 
     def dram_bytes(self, layer: int) -> int:
-        return int(self._medoids(layer).nbytes)
+        mt = self._mt.get(layer)
+        return int(self._medoids(layer).nbytes + (mt.nbytes if mt is not None else 0))
 
 
 class VectorSelector:
