@@ -40,9 +40,19 @@ import numpy as np
 
 from .._errors import LayoutError, ShapeError
 
-__all__ = ["Layout", "METHODS", "swarm", "no_replica", "medoid_only", "token_order",
-           "quest_pages", "infllm_blocks", "kmeans_clusters", "flat_keys",
-           "representative_scores"]
+__all__ = [
+    "METHODS",
+    "Layout",
+    "flat_keys",
+    "infllm_blocks",
+    "kmeans_clusters",
+    "medoid_only",
+    "no_replica",
+    "quest_pages",
+    "representative_scores",
+    "swarm",
+    "token_order",
+]
 
 #: Method names, as used by the benchmarks (tools/bench).
 METHODS = ("swarm", "no_cluster", "infllm", "pqcache", "quest", "medoid_only", "no_replica")
@@ -106,7 +116,7 @@ class Layout:
         return out
 
     @classmethod
-    def from_arrays(cls, name, kind, arrays, params, seconds) -> "Layout":
+    def from_arrays(cls, name, kind, arrays, params, seconds) -> Layout:
         index = {k[6:]: np.asarray(v) for k, v in arrays.items() if k.startswith("index_")}
         return cls(name=name, ptr=np.asarray(arrays["ptr"]),
                    members=np.asarray(arrays["members"]),

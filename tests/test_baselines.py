@@ -4,12 +4,17 @@ through the selectors that score them."""
 import numpy as np
 import pytest
 from conftest import random_kv
+from swarmfs.layout import _baselines as B
+from swarmfs.layout._profile import profile_layer
 
 from swarmfs import Retriever, Store
 from swarmfs import _errors as E
-from swarmfs._selectors import BoundSelector, MultiVectorSelector, TokenSelector, VectorSelector
-from swarmfs.layout import _baselines as B
-from swarmfs.layout._profile import profile_layer
+from swarmfs._selectors import (
+    BoundSelector,
+    MultiVectorSelector,
+    TokenSelector,
+    VectorSelector,
+)
 
 H, D, S = 2, 8, 600
 

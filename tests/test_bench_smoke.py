@@ -28,10 +28,11 @@ def env(tmp_path_factory):
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
     import _common as C
+    from swarmfs._errors import ModelError
+    from swarmfs.layout._capture import default_model_path
     try:
-        from swarmfs.layout._capture import default_model_path
         default_model_path()
-    except Exception as exc:  # the model package is missing
+    except ModelError as exc:  # the model package is missing
         pytest.skip(str(exc))
     if not (C.DATA / "wikitext2_raw_test.raw").exists():
         pytest.skip("../shared/data not found")
@@ -57,18 +58,23 @@ def test_truncated_model_gives_the_full_models_layer_2(env):
         assert np.array_equal(getattr(full, name), getattr(cut, name))
 
 
-def test_widening_keeps_every_dot_product(env, rng):
+def test_widening_keeps_every_score(env, rng):
     C, _, _ = env
     k = rng.standard_normal((12, 5, 32)).astype(np.float16)
     v = rng.standard_normal((12, 5, 32)).astype(np.float16)
     q = rng.standard_normal((12, 32)).astype(np.float32)
     kv = C.widen_kv(k, v)
-    assert kv.shape == (5, 2, 8, 128) and kv.nbytes == 5 * C.ENTRY_BYTES
-    qw = C.widen_q(q).reshape(-1)
-    got = kv[:, 0].reshape(5, -1).astype(np.float32) @ qw
-    want = np.einsum("hsd,hd->s", k.astype(np.float32), q)
-    assert np.allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert kv.shape == (5, 2, 16, 64) and kv.nbytes == 5 * C.ENTRY_BYTES == 5 * 4096
+    scaling = 32 ** -0.5
+    qw = C.widen_q(q, scaling)                                            # [16, 64]
+    # per store head, the store's scale (64 ** -0.5) times the widened logits
+    # gives MiniLM's scaled logits per MiniLM head
+    got = np.einsum("shd,hd->hs", kv[:, 0].astype(np.float32), qw) * 64 ** -0.5
+    want = np.einsum("hsd,hd->hs", k.astype(np.float32), q) * scaling
+    assert np.allclose(got[:12], want, rtol=1e-4, atol=1e-4) and not got[12:].any()
     assert np.array_equal(C.narrow(kv[:, 1].transpose(1, 0, 2), 12, 32), v)
+    flat = C.widen_flat(k[:, 0].reshape(-1))                                # one key
+    assert np.array_equal(flat.reshape(16, 64)[:12, :32], k[:, 0])
 
 
 @pytest.mark.parametrize("name", FIGURES)
@@ -165,7 +171,7 @@ def _check_table4(j):
 
 
 def test_summary_tables_from_smoke_outputs(env):
-    C, _, out = env
+    _, _, out = env
     import run_all
     if not (out / "fig11_methods-smoke.json").exists():
         pytest.skip("runs after the figure smoke runs")

@@ -17,14 +17,17 @@ sees exactly the same inputs as in the 6-layer model, which
 ``tests/test_bench_smoke.py`` checks bit for bit).
 
 **Stretching to Qwen3-32B entries.**  An entry of the store is one token's K
-and V in Qwen3-32B's shape: 8 KV heads x 128 x fp16 x 2 = 4 KiB per token per
-layer.  The 12 x 32 MiniLM key (384 values) fills the first 384 of the 1024
-key slots, zeros the rest; the value likewise.  Queries are padded the same
-way, so every dot product, hence every score, selection and attention
-weight, is MiniLM's, while every byte moved, every index vector (2 KiB per
-key, as Qwen3-32B's 8 x 128 fp16) and every GEMV is Qwen3-32B-sized.  The
-access pattern per decode step is therefore a real one (real queries against
-real keys of a real context), the I/O is that of a 4 KiB-entry model.
+and V with the size of a Qwen3-32B entry (8 KV heads x 128 x fp16 x 2 = 4 KiB
+per token per layer), stored as 16 heads x 64: MiniLM head h (32 values) is
+store head h, zero-padded to 64; heads 12-15 are zeros.  Queries are padded
+the same way and multiplied by MiniLM's logit scale over the store's
+(sqrt(64 / 32)), so every dot product is MiniLM's up to that factor, and
+every score, selection and attention weight is MiniLM's, including SWARM's
+per-head softmax medoid score (padded heads add the same constant to every
+cluster).  Every byte moved, every index vector (2 KiB per key, as a
+Qwen3-32B key) and every GEMV is Qwen3-32B-sized.  The access pattern per
+decode step is therefore a real one (real queries against real keys of a
+real context), the I/O is that of a 4 KiB-entry model.
 
 **Contexts and held-out queries.**  A context of S tokens is a slice
 ``[start, start + S)`` of the trace (``start`` = the beginning of a dataset's
@@ -41,13 +44,11 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import pathlib
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -70,8 +71,12 @@ OUT = REPO / "bench-out" / "eval"
 
 #: MiniLM layer kept in the trace (0-based, of 6)
 TRACE_LAYER = 2
-#: Qwen3-32B entry shape: 8 KV heads x 128, fp16 -> 4 KiB per token per layer
-WIDE_HEADS, WIDE_DIM = 8, 128
+#: MiniLM's attention shape (all-MiniLM-L6-v2: 12 heads x 32, no GQA)
+MINI_HEADS, MINI_DIM = 12, 32
+#: store entry shape: 16 heads x 64 x fp16 x (K, V) = 4 KiB per token per layer,
+#: the size of a Qwen3-32B entry (8 KV heads x 128); 16 x 64 lets every MiniLM
+#: head be its own store head (the medoid score is a per-head softmax)
+WIDE_HEADS, WIDE_DIM = 16, 64
 ENTRY_BYTES = 2 * WIDE_HEADS * WIDE_DIM * 2
 QUERY_STRIDE = 8            # held-out decode positions start + S + 8 i
 #: a timed block of replayed steps lasts at least this long (s); see Bench.stream
@@ -115,9 +120,8 @@ def trace_tokens(num_tokens: int) -> tuple[np.ndarray, dict]:
     Returns:
         (int64 [num_tokens] ids, {dataset: [start, length] of its first pass}).
     """
-    from transformers import AutoTokenizer
-
     from swarmfs.layout._capture import default_model_path, read_text
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
     parts, segments, off = [], {}, 0
     for name, fname in DATASETS.items():
@@ -215,15 +219,17 @@ def query_positions(trace: Trace, start: int, S: int, n: int) -> np.ndarray:
 # -- Qwen3-32B-sized entries ----------------------------------------------------
 
 def widen_flat(x: np.ndarray, dtype=np.float16) -> np.ndarray:
-    """[..., D] (D = 384, MiniLM's 12 x 32) -> [..., 1024] zero-padded."""
-    D = x.shape[-1]
-    out = np.zeros(x.shape[:-1] + (WIDE_HEADS * WIDE_DIM,), dtype)
-    out[..., :D] = x
-    return out
+    """[..., 384] (MiniLM's 12 heads x 32, head-major) -> [..., 1024]: head h
+    in slots [64 h, 64 h + 32) of the store's 16 x 64, zeros elsewhere."""
+    lead = x.shape[:-1]
+    out = np.zeros(lead + (WIDE_HEADS, WIDE_DIM), dtype)
+    out[..., :MINI_HEADS, :MINI_DIM] = np.asarray(x).reshape(lead + (MINI_HEADS, MINI_DIM))
+    return out.reshape(lead + (WIDE_HEADS * WIDE_DIM,))
 
 
 def widen_kv(k: np.ndarray, v: np.ndarray, *, path=None) -> np.ndarray:
-    """K, V [H, S, d] -> store entries [S, 2, 8, 128] fp16, zero-padded.
+    """K, V [12, S, 32] -> store entries [S, 2, 16, 64] fp16: MiniLM head h
+    is store head h (first 32 values), heads 12-15 and the rest are zeros.
 
     With ``path`` the array is a file-backed memmap (large contexts: 4 GiB at
     1M tokens), else in memory.
@@ -234,29 +240,29 @@ def widen_kv(k: np.ndarray, v: np.ndarray, *, path=None) -> np.ndarray:
         out = np.zeros(shape, np.float16)
     else:
         out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=shape)
-    flat = out.reshape(S, 2, WIDE_HEADS * WIDE_DIM)
     step = 1 << 16
     for a in range(0, S, step):
         b = min(a + step, S)
-        flat[a:b, 0, :H * d] = k[:, a:b].transpose(1, 0, 2).reshape(b - a, H * d)
-        flat[a:b, 1, :H * d] = v[:, a:b].transpose(1, 0, 2).reshape(b - a, H * d)
+        out[a:b, 0, :H, :d] = k[:, a:b].transpose(1, 0, 2)
+        out[a:b, 1, :H, :d] = v[:, a:b].transpose(1, 0, 2)
     return out
 
 
-def widen_q(q: np.ndarray) -> np.ndarray:
-    """MiniLM query [12, 32] (or a batch [B, 12, 32]) -> [.., 8, 128] float32."""
+def widen_q(q: np.ndarray, scaling: float) -> np.ndarray:
+    """MiniLM query [12, 32] (or a batch [B, 12, 32]) -> [.., 16, 64] float32,
+    times scaling / 64**-0.5: the store's per-head softmax scale is
+    head_dim**-0.5, so the medoid "prob" score sees MiniLM's scaled logits;
+    dot-product rankings do not change with the factor."""
     q = np.asarray(q, np.float32)
     lead = q.shape[:-2]
-    flat = q.reshape(lead + (-1,))
-    return widen_flat(flat, np.float32).reshape(lead + (WIDE_HEADS, WIDE_DIM))
+    out = np.zeros(lead + (WIDE_HEADS, WIDE_DIM), np.float32)
+    out[..., :q.shape[-2], :q.shape[-1]] = q * np.float32(scaling / WIDE_DIM ** -0.5)
+    return out
 
 
 def narrow(x, H: int, d: int) -> np.ndarray:
-    """Retrieved K or V [8, n, 128] -> MiniLM's [H, n, d]."""
-    x = np.asarray(x)
-    n = x.shape[1]
-    flat = x.transpose(1, 0, 2).reshape(n, -1)[:, :H * d]
-    return flat.reshape(n, H, d).transpose(1, 0, 2)
+    """Retrieved K or V [16, n, 64] -> MiniLM's [H, n, d]."""
+    return np.asarray(x)[:H, :, :d]
 
 
 # -- layouts (cached) -------------------------------------------------------------
@@ -296,7 +302,7 @@ def build_layout(method: str, trace: Trace, start: int, S: int, *, ratio: float 
     k = trace.k[:, start:start + S]
     q = trace.q[:, start:start + S]
     pq = None if profile_start is None else trace.q[:, profile_start:profile_start + S]
-    common = dict(ratio=ratio, scaling=trace.scaling, profile_q=pq)
+    common = {"ratio": ratio, "scaling": trace.scaling, "profile_q": pq}
     seg = kw.pop("segment", None)
     if seg and S > seg:
         lay = _segmented(method, trace, start, S, int(seg), ratio, cache, kw)
@@ -368,7 +374,7 @@ class Disks:
     def count(self) -> int:
         return len(self.paths) if self.paths is not None else self.files
 
-    def first(self, n: int) -> "Disks":
+    def first(self, n: int) -> Disks:
         if n > self.count:
             raise SystemExit(f"{n} disks wanted, {self.count} available")
         if self.paths is None:
@@ -447,12 +453,13 @@ class Bench:
         self.store = Store.create(path, disks=disks.spec(), num_layers=len(owners),
                                   num_kv_heads=WIDE_HEADS, head_dim=WIDE_DIM,
                                   num_query_heads=WIDE_HEADS, dtype="float16",
-                                  model_name="all-MiniLM-L6-v2 KV padded to Qwen3-32B entries",
+                                  model_name="all-MiniLM-L6-v2 KV in 4 KiB entries",
                                   force=True, queue_depth=queue_depth, verify=True)
+        tmp = None
         if kv is None:
-            big = S * ENTRY_BYTES > (1 << 30)
-            kv = widen_kv(trace.k[:, start:start + S], trace.v[:, start:start + S],
-                          path=(CACHE / "kv-wide.npy") if big else None)
+            if S * ENTRY_BYTES > (1 << 30):
+                tmp = path.parent / f"{path.name}-kv.npy"
+            kv = widen_kv(trace.k[:, start:start + S], trace.v[:, start:start + S], path=tmp)
         self.W = local_window(LayoutParams(ratio=ratio), S)
         self.layer = {}
         for i, v in enumerate(owners):
@@ -470,11 +477,18 @@ class Bench:
         self.retrievers = {v.name: self._retriever(v) for v in variants}
         for name, r in self.retrievers.items():
             r.layer_state(self.layer[name])            # DRAM partition before timing
+        del self.k_flat
+        if tmp is not None:
+            tmp.unlink()                               # selectors hold their own copies
 
     def _retriever(self, v: Variant):
         from swarmfs import Retriever
-        from swarmfs._selectors import (BoundSelector, MultiVectorSelector, TokenSelector,
-                                        VectorSelector)
+        from swarmfs._selectors import (
+            BoundSelector,
+            MultiVectorSelector,
+            TokenSelector,
+            VectorSelector,
+        )
         lay, L = v.layout, self.layer[v.name]
         sel = None
         if lay.kind == "tokens":
@@ -519,7 +533,7 @@ class Bench:
         r = self.retrievers[name]
         L = self.layer[name]
         pos = np.atleast_1d(np.asarray(pos, np.int64))
-        qw = widen_q(self.trace.q[:, pos].transpose(1, 0, 2))            # [B, 8, 128]
+        qw = widen_q(self.trace.q[:, pos].transpose(1, 0, 2), self.trace.scaling)
         with self._recording() as plans:
             ret = r.retrieve(L, qw if pos.shape[0] > 1 else qw[0], torch=False)
         s = ret.stats
@@ -622,7 +636,7 @@ class Bench:
             "read_gbps": [per rep]}}.
         """
         rng = np.random.default_rng(seed)
-        out = {n: {"block_s": [], "io_us": [], "step_us": [], "eff_gbps": [],
+        out = {n: {"block_s": [], "io_us": [], "engine_us": [], "step_us": [], "eff_gbps": [],
                    "read_gbps": [], "goodput_gbps": []} for n in recorded}
         self.store.verify_checksums = False
         t_all = time.perf_counter()
@@ -646,7 +660,8 @@ class Bench:
                     o = out[n]
                     o["block_s"].append(blk)
                     o["io_us"].append(blk / len(done) * 1e6)
-                    o["step_us"].extend(t * 1e6 for t in times)
+                    o["engine_us"].append(sum(e for _, e in times) / len(done) * 1e6)
+                    o["step_us"].extend(t * 1e6 for t, _ in times)
                     o["eff_gbps"].append(sum(x["useful_bytes"] for x in done) / blk / 1e9)
                     o["read_gbps"].append(sum(x["bytes_read"] for x in done) / blk / 1e9)
                     if all("needed_bytes" in x for x in done):
@@ -658,11 +673,17 @@ class Bench:
             self.store.verify_checksums = True
         return out
 
-    def _replay(self, st) -> float:
+    def _replay(self, st) -> tuple[float, float]:
+        """Execute a recorded step; (wall seconds, engine seconds: the longest
+        per-disk span from first submission to last completion)."""
+        eng = self.store.engine
+        b = eng.stats().disks
         t0 = time.perf_counter()
         for li, plan, copies in st["_plans"]:
             self.store.execute(li, plan, copies)
-        return time.perf_counter() - t0
+        t = time.perf_counter() - t0
+        a = eng.stats().disks
+        return t, max(x.busy_us - y.busy_us for x, y in zip(a, b)) / 1e6
 
     def measure(self, names, steps, reps: int, *, accuracy: bool = True, seed: int = 0,
                 progress: str = "") -> dict:
@@ -691,7 +712,7 @@ STEP_KEYS = ("score_us", "select_us", "plan_us", "io_us_live", "bytes_read", "us
              "needed_bytes",
              "requests", "mean_request_kib", "max_mean_load", "entries", "entries_dram",
              "useful_entries", "clusters")
-ACC_KEYS = ("recall", "rel_error", "oracle_rel_error")
+ACC_KEYS = ("recall", "rel_error", "oracle_rel_error", "mass", "oracle_mass")
 
 
 def summarize(rec: list, timed: dict) -> dict:
@@ -701,6 +722,7 @@ def summarize(rec: list, timed: dict) -> dict:
     out = {f"{k}_median": median(rec, k) for k in STEP_KEYS}
     out["io_us_median"] = float(statistics.median(timed["io_us"]))
     out["io_us_reps"] = timed["io_us"]
+    out["engine_us_median"] = float(statistics.median(timed["engine_us"]))
     out["eff_gbps_median"] = float(statistics.median(timed["eff_gbps"]))
     out["read_gbps_median"] = float(statistics.median(timed["read_gbps"]))
     out["goodput_gbps_median"] = (float(statistics.median(timed["goodput_gbps"]))

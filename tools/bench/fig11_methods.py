@@ -39,7 +39,7 @@ def method_layouts(trace, start, S, methods, *, ratio=0.1, swarm_kw=None, verbos
     """Layouts of the given methods for one context (cached).  PQCache gets
     SWARM's mean cluster size, so both indexes hold about as many vectors."""
     lays = {}
-    sw, hit = C.build_layout("swarm", trace, start, S, ratio=ratio, **(swarm_kw or {}))
+    sw, _ = C.build_layout("swarm", trace, start, S, ratio=ratio, **(swarm_kw or {}))
     lays["swarm"] = sw
     mean_size = round(float(sw.sizes.mean()), 1)
     kw = {"infllm": {"block": 64, "reps": 4}, "pqcache": {"mean_size": mean_size},
@@ -47,7 +47,7 @@ def method_layouts(trace, start, S, methods, *, ratio=0.1, swarm_kw=None, verbos
     for m in methods:
         if m == "swarm":
             continue
-        lays[m], hit = C.build_layout(m, trace, start, S, ratio=ratio, **kw.get(m, {}))
+        lays[m], _ = C.build_layout(m, trace, start, S, ratio=ratio, **kw.get(m, {}))
     if verbose:
         for m, lay in lays.items():
             s = lay.summary()
@@ -189,11 +189,15 @@ def plot(p, out):
             axes[0].bar(x + i * w, [r["score_us_median"] / 1e3 for r in rows], w, bottom=io,
                         color=b[0].get_facecolor(), alpha=0.4, hatch="//",
                         label="No Cluster key scan")
-        axes[1].bar(x + i * w, [r["eff_gbps_median"] for r in rows], w, label=LABELS.get(m, m))
+        b = axes[1].bar(x + i * w, [r["eff_gbps_median"] for r in rows], w,
+                        label=LABELS.get(m, m))
+        axes[1].bar(x + i * w, [r.get("goodput_gbps_median") or 0 for r in rows], w * 0.5,
+                    color="black", alpha=0.45,
+                    label="top-k goodput (inner bars)" if i == 0 else None)
         axes[2].bar(x + i * w, [r["recall_mean"] for r in rows], w, label=LABELS.get(m, m))
     C.ceiling_lines(axes[1], p["ceiling_before"])
     for ax, t in zip(axes, ("I/O time per decode step (ms, median)",
-                            "effective bandwidth (GB/s, median)",
+                            "effective bandwidth; inner: top-k goodput (GB/s)",
                             "attention-mass recall vs oracle top-k")):
         ax.set_xticks(x + 0.4 - w / 2, ds)
         ax.set_title(t, fontsize=10)

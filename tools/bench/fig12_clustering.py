@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 
 import _common as C
-import numpy as np
 from fig11_methods import LABELS, measure
 
 VARIANTS = ("swarm", "medoid_only", "no_replica")

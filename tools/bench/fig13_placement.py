@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 
 import _common as C
-import numpy as np
 
 PAPER = {"sequential": 2.63, "no_balance": 3.17}     # SWARM's max I/O latency reduction
 LABELS = {"swarm": "SWARM (eq. 7)", "sequential": "No Cluster (sequential)",

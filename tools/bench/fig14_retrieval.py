@@ -18,10 +18,10 @@ import sys
 
 import _common as C
 
-POLICIES = {"swarm": dict(policy="balanced", dedup=True),
-            "static": dict(policy="first", dedup=False),
-            "no_balance": dict(policy="first", dedup=True),
-            "no_dedup": dict(policy="balanced", dedup=False)}
+POLICIES = {"swarm": {"policy": "balanced", "dedup": True},
+            "static": {"policy": "first", "dedup": False},
+            "no_balance": {"policy": "first", "dedup": True},
+            "no_dedup": {"policy": "balanced", "dedup": False}}
 LABELS = {"swarm": "SWARM", "static": "Static", "no_balance": "No Balance",
           "no_dedup": "No Dedup"}
 PAPER = {"latency_ratio_mean": 2.57, "volume_ratio_mean": 1.24}

@@ -96,6 +96,7 @@ def plot(p, out):
         ax.grid(alpha=.3)
         ax.legend(fontsize=8)
     axes[0].set_yscale("log")
+    axes[1].set_ylim(bottom=0)
     fig.suptitle(f"Fig. 16: SWARM, r = {p['ratio']}, {p['disks']['count']} disks", fontsize=11)
     C.save_fig(fig, out)
 

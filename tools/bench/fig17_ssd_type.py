@@ -95,6 +95,7 @@ def plot(p, out):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prefix length (K tokens)")
         ax.set_ylabel("effective bandwidth (GB/s, median)")
+        ax.set_ylim(bottom=0)
         ax.set_title(f"{j['disks']['count']} x {prof}", fontsize=10)
         ax.grid(alpha=.3)
         ax.legend(fontsize=7)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import sys
 
 import _common as C
-import numpy as np
 from fig11_methods import LABELS, METHODS, method_layouts, run_methods
 
 
@@ -30,7 +29,7 @@ def main(argv=None):
     S = a.tokens or (2048 if a.smoke else 65536)
     counts = [int(x) for x in (a.counts or ("1,2" if a.smoke else "1,2,4,8")).split(",")]
     nq = a.queries or (3 if a.smoke else 16)
-    reps = a.reps or (1 if a.smoke else 2)
+    reps = a.reps or (1 if a.smoke else 4)
     methods = a.methods.split(",")
     trace, disks, out = C.setup(a, "fig18_num_disks", trace_tokens=4096 if a.smoke else 0)
     start, S = C.context(trace, S, a.dataset)
@@ -96,6 +95,7 @@ def plot(p, out):
     axes[0].set_ylabel("effective bandwidth (GB/s, median)")
     axes[1].set_ylabel("I/O time per step (ms, median)")
     axes[1].set_yscale("log")
+    axes[0].set_ylim(bottom=0)
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xticks(n, [str(x) for x in n])

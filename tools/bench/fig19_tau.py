@@ -91,6 +91,7 @@ def plot(p, out):
     for ax, yl in zip(axes, ("I/O time per step (ms, median)", "effective bandwidth (GB/s)",
                              "attention-mass recall")):
         ax.set_xlabel("tau")
+        ax.set_ylim(bottom=0)
         ax.set_ylabel(yl)
         ax.grid(alpha=.3)
     axes[2].legend(fontsize=7)

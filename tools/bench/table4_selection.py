@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Table 4: selection latency, naive full-key scan vs SWARM's medoid index.
 
-Qwen3-32B-shaped keys (8 KV heads x 128, fp16; 2 KiB per key) at each prefix
+Qwen3-32B-sized keys (2 KiB: 16 x 64 fp16, as 8 KV heads x 128) at each prefix
 length.  Two measurements:
 
-* real: the trace's keys widened to that shape (naive: score every key, take
+* real: the trace's keys widened to that size (naive: score every key, take
   the top r x S) and the medoids of SWARM's layout of that context (score
   every medoid, take clusters in score order until r x S entries), both with
   swarmfs's fp16 GEMV on held-out queries; medians.
@@ -45,13 +45,14 @@ def main(argv=None):
     ap.add_argument("--ratio", type=float, default=0.1)
     ap.add_argument("--no-synthetic", action="store_true")
     a = C.parse(ap, argv)
-    from swarmfs._retrieve import group_queries, score_medoids, select_clusters
     from swarmfs.layout._baselines import flat_keys
+
+    from swarmfs._retrieve import group_queries, score_medoids, select_clusters
     sizes = [int(x) for x in (a.tokens or ("1024,2048" if a.smoke else
                                            "131072,262144,524288,1048576")).split(",")]
     reps = a.reps or (5 if a.smoke else 50)
     nq = a.queries or (2 if a.smoke else 8)
-    trace, disks, out = C.setup(a, "table4_selection",
+    trace, _, out = C.setup(a, "table4_selection",
                                 trace_tokens=4096 if a.smoke else max(sizes) + 4096)
     rows = []
     rng = np.random.default_rng(0)
@@ -64,14 +65,18 @@ def main(argv=None):
         keys = C.widen_flat(flat_keys(trace.k[:, start:start + S]))             # [S, 1024]
         med = np.ascontiguousarray(keys[lay.medoids])
         sizes_c = lay.sizes
-        qs = [group_queries(C.widen_q(trace.q[:, p]), C.WIDE_HEADS)
+        qs = [group_queries(C.widen_q(trace.q[:, p], trace.scaling), C.WIDE_HEADS)
               for p in C.query_positions(trace, start, S, nq)]
         naive, swarm = [], []
         for qg in qs:
-            naive.append(_median_ms(lambda: np.argpartition(
-                -score_medoids(keys, qg)[0], budget - 1)[:budget], max(reps // 5, 3)))
-            swarm.append(_median_ms(lambda: select_clusters(
-                score_medoids(med, qg)[0], sizes_c, budget), reps))
+            def scan(qg=qg, keys=keys, k=budget):
+                return np.argpartition(-score_medoids(keys, qg)[0], k - 1)[:k]
+
+            def medoids(qg=qg, med=med, sizes=sizes_c, k=budget):
+                return select_clusters(score_medoids(med, qg)[0], sizes, k)
+
+            naive.append(_median_ms(scan, max(reps // 5, 3)))
+            swarm.append(_median_ms(medoids, reps))
         row = {"tokens": S, "clusters": lay.num_clusters,
                "mean_cluster_size": float(sizes_c.mean()),
                "naive_ms": float(np.median(naive)), "swarm_ms": float(np.median(swarm)),
@@ -81,7 +86,7 @@ def main(argv=None):
         del keys, med
         if not a.no_synthetic:
             import bench_select
-            syn = bench_select.bench_selection(S, max(1, int(round(sizes_c.mean()))),
+            syn = bench_select.bench_selection(S, max(1, round(float(sizes_c.mean()))),
                                                reps, rng, r=a.ratio)
             row["synthetic"] = syn
         rows.append(row)
@@ -112,7 +117,7 @@ def plot(p, out):
     ax.set_ylabel("selection latency (ms, median)")
     ax.grid(alpha=.3)
     ax.legend(fontsize=8)
-    ax.set_title("Table 4: selection latency (Qwen3-32B-shaped keys)", fontsize=10)
+    ax.set_title("Table 4: selection latency (2 KiB keys, as Qwen3-32B)", fontsize=10)
     C.save_fig(fig, out)
 
 
