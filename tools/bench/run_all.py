@@ -13,7 +13,7 @@ testbed that this script brings up and always takes down again.
     python tools/bench/run_all.py --smoke --disks files:2     # CI-sized, no root
 
 Outputs: ``bench-out/eval/<figure>.json|.png``, ``run_all.json`` (wall time and
-status per figure) and ``summary.md`` (the tables of docs/evaluation.md).
+status per figure) and ``summary.md`` (the tables of docs/benchmarks.md §7).
 """
 
 from __future__ import annotations
@@ -161,9 +161,9 @@ def summary(smoke: bool = False, outdir=None) -> str:
                        f"(128 KiB, qd 32/device), {c['iops_4k']['gb_per_s']:.3f} GB/s "
                        f"= {c['iops_4k']['iops'] / 1e3:.0f}k IOPS (4 KiB)\n")
         out.append("| dataset | method | I/O ms | key-scan ms | eff. GB/s | % of fio 128k "
-                   "| MB read | requests | req KiB | recall | rel. error (oracle) "
-                   "| index MiB |")
-        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                   "| top-k goodput GB/s | MB read | requests | req KiB | recall "
+                   "| rel. error (oracle) | index MiB |")
+        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for ds, r in f11["datasets"].items():
             for m, x in r["methods"].items():
                 frac = (f"{x['eff_gbps_median'] / c['bw_128k']['gb_per_s']:.0%}"
@@ -171,6 +171,7 @@ def summary(smoke: bool = False, outdir=None) -> str:
                 scan = _ms(x["score_us_median"]) if m == "no_cluster" else "-"
                 out.append(f"| {ds} | {LABELS.get(m, m)} | {_ms(x['io_us_median'])} | {scan} "
                            f"| {x['eff_gbps_median']:.3f} | {frac} "
+                           f"| {x.get('goodput_gbps_median') or 0:.3f} "
                            f"| {x['bytes_read_median'] / 1e6:.1f} | {x['requests_median']:.0f} "
                            f"| {x['mean_request_kib_median']:.1f} | {x['recall_mean']:.3f} "
                            f"| {x['rel_error_mean']:.3f} ({x['oracle_rel_error_mean']:.3f}) "
@@ -180,13 +181,14 @@ def summary(smoke: bool = False, outdir=None) -> str:
         if rat:
             out.append("SWARM over each baseline (mean over datasets of the per-dataset "
                        "median ratios):\n")
-            out.append("| baseline | eff. bandwidth x | paper | I/O time x | paper "
-                       "| recall SWARM - baseline |")
-            out.append("|---|---:|---:|---:|---:|---:|")
+            out.append("| baseline | eff. bandwidth x | paper | top-k goodput x | I/O time x "
+                       "| I/O + selection time x | paper | recall SWARM - baseline |")
+            out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
             for m, x in rat.items():
                 pb = f11["paper"]["bw_ratio"].get(m)
                 out.append(f"| {LABELS.get(m, m)} | {x['bw_ratio']:.2f} | "
-                           f"{pb if pb else '-'} | {x['io_ratio']:.2f} | "
+                           f"{pb if pb else '-'} | {_num(x.get('goodput_ratio'))} "
+                           f"| {x['io_ratio']:.2f} | {_num(x.get('io_plus_score_ratio'))} | "
                            f"{f11['paper']['io_ratio'] if pb else '-'} "
                            f"| {x['recall_delta']:+.3f} |")
             out.append("")
