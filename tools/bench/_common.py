@@ -760,9 +760,12 @@ def ceilings(disks: Disks, smoke: bool) -> dict:
 
 # -- CLI, output -----------------------------------------------------------------------
 
-def parser(doc: str, *, disks: str = "testbed") -> argparse.ArgumentParser:
-    caller = sys._getframe(1).f_globals.get("__file__") or sys.argv[0]
-    ap = argparse.ArgumentParser(prog=pathlib.Path(caller).name, description=doc.split("\n")[0],
+def parser(doc: str, *, disks: str = "testbed", prog: str | None = None
+           ) -> argparse.ArgumentParser:
+    """The options every figure takes; ``prog`` defaults to the caller's file."""
+    if prog is None:
+        prog = pathlib.Path(sys._getframe(1).f_globals.get("__file__") or sys.argv[0]).name
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0],
                                  epilog=doc.split("\n", 1)[1] if "\n" in doc else None,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--disks", default=disks,
@@ -808,6 +811,37 @@ def setup(args, name: str, *, trace_tokens: int) -> tuple[Trace, Disks, pathlib.
     if args.smoke and args.disks.startswith("testbed"):
         args.disks = "files:2"
     return tr, resolve_disks(args.disks), out
+
+
+@dataclasses.dataclass
+class Ablation:
+    """What an ablation figure (Figs. 12-14) starts from: its arguments, the
+    trace, the disks, the output prefix, one context and the query count."""
+    args: argparse.Namespace
+    trace: Trace
+    disks: Disks
+    out: pathlib.Path
+    start: int
+    S: int
+    queries: int
+    reps: int
+
+
+def ablation_setup(doc: str, name: str, argv=None) -> Ablation:
+    """Parse the common ablation arguments (``--tokens``, ``--dataset``,
+    ``--ratio``) and load one context: 128K tokens of WikiText-2, 24 held-out
+    queries and 3 repetitions by default; 2K, 3 and 1 with ``--smoke``."""
+    ap = parser(doc, prog=f"{name}.py")
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--dataset", default="wikitext2")
+    ap.add_argument("--ratio", type=float, default=0.1)
+    a = parse(ap, argv)
+    S = a.tokens or (2048 if a.smoke else 131072)
+    trace, disks, out = setup(a, name, trace_tokens=4096 if a.smoke else 0)
+    start, S = context(trace, S, a.dataset)
+    return Ablation(a, trace, disks, out, start, S,
+                    queries=a.queries or (3 if a.smoke else 24),
+                    reps=a.reps or (1 if a.smoke else 3))
 
 
 def store_dir(args, name: str) -> pathlib.Path:

@@ -24,16 +24,9 @@ LABELS = {"swarm": "SWARM (eq. 7)", "sequential": "No Cluster (sequential)",
 
 
 def main(argv=None):
-    ap = C.parser(__doc__)
-    ap.add_argument("--tokens", type=int, default=None)
-    ap.add_argument("--dataset", default="wikitext2")
-    ap.add_argument("--ratio", type=float, default=0.1)
-    a = C.parse(ap, argv)
-    S = a.tokens or (2048 if a.smoke else 131072)
-    nq = a.queries or (3 if a.smoke else 24)
-    reps = a.reps or (1 if a.smoke else 3)
-    trace, disks, out = C.setup(a, "fig13_placement", trace_tokens=4096 if a.smoke else 0)
-    start, S = C.context(trace, S, a.dataset)
+    ab = C.ablation_setup(__doc__, "fig13_placement", argv)
+    a, trace, disks, out = ab.args, ab.trace, ab.disks, ab.out
+    start, S, nq, reps = ab.start, ab.S, ab.queries, ab.reps
     sw = C.build_layout("swarm", trace, start, S, ratio=a.ratio)[0]
     seq = C.build_layout("no_cluster", trace, start, S, group=64)[0]
     ceil = C.ceilings(disks, a.smoke)

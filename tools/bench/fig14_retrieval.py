@@ -28,16 +28,9 @@ PAPER = {"latency_ratio_mean": 2.57, "volume_ratio_mean": 1.24}
 
 
 def main(argv=None):
-    ap = C.parser(__doc__)
-    ap.add_argument("--tokens", type=int, default=None)
-    ap.add_argument("--dataset", default="wikitext2")
-    ap.add_argument("--ratio", type=float, default=0.1)
-    a = C.parse(ap, argv)
-    S = a.tokens or (2048 if a.smoke else 131072)
-    nq = a.queries or (3 if a.smoke else 24)
-    reps = a.reps or (1 if a.smoke else 3)
-    trace, disks, out = C.setup(a, "fig14_retrieval", trace_tokens=4096 if a.smoke else 0)
-    start, S = C.context(trace, S, a.dataset)
+    ab = C.ablation_setup(__doc__, "fig14_retrieval", argv)
+    a, trace, disks, out = ab.args, ab.trace, ab.disks, ab.out
+    start, S, nq, reps = ab.start, ab.S, ab.queries, ab.reps
     sw = C.build_layout("swarm", trace, start, S, ratio=a.ratio)[0]
     ceil = C.ceilings(disks, a.smoke)
     variants = [C.Variant(n, sw, store_as=None if n == "swarm" else "swarm", **kw)

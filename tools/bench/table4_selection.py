@@ -18,25 +18,14 @@ Index memory: the medoid keys (C x 2 KiB) per layer.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
-import _common as C
+import _common as C  # noqa: I001  (puts tools/ on sys.path for bench_select)
 import numpy as np
+from bench_select import median_ms as _median_ms
 
 PAPER = {131072: (1.635, 0.236, 0.053), 262144: (3.136, 0.374, 0.104),
          524288: (6.176, 0.554, 0.207), 1048576: (12.15, 0.999, 0.412)}
-
-
-def _median_ms(f, reps):
-    f()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def main(argv=None):
