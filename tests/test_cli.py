@@ -1,7 +1,6 @@
 """The swarmfs command line, run as a user would (subprocesses)."""
 
 import json
-import os
 import subprocess
 import sys
 
