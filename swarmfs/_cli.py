@@ -27,7 +27,14 @@ class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:
+            # the reader went away (``swarmfs info STORE | head``): stop quietly
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            sys.exit(1)
         except E.SwarmError as exc:
+            if os.environ.get("SWARMFS_DEBUG"):
+                raise
             _fail(exc)
         except (OSError, ValueError) as exc:
             if os.environ.get("SWARMFS_DEBUG"):
@@ -240,8 +247,8 @@ def capture(model, text_file, max_tokens, dtype, out):
 @main.command()
 @click.argument("kv_file", type=click.Path())
 @click.argument("store", type=click.Path())
-@click.option("--disks", type=int, default=4, show_default=True,
-              help="Number of file disks under STORE/disks.")
+@click.option("--disks", type=int, default=None,
+              help="Number of file disks under STORE/disks (default 4; not with --disk).")
 @click.option("--disk", "disk_paths", multiple=True, type=click.Path(),
               help="A disk path (file or block device); repeat for each disk.")
 @click.option("--context", type=int, default=None, help="Store only the first N tokens.")
@@ -255,15 +262,19 @@ def build(kv_file, store, disks, disk_paths, context, profile_queries, force, ra
     """Lay out a captured KV file (profile, cluster, place) into a new store."""
     from ._demo import build_store
     from .layout import _capture as C
+    if disks is not None and disk_paths:
+        raise click.UsageError("give either --disks N (disk files under STORE/disks) or "
+                               "--disk PATH ..., not both")
     params = _params(ratio, tau, metric, local_window, hot_fraction)
     cap = C.load_capture(kv_file)
     pcap = C.load_capture(profile_queries) if profile_queries else None
-    s, rep = build_store(cap, store, disks=list(disk_paths) or disks, params=params,
+    s, rep = build_store(cap, store, disks=list(disk_paths) or disks or 4, params=params,
                          context=context, force=force, engine=engine, profile_cap=pcap)
     with s:
         info = s.info()
-    click.echo(f"built {info['path']}: {info['clusters']} clusters over {info['num_disks']} "
-               f"disks, {info['entries']} entries, replication {info['replication']}")
+    n = info["num_disks"]
+    click.echo(f"built {info['path']}: {info['clusters']} clusters over {n} "
+               f"disk{'s' if n != 1 else ''}, {info['entries']} entries, replication {info['replication']}")
     for layer, x in rep.items():
         click.echo(f"  layer {layer}: {x['clusters']} clusters, mean size "
                    f"{x['mean_size']:.1f}, replication {x['replication']:.3f}, "

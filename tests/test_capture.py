@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
 
 import numpy as np
 import pytest
@@ -18,14 +17,24 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import DATA
+from swarmfs.layout._capture import (
+    MIN_TOKENS,
+    Capture,
+    capture,
+    default_model_path,
+    load_capture,
+    read_text,
+    save_capture,
+    stdlib_text,
+)
+
 from swarmfs._errors import LayoutError, ModelError, ShapeError, SwarmError
-from swarmfs.layout._capture import (MIN_TOKENS, Capture, capture, default_model_path,
-                                     load_capture, read_text, save_capture, stdlib_text)
 
 pytestmark = pytest.mark.model
 
-WIKI = pathlib.Path("/work/shared/data/wikitext2_raw_test.raw")
-GSM8K = pathlib.Path("/work/shared/data/gsm8k_test.jsonl")
+WIKI = DATA / "wikitext2_raw_test.raw"
+GSM8K = DATA / "gsm8k_test.jsonl"
 
 
 def real_text(chars: int = 20_000) -> str:

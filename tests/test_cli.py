@@ -1,6 +1,7 @@
 """The swarmfs command line, run as a user would (subprocesses)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -83,3 +84,31 @@ def test_errors_are_one_line(store, tmp_path):
     assert p.returncode == 1 and "does not exist" in p.stderr
     p = run("read", path, "--layer", "1", ok=False)
     assert p.returncode == 2
+
+
+def test_debug_env_shows_the_traceback(tmp_path):
+    missing = str(tmp_path / "nostore")
+    quiet = run("info", missing, ok=False)
+    assert quiet.returncode == 1 and "Traceback" not in quiet.stderr
+    assert quiet.stderr.startswith("swarmfs: error:") and "nostore" in quiet.stderr
+    loud = subprocess.run([sys.executable, "-m", "swarmfs", "info", missing],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "SWARMFS_DEBUG": "1"})
+    assert loud.returncode != 0
+    assert "Traceback" in loud.stderr and "StoreNotFoundError" in loud.stderr
+
+
+def test_build_refuses_disks_and_disk_together(tmp_path):
+    p = run("build", str(tmp_path / "kv.safetensors"), str(tmp_path / "st"), "--disks", "2",
+            "--disk", str(tmp_path / "d0"), ok=False)
+    assert p.returncode == 2 and "not both" in p.stderr
+    assert not (tmp_path / "st").exists()
+
+
+def test_closed_pipe_is_quiet(store):
+    path, _, _ = store
+    p = subprocess.run(" ".join(SWARMFS + ["read", path, "--layer", "1", "--cluster", "0"])
+                       + " | head -c 1 >/dev/null; exit ${PIPESTATUS[0]}",
+                       shell=True, executable="/bin/bash", capture_output=True, text=True,
+                       timeout=300)
+    assert p.stderr == "" and p.returncode in (0, 1)

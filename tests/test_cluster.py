@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
-import pathlib
-
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from conftest import DATA
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
-from swarmfs._errors import LayoutError, ShapeError
-from swarmfs.layout._cluster import (_lsh_params, build_clusters, cluster,
-                                     coactivation_distance, eq2_tau, graph_from_distances,
-                                     neighbour_graph)
+from swarmfs.layout._cluster import (
+    _lsh_params,
+    build_clusters,
+    cluster,
+    coactivation_distance,
+    eq2_tau,
+    graph_from_distances,
+    neighbour_graph,
+)
 from swarmfs.layout._profile import Profile, profile_layer
 
-WIKI = pathlib.Path("/work/shared/data/wikitext2_raw_test.raw")
+from swarmfs._errors import LayoutError, ShapeError
+
+WIKI = DATA / "wikitext2_raw_test.raw"
 
 
 # -- a literal transcription of Algorithm 1, for reference --------------------

@@ -6,11 +6,10 @@ queries against a floor measured on these inputs (see docs/benchmarks.md).
 """
 
 import json
-import os
-import pathlib
 
 import numpy as np
 import pytest
+from conftest import DATA
 
 from swarmfs import _errors as E
 
@@ -26,11 +25,8 @@ RECALL_FLOOR = 0.6
 
 
 def data_dir():
-    here = pathlib.Path(__file__).resolve().parents[1]
-    for d in (os.environ.get("SWARMFS_DATA"), here.parent / "shared" / "data",
-              pathlib.Path("/work/shared/data")):
-        if d and (pathlib.Path(d) / "wikitext2_raw_test.raw").exists():
-            return pathlib.Path(d)
+    if (DATA / "wikitext2_raw_test.raw").exists():
+        return DATA
     pytest.skip("../shared/data (WikiText-2, GSM8K) not found; set SWARMFS_DATA")
 
 
@@ -47,8 +43,9 @@ def gsm8k():
 @pytest.fixture(scope="module", params=["wikitext2", "gsm8k"])
 def built(request, tmp_path_factory):
     pytest.importorskip("transformers")
-    from swarmfs._demo import LayoutParams, build_store
     from swarmfs.layout import _capture as C
+
+    from swarmfs._demo import LayoutParams, build_store
     text = wikitext() if request.param == "wikitext2" else gsm8k()
     cap = C.capture(None, text, max_tokens=CONTEXT + EVAL, progress=False,
                     text_source=request.param)

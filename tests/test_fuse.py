@@ -606,9 +606,10 @@ def test_background_mount_and_umount(store, workdir):
     mnt = str(workdir / "mnt-bg")
     os.makedirs(mnt, exist_ok=True)
     code = ("import sys; from swarmfs._fuse import mount; "
-            "print(mount(sys.argv[1], sys.argv[2], foreground=False))")
+            "print(mount(sys.argv[1], sys.argv[2], foreground=False, log_file=sys.argv[3]))")
     try:
-        r = subprocess.run([sys.executable, "-c", code, store.path, mnt], capture_output=True,
+        r = subprocess.run([sys.executable, "-c", code, store.path, mnt,
+                            str(workdir / "mnt-bg.log")], capture_output=True,
                            text=True, timeout=DEADLINE)
         assert r.returncode == 0, r.stderr
         pid = int(r.stdout.split()[-1])

@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import math
-import pathlib
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from conftest import DATA
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from swarmfs.layout._capture import Capture
+from swarmfs.layout._profile import (
+    DEFAULT_MAX_QUERIES,
+    Profile,
+    aggregate_scores,
+    entry_bitsets,
+    pair_intersections,
+    profile_capture,
+    profile_layer,
+    sample_queries,
+)
 
 from swarmfs._errors import LayoutError, ShapeError
-from swarmfs.layout._capture import Capture
-from swarmfs.layout._profile import (DEFAULT_MAX_QUERIES, Profile, aggregate_scores,
-                                     entry_bitsets, pair_intersections, profile_capture,
-                                     profile_layer, sample_queries)
 
-WIKI = pathlib.Path("/work/shared/data/wikitext2_raw_test.raw")
+WIKI = DATA / "wikitext2_raw_test.raw"
 
 
 @pytest.fixture(scope="module")

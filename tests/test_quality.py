@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import math
-import pathlib
 import types
 
 import numpy as np
 import pytest
-
-from swarmfs._errors import LayoutError, ShapeError
+from conftest import DATA
 from swarmfs.layout._cluster import cluster
 from swarmfs.layout._profile import profile_layer
 from swarmfs.layout._quality import block_clustering, evaluate_recall
 
-WIKI = pathlib.Path("/work/shared/data/wikitext2_raw_test.raw")
+from swarmfs._errors import LayoutError, ShapeError
+
+WIKI = DATA / "wikitext2_raw_test.raw"
 
 
 @pytest.fixture(scope="module")
