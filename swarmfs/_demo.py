@@ -208,6 +208,11 @@ def run_demo(workdir: str, *, model=None, text=None, text_source=None, disks: in
             not os.path.exists(os.path.join(workdir, "manifest.json")):
         raise E.StoreExistsError("demo directory is not empty and holds no swarmfs store; "
                                  "choose another --dir", store=workdir)
+    if int(eval_queries) < 1:
+        raise E.ConfigError(f"--eval-queries must be at least 1, got {eval_queries}")
+    if int(context) + int(eval_queries) < _capture.MIN_TOKENS:
+        raise E.ConfigError(f"--context {context} plus --eval-queries {eval_queries} is below "
+                            f"the minimum of {_capture.MIN_TOKENS} tokens")
     t0 = time.perf_counter()
     total = context + eval_queries
     cap = _capture.capture(model, text, max_tokens=total, progress=progress,
