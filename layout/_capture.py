@@ -621,7 +621,17 @@ def _check(k, v, q, ids, meta, *, where: str, sliced: bool = False) -> None:
     if sliced:
         want.pop("num_layers")
     for key, val in want.items():
-        if key in meta and int(meta[key]) != int(val):
+        if key not in meta:
+            continue
+        m = meta[key]
+        if isinstance(m, bool) or not isinstance(m, int):
+            try:
+                m = int(str(m)) if not isinstance(m, bool) else None
+            except ValueError:
+                m = None
+        if m is None:
+            fail(f"metadata {key}={meta[key]!r} is not an integer")
+        if m != int(val):
             fail(f"metadata {key}={meta[key]} but the tensors say {val}")
     if "dtype" in meta and meta["dtype"] != k.dtype.name:
         fail(f"metadata dtype={meta['dtype']} but the tensors are {k.dtype.name}")

@@ -318,6 +318,8 @@ class Engine:
               register: bool = True) -> AlignedBuffer:
         """Allocate a page-aligned buffer of at least ``nbytes`` bytes and
         register it as a fixed buffer when the engine supports it."""
+        if self._ptr is None:
+            raise E.SwarmError("the engine is closed", store=self.store)
         buf = AlignedBuffer(nbytes, pinned=pinned)
         if register and self.kind == "io_uring" and buf.size <= (1 << 30):
             slot = lib.se_register_buffer(self._ptr, buf.cdata(), buf.size)
@@ -442,6 +444,8 @@ class Engine:
     # -- counters --------------------------------------------------------
     def stats(self) -> EngineStats:
         """A snapshot of the counters as an :class:`EngineStats`."""
+        if self._ptr is None:
+            raise E.SwarmError("the engine is closed", store=self.store)
         c = ffi.new("se_counters *")
         d = ffi.new("se_disk_counters[]", len(self.fds))
         lib.se_get_counters(self._ptr, c, d)

@@ -36,6 +36,11 @@ __all__ = ["Store", "StoreStats"]
 _POOL_KEEP = 4               # staging buffers kept for reuse
 
 
+#: fields of a layer's manifest record that write_layer sets itself
+_LAYER_RECORD_KEYS = frozenset({"num_tokens", "num_clusters", "num_copies", "replication",
+                                "hot_clusters", "index", "generation", "local_window"})
+
+
 @dataclasses.dataclass(frozen=True)
 class StoreStats:
     """Store-level counters plus the engine's.
@@ -187,7 +192,22 @@ class Store:
     @classmethod
     def _create(cls, path, *, disks, num_layers, num_kv_heads, head_dim, dtype, model_name,
                 num_query_heads, disk_size, block_size, force, engine, queue_depth, verify):
-        if isinstance(disks, int):
+        import numbers
+        for what, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("num_query_heads", num_query_heads)):
+            if what == "num_query_heads" and v is None:
+                continue
+            if E.as_index(v, what, store=path) < 1:
+                raise E.ShapeError(f"{what} must be >= 1, got {v}", store=path)
+        if dtype in F.DTYPES and 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype] > 1 << 30:
+            raise E.ShapeError(f"an entry of 2 x {num_kv_heads} x {head_dim} {dtype} is over "
+                               "1 GiB", store=path)
+        if isinstance(disks, bool) or isinstance(disks, (str, bytes, os.PathLike)) or not (
+                isinstance(disks, numbers.Integral) or hasattr(disks, "__iter__")):
+            raise E.ShapeError(f"disks must be a number of disk files or a list of paths, "
+                               f"got {disks!r}", store=path)
+        if isinstance(disks, numbers.Integral):
+            disks = int(disks)
             if not 1 <= disks <= 256:
                 raise E.ShapeError(f"a store has 1 to 256 disks, got {disks}", store=path)
             os.makedirs(os.path.join(path, "disks"), exist_ok=True)
@@ -309,6 +329,8 @@ class Store:
         return sorted(int(k) for k in self._m["layers"])
 
     def _check_layer(self, layer) -> int:
+        if self._closed:
+            raise E.SwarmError("the store is closed", store=self.path)
         layer = E.as_index(layer, "layer", store=self.path)
         if not 0 <= layer < self.num_layers:
             raise E.OutOfRangeError(f"layer {layer} outside [0, {self.num_layers})",
@@ -443,7 +465,20 @@ class Store:
         if not 0 <= layer < self.num_layers:
             raise E.OutOfRangeError(f"layer {layer} outside [0, {self.num_layers})",
                                     store=self.path, layer=layer)
+        if local_window is not None:
+            local_window = E.as_index(local_window, "local_window", store=self.path,
+                                      layer=layer)
+            if local_window < 0:
+                raise E.OutOfRangeError(f"local_window must be >= 0, got {local_window}",
+                                        store=self.path, layer=layer)
         if extra is not None:
+            if not isinstance(extra, dict):
+                raise E.ShapeError(f"extra must be a dict, got {type(extra).__name__}",
+                                   store=self.path, layer=layer)
+            clash = sorted(set(extra) & _LAYER_RECORD_KEYS)
+            if clash:
+                raise E.ShapeError(f"extra may not set the layer record's own fields {clash} "
+                                   "(use the keyword arguments)", store=self.path, layer=layer)
             try:
                 json.dumps(extra)
             except (TypeError, ValueError) as exc:
@@ -546,6 +581,13 @@ class Store:
         keep = {r["index"]["file"] for r in m["layers"].values()}
         if old is not None:
             keep.add(old["index"]["file"])   # readers of the previous generation
+        try:
+            F.check_manifest(m, self.path)      # never commit what open() would refuse
+        except E.ManifestError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.path, F.INDEX_DIR, rec["file"]))
+            raise E.ShapeError(f"refusing to commit layer {layer}: {exc}", store=self.path,
+                               layer=layer) from None
         try:
             self._m = F.write_manifest(self.path, m)
         except OSError as exc:

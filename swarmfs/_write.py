@@ -134,13 +134,19 @@ def append_tokens(store, layer: int, kv, joins, *, group: int,
     the clusters that grow (read back, verified) and of the new entries,
     copy-on-write extents keeping each cluster's start disk, one commit."""
     with store._write_lock():       # the whole append sees one committed state
-        return _append_locked(store, layer, kv, joins, group=group)
+        return _append_locked(store, layer, kv, joins, group=group,
+                              expect_tokens=expect_tokens)
 
 
-def _append_locked(store, layer: int, kv, joins, *, group: int) -> np.ndarray:
+def _append_locked(store, layer: int, kv, joins, *, group: int,
+                   expect_tokens: int | None) -> np.ndarray:
 
     self = store
     li = self.layer(layer)
+    if expect_tokens is not None and li.num_tokens != expect_tokens:
+        raise E.SwarmError(
+            f"layer holds {li.num_tokens} tokens, expected {expect_tokens}: another writer "
+            "appended since this one read it", store=self.path, layer=layer)
     rows_new = as_bytes_rows(kv, self.entry_shape, self.dtype, layer=layer, store=self.path)
     n = rows_new.shape[0]
     S, C = li.num_tokens, li.num_clusters

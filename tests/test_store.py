@@ -491,3 +491,57 @@ def test_strict_argument_types(tmp_path, rng):
     with pytest.raises(E.ShapeError):
         Store.create(tmp_path / "b", disks=1, num_layers=1, num_kv_heads=1, head_dim=2.5)
     s.close()
+
+
+# -- inputs that once got past the checks (adversarial review) ---------------------
+
+def _small(tmp_path, rng, layers=2):
+    s = Store.create(tmp_path / "st", disks=2, num_layers=layers, num_kv_heads=2, head_dim=16)
+    kv = random_kv(rng, 200, 2, 16, "float16")
+    s.write_layer(0, kv, random_clusters(rng, 200, 10, 30))
+    return s, kv
+
+
+@pytest.mark.parametrize("kw", [{"local_window": -1}, {"local_window": "x"},
+                                {"extra": {"local_window": -3}}, {"extra": {"index": 1}},
+                                {"extra": [1]}])
+def test_bad_layer_record_is_refused_before_commit(tmp_path, rng, kw):
+    s, kv = _small(tmp_path, rng)
+    with pytest.raises(E.SwarmError) as ei:
+        s.write_layer(1, kv, random_clusters(rng, 200, 10, 30), **kw)
+    assert "layer 1" in str(ei.value)
+    s.close()
+    with Store.open(tmp_path / "st") as t:          # the store still opens, layer 0 intact
+        assert t.layers == [0] and same_bits(t.read_entries(0, np.arange(200)), kv)
+
+
+def test_append_expect_tokens_is_enforced(tmp_path, rng):
+    s, kv = _small(tmp_path, rng, layers=1)
+    s.close()
+    a = Store.open(tmp_path / "st", writable=True)
+    b = Store.open(tmp_path / "st", writable=True)
+    new = random_kv(rng, 4, 2, 16, "float16")
+    assert list(a.append(0, new)) == [200, 201, 202, 203]
+    with pytest.raises(E.SwarmError, match="expected 200"):
+        b.append(0, new, expect_tokens=200)
+    assert list(b.append(0, new, expect_tokens=204)) == [204, 205, 206, 207]
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("kw", [{"disks": "xyz"}, {"disks": True}, {"disks": 2.0},
+                                {"head_dim": 2 ** 62}, {"num_kv_heads": 0}])
+def test_create_refuses_bad_shapes_and_disk_specs(tmp_path, kw, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = {"disks": 2, "num_layers": 1, "num_kv_heads": 2, "head_dim": 16, **kw}
+    with pytest.raises(E.ShapeError):
+        Store.create(tmp_path / "st", **args)
+    assert os.listdir(tmp_path) == []               # no stray disk files, no store dir
+
+
+def test_closed_store_says_so(tmp_path, rng):
+    s, _ = _small(tmp_path, rng)
+    s.close()
+    for call in (lambda: s.read_cluster(0, 0), lambda: s.read_entries(0, [1]), s.stats):
+        with pytest.raises(E.SwarmError, match="closed"):
+            call()
