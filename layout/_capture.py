@@ -624,12 +624,9 @@ def _check(k, v, q, ids, meta, *, where: str, sliced: bool = False) -> None:
         if key not in meta:
             continue
         m = meta[key]
+        if isinstance(m, str) and m.strip().lstrip("+-").isdigit():
+            m = int(m)
         if isinstance(m, bool) or not isinstance(m, int):
-            try:
-                m = int(str(m)) if not isinstance(m, bool) else None
-            except ValueError:
-                m = None
-        if m is None:
             fail(f"metadata {key}={meta[key]!r} is not an integer")
         if m != int(val):
             fail(f"metadata {key}={meta[key]} but the tensors say {val}")

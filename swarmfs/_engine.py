@@ -314,12 +314,16 @@ class Engine:
         self._finalizer = weakref.finalize(self, lib.se_close, self._ptr)
 
     # -- buffers ---------------------------------------------------------
+    def _live(self) -> None:
+        """Raise SwarmError if :meth:`close` has run."""
+        if self._ptr is None:
+            raise E.SwarmError("the engine is closed", store=self.store)
+
     def alloc(self, nbytes: int, *, pinned: bool = False,
               register: bool = True) -> AlignedBuffer:
         """Allocate a page-aligned buffer of at least ``nbytes`` bytes and
         register it as a fixed buffer when the engine supports it."""
-        if self._ptr is None:
-            raise E.SwarmError("the engine is closed", store=self.store)
+        self._live()
         buf = AlignedBuffer(nbytes, pinned=pinned)
         if register and self.kind == "io_uring" and buf.size <= (1 << 30):
             slot = lib.se_register_buffer(self._ptr, buf.cdata(), buf.size)
@@ -388,8 +392,7 @@ class Engine:
         if os.getpid() != self._pid:
             raise E.SwarmError("this Store/Engine was opened in another process (fork); "
                                "open the store again in this process", store=self.store)
-        if self._ptr is None:
-            raise E.SwarmError("the engine is closed", store=self.store)
+        self._live()
         length = np.asarray(length)
         if length.size and (length.min() <= 0 or length.max() > _MAX_REQUEST):
             raise E.OutOfRangeError(f"request lengths must be in [1, {_MAX_REQUEST}] bytes",
@@ -444,8 +447,7 @@ class Engine:
     # -- counters --------------------------------------------------------
     def stats(self) -> EngineStats:
         """A snapshot of the counters as an :class:`EngineStats`."""
-        if self._ptr is None:
-            raise E.SwarmError("the engine is closed", store=self.store)
+        self._live()
         c = ffi.new("se_counters *")
         d = ffi.new("se_disk_counters[]", len(self.fds))
         lib.se_get_counters(self._ptr, c, d)

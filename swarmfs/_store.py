@@ -9,6 +9,7 @@ format and ``_planner`` for read planning.
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import json
 import dataclasses
@@ -162,6 +163,13 @@ class Store:
                 or num_query_heads % num_kv_heads):
             raise E.ShapeError(f"num_query_heads must be a positive multiple of "
                                f"num_kv_heads, got {num_query_heads!r}")
+        if 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype] > 1 << 30:
+            raise E.ShapeError(f"an entry of 2 x {num_kv_heads} x {head_dim} {dtype} is over "
+                               "1 GiB")
+        if isinstance(disks, (bool, str, bytes, os.PathLike)) or not isinstance(
+                disks, (int, np.integer, collections.abc.Iterable)):
+            raise E.ShapeError(f"disks must be a number of disk files or a list of paths, "
+                               f"got {disks!r}")
         if os.path.exists(path) and not os.path.isdir(path):
             raise E.StoreExistsError("store path exists and is not a directory", store=path)
         if os.path.isdir(path) and os.listdir(path):
@@ -192,21 +200,7 @@ class Store:
     @classmethod
     def _create(cls, path, *, disks, num_layers, num_kv_heads, head_dim, dtype, model_name,
                 num_query_heads, disk_size, block_size, force, engine, queue_depth, verify):
-        import numbers
-        for what, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("num_query_heads", num_query_heads)):
-            if what == "num_query_heads" and v is None:
-                continue
-            if E.as_index(v, what, store=path) < 1:
-                raise E.ShapeError(f"{what} must be >= 1, got {v}", store=path)
-        if dtype in F.DTYPES and 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype] > 1 << 30:
-            raise E.ShapeError(f"an entry of 2 x {num_kv_heads} x {head_dim} {dtype} is over "
-                               "1 GiB", store=path)
-        if isinstance(disks, bool) or isinstance(disks, (str, bytes, os.PathLike)) or not (
-                isinstance(disks, numbers.Integral) or hasattr(disks, "__iter__")):
-            raise E.ShapeError(f"disks must be a number of disk files or a list of paths, "
-                               f"got {disks!r}", store=path)
-        if isinstance(disks, numbers.Integral):
+        if isinstance(disks, (int, np.integer)):
             disks = int(disks)
             if not 1 <= disks <= 256:
                 raise E.ShapeError(f"a store has 1 to 256 disks, got {disks}", store=path)

@@ -1,5 +1,6 @@
 import os
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -7,19 +8,10 @@ import pytest
 ENGINES = ["io_uring", "threads"]
 
 
-def _find_data() -> pathlib.Path:
-    """The shared datasets (WikiText-2, GSM8K, Tiny Shakespeare), read in place:
-    $SWARMFS_DATA, else ../shared/data next to the repository, else
-    /work/shared/data (where a clone outside /work finds them)."""
-    here = pathlib.Path(__file__).resolve().parents[1]
-    for d in (os.environ.get("SWARMFS_DATA"), here.parent / "shared" / "data",
-              "/work/shared/data"):
-        if d and (pathlib.Path(d) / "wikitext2_raw_test.raw").exists():
-            return pathlib.Path(d)
-    return here.parent / "shared" / "data"      # missing: the tests that need it skip
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+from _shared_data import data_dir  # noqa: E402
 
-
-DATA = _find_data()
+DATA = data_dir()
 
 
 @pytest.fixture(params=ENGINES)

@@ -46,13 +46,9 @@ import tempfile
 import time
 
 import numpy as np
+from _shared_data import data_dir
 
-#: the shared datasets, read in place: $SWARMFS_DATA, ../shared/data, /work/shared/data
-DATA = next((pathlib.Path(d) for d in (os.environ.get("SWARMFS_DATA"),
-                                        pathlib.Path(__file__).resolve().parents[2] / "shared" / "data",
-                                        "/work/shared/data")
-             if d and (pathlib.Path(d) / "wikitext2_raw_test.raw").exists()),
-            pathlib.Path("/work/shared/data"))
+DATA = data_dir()
 TEXTS = {"wikitext2": DATA / "wikitext2_raw_test.raw", "gsm8k": DATA / "gsm8k_test.jsonl"}
 
 

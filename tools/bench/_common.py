@@ -59,9 +59,9 @@ REPO = TOOLS.parent
 if str(TOOLS) not in sys.path:          # for _testbed and bench_select (tools/)
     sys.path.insert(0, str(TOOLS))
 
-DATA = pathlib.Path(os.environ.get("SWARMFS_DATA", REPO.parent / "shared" / "data"))
-if not (DATA / "wikitext2_raw_test.raw").exists():
-    DATA = pathlib.Path("/work/shared/data")
+from _shared_data import data_dir  # noqa: E402  (tools/ is on sys.path now)
+
+DATA = data_dir()
 #: dataset name -> file in ../shared/data, in trace order
 DATASETS = {"wikitext2": "wikitext2_raw_test.raw",
             "shakespeare": "tinyshakespeare_input.txt",
@@ -825,6 +825,17 @@ class Ablation:
     S: int
     queries: int
     reps: int
+
+    def finish(self, figure: str, title: str, ceiling, variants: dict, ratios: dict, plot,
+               **extra) -> dict:
+        """Write the figure's JSON (``extra`` after the common fields) and plot."""
+        payload = {"figure": figure, "title": title, "tokens": self.S,
+                   "dataset": self.args.dataset, "ratio": self.args.ratio,
+                   "disks": self.disks.describe(), "queries": self.queries, "reps": self.reps,
+                   "ceiling": ceiling, "variants": variants, "ratios": ratios, **extra}
+        write_json(self.out, payload)
+        plot(payload, self.out)
+        return payload
 
 
 def ablation_setup(doc: str, name: str, argv=None) -> Ablation:

@@ -24,7 +24,7 @@ PAPER = {"medoid_only": 1.14, "no_replica": 1.33}     # SWARM's latency reductio
 
 def main(argv=None):
     ab = C.ablation_setup(__doc__, "fig12_clustering", argv)
-    a, trace, disks, out = ab.args, ab.trace, ab.disks, ab.out
+    a, trace, disks = ab.args, ab.trace, ab.disks
     start, S, nq, reps = ab.start, ab.S, ab.queries, ab.reps
     lays = {m: C.build_layout(m, trace, start, S, ratio=a.ratio)[0] for m in VARIANTS}
     for m, lay in lays.items():
@@ -46,13 +46,7 @@ def main(argv=None):
         print(f"  {m:12s} I/O {r['io_us_median'] / 1e3:7.2f} ms, read "
               f"{r['bytes_read_median'] / 1e6:7.2f} MB, recall {r['recall_mean']:.3f}, "
               f"err {r['rel_error_mean']:.3f}", file=sys.stderr)
-    payload = {"figure": "fig12", "title": "clustering ablations", "tokens": S,
-               "dataset": a.dataset, "ratio": a.ratio, "disks": disks.describe(),
-               "queries": nq, "reps": reps, "ceiling": ceil, "variants": res,
-               "ratios": rat, "paper": PAPER}
-    C.write_json(out, payload)
-    plot(payload, out)
-    return payload
+    return ab.finish("fig12", "clustering ablations", ceil, res, rat, plot, paper=PAPER)
 
 
 def plot(p, out):

@@ -25,7 +25,7 @@ LABELS = {"swarm": "SWARM (eq. 7)", "sequential": "No Cluster (sequential)",
 
 def main(argv=None):
     ab = C.ablation_setup(__doc__, "fig13_placement", argv)
-    a, trace, disks, out = ab.args, ab.trace, ab.disks, ab.out
+    a, trace, disks = ab.args, ab.trace, ab.disks
     start, S, nq, reps = ab.start, ab.S, ab.queries, ab.reps
     sw = C.build_layout("swarm", trace, start, S, ratio=a.ratio)[0]
     seq = C.build_layout("no_cluster", trace, start, S, group=64)[0]
@@ -49,13 +49,7 @@ def main(argv=None):
         print(f"  {n:12s} I/O {r['io_us_median'] / 1e3:7.2f} ms, "
               f"{r['read_gbps_median']:.3f} GB/s read, max/mean {r['max_mean_load_median']:.2f}, "
               f"{r['requests_median']:.0f} requests", file=sys.stderr)
-    payload = {"figure": "fig13", "title": "placement ablations", "tokens": S,
-               "dataset": a.dataset, "ratio": a.ratio, "disks": disks.describe(),
-               "queries": nq, "reps": reps, "ceiling": ceil, "variants": res, "ratios": rat,
-               "paper": PAPER}
-    C.write_json(out, payload)
-    plot(payload, out)
-    return payload
+    return ab.finish("fig13", "placement ablations", ceil, res, rat, plot, paper=PAPER)
 
 
 def plot(p, out):

@@ -29,7 +29,7 @@ PAPER = {"latency_ratio_mean": 2.57, "volume_ratio_mean": 1.24}
 
 def main(argv=None):
     ab = C.ablation_setup(__doc__, "fig14_retrieval", argv)
-    a, trace, disks, out = ab.args, ab.trace, ab.disks, ab.out
+    a, trace, disks = ab.args, ab.trace, ab.disks
     start, S, nq, reps = ab.start, ab.S, ab.queries, ab.reps
     sw = C.build_layout("swarm", trace, start, S, ratio=a.ratio)[0]
     ceil = C.ceilings(disks, a.smoke)
@@ -50,13 +50,8 @@ def main(argv=None):
         print(f"  {n:12s} I/O {r['io_us_median'] / 1e3:7.2f} ms, read "
               f"{r['bytes_read_median'] / 1e6:7.2f} MB, max/mean {r['max_mean_load_median']:.2f}",
               file=sys.stderr)
-    payload = {"figure": "fig14", "title": "retrieval ablations", "tokens": S,
-               "dataset": a.dataset, "ratio": a.ratio, "disks": disks.describe(),
-               "queries": nq, "reps": reps, "ceiling": ceil, "variants": res, "ratios": rat,
-               "summary": summary, "paper": PAPER}
-    C.write_json(out, payload)
-    plot(payload, out)
-    return payload
+    return ab.finish("fig14", "retrieval ablations", ceil, res, rat, plot, summary=summary,
+                     paper=PAPER)
 
 
 def plot(p, out):
