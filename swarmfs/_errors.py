@@ -30,6 +30,8 @@ __all__ = [
     "NotFoundError",
     "MountError",
     "ConfigError",
+    "InvalidArgumentError",
+    "InternalError",
 ]
 
 
@@ -164,6 +166,20 @@ class MountError(SwarmError, OSError):
 class ConfigError(SwarmError, ValueError):
     """Raised for an invalid option or environment setting (for example an
     unknown ``SWARMFS_ENGINE`` value).  Fix the setting; nothing was done."""
+
+
+class InvalidArgumentError(SwarmError, ValueError, TypeError):
+    """Raised by a public function for an argument of the wrong type, shape
+    or range (a negative count, a NaN ratio, a float where an integer is
+    required, ...).  It is both a ``ValueError`` and a ``TypeError``, so
+    callers catching either keep working.  Nothing was changed; fix the
+    argument."""
+
+
+class InternalError(SwarmError, RuntimeError):
+    """Raised when swarmfs itself broke an invariant (a bug, not the user's
+    input or a damaged store).  The CLI reports it with a traceback hint and
+    exit status 3; please report it."""
 
 
 # -- argument checks shared by the API (errors live here, with their checks) ---
