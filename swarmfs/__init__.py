@@ -20,6 +20,8 @@ from ._errors import DiskMismatchError as DiskMismatchError
 from ._errors import DiskMissingError as DiskMissingError
 from ._errors import DiskTruncatedError as DiskTruncatedError
 from ._errors import IOFailedError as IOFailedError
+from ._errors import InternalError as InternalError
+from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import LayoutError as LayoutError
 from ._errors import ManifestError as ManifestError
 from ._errors import MisalignedRequestError as MisalignedRequestError
