@@ -19,19 +19,88 @@ __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_ro
            "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum"]
 
 
+# -- argument checks (before C touches memory) ---------------------------------
+
+def _fail(msg: str):
+    raise InvalidArgumentError(msg)
+
+
+def _arr(x, what: str, *, writable: bool = False) -> np.ndarray:
+    """A C-contiguous numpy array (``writable`` when C writes into it)."""
+    if not isinstance(x, np.ndarray):
+        try:
+            x = np.asarray(x)
+        except (TypeError, ValueError) as exc:
+            _fail(f"{what} is not an array: {exc}")
+    if not x.flags.c_contiguous:
+        if writable:
+            _fail(f"{what} must be C-contiguous")
+        x = np.ascontiguousarray(x)
+    if writable and not x.flags.writeable:
+        _fail(f"{what} is read-only")
+    return x
+
+
+def _vec(x, dtype, what: str) -> np.ndarray:
+    """A 1-D integer array as ``dtype`` (refusing floats, bools and negatives
+    for unsigned types)."""
+    a = np.asarray(x)
+    if a.size == 0:
+        return np.empty(0, dtype=dtype)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        _fail(f"{what} must be a 1-D integer array, got {a.dtype} {a.shape}")
+    if np.dtype(dtype).kind == "u" and a.dtype.kind == "i" and a.min() < 0:
+        _fail(f"{what} holds a negative value")
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _floats(x, what: str) -> np.ndarray:
+    """A C-contiguous float32 array."""
+    try:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        _fail(f"{what} is not a float array: {exc}")
+
+
+def _native_failure(what: str, ret: int):
+    import errno
+    if -ret == errno.EINVAL:
+        _fail(f"{what}: {os.strerror(-ret)}")
+    from ._errors import InternalError
+    raise InternalError(f"{what} failed: {os.strerror(-ret)}")
+
+
+def _pos(x, what: str) -> int:
+    import numbers
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or int(x) <= 0:
+        _fail(f"{what} must be a positive integer, got {x!r}")
+    return int(x)
+
+
 # -- data kernels (vectorised, in C) --------------------------------------
 
 def gather_rows(src: np.ndarray, src_off: np.ndarray, row: int,
                 out: np.ndarray | None = None) -> np.ndarray:
     """Copy ``n`` rows of ``row`` bytes from byte offsets ``src_off`` of the
-    uint8 buffer ``src`` into a new (or given) uint8 [n, row] array."""
-    src_off = np.ascontiguousarray(src_off, dtype=np.uint64)
+    uint8 buffer ``src`` into a new (or given) uint8 [n, row] array.
+
+    Raises:
+        InvalidArgumentError: a row outside ``src`` or an ``out`` that does
+            not hold n rows.
+    """
+    row = _pos(row, "row")
+    src = _arr(src, "src")
+    src_off = _vec(src_off, np.uint64, "src_off")
     n = src_off.shape[0]
     if out is None:
         out = np.empty((n, row), dtype=np.uint8)
+    else:
+        out = _arr(out, "out", writable=True)
+        if out.nbytes != n * row:
+            _fail(f"out holds {out.nbytes} bytes, not {n} rows of {row}")
     if n:
         if int(src_off.max()) + row > src.nbytes:
-            raise InvalidArgumentError("gather outside the source buffer")
+            _fail("gather outside the source buffer")
         lib.se_gather_rows(ffi.from_buffer("char[]", out, require_writable=True),
                            ffi.from_buffer("char[]", src),
                            ffi.from_buffer("uint64_t[]", src_off), n, row)
@@ -41,23 +110,35 @@ def gather_rows(src: np.ndarray, src_off: np.ndarray, row: int,
 def scatter_rows(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray,
                  src_row: np.ndarray, row: int) -> None:
     """``dst[dst_off[i]:+row] = src_rows[src_row[i]]`` for the uint8 buffer
-    ``dst`` and the C-contiguous row array ``src`` (rows of ``row`` bytes)."""
-    dst_off = np.ascontiguousarray(dst_off, dtype=np.uint64)
-    src_row = np.ascontiguousarray(src_row, dtype=np.int64)
+    ``dst`` and the C-contiguous row array ``src`` (rows of ``row`` bytes).
+
+    Raises:
+        InvalidArgumentError: a row outside a buffer, or arrays of different
+            lengths.
+    """
+    row = _pos(row, "row")
+    dst = _arr(dst, "dst", writable=True)
+    src = _arr(src, "src")
+    dst_off = _vec(dst_off, np.uint64, "dst_off")
+    src_row = _vec(src_row, np.int64, "src_row")
     n = dst_off.shape[0]
+    if src_row.shape[0] != n:
+        _fail(f"{n} destinations but {src_row.shape[0]} source rows")
     if not n:
         return
-    if int(dst_off.max()) + row > dst.nbytes or int(src_row.max()) * row + row > src.nbytes:
-        raise InvalidArgumentError("scatter outside a buffer")
+    if int(dst_off.max()) + row > dst.nbytes or src_row.min() < 0 or \
+            int(src_row.max()) * row + row > src.nbytes:
+        _fail("scatter outside a buffer")
     lib.se_scatter_rows(ffi.from_buffer("char[]", dst, require_writable=True),
                         ffi.from_buffer("uint64_t[]", dst_off),
-                        ffi.from_buffer("char[]", np.ascontiguousarray(src)),
+                        ffi.from_buffer("char[]", src),
                         ffi.from_buffer("int64_t[]", src_row), n, row)
 
 
 def xxh3_rows(buf: np.ndarray, row: int) -> np.ndarray:
     """XXH3-64 of each ``row``-byte row of a C-contiguous buffer: uint64 [n]."""
-    buf = np.ascontiguousarray(buf)
+    row = _pos(row, "row")
+    buf = _arr(buf, "buf")
     n = buf.nbytes // row
     out = np.empty(n, dtype=np.uint64)
     if n:
@@ -68,13 +149,16 @@ def xxh3_rows(buf: np.ndarray, row: int) -> np.ndarray:
 
 def xxh3_ranges(buf: np.ndarray, off: np.ndarray, length: np.ndarray) -> np.ndarray:
     """XXH3-64 of each byte range ``buf[off[i]:off[i]+length[i]]``: uint64 [n]."""
-    off = np.ascontiguousarray(off, dtype=np.uint64)
-    length = np.ascontiguousarray(length, dtype=np.uint64)
+    buf = _arr(buf, "buf")
+    off = _vec(off, np.uint64, "off")
+    length = _vec(length, np.uint64, "length")
     n = off.shape[0]
+    if length.shape[0] != n:
+        _fail(f"{n} offsets but {length.shape[0]} lengths")
     out = np.empty(n, dtype=np.uint64)
     if n:
-        if int((off + length).max()) > buf.nbytes:
-            raise InvalidArgumentError("checksum range outside the buffer")
+        if int((off + length).max()) > buf.nbytes or (off + length < off).any():
+            _fail("checksum range outside the buffer")
         lib.se_xxh3_ranges(ffi.from_buffer("char[]", buf),
                            ffi.from_buffer("uint64_t[]", off),
                            ffi.from_buffer("uint64_t[]", length), n,
@@ -84,12 +168,24 @@ def xxh3_ranges(buf: np.ndarray, off: np.ndarray, length: np.ndarray) -> np.ndar
 
 def verify_rows(buf: np.ndarray, off: np.ndarray, row: int,
                 expected: np.ndarray) -> np.ndarray:
-    """Indices i where XXH3-64(buf[off[i]:+row]) != expected[i] (int64 array)."""
-    off = np.ascontiguousarray(off, dtype=np.uint64)
-    expected = np.ascontiguousarray(expected, dtype=np.uint64)
+    """Indices i where XXH3-64(buf[off[i]:+row]) != expected[i] (int64 array).
+
+    Raises:
+        InvalidArgumentError: a row outside ``buf`` or ``expected`` of
+            another length.
+    """
+    row = _pos(row, "row")
+    buf = _arr(buf, "buf")
+    off = _vec(off, np.uint64, "off")
+    expected = _vec(expected, np.uint64, "expected") if np.asarray(expected).dtype.kind != "u" \
+        else np.ascontiguousarray(expected, dtype=np.uint64).reshape(-1)
     n = off.shape[0]
+    if expected.shape[0] != n:
+        _fail(f"{n} rows but {expected.shape[0]} checksums")
     if not n:
         return np.empty(0, dtype=np.int64)
+    if int(off.max()) + row > buf.nbytes:
+        _fail("verify outside the buffer")
     bad = np.empty(min(n, 1024), dtype=np.int64)
     nbad = lib.se_verify_rows(ffi.from_buffer("char[]", buf),
                               ffi.from_buffer("uint64_t[]", off), n, row,
@@ -112,11 +208,19 @@ def assign_buckets(ptr: np.ndarray, cdisk: np.ndarray, ndisks: int,
     Returns:
         (choice int64 [n] chosen copy per entry, load int64 [ndisks]).
     """
-    ptr = np.ascontiguousarray(ptr, dtype=np.int64)
-    cdisk = np.ascontiguousarray(cdisk, dtype=np.int32)
+    ndisks = _pos(ndisks, "ndisks")
+    ptr = _vec(ptr, np.int64, "ptr")
+    cdisk = _vec(cdisk, np.int32, "cdisk")
     if load is None:
         load = np.zeros(ndisks, dtype=np.int64)
+    elif not isinstance(load, np.ndarray) or load.dtype != np.int64 or \
+            load.shape != (ndisks,) or not load.flags.c_contiguous or not load.flags.writeable:
+        _fail(f"load must be a writable int64 [{ndisks}] array")
     n = ptr.shape[0] - 1
+    if n < 0 or ptr[0] != 0 or ptr[-1] != cdisk.shape[0] or (np.diff(ptr) < 1).any():
+        _fail("ptr must start at 0, grow by at least 1 and end at len(cdisk)")
+    if cdisk.size and (cdisk.min() < 0 or cdisk.max() >= ndisks):
+        _fail(f"a copy's disk is outside [0, {ndisks})")
     choice = np.empty(n, dtype=np.int64)
     if n > 0:
         lib.se_assign_buckets(n, ffi.from_buffer("int64_t[]", ptr),
@@ -143,15 +247,14 @@ def gemv_half(m: np.ndarray, q: np.ndarray, *, bf16: bool, col0: int = 0,
         float32 [B, rows]: ``q @ m[:, col0:col0+cols].T`` accumulated in fp32
         (AVX-512 or AVX2+F16C when the CPU has them).
     """
-    if not m.flags.c_contiguous:
-        m = np.ascontiguousarray(m)
-    q = np.ascontiguousarray(q, dtype=np.float32)
+    m = _arr(m, "m")
+    q = _floats(q, "q")
+    if m.ndim != 2 or m.itemsize != 2:
+        _fail(f"gemv_half: rows must be 2-D 2-byte floats, got {m.shape} {m.dtype}")
     rows, width = m.shape
     cols = width - col0 if cols is None else int(cols)
-    if m.itemsize != 2 or q.ndim != 2 or q.shape[1] != cols or col0 < 0 or \
-            col0 + cols > width:
-        raise InvalidArgumentError(f"gemv_half: rows {m.shape} {m.dtype} and queries {q.shape} "
-                         "do not match")
+    if q.ndim != 2 or q.shape[1] != cols or col0 < 0 or col0 + cols > width:
+        _fail(f"gemv_half: rows {m.shape} {m.dtype} and queries {q.shape} do not match")
     out = np.empty((q.shape[0], rows), dtype=np.float32)
     if rows:
         base = ffi.cast("uint16_t *", ffi.from_buffer("uint16_t[]", m.view(np.uint16))) + col0
@@ -159,7 +262,7 @@ def gemv_half(m: np.ndarray, q: np.ndarray, *, bf16: bool, col0: int = 0,
                                ffi.from_buffer("float[]", q), q.shape[0],
                                ffi.from_buffer("float[]", out, require_writable=True))
         if ret < 0:
-            raise InvalidArgumentError(f"gemv_half failed: {os.strerror(-ret)}")
+            _native_failure("gemv_half", ret)
     return out
 
 
@@ -174,14 +277,15 @@ def head_logits_half(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *,
     Returns:
         float32 [B, H_q, rows] of q_h . m[:, g(h)] (fp32 accumulation).
     """
-    if not m.flags.c_contiguous:
-        m = np.ascontiguousarray(m)
-    q = np.ascontiguousarray(q, dtype=np.float32)
+    m = _arr(m, "m")
+    q = _floats(q, "q")
+    num_kv_heads = _pos(num_kv_heads, "num_kv_heads")
+    if m.ndim != 2 or m.itemsize != 2 or q.ndim != 3 or \
+            m.shape[1] != num_kv_heads * q.shape[2] or q.shape[1] % num_kv_heads:
+        _fail(f"head_logits: rows {m.shape} {m.dtype} and queries {q.shape} do not match "
+              f"{num_kv_heads} KV heads")
     B, Hq, d = q.shape
     rows = m.shape[0]
-    if m.itemsize != 2 or m.shape[1] != num_kv_heads * d or Hq % num_kv_heads:
-        raise InvalidArgumentError(f"head_logits: rows {m.shape} and queries {q.shape} do not match "
-                         f"{num_kv_heads} KV heads")
     out = np.empty((B, Hq, rows), dtype=np.float32)
     if rows:
         ret = lib.se_head_logits(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), rows,
@@ -189,19 +293,25 @@ def head_logits_half(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *,
                                  ffi.from_buffer("float[]", q), B, Hq,
                                  ffi.from_buffer("float[]", out, require_writable=True))
         if ret < 0:
-            raise InvalidArgumentError(f"head_logits failed: {os.strerror(-ret)}")
+            _native_failure("head_logits", ret)
     return out
 
 
 def softmax_sum(x: np.ndarray, scale: float) -> np.ndarray:
     """Sum over rows of softmax(scale * row): float32 [n] for x float32 [nh, n]
     (C, vectorised exp)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = _floats(x, "x")
+    if x.ndim != 2:
+        _fail(f"softmax_sum: x must be 2-D, got {x.shape}")
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        _fail(f"softmax_sum: scale {scale!r} is not a number")
     nh, n = x.shape
     out = np.zeros(n, dtype=np.float32)
     if nh and n:
-        ret = lib.se_softmax_sum(ffi.from_buffer("float[]", x), nh, n, float(scale),
+        ret = lib.se_softmax_sum(ffi.from_buffer("float[]", x), nh, n, scale,
                                  ffi.from_buffer("float[]", out, require_writable=True))
         if ret < 0:
-            raise InvalidArgumentError(f"softmax_sum failed: {os.strerror(-ret)}")
+            _native_failure("softmax_sum", ret)
     return out

@@ -26,8 +26,8 @@ import dataclasses
 
 import numpy as np
 
-from ._engine import assign_buckets
-from ._errors import ConfigError
+from ._errors import ConfigError, InvalidArgumentError
+from ._kernels import assign_buckets
 
 __all__ = ["Plan", "plan_reads", "POLICIES", "MAX_REQUEST"]
 
@@ -83,6 +83,31 @@ class Plan:
         """Max over mean of per-disk bytes (1.0 = perfect balance)."""
         b = self.disk_bytes
         return float(b.max() / b.mean()) if b.size and b.sum() else 1.0
+
+
+def _positive(x, what: str, *, zero: bool = False) -> int:
+    import numbers
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < (0 if zero else 1):
+        raise InvalidArgumentError(f"{what} must be an integer >= {0 if zero else 1}, "
+                                   f"got {x!r}")
+    return int(x)
+
+
+def _ints(x, dtype, what: str) -> np.ndarray:
+    """A 1-D integer array as ``dtype`` (floats, bools, negatives for
+    unsigned types refused)."""
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"{what} is not an array: {exc}") from None
+    if a.size == 0 and a.ndim <= 1:
+        return np.empty(0, dtype=dtype)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"{what} must be a 1-D integer array, got {a.dtype} "
+                                   f"{a.shape}")
+    if np.dtype(dtype).kind == "u" and a.dtype.kind == "i" and a.min() < 0:
+        raise InvalidArgumentError(f"{what} holds a negative value")
+    return a.astype(dtype, copy=False)
 
 
 def _choose_copies(tok: np.ndarray, cdisk: np.ndarray, ndisks: int, policy: str):
@@ -146,19 +171,33 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
         A :class:`Plan`.
 
     Raises:
-        ValueError: on inconsistent inputs or an unknown policy.
+        InvalidArgumentError: inconsistent or out-of-range inputs.
+        ConfigError: an unknown policy.
     """
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; use one of {POLICIES}")
-    tok = np.asarray(tok, dtype=np.int64)
-    cdisk = np.asarray(cdisk, dtype=np.int32)
-    coff = np.asarray(coff, dtype=np.uint64)
-    if not (tok.shape == cdisk.shape == coff.shape) or tok.ndim != 1:
-        raise ValueError("tok, cdisk and coff must be 1-D arrays of one length")
+    ndisks = _positive(ndisks, "ndisks")
+    entry_bytes = _positive(entry_bytes, "entry_bytes")
+    block_size = _positive(block_size, "block_size")
+    max_gap = _positive(max_gap, "max_gap", zero=True)
+    max_request = _positive(max_request, "max_request")
+    tok = _ints(tok, np.int64, "tok")
+    cdisk = _ints(cdisk, np.int64, "cdisk")
+    coff = _ints(coff, np.uint64, "coff")
+    if not (tok.shape == cdisk.shape == coff.shape):
+        raise InvalidArgumentError("tok, cdisk and coff must be 1-D arrays of one length")
     if tok.size and (tok.min() < 0 or tok.max() >= 2**31 or tok.shape[0] >= 2**32):
-        raise ValueError("token ids must be in [0, 2**31) and candidates fewer than 2**32")
-    if block_size <= 0 or block_size & (block_size - 1):
-        raise ValueError("block_size must be a power of two")
+        raise InvalidArgumentError("token ids must be in [0, 2**31) and candidates fewer "
+                                   "than 2**32")
+    if cdisk.size and (cdisk.min() < 0 or cdisk.max() >= ndisks):
+        raise InvalidArgumentError(f"a candidate's disk is outside [0, {ndisks})")
+    if ndisks >= 1 << 12:
+        raise InvalidArgumentError(f"at most 4095 disks, got {ndisks}")
+    cdisk = cdisk.astype(np.int32)
+    if coff.size and int(coff.max()) >= 1 << 52:
+        raise InvalidArgumentError("a candidate's offset is at or beyond 2**52 bytes")
+    if block_size & (block_size - 1):
+        raise InvalidArgumentError(f"block_size must be a power of two, got {block_size}")
     E = int(entry_bytes)
     zeros = np.zeros(ndisks, dtype=np.int64)
     if tok.shape[0] == 0:

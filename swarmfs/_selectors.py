@@ -32,7 +32,7 @@ import dataclasses
 
 import numpy as np
 
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, NotFoundError
 
 __all__ = ["MedoidSelector", "VectorSelector", "MultiVectorSelector", "BoundSelector",
            "TokenSelector", "Selection", "select_clusters", "window_size", "group_queries",
@@ -233,6 +233,15 @@ def _select(scores, ptr, members, S: int, budget: int, w: int) -> Selection:
         k = min(C, 2 * k)
 
 
+def _of_layer(table: dict, layer, what: str):
+    """``table[layer]``, or NotFoundError naming the layer."""
+    try:
+        return table[layer]
+    except (KeyError, TypeError):
+        raise NotFoundError(f"the {what} has no index for layer {layer!r}",
+                            layer=layer) from None
+
+
 def _gemv(m: np.ndarray, q: np.ndarray) -> np.ndarray:
     """Dot-product scores with the GQA groups summed: [B, rows]."""
     if q.ndim == 2:                          # already [B, H_kv*d]
@@ -329,10 +338,10 @@ class VectorSelector:
         self.name = name
 
     def scores(self, layer, q):
-        return _gemv(self.vectors[layer], q)
+        return _gemv(_of_layer(self.vectors, layer, self.name), q)
 
     def dram_bytes(self, layer):
-        return int(self.vectors[layer].nbytes)
+        return int(_of_layer(self.vectors, layer, self.name).nbytes)
 
 
 class MultiVectorSelector:
@@ -346,12 +355,12 @@ class MultiVectorSelector:
         self.name = name
 
     def scores(self, layer, q):
-        r = self.reps[layer]
+        r = _of_layer(self.reps, layer, self.name)
         C, R, D = r.shape
         return _gemv(r.reshape(C * R, D), q).reshape(q.shape[0], C, R).max(axis=2)
 
     def dram_bytes(self, layer):
-        return int(self.reps[layer].nbytes)
+        return int(_of_layer(self.reps, layer, self.name).nbytes)
 
 
 class BoundSelector:
@@ -367,7 +376,7 @@ class BoundSelector:
                        for k, (lo, hi) in bounds.items()}
 
     def scores(self, layer, q):
-        lo, hi = self.bounds[layer]
+        lo, hi = _of_layer(self.bounds, layer, self.name)
         qg = np.asarray(q, np.float32) if q.ndim == 2 else \
             group_queries(q, lo.shape[1] // q.shape[-1])
         pos = np.maximum(qg, 0)
@@ -376,7 +385,7 @@ class BoundSelector:
         return (pos @ hi.T + neg @ lo.T).astype(np.float32)
 
     def dram_bytes(self, layer):
-        lo, hi = self.bounds[layer]
+        lo, hi = _of_layer(self.bounds, layer, self.name)
         return int(lo.nbytes + hi.nbytes)
 
 
@@ -391,7 +400,7 @@ class TokenSelector:
         self.keys = {k: np.ascontiguousarray(v) for k, v in keys.items()}
 
     def scores(self, layer, q):
-        return _gemv(self.keys[layer], q)
+        return _gemv(_of_layer(self.keys, layer, self.name), q)
 
     def dram_bytes(self, layer):
-        return int(self.keys[layer].nbytes)
+        return int(_of_layer(self.keys, layer, self.name).nbytes)

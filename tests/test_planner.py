@@ -147,3 +147,21 @@ def test_bad_arguments():
         plan_reads([0], [0, 1], [0], ndisks=1, entry_bytes=512, block_size=512)
     empty = plan_reads([], [], [], ndisks=2, entry_bytes=512, block_size=512)
     assert empty.num_requests == 0 and empty.staging_bytes == 0
+
+
+def test_bad_plan_arguments_are_invalid_argument_errors():
+    from swarmfs._errors import InvalidArgumentError
+    ok = dict(ndisks=2, entry_bytes=64, block_size=512)
+    tok, disk, off = np.array([0, 1]), np.array([0, 1]), np.array([0, 64], np.uint64)
+    for args, kw in (((tok, disk, off[:1]), {}),                            # lengths
+                     ((tok, np.array([0, 2]), off), {}),                     # disk 2 of 2
+                     ((tok, np.array([0, -1]), off), {}),
+                     ((tok, disk, np.array([0, -64])), {}),                  # negative offset
+                     ((np.array([0.0, 1.0]), disk, off), {}),                # float tokens
+                     ((tok, disk, off), {"block_size": 300}),
+                     ((tok, disk, off), {"ndisks": 0}),
+                     ((tok, disk, off), {"entry_bytes": 1.5}),
+                     ((tok, disk, off), {"max_request": 0}),
+                     ((tok, disk, off), {"max_gap": -1})):
+        with pytest.raises(InvalidArgumentError):
+            plan_reads(*args, **{**ok, **kw})
