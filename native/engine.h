@@ -130,4 +130,40 @@ int se_head_logits(const uint16_t *m, int64_t rows, int64_t num_kv_heads, int64_
  * AVX-512.  Returns 0 or -EINVAL. */
 int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *out);
 
+/* Kernel paths of the scoring kernels (gemv, head logits, softmax sums, fused
+ * selection), chosen at run time from the CPU's features: */
+#define SE_PATH_AUTO 0
+#define SE_PATH_SCALAR 1
+#define SE_PATH_AVX2 2
+#define SE_PATH_AVX512 3
+#define SE_PATH_NEON 4
+/* The path the kernels use now. */
+int se_kernel_path(void);
+/* Force a path (SE_PATH_AUTO: back to the best the CPU has), for benchmarks
+ * and tests; process-wide.  Returns the path now used, or -ENOTSUP when this
+ * CPU (or this build) lacks it. */
+int se_set_kernel_path(int path);
+
+/* Cluster choice (SWARM 5.2, eq. 8): clusters in descending score (ties: lower
+ * id; NaN lowest) until the union of the window (the last w of S tokens) and
+ * the chosen clusters' members (CSR ptr [C+1], members) holds budget distinct
+ * entries (capped at S).  Partial: a quickselect threshold and a radix sort of
+ * the clusters above it, a bitmap of seen tokens, no full sort.  Writes the
+ * chosen ids to out [C] in order and the distinct entries to *entries;
+ * returns how many were chosen, or -EINVAL / -ENOMEM. */
+int64_t se_choose_clusters(const float *scores, int64_t C, const int64_t *ptr,
+                           const int32_t *members, int64_t S, int64_t budget, int64_t w,
+                           int64_t *out, int64_t *entries);
+
+/* Medoid scoring and cluster choice in one call: m [C, H * d] (fp16 kind 1 /
+ * bf16 kind 2), one query q float32 [Hq, d]; score 0 = "prob" (per-head
+ * softmax of scale * logits, summed over heads), 1 = "logit" (GQA-summed
+ * query, scaled).  work: float32 [C * (Hq + 1)] scratch (scores in its first
+ * C).  Then se_choose_clusters.  Returns as se_choose_clusters. */
+int64_t se_select_fused(const uint16_t *m, int64_t C, int64_t H, int64_t d, int kind,
+                        const float *q, int64_t Hq, float scale, int score,
+                        const int64_t *ptr, const int32_t *members, int64_t S,
+                        int64_t budget, int64_t w, float *work, int64_t *out,
+                        int64_t *entries);
+
 #endif

@@ -1,6 +1,9 @@
 """Native data kernels (``native/kernels.c``): gather/scatter of entry rows,
-XXH3-64 checksums, the §6.1 entry-bucket assignment, and the medoid-scoring
-kernels (fp16/bf16 GEMV, per-head logits, softmax sums).
+XXH3-64 checksums, the §6.1 entry-bucket assignment, the medoid-scoring
+kernels (fp16/bf16 GEMV, per-head logits, softmax sums) and the cluster choice,
+alone or fused with the scoring.  The scoring kernels have AVX-512, AVX2 + FMA +
+F16C, NEON (aarch64) and scalar paths, chosen at run time from the CPU's
+features; :func:`set_kernel_path` (or ``SWARMFS_KERNEL_PATH``) forces one.
 
 Each wrapper checks its arguments before C touches memory and raises only
 :class:`~swarmfs.InvalidArgumentError` for bad ones.
@@ -16,7 +19,9 @@ from ._errors import InvalidArgumentError
 from ._native import ffi, lib
 
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
-           "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum"]
+           "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum",
+           "choose_clusters", "select_fused", "kernel_path", "set_kernel_path",
+           "supported_paths", "cpu_flags", "KERNEL_PATHS"]
 
 
 # -- argument checks (before C touches memory) ---------------------------------
@@ -315,3 +320,142 @@ def softmax_sum(x: np.ndarray, scale: float) -> np.ndarray:
         if ret < 0:
             _native_failure("softmax_sum", ret)
     return out
+
+
+# -- kernel paths (run-time CPU dispatch) ------------------------------------------
+
+#: Scoring-kernel paths by name (``native/engine.h`` SE_PATH_*).
+KERNEL_PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "neon": 4}
+_PATH_NAMES = {v: k for k, v in KERNEL_PATHS.items()}
+_forced = "auto"
+
+
+def kernel_path() -> str:
+    """The path the scoring kernels use now: ``"avx512"`` (AVX-512F/DQ),
+    ``"avx2"`` (AVX2 + FMA + F16C), ``"neon"`` (aarch64) or ``"scalar"``."""
+    return _PATH_NAMES[int(lib.se_kernel_path())]
+
+
+def supported_paths() -> list[str]:
+    """Every path this CPU and build can run (the scalar reference first)."""
+    out = []
+    for name in ("scalar", "avx2", "avx512", "neon"):
+        if lib.se_set_kernel_path(KERNEL_PATHS[name]) >= 0:
+            out.append(name)
+    lib.se_set_kernel_path(KERNEL_PATHS[_forced])
+    return out
+
+
+def set_kernel_path(name: str) -> str:
+    """Force a scoring-kernel path (process-wide; for benchmarks and tests),
+    or ``"auto"`` for the best this CPU has.  ``SWARMFS_KERNEL_PATH=avx2``
+    (etc.) does the same at import.
+
+    Returns:
+        The path now used.
+
+    Raises:
+        InvalidArgumentError: an unknown name, or a path this CPU lacks.
+    """
+    code = KERNEL_PATHS.get(name) if isinstance(name, str) else None
+    if code is None:
+        _fail(f"unknown kernel path {name!r}; use one of {sorted(KERNEL_PATHS)}")
+    global _forced
+    ret = lib.se_set_kernel_path(code)
+    if ret < 0:
+        _fail(f"this CPU cannot run the {name} kernel path (supported: "
+              f"{', '.join(supported_paths())})")
+    _forced = name
+    return _PATH_NAMES[int(ret)]
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD features of this CPU that the kernels care about (from
+    /proc/cpuinfo; empty where it is unreadable)."""
+    want = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
+            "avx2", "fma", "f16c", "asimd", "fphp", "asimdhp", "sve")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return [x for x in want if x in have]
+    except OSError:
+        pass
+    return []
+
+
+if os.environ.get("SWARMFS_KERNEL_PATH"):
+    set_kernel_path(os.environ["SWARMFS_KERNEL_PATH"])
+
+
+# -- cluster choice (SWARM §5.2, eq. 8) --------------------------------------------
+
+def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
+                    num_tokens: int, budget: int, window: int) -> tuple[np.ndarray, int]:
+    """Clusters by descending score until window + clusters hold ``budget``
+    distinct entries, in C (``se_choose_clusters``; the rule is documented at
+    :func:`swarmfs._selectors.select_clusters`, which checks the arguments).
+    Scores are compared as float32.
+
+    Returns:
+        (int64 [c] cluster ids best first, distinct entries).
+    """
+    sc = np.ascontiguousarray(scores, dtype=np.float32)
+    ptr = np.ascontiguousarray(ptr, dtype=np.int64)
+    members = np.ascontiguousarray(members, dtype=np.int32)
+    C = sc.shape[0]
+    out = np.empty(max(C, 1), dtype=np.int64)
+    ent = ffi.new("int64_t *")
+    n = lib.se_choose_clusters(ffi.from_buffer("float[]", sc), C,
+                               ffi.from_buffer("int64_t[]", ptr),
+                               ffi.from_buffer("int32_t[]", members), int(num_tokens),
+                               int(budget), int(window),
+                               ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
+    if n < 0:
+        _native_failure("choose_clusters", n)
+    return out[:n].copy(), int(ent[0])
+
+
+def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: float,
+                 score: str, bf16: bool, ptr: np.ndarray, members: np.ndarray,
+                 num_tokens: int, budget: int, window: int) -> tuple[np.ndarray, int]:
+    """Score one query against the fp16/bf16 medoid index and choose clusters,
+    in one native call (``se_select_fused``): per-head logits (or the
+    GQA-summed logit), softmax sums, then :func:`choose_clusters`'s rule.
+
+    Args:
+        m: C-contiguous [C, H_kv * d] 2-byte floats (the medoid keys).
+        q: float32 [H_q, d] one query.
+        score: ``"prob"`` or ``"logit"`` (see ``MedoidSelector``).
+
+    Returns:
+        (int64 [c] cluster ids best first, distinct entries).
+    """
+    if m.ndim != 2 or m.itemsize != 2 or not m.flags.c_contiguous:
+        _fail(f"select_fused: medoids must be C-contiguous 2-byte [C, H*d], got {m.shape}")
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    H = int(num_kv_heads)
+    if q.ndim != 2 or m.shape[1] != H * q.shape[1] or q.shape[0] % H:
+        _fail(f"select_fused: query {q.shape} does not match medoids {m.shape} "
+              f"with {H} KV heads")
+    Hq, d = q.shape
+    C = m.shape[0]
+    ptr = np.ascontiguousarray(ptr, dtype=np.int64)
+    members = np.ascontiguousarray(members, dtype=np.int32)
+    if ptr.shape != (C + 1,):
+        _fail(f"select_fused: {ptr.shape[0]} cluster pointers for {C} medoids")
+    work = np.empty(C * (Hq + 1) + 1, dtype=np.float32)
+    out = np.empty(max(C, 1), dtype=np.int64)
+    ent = ffi.new("int64_t *")
+    n = lib.se_select_fused(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), C, H, d,
+                            2 if bf16 else 1, ffi.from_buffer("float[]", q), Hq, float(scale),
+                            0 if score == "prob" else 1,
+                            ffi.from_buffer("int64_t[]", ptr),
+                            ffi.from_buffer("int32_t[]", members),
+                            int(num_tokens), int(budget), int(window),
+                            ffi.from_buffer("float[]", work, require_writable=True),
+                            ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
+    if n < 0:
+        _native_failure("select_fused", n)
+    return out[:n].copy(), int(ent[0])

@@ -33,7 +33,8 @@ class RetrievalStats:
     """What one :meth:`Retriever.retrieve` call cost.
 
     Attributes:
-        score_us: medoid scoring (µs).
+        score_us: scoring (µs); 0 when scoring and choice run fused in one
+            native pass (SWARM's fp16/bf16 medoid index), counted in select_us.
         select_us: cluster choice in score order until the budget (µs).
         plan_us: union, dedup (eq. 8), DRAM filter, entry buckets, coalescing (µs).
         io_us: the batched read, incl. checksum verification (µs).
@@ -467,15 +468,25 @@ class Retriever:
         if not 0 < total_budget <= S:
             raise E.LayoutError(f"entry budget {total_budget} outside [1, {S}]",
                                 store=self.store.path, layer=layer)
-        scores = self.selector.scores(layer, self.queries(q))
-        t1 = time.perf_counter()
+        qf = self.queries(q)
         window = st.window[st.window.shape[0] -
                            window_size(st.window.shape[0], total_budget, S):]
-        if self.selector.kind == "tokens":
-            copies, clusters = self._select_tokens(li, scores, window, total_budget)
-        else:
-            clusters = self._select(st, scores, total_budget, window.shape[0])
+        fused = getattr(self.selector, "select", None)
+        if fused is not None and self.selector.kind == "clusters":
+            t1 = time.perf_counter()           # scoring and choice in one native pass
+            sel = [x.clusters for x in fused(layer, qf, budget=total_budget,
+                                             window=window.shape[0], li=li)]
+            clusters = np.unique(np.concatenate(sel)) if len(sel) > 1 else sel[0]
             copies = li.cluster_copies(clusters)
+        else:
+            scores = self.selector.scores(layer, qf, li) \
+                if isinstance(self.selector, MedoidSelector) else self.selector.scores(layer, qf)
+            t1 = time.perf_counter()
+            if self.selector.kind == "tokens":
+                copies, clusters = self._select_tokens(li, scores, window, total_budget)
+            else:
+                clusters = self._select(st, scores, total_budget, window.shape[0])
+                copies = li.cluster_copies(clusters)
         t2 = time.perf_counter()
         toks = li.members[copies]
         ssd, dram_toks, dram_rows = st.take_resident(toks, window)

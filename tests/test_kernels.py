@@ -60,3 +60,65 @@ def test_kernels_compute_what_they_say(rng):
     e = np.exp(2 * x - (2 * x).max(axis=1, keepdims=True))
     assert np.allclose(softmax_sum(x, 2.0), (e / e.sum(axis=1, keepdims=True)).sum(0),
                        atol=1e-5)
+
+
+# -- every kernel path against the scalar reference --------------------------------
+
+@pytest.fixture
+def each_path():
+    from swarmfs._kernels import set_kernel_path, supported_paths
+    paths = supported_paths()
+    assert paths[0] == "scalar"
+    yield paths
+    set_kernel_path("auto")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_every_path_matches_the_scalar_reference(each_path, rng, bf16):
+    import ml_dtypes
+
+    from swarmfs._kernels import choose_clusters, kernel_path, select_fused, set_kernel_path
+    H, Hq, d, C = 4, 16, 40, 301                 # d not a multiple of 16: tails too
+    dt = ml_dtypes.bfloat16 if bf16 else np.float16
+    m = rng.standard_normal((C, H * d)).astype(np.float32).astype(dt)
+    q = rng.standard_normal((Hq, d)).astype(np.float32)
+    sizes = rng.integers(1, 9, C)
+    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    S = int(ptr[-1])
+    members = rng.permutation(S).astype(np.int32)
+    results = {}
+    for path in each_path:
+        assert set_kernel_path(path) == path == kernel_path()
+        lg = head_logits_half(m, q[None], H, bf16=bf16)[0]
+        g = gemv_half(m, q.reshape(H, Hq // H, d).sum(1).reshape(1, -1), bf16=bf16)
+        sm = softmax_sum(lg, d ** -0.5)
+        fused = {s: select_fused(m, q, H, scale=d ** -0.5, score=s, bf16=bf16, ptr=ptr,
+                                 members=members, num_tokens=S, budget=S // 5, window=7)
+                 for s in ("prob", "logit")}
+        # the fused pass chooses what the separate kernels' scores choose
+        assert fused["prob"][0].tolist() == choose_clusters(
+            sm, ptr, members, num_tokens=S, budget=S // 5, window=7)[0].tolist()
+        results[path] = (lg, g, sm, fused)
+    ref = results["scalar"]
+    exact = m.astype(np.float32)
+    want_lg = np.stack([exact[:, (h // (Hq // H)) * d:(h // (Hq // H) + 1) * d] @ q[h]
+                        for h in range(Hq)])
+    for path, (lg, g, sm, fused) in results.items():
+        assert np.allclose(lg, want_lg, rtol=1e-4, atol=1e-3), path
+        assert np.allclose(lg, ref[0], rtol=1e-5, atol=1e-4), path
+        assert np.allclose(g, ref[1], rtol=1e-5, atol=1e-3), path
+        assert np.allclose(sm, ref[2], rtol=1e-5, atol=1e-6), path
+        for s in ("prob", "logit"):
+            a, b = fused[s][0], ref[3][s][0]
+            # near-equal scores may swap places between paths; the sets agree
+            assert len(set(a.tolist()) ^ set(b.tolist())) <= 2, (path, s)
+
+
+def test_forcing_an_unknown_or_missing_path_is_refused(each_path):
+    from swarmfs._kernels import set_kernel_path
+    with pytest.raises(InvalidArgumentError):
+        set_kernel_path("sse9")
+    missing = [p for p in ("avx2", "avx512", "neon") if p not in each_path]
+    for p in missing:
+        with pytest.raises(InvalidArgumentError):
+            set_kernel_path(p)
