@@ -220,7 +220,7 @@ def test_fallback_when_io_uring_is_unavailable(disks, monkeypatch, err, rng):
     _, data, fds = disks
     code = getattr(errno, err)
     monkeypatch.setattr(eng_mod, "_uring_open", lambda *a: -code)
-    monkeypatch.setattr(eng_mod, "_warned_fallback", False)
+    monkeypatch.setattr(eng_mod, "_warned", set())
     with pytest.warns(RuntimeWarning, match="io_uring unavailable"):
         eng = Engine(fds, kind="auto", queue_depth=8)
     assert eng.kind == "threads" and eng.stats().engine == "threads"
