@@ -423,7 +423,8 @@ class Engine:
         self.kind = _KINDS[lib.se_kind(self._ptr)]
         self._pid = os.getpid()
         self._registered = weakref.WeakSet()
-        self._cv = threading.Condition(threading.Lock())
+        # reentrant: a buffer finalizer (GC) may run inside close() in this thread
+        self._cv = threading.Condition(threading.RLock())
         self._calls = 0
         self._closing = False
         self._buffer_error = None
