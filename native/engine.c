@@ -1,17 +1,35 @@
 /*
  * swarmfs native engine.  See engine.h for the interface.
  *
- * io_uring back end: one ring per engine, SQ = queue depth, CQ = 2 x SQ.
+ * io_uring back end: one ring per (engine, thread), as liburing's
+ * documentation and 3FS USRBIO recommend: a ring is set up the first time a
+ * thread executes (or registers a buffer), with IORING_SETUP_SINGLE_ISSUER and
+ * DEFER_TASKRUN (else COOP_TASKRUN) where the kernel has them; the disks are
+ * registered files of every ring.  No lock is held while requests are in
+ * flight: a thread submits to and reaps from its own ring only.  A ring is
+ * torn down when its thread exits (a pthread key destructor), when the engine
+ * closes, or when the ring broke (io_uring_enter kept failing).
+ *
  * se_execute fills as many SQEs as the ring holds, submits them and waits in
  * one io_uring_enter (io_uring_submit_and_wait), reaps CQEs in batches
  * (io_uring_peek_batch_cqe + one io_uring_cq_advance), and resubmits the rest
  * of short transfers and requests that ended with -EAGAIN/-EINTR.  When the
  * plan fits in the ring, the whole plan costs a single io_uring_enter.
- * Files are registered once at open; buffers can be registered as fixed
- * buffers (READ_FIXED/WRITE_FIXED) where the kernel and RLIMIT_MEMLOCK allow.
+ * Transient failures are retried with backoff a bounded number of times in a
+ * row without progress (SE_DEFAULT_RETRY_LIMIT), then the requests fail.
+ *
+ * Fixed buffers: the engine keeps a table of registered buffers (address,
+ * length, a unique id) and a generation number; each ring mirrors the table
+ * and brings its own registrations up to date at the start of a call when the
+ * generation moved.  A buffer whose registration fails in a ring (e.g.
+ * RLIMIT_MEMLOCK) is read with plain READ there; the failure is counted.
  *
  * Thread back end: up to nthreads pthreads per call pull request indices from
- * an atomic counter and issue pread/pwrite with the same retry rules.
+ * an atomic counter and issue pread/pwrite with the same retry rules.  It is
+ * also the fallback of a uring engine in a thread whose ring cannot be set up.
+ *
+ * Counters are atomics, added once per call from per-call tallies, so
+ * se_get_counters never waits for I/O.
  *
  * The data kernels (gather/scatter, checksums, bucket assignment, medoid
  * scoring) are in kernels.c.
@@ -20,6 +38,7 @@
 #include "engine.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,12 +48,41 @@
 
 #include <liburing.h>
 
-#define CQE_BATCH 256
+#ifndef IORING_SETUP_SUBMIT_ALL
+#define IORING_SETUP_SUBMIT_ALL (1U << 7)
+#endif
+#ifndef IORING_SETUP_COOP_TASKRUN
+#define IORING_SETUP_COOP_TASKRUN (1U << 8)
+#endif
+#ifndef IORING_SETUP_SINGLE_ISSUER
+#define IORING_SETUP_SINGLE_ISSUER (1U << 12)
+#endif
+#ifndef IORING_SETUP_DEFER_TASKRUN
+#define IORING_SETUP_DEFER_TASKRUN (1U << 13)
+#endif
 
-struct buf_slot {
+#define CQE_BATCH 256
+#define MIN_QD 8
+#define BACKOFF_MAX_NS 1000000ull
+
+#define ADD(field, v) __atomic_fetch_add(&(field), (v), __ATOMIC_RELAXED)
+#define SUB(field, v) __atomic_fetch_sub(&(field), (v), __ATOMIC_RELAXED)
+
+struct slot {
     char *addr;
     uint64_t len;
-    int used;
+    uint64_t id;     /* unique per registration; 0 = empty */
+};
+
+struct se_ring {
+    struct io_uring ring;
+    unsigned qd;
+    int files_registered;
+    int bufs_ok;             /* sparse fixed-buffer table registered */
+    int broken;              /* enter gave up: tear down after the call */
+    uint64_t buf_gen;        /* engine table generation mirrored */
+    struct slot mirror[SE_MAX_BUFFERS];
+    struct se_ring *next;    /* engine's list (under e->mu) */
 };
 
 struct se_engine {
@@ -42,23 +90,289 @@ struct se_engine {
     int nfds;
     int fds[SE_MAX_DISKS];
     unsigned qd;
-    pthread_mutex_t mu;
-    se_counters c;
-    se_disk_counters d[SE_MAX_DISKS];
-    /* io_uring */
-    struct io_uring ring;
-    int files_registered;
-    int buffers_supported;
-    struct buf_slot slots[SE_MAX_BUFFERS];
-    /* threads */
     unsigned nthreads;
+    unsigned retry_limit;
+    unsigned setup_flags;    /* io_uring_setup flags every ring uses */
+    int ring_flags;          /* SE_RING_* */
+    int files_registered;
+    unsigned wait_div;       /* wait for inflight / wait_div CQEs while more is queued */
+    uint64_t id;
+    pthread_mutex_t mu;      /* ring list and buffer table; never held across I/O */
+    struct se_ring *rings;
+    struct slot table[SE_MAX_BUFFERS];
+    uint64_t buf_gen;
+    uint64_t next_buf_id;
+    se_counters c;           /* atomics */
+    se_disk_counters d[SE_MAX_DISKS];
+    se_engine *gnext;        /* live engines (under g_mu) */
 };
+
+/* ---- live engines and per-thread rings --------------------------------- */
+
+struct tls_ent {
+    uint64_t id;
+    struct se_ring *r;
+};
+
+struct tls_tab {
+    int n, cap;
+    struct tls_ent *ent;
+};
+
+static __thread struct tls_tab *tls;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static pthread_key_t g_key;
+static int g_key_ok;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static se_engine *g_live;
+static uint64_t g_next_id;
+
+static se_engine *find_live(uint64_t id)  /* g_mu held */
+{
+    for (se_engine *e = g_live; e; e = e->gnext)
+        if (e->id == id)
+            return e;
+    return NULL;
+}
+
+static void ring_free(se_engine *e, struct se_ring *r)
+{
+    io_uring_queue_exit(&r->ring);
+    free(r);
+    ADD(e->c.rings_closed, 1);
+}
+
+/* Unlink r from e's list (g_mu or the engine's liveness guaranteed). */
+static void ring_unlink(se_engine *e, struct se_ring *r)
+{
+    pthread_mutex_lock(&e->mu);
+    for (struct se_ring **pp = &e->rings; *pp; pp = &(*pp)->next) {
+        if (*pp == r) {
+            *pp = r->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Thread exit: tear down this thread's rings of engines still open.  Rings
+ * of closed engines were torn down by se_close (their ids are not live). */
+static void tls_destructor(void *p)
+{
+    struct tls_tab *t = p;
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < t->n; i++) {
+        se_engine *e = find_live(t->ent[i].id);
+        if (e) {
+            ring_unlink(e, t->ent[i].r);
+            ring_free(e, t->ent[i].r);
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    free(t->ent);
+    free(t);
+    tls = NULL;
+}
+
+static void make_key(void)
+{
+    g_key_ok = pthread_key_create(&g_key, tls_destructor) == 0;
+}
+
+static struct se_ring *tls_find(const se_engine *e)
+{
+    struct tls_tab *t = tls;
+    if (!t)
+        return NULL;
+    for (int i = 0; i < t->n; i++)
+        if (t->ent[i].id == e->id)
+            return t->ent[i].r;
+    return NULL;
+}
+
+static void tls_remove(const se_engine *e)
+{
+    struct tls_tab *t = tls;
+    if (!t)
+        return;
+    for (int i = 0; i < t->n; i++) {
+        if (t->ent[i].id == e->id) {
+            t->ent[i] = t->ent[--t->n];
+            return;
+        }
+    }
+}
+
+/* Record r as this thread's ring of e; drops entries of closed engines. */
+static int tls_add(se_engine *e, struct se_ring *r)
+{
+    pthread_once(&g_once, make_key);
+    if (!g_key_ok)
+        return -EAGAIN;
+    pthread_mutex_lock(&g_mu);
+    struct tls_tab *t = tls;
+    if (!t) {
+        t = calloc(1, sizeof(*t));
+        if (!t || pthread_setspecific(g_key, t) != 0) {
+            free(t);
+            pthread_mutex_unlock(&g_mu);
+            return -ENOMEM;
+        }
+        tls = t;
+    }
+    int k = 0;
+    for (int i = 0; i < t->n; i++)
+        if (find_live(t->ent[i].id))
+            t->ent[k++] = t->ent[i];
+    t->n = k;
+    if (t->n == t->cap) {
+        int cap = t->cap ? 2 * t->cap : 4;
+        struct tls_ent *ne = realloc(t->ent, sizeof(*ne) * (size_t)cap);
+        if (!ne) {
+            pthread_mutex_unlock(&g_mu);
+            return -ENOMEM;
+        }
+        t->ent = ne;
+        t->cap = cap;
+    }
+    t->ent[t->n].id = e->id;
+    t->ent[t->n].r = r;
+    t->n++;
+    pthread_mutex_lock(&e->mu);
+    r->next = e->rings;
+    e->rings = r;
+    pthread_mutex_unlock(&e->mu);
+    pthread_mutex_unlock(&g_mu);
+    return 0;
+}
+
+/* ---- ring set-up ------------------------------------------------------- */
+
+static const unsigned flag_attempts[] = {
+    IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_SUBMIT_ALL,
+    IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SUBMIT_ALL,
+    IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SUBMIT_ALL,
+    IORING_SETUP_SUBMIT_ALL,
+    0,
+};
+
+static int ring_init(struct se_ring *r, const se_engine *e, unsigned qd, unsigned flags)
+{
+    struct io_uring_params p;
+    memset(&p, 0, sizeof(p));
+    p.flags = flags | IORING_SETUP_CQSIZE;
+    p.cq_entries = 2 * qd;
+    int ret = io_uring_queue_init_params(qd, &r->ring, &p);
+    if (ret < 0)
+        return ret;
+    r->qd = p.sq_entries < qd ? p.sq_entries : qd;
+    r->files_registered = io_uring_register_files(&r->ring, e->fds, (unsigned)e->nfds) == 0;
+    r->bufs_ok = io_uring_register_buffers_sparse(&r->ring, SE_MAX_BUFFERS) == 0;
+    return 0;
+}
+
+/* Set up a ring of e->qd entries, halving the depth down to MIN_QD when the
+ * kernel lacks locked memory (-ENOMEM).  Returns the ring or NULL (*err). */
+static struct se_ring *ring_create(se_engine *e, unsigned qd, int *err)
+{
+    struct se_ring *r = calloc(1, sizeof(*r));
+    if (!r) {
+        *err = -ENOMEM;
+        return NULL;
+    }
+    int ret;
+    for (;;) {
+        ret = ring_init(r, e, qd, e->setup_flags);
+        if (ret != -ENOMEM || qd <= MIN_QD)
+            break;
+        qd /= 2;
+    }
+    if (ret < 0) {
+        free(r);
+        *err = ret;
+        __atomic_store_n(&e->c.last_ring_errno, (int64_t)-ret, __ATOMIC_RELAXED);
+        return NULL;
+    }
+    ADD(e->c.rings_created, 1);
+    return r;
+}
+
+/* This thread's ring of e, set up on first use; NULL (*err) if impossible. */
+static struct se_ring *get_ring(se_engine *e, int *err)
+{
+    struct se_ring *r = tls_find(e);
+    if (r)
+        return r;
+    r = ring_create(e, e->qd, err);
+    if (!r)
+        return NULL;
+    int ret = tls_add(e, r);
+    if (ret) {
+        ring_free(e, r);
+        *err = ret;
+        return NULL;
+    }
+    return r;
+}
+
+static void ring_destroy_own(se_engine *e, struct se_ring *r)
+{
+    tls_remove(e);
+    ring_unlink(e, r);
+    ring_free(e, r);
+}
+
+/* Bring r's fixed-buffer registrations up to date with the engine table. */
+static void ring_sync_buffers(se_engine *e, struct se_ring *r)
+{
+    uint64_t g = __atomic_load_n(&e->buf_gen, __ATOMIC_ACQUIRE);
+    if (g == r->buf_gen)
+        return;
+    if (!r->bufs_ok) {
+        r->buf_gen = g;
+        return;
+    }
+    pthread_mutex_lock(&e->mu);
+    for (int s = 0; s < SE_MAX_BUFFERS; s++) {
+        if (r->mirror[s].id == e->table[s].id)
+            continue;
+        __u64 tag = 0;
+        if (r->mirror[s].id) {
+            struct iovec none = {.iov_base = NULL, .iov_len = 0};
+            io_uring_register_buffers_update_tag(&r->ring, (unsigned)s, &none, &tag, 1);
+            memset(&r->mirror[s], 0, sizeof(r->mirror[s]));
+        }
+        if (e->table[s].id) {
+            struct iovec iov = {.iov_base = e->table[s].addr, .iov_len = (size_t)e->table[s].len};
+            int ret = io_uring_register_buffers_update_tag(&r->ring, (unsigned)s, &iov, &tag, 1);
+            if (ret < 0) {
+                ADD(e->c.buffer_register_errors, 1);
+                __atomic_store_n(&e->c.last_buffer_errno, (int64_t)-ret, __ATOMIC_RELAXED);
+            } else {
+                r->mirror[s] = e->table[s];
+            }
+        }
+    }
+    r->buf_gen = __atomic_load_n(&e->buf_gen, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* ---- open / close ------------------------------------------------------ */
 
 static uint64_t now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void backoff(unsigned fails)
+{
+    uint64_t ns = 1000ull << (fails < 11 ? fails - 1 : 10);
+    if (ns > BACKOFF_MAX_NS)
+        ns = BACKOFF_MAX_NS;
+    struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)ns};
+    nanosleep(&ts, NULL);
 }
 
 static int check_fds(const int *fds, int nfds)
@@ -78,9 +392,20 @@ static se_engine *alloc_engine(int kind, const int *fds, int nfds)
         return NULL;
     e->kind = kind;
     e->nfds = nfds;
+    e->retry_limit = SE_DEFAULT_RETRY_LIMIT;
+    e->wait_div = 4;   /* 4 and 8 measured alike; 1 (refill after every CQE) is slower */
     memcpy(e->fds, fds, sizeof(int) * (size_t)nfds);
     pthread_mutex_init(&e->mu, NULL);
     return e;
+}
+
+static void publish(se_engine *e)
+{
+    pthread_mutex_lock(&g_mu);
+    e->id = ++g_next_id;
+    e->gnext = g_live;
+    g_live = e;
+    pthread_mutex_unlock(&g_mu);
 }
 
 int se_uring_open(se_engine **out, const int *fds, int nfds, unsigned queue_depth)
@@ -93,19 +418,49 @@ int se_uring_open(se_engine **out, const int *fds, int nfds, unsigned queue_dept
     se_engine *e = alloc_engine(SE_KIND_URING, fds, nfds);
     if (!e)
         return -ENOMEM;
-    struct io_uring_params p;
-    memset(&p, 0, sizeof(p));
-    p.flags = IORING_SETUP_CQSIZE;
-    p.cq_entries = 2 * queue_depth;
-    ret = io_uring_queue_init_params(queue_depth, &e->ring, &p);
+    struct se_ring *r = calloc(1, sizeof(*r));
+    if (!r) {
+        free(e);
+        return -ENOMEM;
+    }
+    /* Find the flags this kernel takes, and the depth locked memory allows. */
+    unsigned qd = queue_depth;
+    size_t k = 0;
+    for (;;) {
+        ret = ring_init(r, e, qd, flag_attempts[k]);
+        if (ret == -EINVAL && k + 1 < sizeof(flag_attempts) / sizeof(flag_attempts[0])) {
+            k++;
+            continue;
+        }
+        if (ret == -ENOMEM && qd > MIN_QD) {
+            qd /= 2;
+            continue;
+        }
+        break;
+    }
     if (ret < 0) {
+        free(r);
         pthread_mutex_destroy(&e->mu);
         free(e);
         return ret;
     }
-    e->qd = p.sq_entries < queue_depth ? p.sq_entries : queue_depth;
-    e->files_registered = io_uring_register_files(&e->ring, fds, (unsigned)nfds) == 0;
-    e->buffers_supported = io_uring_register_buffers_sparse(&e->ring, SE_MAX_BUFFERS) == 0;
+    e->setup_flags = flag_attempts[k];
+    e->ring_flags = ((e->setup_flags & IORING_SETUP_SINGLE_ISSUER) ? SE_RING_SINGLE_ISSUER : 0) |
+                    ((e->setup_flags & IORING_SETUP_DEFER_TASKRUN) ? SE_RING_DEFER_TASKRUN : 0) |
+                    ((e->setup_flags & IORING_SETUP_COOP_TASKRUN) ? SE_RING_COOP_TASKRUN : 0) |
+                    ((e->setup_flags & IORING_SETUP_SUBMIT_ALL) ? SE_RING_SUBMIT_ALL : 0);
+    e->qd = r->qd;
+    e->nthreads = e->qd < 32 ? e->qd : 32;
+    e->files_registered = r->files_registered;
+    publish(e);
+    e->c.rings_created = 1;
+    ret = tls_add(e, r);
+    if (ret) {
+        se_close(e);
+        io_uring_queue_exit(&r->ring);
+        free(r);
+        return ret;
+    }
     *out = e;
     return 0;
 }
@@ -122,6 +477,7 @@ int se_threads_open(se_engine **out, const int *fds, int nfds, unsigned nthreads
         return -ENOMEM;
     e->nthreads = nthreads;
     e->qd = nthreads;
+    publish(e);
     *out = e;
     return 0;
 }
@@ -129,35 +485,76 @@ int se_threads_open(se_engine **out, const int *fds, int nfds, unsigned nthreads
 int se_kind(const se_engine *e) { return e->kind; }
 unsigned se_queue_depth(const se_engine *e) { return e->qd; }
 int se_files_registered(const se_engine *e) { return e->files_registered; }
+int se_ring_flags(const se_engine *e) { return e->ring_flags; }
+void se_set_retry_limit(se_engine *e, unsigned limit) { e->retry_limit = limit; }
+
+void se_close(se_engine *e)
+{
+    if (!e)
+        return;
+    pthread_mutex_lock(&g_mu);
+    for (se_engine **pp = &g_live; *pp; pp = &(*pp)->gnext) {
+        if (*pp == e) {
+            *pp = e->gnext;
+            break;
+        }
+    }
+    pthread_mutex_lock(&e->mu);
+    struct se_ring *r = e->rings;
+    e->rings = NULL;
+    pthread_mutex_unlock(&e->mu);
+    while (r) {
+        struct se_ring *next = r->next;
+        ring_free(e, r);
+        r = next;
+    }
+    pthread_mutex_unlock(&g_mu);
+    tls_remove(e);
+    pthread_mutex_destroy(&e->mu);
+    free(e);
+}
+
+/* ---- fixed buffers ----------------------------------------------------- */
 
 int se_register_buffer(se_engine *e, void *addr, uint64_t len)
 {
-    if (e->kind != SE_KIND_URING || !e->buffers_supported)
+    if (e->kind != SE_KIND_URING)
         return -EOPNOTSUPP;
     if (!addr || len == 0 || len > (1ull << 30))
         return -EINVAL;
+    int err = 0;
+    struct se_ring *r = get_ring(e, &err);
+    if (!r)
+        return err;
+    if (!r->bufs_ok)
+        return -EOPNOTSUPP;
     pthread_mutex_lock(&e->mu);
     int slot = -ENOSPC;
     for (int i = 0; i < SE_MAX_BUFFERS; i++) {
-        if (!e->slots[i].used) {
+        if (!e->table[i].id) {
             slot = i;
             break;
         }
     }
+    uint64_t id = 0;
     if (slot >= 0) {
-        struct iovec iov = {.iov_base = addr, .iov_len = (size_t)len};
-        __u64 tag = 0;
-        int ret = io_uring_register_buffers_update_tag(&e->ring, (unsigned)slot, &iov, &tag, 1);
-        if (ret < 0) {
-            slot = ret;
-        } else {
-            e->slots[slot].addr = addr;
-            e->slots[slot].len = len;
-            e->slots[slot].used = 1;
-        }
+        id = ++e->next_buf_id;
+        e->table[slot].addr = addr;
+        e->table[slot].len = len;
+        e->table[slot].id = id;
+        ADD(e->c.buffers, 1);
+        __atomic_fetch_add(&e->buf_gen, 1, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&e->mu);
-    return slot;
+    if (slot < 0)
+        return slot;
+    ring_sync_buffers(e, r);
+    if (r->mirror[slot].id == id)
+        return slot;
+    /* not even this thread's ring could register it: take it out again */
+    int64_t why = __atomic_load_n(&e->c.last_buffer_errno, __ATOMIC_RELAXED);
+    se_unregister_buffer(e, slot);
+    return why ? (int)-why : -ENOMEM;
 }
 
 int se_unregister_buffer(se_engine *e, int slot)
@@ -165,20 +562,22 @@ int se_unregister_buffer(se_engine *e, int slot)
     if (e->kind != SE_KIND_URING || slot < 0 || slot >= SE_MAX_BUFFERS)
         return -EINVAL;
     pthread_mutex_lock(&e->mu);
-    int ret = 0;
-    if (e->slots[slot].used) {
-        struct iovec iov = {.iov_base = NULL, .iov_len = 0};
-        __u64 tag = 0;
-        ret = io_uring_register_buffers_update_tag(&e->ring, (unsigned)slot, &iov, &tag, 1);
-        if (ret >= 0)
-            ret = 0;
-        memset(&e->slots[slot], 0, sizeof(e->slots[slot]));
+    int used = e->table[slot].id != 0;
+    if (used) {
+        memset(&e->table[slot], 0, sizeof(e->table[slot]));
+        SUB(e->c.buffers, 1);
+        __atomic_fetch_add(&e->buf_gen, 1, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&e->mu);
-    return ret;
+    struct se_ring *r = tls_find(e);
+    if (used && r)
+        ring_sync_buffers(e, r);   /* other rings drop it on their next call */
+    return 0;
 }
 
-/* Shared bookkeeping of one se_execute call. */
+/* ---- execution ---------------------------------------------------------- */
+
+/* Bookkeeping of one se_execute call. */
 struct exec_ctx {
     se_engine *e;
     int op;
@@ -189,11 +588,13 @@ struct exec_ctx {
     const uint64_t *dst;
     char *buf;
     int32_t *status;
+    se_counters lc;          /* this call's tallies, added to e->c at the end */
     uint64_t first_ns[SE_MAX_DISKS];
     uint64_t last_ns[SE_MAX_DISKS];
     uint64_t dreq[SE_MAX_DISKS];
     uint64_t dbytes[SE_MAX_DISKS];
     uint64_t failed;
+    int gave_up;             /* a request stopped retrying a transient error */
 };
 
 /* Validates request i; returns 0 or -errno. */
@@ -214,36 +615,57 @@ static void finish_counters(struct exec_ctx *x)
     for (int d = 0; d < e->nfds; d++) {
         if (!x->dreq[d])
             continue;
-        e->d[d].requests += x->dreq[d];
-        e->d[d].bytes += x->dbytes[d];
+        ADD(e->d[d].requests, x->dreq[d]);
+        ADD(e->d[d].bytes, x->dbytes[d]);
         if (x->last_ns[d] > x->first_ns[d])
-            e->d[d].busy_ns += x->last_ns[d] - x->first_ns[d];
+            ADD(e->d[d].busy_ns, x->last_ns[d] - x->first_ns[d]);
     }
-    e->c.executes++;
+    se_counters *c = &x->lc;
+    c->executes++;
+    uint64_t *src = (uint64_t *)c, *dst = (uint64_t *)&e->c;
+    /* every field up to (not including) in_flight is a plain sum */
+    size_t nsum = offsetof(se_counters, in_flight) / sizeof(uint64_t);
+    for (size_t k = 0; k < nsum; k++)
+        if (src[k])
+            ADD(dst[k], src[k]);
+}
+
+static int transient_enter_error(int err)
+{
+    return err == -EINTR || err == -EAGAIN || err == -EBUSY || err == -EIO ||
+           err == -ETIME || err == -ENOMEM;
 }
 
 /* ---- io_uring ---------------------------------------------------------- */
 
-static int64_t uring_execute(struct exec_ctx *x, int64_t *queue, uint32_t *prog,
-                             int64_t nq, int buf_slot)
+static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
+                          uint32_t *prog, int64_t nq, int buf_slot, se_exec_info *info)
 {
     se_engine *e = x->e;
-    struct io_uring *ring = &e->ring;
+    struct io_uring *ring = &r->ring;
+    se_counters *lc = &x->lc;
     struct io_uring_cqe *cqes[CQE_BATCH];
-    int64_t n = x->n;
-    int64_t qhead = 0, qtail = nq, remaining = nq;
-    unsigned inflight = 0;
-    int fatal = 0;
+    const int64_t n = x->n;
+    int64_t qh = 0, qt = nq == n ? 0 : nq, qcount = nq;  /* ring buffer of request indices */
+    int64_t remaining = nq;
+    unsigned inflight = 0;   /* SQEs filled and not reaped (in the SQ or the kernel) */
+    unsigned fails = 0;      /* rounds in a row without progress */
+    int last_err = 0, give_up = 0;
+    const int fixed_file = r->files_registered;
+    const unsigned qd = r->qd;
 
     while (remaining > 0) {
         uint64_t t = 0;
-        while (!fatal && qhead < qtail && inflight < e->qd) {
+        while (qcount > 0 && inflight < qd) {
             struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
             if (!sqe)
                 break;
-            int64_t i = queue[qhead % n];
-            qhead++;
-            int fd = e->files_registered ? x->disk[i] : e->fds[x->disk[i]];
+            int64_t i = queue[qh];
+            if (++qh == n)
+                qh = 0;
+            qcount--;
+            int d = x->disk[i];
+            int fd = fixed_file ? d : e->fds[d];
             char *addr = x->buf + x->dst[i] + prog[i];
             unsigned nbytes = x->len[i] - prog[i];
             uint64_t offset = x->off[i] + prog[i];
@@ -253,44 +675,34 @@ static int64_t uring_execute(struct exec_ctx *x, int64_t *queue, uint32_t *prog,
                 else
                     io_uring_prep_write_fixed(sqe, fd, addr, nbytes, offset, buf_slot);
                 if (prog[i] == 0)
-                    e->c.fixed_requests++;
+                    lc->fixed_requests++;
             } else if (x->op == SE_OP_READ) {
                 io_uring_prep_read(sqe, fd, addr, nbytes, offset);
             } else {
                 io_uring_prep_write(sqe, fd, addr, nbytes, offset);
             }
-            if (e->files_registered)
+            if (fixed_file)
                 sqe->flags |= IOSQE_FIXED_FILE;
             io_uring_sqe_set_data64(sqe, (uint64_t)i);
             inflight++;
-            e->c.sqes++;
-            int d = x->disk[i];
+            lc->sqes++;
             if (!x->first_ns[d]) {
                 if (!t)
                     t = now_ns();
                 x->first_ns[d] = t;
             }
         }
-        if (inflight == 0) {
-            /* fatal submit error: everything still queued fails */
-            break;
+        /* Everything queued is in the ring: wait for all of it.  Otherwise
+         * wait for a fraction, so that each enter refills a batch. */
+        unsigned wait_nr = inflight;
+        if (qcount > 0) {
+            wait_nr = inflight / e->wait_div;
+            if (wait_nr < 1)
+                wait_nr = 1;
         }
-        unsigned wait_nr = (fatal || qhead == qtail) ? inflight : 1;
         int ret = io_uring_submit_and_wait(ring, wait_nr);
-        e->c.submit_calls++;
-        if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && !fatal) {
-            /* The ring refuses submissions: fail what is queued, drain what is in flight. */
-            fatal = ret;
-            while (qhead < qtail) {
-                int64_t i = queue[qhead % n];
-                qhead++;
-                x->status[i] = ret;
-                x->failed++;
-                e->c.errors++;
-                e->c.requests++;
-                remaining--;
-            }
-        }
+        lc->submit_calls++;
+        int progress = 0;
         unsigned got;
         do {
             got = io_uring_peek_batch_cqe(ring, cqes, CQE_BATCH);
@@ -302,54 +714,88 @@ static int64_t uring_execute(struct exec_ctx *x, int64_t *queue, uint32_t *prog,
                 int res = cqes[k]->res;
                 int d = x->disk[i];
                 inflight--;
-                e->c.cqes++;
                 x->last_ns[d] = tc;
                 if (res == -EAGAIN || res == -EINTR) {
-                    e->c.retries++;
-                    queue[qtail % n] = i;
-                    qtail++;
+                    lc->retries++;
+                    last_err = res;
+                    queue[qt] = i;
+                    if (++qt == n)
+                        qt = 0;
+                    qcount++;
                     continue;
                 }
+                progress = 1;
                 if (res < 0 || (res == 0 && x->len[i] > prog[i])) {
                     x->status[i] = res < 0 ? res : -ENODATA;
                     x->failed++;
-                    e->c.errors++;
-                    e->c.requests++;
+                    lc->errors++;
+                    lc->requests++;
                     x->dreq[d]++;
                     x->dbytes[d] += prog[i];
-                    e->c.bytes += prog[i];
+                    lc->bytes += prog[i];
                     remaining--;
                     continue;
                 }
                 prog[i] += (uint32_t)res;
                 if (prog[i] < x->len[i]) {
-                    e->c.short_resubmits++;
-                    queue[qtail % n] = i;
-                    qtail++;
+                    lc->short_resubmits++;
+                    queue[qt] = i;
+                    if (++qt == n)
+                        qt = 0;
+                    qcount++;
                     continue;
                 }
                 x->status[i] = (int32_t)x->len[i];
-                e->c.requests++;
-                e->c.bytes += x->len[i];
+                lc->requests++;
+                lc->bytes += x->len[i];
                 x->dreq[d]++;
                 x->dbytes[d] += x->len[i];
                 remaining--;
             }
+            lc->cqes += got;
             io_uring_cq_advance(ring, got);
         } while (got == CQE_BATCH);
-        if (fatal && inflight == 0)
-            break;
+        if (ret < 0) {
+            lc->enter_errors++;
+            lc->retries++;
+            info->enter_failures++;
+            info->enter_errno = -ret;
+            last_err = ret;
+            if (!transient_enter_error(ret)) {
+                give_up = 1;
+                break;
+            }
+        }
+        if (progress) {
+            fails = 0;
+        } else if (remaining > 0) {
+            if (++fails > e->retry_limit) {
+                give_up = 1;
+                info->gave_up = 1;
+                lc->gave_up++;
+                break;
+            }
+            backoff(fails);
+        }
     }
-    /* Anything still queued (only after a fatal submit error) fails. */
-    while (qhead < qtail) {
-        int64_t i = queue[qhead % n];
-        qhead++;
-        x->status[i] = fatal ? fatal : -EIO;
-        x->failed++;
-        e->c.errors++;
-        e->c.requests++;
+    if (give_up) {
+        /* The ring is in an unknown state (SQEs the kernel has not taken,
+         * requests it has taken and not completed): fail what is left and
+         * retire the ring.  Requests still in the kernel may yet write to the
+         * buffer: the caller must not reuse it (info->abandoned). */
+        unsigned in_sq = io_uring_sq_ready(ring);
+        info->abandoned = inflight > in_sq ? inflight - in_sq : 0;
+        int err = last_err ? last_err : -EIO;
+        for (int64_t i = 0; i < n; i++) {
+            if (x->status[i] == 0) {
+                x->status[i] = err;
+                x->failed++;
+                lc->errors++;
+                lc->requests++;
+            }
+        }
+        r->broken = 1;
     }
-    return 0;
 }
 
 /* ---- threads ----------------------------------------------------------- */
@@ -378,6 +824,7 @@ static void *thread_main(void *p)
         uint32_t done = 0;
         int32_t st = 0;
         uint64_t retries = 0, shorts = 0;
+        unsigned fails = 0;
         while (done < x->len[i]) {
             char *addr = x->buf + x->dst[i] + done;
             size_t nbytes = x->len[i] - done;
@@ -386,7 +833,13 @@ static void *thread_main(void *p)
                                             : pwrite(fd, addr, nbytes, offset);
             if (r < 0) {
                 if (errno == EINTR || errno == EAGAIN) {
+                    int err = errno;
                     retries++;
+                    if (++fails > e->retry_limit) {
+                        st = -err;
+                        break;
+                    }
+                    backoff(fails);
                     continue;
                 }
                 st = -errno;
@@ -396,6 +849,7 @@ static void *thread_main(void *p)
                 st = -ENODATA;
                 break;
             }
+            fails = 0;
             done += (uint32_t)r;
             if (done < x->len[i])
                 shorts++;
@@ -409,25 +863,27 @@ static void *thread_main(void *p)
             x->last_ns[d] = t1;
         x->dreq[d]++;
         x->dbytes[d] += done;
-        e->c.requests++;
-        e->c.bytes += done;
-        e->c.retries += retries;
-        e->c.short_resubmits += shorts;
-        e->c.sqes++;
-        e->c.cqes++;
+        x->lc.requests++;
+        x->lc.bytes += done;
+        x->lc.retries += retries;
+        x->lc.short_resubmits += shorts;
+        x->lc.sqes++;
+        x->lc.cqes++;
         if (st) {
             x->failed++;
-            e->c.errors++;
+            x->lc.errors++;
+            if (fails > e->retry_limit)
+                x->gave_up = 1;
         }
         pthread_mutex_unlock(a->mu);
     }
     return NULL;
 }
 
-static int64_t threads_execute(struct exec_ctx *x, const int64_t *queue, int64_t nq)
+static void threads_execute(struct exec_ctx *x, const int64_t *queue, int64_t nq)
 {
     se_engine *e = x->e;
-    unsigned nt = e->nthreads;
+    unsigned nt = e->nthreads ? e->nthreads : 1;
     if ((int64_t)nt > nq)
         nt = (unsigned)nq;
     pthread_t tids[1024];
@@ -441,20 +897,25 @@ static int64_t threads_execute(struct exec_ctx *x, const int64_t *queue, int64_t
             break;
         started++;
     }
-    e->c.submit_calls++;
+    x->lc.submit_calls++;
     thread_main(&a); /* the caller works too; with nt == 1 it works alone */
     for (unsigned k = 0; k < started; k++)
         pthread_join(tids[k], NULL);
     pthread_mutex_destroy(&mu);
-    return 0;
+    if (x->gave_up)
+        x->lc.gave_up++;
 }
 
 int64_t se_execute(se_engine *e, int op, int64_t n,
                    const int32_t *disk, const uint64_t *off,
                    const uint32_t *len, const uint64_t *dst,
                    char *buf, uint64_t buflen, int buf_slot,
-                   int32_t *status)
+                   int32_t *status, se_exec_info *info)
 {
+    se_exec_info dummy;
+    if (!info)
+        info = &dummy;
+    memset(info, 0, sizeof(*info));
     if (!e || n < 0 || (op != SE_OP_READ && op != SE_OP_WRITE))
         return -EINVAL;
     if (n == 0)
@@ -470,6 +931,7 @@ int64_t se_execute(se_engine *e, int op, int64_t n,
         free(prog);
         return -ENOMEM;
     }
+    ADD(e->c.in_flight, 1);
     x->e = e;
     x->op = op;
     x->n = n;
@@ -480,32 +942,46 @@ int64_t se_execute(se_engine *e, int op, int64_t n,
     x->buf = buf;
     x->status = status;
 
-    pthread_mutex_lock(&e->mu);
     int64_t nq = 0;
     for (int64_t i = 0; i < n; i++) {
         int r = check_request(x, i, buflen);
         if (r) {
             status[i] = r;
             x->failed++;
-            e->c.errors++;
-            e->c.requests++;
+            x->lc.errors++;
+            x->lc.requests++;
         } else {
             status[i] = 0;
             queue[nq++] = i;
         }
     }
-    if (e->kind == SE_KIND_URING) {
-        if (buf_slot >= 0) {
-            struct buf_slot *s = buf_slot < SE_MAX_BUFFERS ? &e->slots[buf_slot] : NULL;
-            if (!s || !s->used || buf < s->addr || buf + buflen > s->addr + s->len)
-                buf_slot = -1;
+    if (nq > 0 && e->kind == SE_KIND_URING) {
+        int err = 0;
+        struct se_ring *r = get_ring(e, &err);
+        if (r) {
+            ring_sync_buffers(e, r);
+            if (buf_slot >= 0) {
+                struct slot *s = buf_slot < SE_MAX_BUFFERS ? &r->mirror[buf_slot] : NULL;
+                if (!s || !s->id || buf < s->addr || buf + buflen > s->addr + s->len)
+                    buf_slot = -1;
+            }
+            info->fixed = buf_slot >= 0;
+            uring_execute(x, r, queue, prog, nq, buf_slot, info);
+            if (r->broken)
+                ring_destroy_own(e, r);
+        } else {
+            info->fallback = 1;
+            info->ring_errno = -err;
+            x->lc.fallback_executes++;
+            threads_execute(x, queue, nq);
         }
-        uring_execute(x, queue, prog, nq, buf_slot);
-    } else {
+    } else if (nq > 0) {
         threads_execute(x, queue, nq);
     }
+    if (x->gave_up)
+        info->gave_up = 1;
     finish_counters(x);
-    pthread_mutex_unlock(&e->mu);
+    SUB(e->c.in_flight, 1);
     int64_t failed = (int64_t)x->failed;
     free(x);
     free(queue);
@@ -515,20 +991,17 @@ int64_t se_execute(se_engine *e, int op, int64_t n,
 
 void se_get_counters(se_engine *e, se_counters *c, se_disk_counters *per_disk)
 {
-    pthread_mutex_lock(&e->mu);
-    if (c)
-        *c = e->c;
-    if (per_disk)
-        memcpy(per_disk, e->d, sizeof(se_disk_counters) * (size_t)e->nfds);
-    pthread_mutex_unlock(&e->mu);
-}
-
-void se_close(se_engine *e)
-{
-    if (!e)
-        return;
-    if (e->kind == SE_KIND_URING)
-        io_uring_queue_exit(&e->ring);
-    pthread_mutex_destroy(&e->mu);
-    free(e);
+    if (c) {
+        const uint64_t *src = (const uint64_t *)&e->c;
+        uint64_t *dst = (uint64_t *)c;
+        for (size_t k = 0; k < sizeof(se_counters) / sizeof(uint64_t); k++)
+            dst[k] = __atomic_load_n(&src[k], __ATOMIC_RELAXED);
+    }
+    if (per_disk) {
+        for (int d = 0; d < e->nfds; d++) {
+            per_disk[d].requests = __atomic_load_n(&e->d[d].requests, __ATOMIC_RELAXED);
+            per_disk[d].bytes = __atomic_load_n(&e->d[d].bytes, __ATOMIC_RELAXED);
+            per_disk[d].busy_ns = __atomic_load_n(&e->d[d].busy_ns, __ATOMIC_RELAXED);
+        }
+    }
 }

@@ -4,8 +4,17 @@
  * One call (se_execute) carries out a whole plan: arrays of
  * (disk, byte offset, length, destination offset) against one buffer.
  * Two back ends share this interface:
- *   SE_KIND_URING    io_uring through liburing (SQE batching, CQE batch reaping)
- *   SE_KIND_THREADS  a pthread pool issuing pread/pwrite (fallback)
+ *   SE_KIND_URING    io_uring through liburing: one ring per calling thread
+ *                    (created lazily, torn down on thread exit and se_close),
+ *                    SQE batching, CQE batch reaping
+ *   SE_KIND_THREADS  pthreads issuing pread/pwrite (fallback)
+ *
+ * Concurrency: se_execute, se_register_buffer, se_unregister_buffer and
+ * se_get_counters may run at the same time from any number of threads; no
+ * lock is held while requests are in flight (each thread submits to and reaps
+ * from its own ring), and se_get_counters never waits for I/O (counters are
+ * atomics).  se_close must not run concurrently with any other call on the
+ * same engine (the Python wrapper waits for in-flight calls).
  *
  * Plus small data kernels used by the planner and the store (gather/scatter of
  * rows, XXH3 checksums, entry-bucket assignment), so that no Python code runs
@@ -28,9 +37,21 @@
 #define SE_MAX_DISKS 256
 #define SE_MAX_BUFFERS 64
 
+/* Transient failures (io_uring_enter failing with EINTR/EAGAIN/EBUSY/EIO, or a
+ * request/pread ending with -EAGAIN/-EINTR) are retried with exponential
+ * backoff (1 us doubling, capped at 1 ms) at most this many times in a row
+ * without progress; then the requests fail with that error. */
+#define SE_DEFAULT_RETRY_LIMIT 200
+
+/* io_uring setup flags that took (se_ring_flags). */
+#define SE_RING_SINGLE_ISSUER 1
+#define SE_RING_DEFER_TASKRUN 2
+#define SE_RING_COOP_TASKRUN  4
+#define SE_RING_SUBMIT_ALL    8
+
 typedef struct se_engine se_engine;
 
-/* Cumulative counters, all monotonic since se_*_open. */
+/* Cumulative counters, all monotonic since se_*_open unless noted. */
 typedef struct {
     uint64_t executes;        /* se_execute calls                              */
     uint64_t requests;        /* requests completed (ok or failed)             */
@@ -38,10 +59,23 @@ typedef struct {
     uint64_t submit_calls;    /* io_uring_enter calls (uring) / thread batches */
     uint64_t sqes;            /* SQEs submitted, incl. resubmissions           */
     uint64_t cqes;            /* CQEs reaped                                   */
-    uint64_t retries;         /* -EAGAIN/-EINTR resubmissions                  */
+    uint64_t retries;         /* -EAGAIN/-EINTR resubmissions and failed
+                                 io_uring_enter calls that were retried        */
     uint64_t short_resubmits; /* resubmissions of the rest of a short transfer */
     uint64_t errors;          /* requests that ended with -errno               */
     uint64_t fixed_requests;  /* requests issued with a registered buffer      */
+    uint64_t enter_errors;    /* io_uring_enter calls that failed              */
+    uint64_t gave_up;         /* executes that stopped retrying a transient error */
+    uint64_t fallback_executes; /* uring executes run with pread because this
+                                   thread's ring could not be set up           */
+    uint64_t rings_created;   /* rings set up (one per thread that executed)   */
+    uint64_t rings_closed;    /* rings torn down (thread exit, close, broken)  */
+    uint64_t in_flight;       /* gauge: se_execute calls running now           */
+    uint64_t buffers;         /* gauge: buffers in the engine's fixed-buffer table */
+    uint64_t buffer_register_errors; /* per-ring fixed-buffer registrations that
+                                        failed (e.g. RLIMIT_MEMLOCK)           */
+    int64_t  last_buffer_errno; /* errno of the last such failure (0: none)    */
+    int64_t  last_ring_errno;   /* errno of the last failed ring setup (0: none) */
 } se_counters;
 
 typedef struct {
@@ -50,9 +84,24 @@ typedef struct {
     uint64_t busy_ns;  /* per execute: first submission to last completion on this disk */
 } se_disk_counters;
 
+/* What one se_execute call ran into (optional out-parameter). */
+typedef struct {
+    int32_t enter_errno;     /* last io_uring_enter error seen (0: none)        */
+    uint32_t enter_failures; /* io_uring_enter calls that failed in this call   */
+    int32_t gave_up;         /* 1: a transient error was retried too often      */
+    int32_t fallback;        /* 1: ran with pread (no ring for this thread)     */
+    int32_t ring_errno;      /* why the ring could not be set up (fallback)     */
+    int32_t fixed;           /* 1: requests used the registered buffer          */
+    uint64_t abandoned;      /* requests still in the kernel when the call gave
+                                up: the buffer may still be written to         */
+} se_exec_info;
+
 /* Open an io_uring engine over nfds already-open file descriptors.
- * queue_depth: SQ entries (the CQ gets twice as many).
- * Returns 0, or -errno if io_uring cannot be set up (ENOSYS, EPERM, ...). */
+ * queue_depth: SQ entries (the CQ gets twice as many).  The calling thread's
+ * ring is set up now; when the kernel refuses for lack of locked memory
+ * (-ENOMEM, RLIMIT_MEMLOCK) the depth is halved down to 8 before giving up
+ * (se_queue_depth gives the depth in use).
+ * Returns 0, or -errno if io_uring cannot be set up (ENOSYS, EPERM, ENOMEM...). */
 int se_uring_open(se_engine **out, const int *fds, int nfds, unsigned queue_depth);
 
 /* Open the thread-pool engine: up to nthreads workers per se_execute call. */
@@ -61,26 +110,33 @@ int se_threads_open(se_engine **out, const int *fds, int nfds, unsigned nthreads
 int se_kind(const se_engine *e);
 unsigned se_queue_depth(const se_engine *e);
 int se_files_registered(const se_engine *e);
+int se_ring_flags(const se_engine *e);
+void se_set_retry_limit(se_engine *e, unsigned limit);
 
-/* Register [addr, addr+len) as a fixed buffer; returns the slot (>= 0) or
- * -errno (e.g. -ENOMEM when RLIMIT_MEMLOCK is too small, -EOPNOTSUPP for the
- * thread engine). */
+/* Register [addr, addr+len) as a fixed buffer.  The buffer enters the engine's
+ * table and is registered in the calling thread's ring now, in other threads'
+ * rings on their next se_execute.  Returns the slot (>= 0) or -errno (e.g.
+ * -ENOMEM when RLIMIT_MEMLOCK is too small, -EOPNOTSUPP for the thread engine).
+ * The memory must stay mapped until se_unregister_buffer or se_close. */
 int se_register_buffer(se_engine *e, void *addr, uint64_t len);
 int se_unregister_buffer(se_engine *e, int slot);
 
 /* Execute n requests.  Request i moves len[i] bytes between disk[i] at byte
  * offset off[i] and buf + dst[i].  buf_slot is a registered buffer slot that
  * contains buf, or -1.  status[i] receives len[i] on success or -errno
- * (-ENODATA when a read hit the end of the disk early).
+ * (-ENODATA when a read hit the end of the disk early).  info (may be NULL)
+ * receives what the call ran into.
  * Returns the number of failed requests (>= 0), or -errno if nothing could be
  * attempted (-EINVAL for a bad argument). */
 int64_t se_execute(se_engine *e, int op, int64_t n,
                    const int32_t *disk, const uint64_t *off,
                    const uint32_t *len, const uint64_t *dst,
                    char *buf, uint64_t buflen, int buf_slot,
-                   int32_t *status);
+                   int32_t *status, se_exec_info *info);
 
+/* Snapshot of the counters; never waits for I/O in flight. */
 void se_get_counters(se_engine *e, se_counters *c, se_disk_counters *per_disk);
+/* Tear down every ring and free the engine.  No other call may be running. */
 void se_close(se_engine *e);
 
 /* ---- data kernels ---------------------------------------------------- */

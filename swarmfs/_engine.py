@@ -2,16 +2,36 @@
 
 Two back ends sit behind one interface (see ``native/engine.c``):
 
-* ``io_uring`` (default): liburing through cffi.  All SQEs of a plan are filled
-  in C and submitted with as few ``io_uring_enter`` calls as the ring allows
-  (one when the plan fits in the queue depth); CQEs are reaped in batches;
-  short transfers are resubmitted and ``-EAGAIN``/``-EINTR`` retried.  Disk
-  files are registered once; buffers from :meth:`Engine.alloc` are registered
-  as fixed buffers where the kernel and ``RLIMIT_MEMLOCK`` allow.
-* ``threads`` (fallback): a pool of pthreads issuing ``pread``/``pwrite``,
-  also entirely in C.  It takes over, with a one-line warning, when io_uring is
+* ``io_uring`` (default): liburing through cffi, **one ring per calling
+  thread** (as liburing's documentation and 3FS USRBIO recommend).  A thread's
+  ring is set up the first time it reads or writes, with
+  ``IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN`` (else ``COOP_TASKRUN``) where
+  the kernel has them; the disks are registered files of every ring; the ring
+  is torn down when the thread exits or the engine closes.  All SQEs of a plan
+  are filled in C and submitted with as few ``io_uring_enter`` calls as the
+  ring allows (one when the plan fits in the queue depth); CQEs are reaped in
+  batches; short transfers are resubmitted and ``-EAGAIN``/``-EINTR`` retried.
+  Buffers from :meth:`Engine.alloc` are registered as fixed buffers in every
+  ring that uses them, where the kernel and ``RLIMIT_MEMLOCK`` allow.
+* ``threads`` (fallback): pthreads issuing ``pread``/``pwrite``, also
+  entirely in C.  It takes over, with a one-line warning, when io_uring is
   unavailable (``ENOSYS``, ``EPERM`` from ``kernel.io_uring_disabled`` or
-  seccomp).  ``SWARMFS_ENGINE=threads`` (or ``engine="threads"``) forces it.
+  seccomp, ``ENOMEM`` from a too small ``RLIMIT_MEMLOCK``).
+  ``SWARMFS_ENGINE=threads`` (or ``engine="threads"``) forces it.
+
+Concurrency contract: any number of threads may call :meth:`Engine.execute`,
+:meth:`Engine.alloc` and :meth:`Engine.stats` at the same time.  No lock is
+held while requests are in flight, so a reader of healthy disks never waits
+for a reader of a slow one, and :meth:`Engine.stats` never waits for I/O.
+:meth:`Engine.close` waits until the calls in flight have returned (each is
+bounded: transient errors are retried a bounded number of times); calls that
+start after ``close`` began raise :class:`SwarmError` ("the engine is closed").
+
+Never spinning: a transient failure (``io_uring_enter`` failing with EINTR,
+EAGAIN, EBUSY or EIO, a request or ``pread`` ending with EAGAIN/EINTR) is
+retried with exponential backoff (1 µs doubling up to 1 ms) at most
+``retry_limit`` times in a row without progress (default 200, about 0.2 s),
+then the read fails with :class:`IOFailedError` naming the disk.
 
 Disks are opened with ``O_DIRECT``: offsets, lengths and buffer addresses must
 be multiples of the disk's logical block size; :meth:`Engine.execute` checks
@@ -20,11 +40,14 @@ this (vectorised) before anything is submitted.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import mmap
 import os
+import resource
 import stat
+import threading
 import warnings
 import weakref
 
@@ -45,16 +68,45 @@ __all__ = ["Engine", "EngineStats", "DiskStats", "AlignedBuffer", "open_disk",
 READ = lib.SE_OP_READ
 WRITE = lib.SE_OP_WRITE
 _KINDS = {lib.SE_KIND_URING: "io_uring", lib.SE_KIND_THREADS: "threads"}
-_FALLBACK_ERRNOS = {errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP}
+_FALLBACK_ERRNOS = {errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.ENOMEM}
+_RING_FLAGS = ((lib.SE_RING_SINGLE_ISSUER, "SINGLE_ISSUER"),
+               (lib.SE_RING_DEFER_TASKRUN, "DEFER_TASKRUN"),
+               (lib.SE_RING_COOP_TASKRUN, "COOP_TASKRUN"),
+               (lib.SE_RING_SUBMIT_ALL, "SUBMIT_ALL"))
 _BLKSSZGET = 0x1268
 _BLKGETSIZE64 = 0x80081272
-_warned_fallback = False
+_warned = set()                     # one-line warnings already given, by kind
 _MAX_REQUEST = (1 << 31) - 4096     # statuses are int32 byte counts
+_QUARANTINE = []                    # memory abandoned requests may still write to
 
 
 def _uring_open(pp, cfds, nfds, queue_depth):
     """``se_uring_open`` (a seam where tests inject ENOSYS/EPERM faults)."""
     return lib.se_uring_open(pp, cfds, nfds, queue_depth)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def memlock_limit() -> int | None:
+    """The soft ``RLIMIT_MEMLOCK`` in bytes (None: unlimited)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def memlock_hint(what: str) -> str:
+    """``what`` plus the locked-memory limit and how to raise it (one line)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+    def fmt(v):
+        return "unlimited" if v == resource.RLIM_INFINITY else f"{v // 1024} KiB"
+    return (f"{what}: the locked-memory limit RLIMIT_MEMLOCK is {fmt(soft)} (hard {fmt(hard)}) "
+            "and io_uring rings and registered buffers count against it; raise it with "
+            "`ulimit -l unlimited` (or a size in KiB), LimitMEMLOCK=infinity in a systemd "
+            "unit, or a memlock line in /etc/security/limits.conf")
 
 
 def logical_block_size(fd: int) -> int:
@@ -138,25 +190,28 @@ class AlignedBuffer:
 
     def __init__(self, nbytes: int, *, pinned: bool = False):
         self.nbytes = max(int(nbytes), 1)
-        size = -(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.size = -(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         self.pinned = pinned
-        self.tensor = None
-        self._mmap = None
-        if pinned and _cuda_available():
-            import torch
-            self.tensor = torch.empty(size, dtype=torch.uint8).pin_memory()
-            self.array = self.tensor.numpy()
-        else:
-            # private: a fork()ed child must not share staging memory with us
-            self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.array = np.frombuffer(self._mmap, dtype=np.uint8)
-            if pinned:
-                _mlock(self.array)
-        self.address = self.array.ctypes.data
-        self.size = size
+        self._map()
         self.slot = -1
         self._engine = None
         self._unreg = None
+
+    def _map(self) -> None:
+        self.tensor = None
+        self._mmap = None
+        if self.pinned and _cuda_available():
+            import torch
+            self.tensor = torch.empty(self.size, dtype=torch.uint8).pin_memory()
+            self.array = self.tensor.numpy()
+        else:
+            # private: a fork()ed child must not share staging memory with us
+            self._mmap = mmap.mmap(-1, self.size,
+                                   flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+            if self.pinned:
+                _mlock(self.array)
+        self.address = self.array.ctypes.data
 
     def cdata(self):
         return ffi.cast("char *", self.address)
@@ -169,12 +224,22 @@ class AlignedBuffer:
         self.slot = -1
         self._engine = None
 
+    def _quarantine(self) -> None:
+        """Requests the engine gave up on may still be in the kernel and write
+        into this memory later: keep it mapped for ever (leaked on purpose,
+        only after an engine failure) and give the buffer fresh memory."""
+        self.release()
+        _QUARANTINE.append((self._mmap, self.tensor, self.array))
+        self._map()
+
 
 def _unregister(engine_ref, slot: int) -> None:
     """Finalizer of a registered buffer: unregister it if its engine is open."""
     eng = engine_ref()
-    if eng is not None and eng._ptr is not None and os.getpid() == eng._pid:
-        lib.se_unregister_buffer(eng._ptr, slot)
+    if eng is None or os.getpid() != eng._pid:
+        return
+    with contextlib.suppress(E.SwarmError), eng._call() as ptr:
+        lib.se_unregister_buffer(ptr, slot)
 
 
 def _cuda_available() -> bool:
@@ -205,7 +270,8 @@ class DiskStats:
             the last completion on this disk (microseconds).  Completions
             are timestamped per reaped batch, so when a plan completes in one
             batch every disk shows the same time; per-disk ``bytes`` and
-            ``requests`` show the balance.
+            ``requests`` show the balance.  Calls from several threads each
+            add their own time (busy time can exceed wall time).
     """
     requests: int
     bytes: int
@@ -214,22 +280,41 @@ class DiskStats:
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
-    """Engine counters since the engine was opened.
+    """Engine counters since the engine was opened (a consistent-enough
+    snapshot: each counter is read atomically; taking it never waits for I/O).
 
     Attributes:
         engine: ``"io_uring"`` or ``"threads"``.
-        queue_depth: SQ entries (io_uring) or worker threads (threads).
+        queue_depth: SQ entries per ring (io_uring) or worker threads per call
+            (threads).
         registered_files: whether disks are io_uring registered files.
         executes: plan executions.
         requests: requests completed (including failed ones).
         bytes: bytes transferred.
         submit_calls: ``io_uring_enter`` calls (io_uring) or thread batches.
         sqes / cqes: submission / completion queue entries processed.
-        retries: ``-EAGAIN``/``-EINTR`` resubmissions.
+        retries: ``-EAGAIN``/``-EINTR`` resubmissions plus failed
+            ``io_uring_enter`` calls that were retried.
         short_resubmits: resubmissions of the remainder of a short transfer.
         errors: requests that ended with an error.
         fixed_requests: requests that used a registered (fixed) buffer.
         disks: per-disk :class:`DiskStats`.
+        ring_flags: io_uring setup flags in use, e.g.
+            ``("SINGLE_ISSUER", "DEFER_TASKRUN", "SUBMIT_ALL")``.
+        rings: rings alive now (one per thread that used the engine).
+        in_flight: execute calls running now.
+        enter_errors: ``io_uring_enter`` calls that failed.
+        gave_up: calls that stopped retrying a transient error and failed.
+        fallback_executes: io_uring executes that ran with ``pread`` because
+            the calling thread's ring could not be set up (e.g.
+            ``RLIMIT_MEMLOCK``).
+        buffers_registered: whether staging buffers are io_uring fixed
+            buffers: at least one is registered and no registration failed.
+        registered_buffers: buffers in the engine's fixed-buffer table.
+        buffer_register_errors: per-ring registrations that failed.
+        buffer_error: why the last registration failed (None: none did),
+            naming ``RLIMIT_MEMLOCK`` when that was the cause.
+        memlock_limit: the soft ``RLIMIT_MEMLOCK`` in bytes (None: unlimited).
     """
     engine: str
     queue_depth: int
@@ -245,27 +330,51 @@ class EngineStats:
     errors: int
     fixed_requests: int
     disks: tuple
+    ring_flags: tuple = ()
+    rings: int = 0
+    in_flight: int = 0
+    enter_errors: int = 0
+    gave_up: int = 0
+    fallback_executes: int = 0
+    buffers_registered: bool = False
+    registered_buffers: int = 0
+    buffer_register_errors: int = 0
+    buffer_error: str | None = None
+    memlock_limit: int | None = None
 
 
 class Engine:
     """Batched block I/O over a fixed set of open disks.
 
+    Concurrency: ``execute``, ``alloc``, ``check`` and ``stats`` may run from
+    any number of threads at the same time; with io_uring each thread uses a
+    ring of its own, so no lock is held while requests are in flight and
+    readers of different disks never wait for each other.  ``close`` waits
+    for calls in flight to return; calls that begin after it raise
+    :class:`SwarmError`.  An engine belongs to the process that opened it (a
+    ``fork`` child gets SwarmError).
+
     Args:
         fds: open file descriptors (O_DIRECT), one per disk, in disk order.
         kind: ``"auto"`` (io_uring, else threads), ``"io_uring"`` or
             ``"threads"``.  Default: ``$SWARMFS_ENGINE`` or ``"auto"``.
-        queue_depth: io_uring SQ size (CQ is twice that); the fallback
-            engine runs min(queue_depth, 32) worker threads.
+        queue_depth: io_uring SQ size per ring (CQ is twice that); halved
+            (down to 8, with a warning) when ``RLIMIT_MEMLOCK`` is too small
+            for the ring.  The fallback engine runs min(queue_depth, 32)
+            worker threads per call.
         block_sizes: logical block size (bytes) of each disk, for the
             alignment checks.
+        retry_limit: transient failures retried in a row without progress
+            before a call fails (see the module docstring).
 
     Raises:
-        IOFailedError: io_uring was requested explicitly and cannot be set up.
+        ConfigError: bad kind, queue depth or retry limit, or no disks.
+        IOFailedError: io_uring was requested explicitly and cannot be set up
+            (the message names ``RLIMIT_MEMLOCK`` when that is the cause).
     """
 
     def __init__(self, fds, *, kind: str | None = None, queue_depth: int = 128,
-                 block_sizes=None, names=None, store=None):
-        global _warned_fallback
+                 block_sizes=None, names=None, store=None, retry_limit: int | None = None):
         self.fds = list(fds)
         self.store = store
         self.names = list(names) if names is not None else [None] * len(self.fds)
@@ -280,6 +389,11 @@ class Engine:
                 not 1 <= queue_depth <= 32768:
             raise E.ConfigError(f"queue depth must be an integer in [1, 32768], got "
                                 f"{queue_depth!r}", store=store)
+        if retry_limit is not None and (isinstance(retry_limit, bool) or
+                                        not isinstance(retry_limit, numbers.Integral) or
+                                        not 0 <= retry_limit <= 1 << 20):
+            raise E.ConfigError(f"retry limit must be an integer in [0, 2**20], got "
+                                f"{retry_limit!r}", store=store)
         if not self.fds:
             raise E.ConfigError("an engine needs at least one disk", store=store)
         cfds = ffi.new("int[]", self.fds)
@@ -290,16 +404,15 @@ class Engine:
             ret = _uring_open(pp, cfds, len(self.fds), queue_depth)
             if ret == 0:
                 self._ptr = pp[0]
-            elif kind == "io_uring" or -ret not in _FALLBACK_ERRNOS:
-                raise E.IOFailedError(f"io_uring setup failed: {os.strerror(-ret)}",
-                                      errno=-ret, store=store)
             else:
-                self.fallback_reason = os.strerror(-ret)
-                if not _warned_fallback:
-                    warnings.warn(f"swarmfs: io_uring unavailable ({self.fallback_reason}); "
-                                  "using the thread-pool pread/pwrite engine",
-                                  RuntimeWarning, stacklevel=2)
-                    _warned_fallback = True
+                reason = f"io_uring setup failed: {os.strerror(-ret)}"
+                if -ret == errno.ENOMEM:
+                    reason = memlock_hint(reason)
+                if kind == "io_uring" or -ret not in _FALLBACK_ERRNOS:
+                    raise E.IOFailedError(reason, errno=-ret, store=store)
+                self.fallback_reason = reason
+                _warn_once("fallback", f"swarmfs: io_uring unavailable ({reason}); using "
+                                       "the thread-pool pread/pwrite engine")
         if self._ptr is None:
             # a thread per in-flight request: more threads than this only contend
             ret = lib.se_threads_open(pp, cfds, len(self.fds), min(queue_depth, 32))
@@ -310,28 +423,70 @@ class Engine:
         self.kind = _KINDS[lib.se_kind(self._ptr)]
         self._pid = os.getpid()
         self._registered = weakref.WeakSet()
+        # reentrant: a buffer finalizer (GC) may run inside close() in this thread
+        self._cv = threading.Condition(threading.RLock())
+        self._calls = 0
+        self._closing = False
+        self._buffer_error = None
+        self.retry_limit = int(lib.SE_DEFAULT_RETRY_LIMIT if retry_limit is None
+                               else retry_limit)
+        lib.se_set_retry_limit(self._ptr, self.retry_limit)
         self.queue_depth = int(lib.se_queue_depth(self._ptr))
+        flags = int(lib.se_ring_flags(self._ptr))
+        self.ring_flags = tuple(name for bit, name in _RING_FLAGS if flags & bit)
         self._finalizer = weakref.finalize(self, lib.se_close, self._ptr)
+        if self.kind == "io_uring" and self.queue_depth < queue_depth:
+            _warn_once("depth", "swarmfs: " + memlock_hint(
+                f"io_uring queue depth reduced from {queue_depth} to {self.queue_depth}"))
 
-    # -- buffers ---------------------------------------------------------
+    # -- liveness ----------------------------------------------------------
+    @contextlib.contextmanager
+    def _call(self):
+        """Count a native call in flight (``close`` waits for it); raise
+        SwarmError if the engine is closed or closing."""
+        with self._cv:
+            if self._ptr is None or self._closing:
+                raise E.SwarmError("the engine is closed", store=self.store)
+            self._calls += 1
+        try:
+            yield self._ptr
+        finally:
+            with self._cv:
+                self._calls -= 1
+                if self._calls == 0:
+                    self._cv.notify_all()
+
     def _live(self) -> None:
-        """Raise SwarmError if :meth:`close` has run."""
-        if self._ptr is None:
+        """Raise SwarmError if :meth:`close` has run or is running."""
+        if self._ptr is None or self._closing:
             raise E.SwarmError("the engine is closed", store=self.store)
 
+    # -- buffers ---------------------------------------------------------
     def alloc(self, nbytes: int, *, pinned: bool = False,
               register: bool = True) -> AlignedBuffer:
         """Allocate a page-aligned buffer of at least ``nbytes`` bytes and
-        register it as a fixed buffer when the engine supports it."""
+        register it as a fixed buffer when the engine supports it.
+
+        A registration that fails (e.g. ``RLIMIT_MEMLOCK`` too small) leaves
+        an unregistered buffer that works with plain reads; the first such
+        failure gives a one-line warning and ``stats().buffer_error`` says why.
+        """
         self._live()
         buf = AlignedBuffer(nbytes, pinned=pinned)
         if register and self.kind == "io_uring" and buf.size <= (1 << 30):
-            slot = lib.se_register_buffer(self._ptr, buf.cdata(), buf.size)
+            with self._call() as ptr:
+                slot = lib.se_register_buffer(ptr, buf.cdata(), buf.size)
             if slot >= 0:
                 buf.slot = slot
                 buf._engine = weakref.ref(self)
                 buf._unreg = weakref.finalize(buf, _unregister, weakref.ref(self), slot)
                 self._registered.add(buf)
+            elif slot in (-errno.ENOMEM, -errno.EFAULT):
+                self._buffer_error = memlock_hint(
+                    f"registering a {buf.size}-byte fixed buffer failed: "
+                    f"{os.strerror(-slot)}")
+                _warn_once("buffers", f"swarmfs: {self._buffer_error}; reading "
+                                      "without registered buffers")
         return buf
 
     # -- execution -------------------------------------------------------
@@ -372,6 +527,9 @@ class Engine:
                 layer=None, cluster=None, check: bool = True) -> np.ndarray:
         """Execute a whole plan in one native call.
 
+        Safe to call from several threads at once (each uses its own ring);
+        see the class docstring.
+
         Args:
             op: ``READ`` or ``WRITE``.
             disk: int32 [n] disk index per request.
@@ -387,7 +545,10 @@ class Engine:
             MisalignedRequestError, OutOfRangeError: before submission.
             DiskTruncatedError: a read hit the end of a disk.
             DiskFullError: a write failed with ENOSPC/EFBIG/EDQUOT.
-            IOFailedError: any other failed request (first failure named).
+            IOFailedError: any other failed request (first failure named),
+                including transient errors retried ``retry_limit`` times in a
+                row without progress.
+            SwarmError: the engine is closed, or was opened in another process.
         """
         if os.getpid() != self._pid:
             raise E.SwarmError("this Store/Engine was opened in another process (fork); "
@@ -403,28 +564,37 @@ class Engine:
         dst = np.ascontiguousarray(dst, dtype=np.uint64)
         n = disk.shape[0]
         if not (off.shape[0] == length.shape[0] == dst.shape[0] == n):
-            raise ValueError("plan arrays differ in length")
+            raise E.InvalidArgumentError("plan arrays differ in length", store=self.store,
+                                         layer=layer, cluster=cluster)
         if check:
             self.check(disk, off, length, dst, buf_address=buf.address,
                        layer=layer, cluster=cluster)
         status = np.empty(n, dtype=np.int32)
         if n == 0:
             return status
-        failed = lib.se_execute(
-            self._ptr, op, n,
-            ffi.from_buffer("int32_t[]", disk), ffi.from_buffer("uint64_t[]", off),
-            ffi.from_buffer("uint32_t[]", length), ffi.from_buffer("uint64_t[]", dst),
-            buf.cdata(), buf.size, buf.slot,
-            ffi.from_buffer("int32_t[]", status, require_writable=True))
+        info = ffi.new("se_exec_info *")
+        with self._call() as ptr:
+            failed = lib.se_execute(
+                ptr, op, n,
+                ffi.from_buffer("int32_t[]", disk), ffi.from_buffer("uint64_t[]", off),
+                ffi.from_buffer("uint32_t[]", length), ffi.from_buffer("uint64_t[]", dst),
+                buf.cdata(), buf.size, buf.slot,
+                ffi.from_buffer("int32_t[]", status, require_writable=True), info)
+        if info.abandoned:
+            buf._quarantine()
+        if info.fallback:
+            _warn_once("ring", "swarmfs: " + memlock_hint(
+                f"a thread could not set up its io_uring ring "
+                f"({os.strerror(info.ring_errno)})") + "; that thread reads with pread")
         if failed < 0:
             raise E.IOFailedError(f"engine refused the plan: {os.strerror(-failed)}",
                                   errno=-failed, store=self.store, layer=layer,
                                   cluster=cluster)
         if failed:
-            self._raise_failure(op, status, disk, off, layer, cluster)
+            self._raise_failure(op, status, disk, off, layer, cluster, info)
         return status
 
-    def _raise_failure(self, op, status, disk, off, layer, cluster):
+    def _raise_failure(self, op, status, disk, off, layer, cluster, info=None):
         i = int(np.flatnonzero(status < 0)[0])
         code = -int(status[i])
         d = int(disk[i])
@@ -434,6 +604,17 @@ class Engine:
         nfail = int((status < 0).sum())
         msg = f"{what} at offset {int(off[i])} failed: {os.strerror(code)}" + \
               (f" ({nfail} requests failed)" if nfail > 1 else "")
+        if info is not None and info.enter_errno:
+            raise E.IOFailedError(
+                f"{what} at offset {int(off[i])} failed: io_uring_enter failed "
+                f"{info.enter_failures} times ({os.strerror(info.enter_errno)})"
+                + (f"; gave up after {self.retry_limit} retries without progress"
+                   if info.gave_up else "")
+                + (f" ({nfail} requests failed)" if nfail > 1 else ""),
+                errno=info.enter_errno, **kw)
+        if code in (errno.EAGAIN, errno.EINTR):
+            raise E.IOFailedError(msg + f"; gave up after {self.retry_limit} retries "
+                                  "without progress", errno=code, **kw)
         if code == errno.ENODATA and op == READ:
             raise E.DiskTruncatedError(f"{what} at offset {int(off[i])} hit the end "
                                        "of the disk (disk truncated?)", **kw)
@@ -446,27 +627,57 @@ class Engine:
 
     # -- counters --------------------------------------------------------
     def stats(self) -> EngineStats:
-        """A snapshot of the counters as an :class:`EngineStats`."""
-        self._live()
+        """A snapshot of the counters as an :class:`EngineStats`; never waits
+        for I/O in flight (the counters are atomics).
+
+        Raises:
+            SwarmError: the engine is closed.
+        """
         c = ffi.new("se_counters *")
         d = ffi.new("se_disk_counters[]", len(self.fds))
-        lib.se_get_counters(self._ptr, c, d)
+        with self._call() as ptr:
+            lib.se_get_counters(ptr, c, d)
         disks = tuple(DiskStats(int(d[i].requests), int(d[i].bytes),
                                 d[i].busy_ns / 1e3) for i in range(len(self.fds)))
+        buffer_error = self._buffer_error
+        if buffer_error is None and c.last_buffer_errno:
+            buffer_error = memlock_hint("registering a fixed buffer in a thread's ring "
+                                        f"failed: {os.strerror(int(c.last_buffer_errno))}")
+        nbuf = int(c.buffers)
         return EngineStats(
             engine=self.kind, queue_depth=self.queue_depth,
             registered_files=bool(lib.se_files_registered(self._ptr)),
             executes=int(c.executes), requests=int(c.requests), bytes=int(c.bytes),
             submit_calls=int(c.submit_calls), sqes=int(c.sqes), cqes=int(c.cqes),
             retries=int(c.retries), short_resubmits=int(c.short_resubmits),
-            errors=int(c.errors), fixed_requests=int(c.fixed_requests), disks=disks)
+            errors=int(c.errors), fixed_requests=int(c.fixed_requests), disks=disks,
+            ring_flags=self.ring_flags,
+            rings=int(c.rings_created) - int(c.rings_closed), in_flight=int(c.in_flight),
+            enter_errors=int(c.enter_errors), gave_up=int(c.gave_up),
+            fallback_executes=int(c.fallback_executes),
+            buffers_registered=nbuf > 0 and buffer_error is None,
+            registered_buffers=nbuf, buffer_register_errors=int(c.buffer_register_errors),
+            buffer_error=buffer_error, memlock_limit=memlock_limit())
 
     def close(self) -> None:
-        """Tear down the ring (the file descriptors stay open).  Registered
-        buffers are unregistered first and stay usable as plain memory."""
-        if self._ptr is not None:
+        """Tear down every ring (the file descriptors stay open).
+
+        Waits until the calls in flight in other threads have returned (each
+        is bounded, see the module docstring); calls that begin after this
+        raise SwarmError.  Registered buffers stay usable as plain memory.
+        Idempotent.
+        """
+        with self._cv:
+            if self._ptr is None or self._closing:
+                return
+            self._closing = True
+            self._cv.wait_for(lambda: self._calls == 0)
             for buf in list(self._registered):
-                buf.release()
+                if buf._unreg is not None:
+                    buf._unreg.detach()      # se_close drops every registration
+                    buf._unreg = None
+                buf.slot = -1
+                buf._engine = None
             self._registered.clear()
             self._finalizer()
             self._ptr = None

@@ -1,6 +1,24 @@
-"""Conformance tests of the I/O engine: every test runs on io_uring and threads."""
+"""Conformance tests of the I/O engine: every test runs on io_uring and threads.
 
+Fault injection only where the fault cannot be produced for real: a failing
+``io_uring_enter``/``pread`` is injected with ``strace -e inject`` in a
+subprocess, a too small ``RLIMIT_MEMLOCK`` is set with ``resource.setrlimit``
+in a subprocess (with ``CAP_IPC_LOCK`` dropped by ``setpriv`` when root, since
+that capability exempts a process from the limit), and a slow disk is a real
+loop device throttled by blk-throttle (root only).
+"""
+
+import errno
+import importlib.util
+import json
 import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,7 +238,7 @@ def test_fallback_when_io_uring_is_unavailable(disks, monkeypatch, err, rng):
     _, data, fds = disks
     code = getattr(errno, err)
     monkeypatch.setattr(eng_mod, "_uring_open", lambda *a: -code)
-    monkeypatch.setattr(eng_mod, "_warned_fallback", False)
+    monkeypatch.setattr(eng_mod, "_warned", set())
     with pytest.warns(RuntimeWarning, match="io_uring unavailable"):
         eng = Engine(fds, kind="auto", queue_depth=8)
     assert eng.kind == "threads" and eng.stats().engine == "threads"
@@ -230,3 +248,464 @@ def test_fallback_when_io_uring_is_unavailable(disks, monkeypatch, err, rng):
     assert buf.array[:4096].tobytes() == data[1][4096:8192].tobytes()
     with pytest.raises(E.IOFailedError):
         Engine(fds, kind="io_uring")   # asked for explicitly: no silent fallback
+
+
+# -- concurrency: one ring per thread, no lock across I/O --------------------
+
+def uring_fds() -> int:
+    """io_uring instances open in this process (ring file descriptors)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[io_uring]"
+        except OSError:
+            pass
+    return n
+
+
+def wait_for(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_threads_read_concurrently_through_one_engine(disks, engine_kind):
+    """Stress: six threads, each with its own buffer, read random plans through
+    one engine at once; every byte is right, stats() is readable throughout,
+    and each thread's ring is torn down when the thread exits (no leaked ring)."""
+    _, data, fds = disks
+    before = uring_fds()
+    eng = make_engine(fds, engine_kind)
+    nthreads, iters, nreq = 6, 25, 40
+    failures, snapshots = [], []
+
+    def work(seed):
+        r = np.random.default_rng(seed)
+        buf = eng.alloc(nreq * 16 * 512)
+        try:
+            for _ in range(iters):
+                disk, off, length, dst = random_plan(r, nreq, 3)
+                eng.execute(READ, disk, off, length, dst, buf)
+                for i in range(nreq):
+                    if not np.array_equal(buf.array[dst[i]:dst[i] + length[i]],
+                                          data[disk[i]][off[i]:off[i] + length[i]]):
+                        failures.append((seed, i))
+        except Exception as exc:  # reported below
+            failures.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(nthreads)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        snapshots.append(eng.stats())
+    for t in threads:
+        t.join()
+    assert failures == []
+    s = eng.stats()
+    assert s.requests == nthreads * iters * nreq and s.errors == 0 and s.in_flight == 0
+    assert all(a.requests <= b.requests for a, b in zip(snapshots, snapshots[1:]))
+    if engine_kind == "io_uring":
+        assert s.fixed_requests == s.requests      # every thread's ring registered its buffer
+        assert set(s.ring_flags) >= {"SINGLE_ISSUER"}
+        # the opener's ring stays; the workers' rings went with their threads
+        assert wait_for(lambda: eng.stats().rings == 1), eng.stats().rings
+        assert uring_fds() == before + 1
+    eng.close()
+    assert uring_fds() == before
+
+
+def test_close_waits_for_calls_in_flight_and_later_calls_raise(disks, engine_kind):
+    """close() from one thread while others keep reading: every read either
+    completes with the right bytes or raises SwarmError("closed"); none crashes
+    or returns garbage, and no ring is left behind."""
+    _, data, fds = disks
+    before = uring_fds()
+    eng = make_engine(fds, engine_kind)
+    go = threading.Event()
+    outcome = {"ok": 0, "closed": 0, "other": []}
+    lock = threading.Lock()
+
+    def work(seed):
+        r = np.random.default_rng(seed)
+        try:
+            buf = eng.alloc(64 * 8192)
+        except E.SwarmError:
+            with lock:
+                outcome["closed"] += 1
+            return
+        go.set()
+        while True:
+            disk, off, length, dst = random_plan(r, 64, 3)
+            try:
+                eng.execute(READ, disk, off, length, dst, buf)
+            except E.SwarmError as exc:
+                with lock:
+                    if "closed" in str(exc):
+                        outcome["closed"] += 1
+                    else:
+                        outcome["other"].append(repr(exc))
+                return
+            good = all(np.array_equal(buf.array[dst[i]:dst[i] + length[i]],
+                                      data[disk[i]][off[i]:off[i] + length[i]])
+                       for i in range(64))
+            with lock:
+                if good:
+                    outcome["ok"] += 1
+                else:
+                    outcome["other"].append("wrong bytes")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    go.wait(10)
+    assert wait_for(lambda: outcome["ok"] >= 8)
+    eng.close()
+    assert eng.stats.__self__._ptr is None
+    for t in threads:
+        t.join(20)
+    assert outcome["other"] == [] and outcome["closed"] == 4
+    with pytest.raises(E.SwarmError, match="closed"):
+        eng.stats()
+    eng.close()                                   # idempotent
+    assert wait_for(lambda: uring_fds() == before)
+
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+
+def _testbed():
+    spec = importlib.util.spec_from_file_location("_testbed", TOOLS / "_testbed.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("_testbed", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _no_throttle_reason():
+    if os.geteuid() != 0:
+        return "needs root (loop devices and cgroups)"
+    if shutil.which("losetup") is None or not os.path.exists("/dev/loop-control"):
+        return "needs losetup and loop devices"
+    try:
+        _testbed().cgroup_backend()
+    except Exception as exc:
+        return str(exc)
+    return None
+
+
+SLOW_CHILD = textwrap.dedent(r"""
+    import json, os, sys, threading, time
+    import numpy as np
+    from swarmfs import _errors as E
+    from swarmfs._engine import READ, Engine, open_disk
+    slow_dev, fast_path, kind, cgroup = sys.argv[1:5]
+    with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:   # throttled from now on
+        f.write(str(os.getpid()))
+    fds = [open_disk(fast_path), open_disk(slow_dev)]
+    eng = Engine(fds, kind=kind, queue_depth=32, block_sizes=[512, 512])
+    fast, slow = eng.alloc(1 << 16), eng.alloc(1 << 16)
+    want_fast = open(fast_path, "rb").read(1 << 16)
+    want_slow = open(slow_dev, "rb").read(1 << 16)       # page cache: not throttled
+    out = {"slow_done": False}
+    NSLOW = 16
+
+    def slow_reader():
+        eng.execute(READ, [1] * NSLOW, np.arange(NSLOW) * 4096, [4096] * NSLOW,
+                    np.arange(NSLOW) * 4096, slow)
+        out["slow_ok"] = bytes(slow.array[:NSLOW * 4096]) == want_slow[:NSLOW * 4096]
+        out["slow_done"] = True
+
+    th = threading.Thread(target=slow_reader)
+    th.start()
+    deadline = time.monotonic() + 10
+    while eng.stats().in_flight < 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    out["in_flight_seen"] = eng.stats().in_flight          # stats() does not wait
+    n = bad = 0
+    while th.is_alive() and n < 200:
+        eng.execute(READ, [0] * 16, np.arange(16) * 4096, [4096] * 16,
+                    np.arange(16) * 4096, fast)
+        bad += bytes(fast.array) != want_fast
+        n += 1
+    out["fast_reads"] = n
+    out["fast_bad"] = bad
+    out["slow_in_flight_after_fast_reads"] = th.is_alive() and not out["slow_done"]
+    # close while the slow read is in flight: close waits, later calls raise
+    closer_done = {}
+
+    def closer():
+        eng.close()
+        closer_done["slow_done_at_close"] = out["slow_done"]
+
+    ct = threading.Thread(target=closer)
+    ct.start()
+    while not eng._closing:
+        time.sleep(0.001)
+    try:
+        eng.execute(READ, [0], [0], [4096], [0], fast)
+        out["call_during_close"] = "returned"
+    except E.SwarmError as exc:
+        out["call_during_close"] = str(exc)
+    out["slow_alive_during_close"] = th.is_alive()
+    ct.join()
+    th.join()
+    out.update(closer_done)
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.root
+@pytest.mark.skipif(_no_throttle_reason() is not None, reason=str(_no_throttle_reason()))
+def test_reader_of_healthy_disk_does_not_wait_for_a_throttled_disk(tmp_path, engine_kind, rng):
+    """Issue 10 item 4: one thread reads a loop device throttled to 4 requests/s
+    (blk-throttle), another reads a healthy disk through the same engine.  The
+    healthy reader completes 200 reads while the slow read is still in flight
+    (with one lock around the I/O it completed none), stats() answers while the
+    slow read is in flight, and close() waits for the slow read to finish while
+    a call that starts during close raises SwarmError."""
+    T = _testbed()
+    name = f"swarmfs-engine-pytest-{os.getpid()}"
+    backing = str(tmp_path / "backing")
+    fast = tmp_path / "fast.bin"
+    fast.write_bytes(rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    try:
+        state = T.up(1, "16M", backing, limits=T.Limits(read_iops=4), name=name)
+        dev = state["devices"][0]
+        fd = os.open(dev, os.O_WRONLY)
+        try:
+            os.pwrite(fd, rng.integers(0, 256, 1 << 16, dtype=np.uint8).tobytes(), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        res = subprocess.run([sys.executable, "-c", SLOW_CHILD, dev, str(fast), engine_kind,
+                              state["cgroup"]["path"]],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+    finally:
+        T.down(name, backing)
+    assert out["in_flight_seen"] >= 1
+    assert out["fast_reads"] == 200 and out["fast_bad"] == 0
+    assert out["slow_in_flight_after_fast_reads"]
+    assert "closed" in out["call_during_close"] and out["slow_alive_during_close"]
+    assert out["slow_done_at_close"] and out["slow_ok"]
+
+
+# -- bounded retries (fault injection with strace) ----------------------------
+
+def _strace_reason():
+    if shutil.which("strace") is None:
+        return "needs strace"
+    res = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=getppid",
+                          "-e", "inject=getppid:error=EAGAIN", "true"],
+                         capture_output=True, text=True)
+    return None if res.returncode == 0 else f"strace cannot inject: {res.stderr.strip()}"
+
+
+RETRY_CHILD = textwrap.dedent(r"""
+    import json, os, sys
+    import numpy as np
+    from swarmfs import _errors as E
+    from swarmfs._engine import READ, Engine, open_disk
+    path, kind, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    fd = open_disk(path)
+    eng = Engine([fd], kind=kind, queue_depth=8, names=[path], retry_limit=limit)
+    buf = eng.alloc(1 << 16)
+    want = open(path, "rb").read(1 << 16)
+    out = []
+    for attempt in range(2):
+        try:
+            eng.execute(READ, [0] * 4, np.arange(4) * 4096, [4096] * 4,
+                        np.arange(4) * 4096, buf)
+            out.append({"ok": bytes(buf.array[:16384]) == want[:16384]})
+        except E.IOFailedError as exc:
+            out.append({"error": str(exc), "errno": exc.errno, "disk": exc.disk})
+    s = eng.stats()
+    print(json.dumps({"results": out, "enter_errors": s.enter_errors,
+                      "retries": s.retries, "gave_up": s.gave_up, "rings": s.rings}))
+""")
+
+
+def run_injected(path, kind, syscall, err, when, limit, only_path=False):
+    # only_path: inject only into calls on the disk file (-P), not the loader's
+    res = subprocess.run(
+        ["strace", "-f", "-qq", "-o", "/dev/null", "-e", f"trace={syscall}",
+         "-e", f"inject={syscall}:error={err}:when={when}"]
+        + (["-P", str(path)] if only_path else []) + [
+         sys.executable, "-c", RETRY_CHILD, str(path), kind, str(limit)],
+        capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(_strace_reason() is not None, reason=str(_strace_reason()))
+@pytest.mark.parametrize("err", ["EAGAIN", "EINTR", "EIO"])
+def test_failing_io_uring_enter_gives_up_and_names_the_disk(tmp_path, err, rng):
+    """Issue 9 item 9: io_uring_enter fails (injected) 25 times in a row with a
+    retry limit of 20: the first read retries 20 times, then raises
+    IOFailedError naming the disk and the error; the broken ring is replaced
+    and the second read (5 more failures, then success) returns the right
+    bytes.  Every failed enter is counted."""
+    p = tmp_path / "d0"
+    p.write_bytes(rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    out = run_injected(p, "io_uring", "io_uring_enter", err, "1..25", 20)
+    first, second = out["results"]
+    assert "io_uring_enter failed 21 times" in first["error"]
+    assert os.strerror(getattr(errno, err)) in first["error"]
+    assert first["disk"] == 0 and str(p) in first["error"]
+    assert first["errno"] == getattr(errno, err)
+    assert second == {"ok": True}
+    assert out["enter_errors"] == 25 and out["retries"] >= 25
+    assert out["gave_up"] == 1 and out["rings"] == 1
+
+
+@pytest.mark.skipif(_strace_reason() is not None, reason=str(_strace_reason()))
+def test_pread_that_always_says_eagain_gives_up(tmp_path, rng):
+    """Issue 9 item 9, threads engine: every pread fails with EAGAIN
+    (injected): the read fails with IOFailedError after the retry limit
+    instead of spinning for ever."""
+    p = tmp_path / "d0"
+    p.write_bytes(rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    out = run_injected(p, "threads", "pread64", "EAGAIN", "1+", 30, only_path=True)
+    for r in out["results"]:
+        assert "gave up after 30 retries" in r["error"] and r["disk"] == 0
+        assert r["errno"] == errno.EAGAIN and str(p) in r["error"]
+    assert out["gave_up"] == 2 and out["retries"] >= 2 * 4 * 30
+
+
+# -- locked memory (RLIMIT_MEMLOCK) ------------------------------------------
+
+def _has_cap_ipc_lock() -> bool:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> 14 & 1)
+    return False
+
+
+def _memlock_prefix():
+    """Run a child where RLIMIT_MEMLOCK applies (drop CAP_IPC_LOCK if held)."""
+    if not _has_cap_ipc_lock():
+        return []
+    if shutil.which("setpriv") is None:
+        return None
+    return ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock"]
+
+
+MEMLOCK_CHILD = textwrap.dedent(r"""
+    import json, resource, sys, threading, warnings
+    import numpy as np
+    from swarmfs import _errors as E
+    from swarmfs._engine import READ, Engine, open_disk
+    path, kind, qd, limit, later = sys.argv[1], sys.argv[2], int(sys.argv[3]), \
+        int(sys.argv[4]), int(sys.argv[5])
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, limit))
+    fd = open_disk(path)
+    want = open(path, "rb").read(1 << 20)
+    out = {}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        try:
+            eng = Engine([fd], kind=kind, queue_depth=qd)
+        except E.IOFailedError as exc:
+            print(json.dumps({"open_error": str(exc), "errno": exc.errno}))
+            sys.exit(0)
+        buf = eng.alloc(1 << 20)
+        if later >= 0:       # lower the limit after open: a new thread's ring fails
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (later, later))
+        def read():
+            eng.execute(READ, [0] * 64, np.arange(64) * 16384, [16384] * 64,
+                        np.arange(64) * 16384, buf)
+            out["ok"] = bytes(buf.array[:1 << 20]) == want
+        t = threading.Thread(target=read)
+        t.start()
+        t.join()
+    s = eng.stats()
+    out.update(kind=eng.kind, qd=eng.queue_depth, warnings=[str(x.message) for x in w],
+               buffers_registered=s.buffers_registered, buffer_error=s.buffer_error,
+               fixed=s.fixed_requests, fallback=s.fallback_executes, memlock=s.memlock_limit)
+    print(json.dumps(out))
+""")
+
+
+def run_memlock(path, kind, qd, limit, later=-1):
+    prefix = _memlock_prefix()
+    res = subprocess.run(prefix + [sys.executable, "-c", MEMLOCK_CHILD, str(path), kind,
+                                   str(qd), str(limit), str(later)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+needs_memlock = pytest.mark.skipif(_memlock_prefix() is None,
+                                   reason="needs setpriv to drop CAP_IPC_LOCK")
+
+
+@pytest.fixture
+def disk_file(tmp_path, rng):
+    p = tmp_path / "d0"
+    p.write_bytes(rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    return p
+
+
+@needs_memlock
+def test_memlock_zero_falls_back_to_threads_and_says_why(disk_file):
+    out = run_memlock(disk_file, "auto", 128, 0)
+    assert out["kind"] == "threads" and out["ok"]
+    assert len(out["warnings"]) == 1
+    assert "RLIMIT_MEMLOCK is 0 KiB" in out["warnings"][0]
+    assert "ulimit -l" in out["warnings"][0] and "LimitMEMLOCK" in out["warnings"][0]
+
+
+@needs_memlock
+def test_memlock_zero_with_io_uring_requested_raises_naming_the_limit(disk_file):
+    out = run_memlock(disk_file, "io_uring", 128, 0)
+    assert out["errno"] == errno.ENOMEM
+    assert "io_uring setup failed" in out["open_error"]
+    assert "RLIMIT_MEMLOCK" in out["open_error"] and "ulimit -l" in out["open_error"]
+
+
+@needs_memlock
+def test_small_memlock_reads_without_registered_buffers_and_reports_it(disk_file):
+    """64 KiB: the ring fits, a 1 MiB fixed buffer does not: one warning, the
+    read is right, stats() says buffers are not registered and why."""
+    out = run_memlock(disk_file, "io_uring", 128, 64 << 10)
+    assert out["kind"] == "io_uring" and out["ok"] and out["qd"] == 128
+    assert out["buffers_registered"] is False and out["fixed"] == 0
+    assert "RLIMIT_MEMLOCK is 64 KiB" in out["buffer_error"]
+    assert out["memlock"] == 64 << 10
+    assert len(out["warnings"]) == 1 and "registered buffers" in out["warnings"][0]
+
+
+@needs_memlock
+def test_small_memlock_with_a_deep_queue_shrinks_the_ring(disk_file):
+    out = run_memlock(disk_file, "io_uring", 4096, 64 << 10)
+    assert out["kind"] == "io_uring" and out["ok"]
+    assert 8 <= out["qd"] < 4096
+    assert any("queue depth reduced from 4096" in m and "RLIMIT_MEMLOCK" in m
+               for m in out["warnings"])
+
+
+@needs_memlock
+def test_thread_without_locked_memory_for_its_ring_reads_with_pread(disk_file):
+    """The limit drops to 0 after open: a new thread cannot set up its ring,
+    reads with pread (right bytes), counts it and warns once."""
+    out = run_memlock(disk_file, "io_uring", 128, 8 << 20, later=0)
+    assert out["kind"] == "io_uring" and out["ok"] and out["fallback"] == 1
+    assert any("could not set up its io_uring ring" in m and "RLIMIT_MEMLOCK" in m
+               for m in out["warnings"])
+
+
+def test_buffers_registered_is_reported(disks):
+    _, _, fds = disks
+    eng = make_engine(fds, "io_uring")
+    assert eng.stats().buffers_registered is False          # nothing registered yet
+    buf = eng.alloc(1 << 16)
+    s = eng.stats()
+    assert buf.slot >= 0 and s.buffers_registered and s.registered_buffers == 1
+    buf.release()
+    assert eng.stats().registered_buffers == 0
+    assert make_engine(fds, "threads").stats().buffers_registered is False

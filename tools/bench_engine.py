@@ -1,33 +1,75 @@
 #!/usr/bin/env python3
-"""Engine benchmark: swarmfs's io_uring engine vs a thread-pool os.preadv loop vs fio.
+"""Engine benchmark: swarmfs's I/O engine against fio at its best settings, and
+reader isolation beside a throttled disk.
 
-All three read the same disk files with O_DIRECT, the same random block-aligned
-offsets spread over the disks, the same request size and the same queue depth
-(io_uring SQ depth = fio iodepth = thread-pool size).  Sizes from 4 KiB to
-1 MiB; each point is the median of --repeats runs, the three contenders
-interleaved so that machine noise hits all of them alike.
+``throughput`` (default): swarmfs's io_uring engine (one ``Engine.execute``
+per run, the whole plan in C), swarmfs's threads engine (the pread fallback,
+also in C) and fio at its best settings for this workload
+(``--ioengine=io_uring --fixedbufs --registerfiles --hipri=0
+--sqthread_poll=0 --direct=1 --rw=randread``, one job over the same files)
+read the same disk files with O_DIRECT, the same number of random
+block-aligned requests spread round-robin over the disks, the same request
+size and queue depth (io_uring SQ depth = fio iodepth = threads per call).
+Destinations cycle through 2 x qd buffers, as fio's per-request buffers do.
+The contenders run interleaved, ``--repeats`` times per size; medians.
+Wall µs per request (1 / IOPS) and CPU µs per request are printed side by
+side, two ways: the whole process's CPU (getrusage: all threads, incl. the
+kernel's io-wq workers; for fio less its start-up and teardown, measured by a
+run of qd requests) and the submitting thread's CPU (swarmfs: the calling
+thread; fio: its job thread, fio's own usr+sys).
 
-    tools/dev run python tools/bench_engine.py --dir /work/benchdisks --out bench-out/engine
+``isolation`` (root): a reader of a healthy disk (a tmpfs file) and a reader
+of a loop device throttled by blk-throttle to ``--slow-iops`` requests/s
+share one engine.  The healthy reader's latency per call (16 x 4 KiB) is
+measured alone, then while the other thread keeps the slow disk busy; p50 and
+p99 and their ratio.  A third row serialises both readers with one lock
+around ``execute`` (what one engine mutex held across the I/O does).
 
-writes ENGINE.json and ENGINE.png.  A benchmark, not a test: nothing asserts.
+    tools/dev run python tools/bench_engine.py --out bench-out/engine
+    tools/dev run python tools/bench_engine.py isolation --out bench-out/engine-isolation
+
+writes <out>.json (and <out>.png for throughput).  A benchmark, not a test:
+nothing asserts.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
 import os
+import platform
+import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 
 from swarmfs._engine import READ, Engine, open_disk
 
-SIZES = [4 << 10, 16 << 10, 64 << 10, 128 << 10, 256 << 10, 1 << 20]
+SIZES = {"4K": 4 << 10, "16K": 16 << 10, "64K": 64 << 10, "128K": 128 << 10,
+         "256K": 256 << 10, "1M": 1 << 20}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        return f"{len(names)} x {names[0]}" if names else platform.processor()
+    except OSError:
+        return platform.processor()
+
+
+def fs_type(path: str) -> str:
+    best, fstype = "", "?"
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mnt, typ = line.split()[:3]
+            if os.path.abspath(path).startswith(mnt) and len(mnt) > len(best):
+                best, fstype = mnt, typ
+    return fstype
 
 
 def ensure_disks(d: str, n: int, size: int) -> list[str]:
@@ -47,106 +89,222 @@ def ensure_disks(d: str, n: int, size: int) -> list[str]:
 
 
 def make_plan(rng, ndisks, size, bs, nreq, slots):
-    """Random aligned reads, round-robin over the disks.  Destinations cycle
-    through ``slots`` buffers of ``bs`` bytes, as fio's per-request buffers do
-    (slots = 0: one distinct destination per request, as the store does)."""
+    """Random aligned reads, round-robin over the disks; destinations cycle
+    through ``slots`` buffers of ``bs`` bytes."""
     disk = (np.arange(nreq) % ndisks).astype(np.int32)
     off = rng.integers(0, size // bs, size=nreq).astype(np.uint64) * np.uint64(bs)
     length = np.full(nreq, bs, dtype=np.uint32)
-    idx = np.arange(nreq, dtype=np.uint64)
-    dst = (idx % np.uint64(slots) if slots else idx) * np.uint64(bs)
+    dst = (np.arange(nreq, dtype=np.uint64) % np.uint64(slots)) * np.uint64(bs)
     return disk, off, length, dst
 
 
+def rusage_s(who) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
 def run_engine(eng, buf, plan):
-    t = time.perf_counter()
-    eng.execute(READ, *plan, buf)
-    return time.perf_counter() - t
+    """(wall s, process CPU s, calling thread's CPU s) of one execute."""
+    c0, j0, t0 = rusage_s(resource.RUSAGE_SELF), time.thread_time(), time.perf_counter()
+    eng.execute(READ, *plan, buf, check=False)
+    return (time.perf_counter() - t0, rusage_s(resource.RUSAGE_SELF) - c0,
+            time.thread_time() - j0)
 
 
-def run_threads(pool, fds, bufview, plan):
-    disk, off, length, dst = plan
-    bs = int(length[0])
-
-    def one(i):
-        os.preadv(fds[disk[i]], [bufview[int(dst[i]):int(dst[i]) + bs]], int(off[i]))
-
-    t = time.perf_counter()
-    list(pool.map(one, range(len(disk)), chunksize=1))
-    return time.perf_counter() - t
+def fio_cmd(paths, bs, qd, nreq):
+    return ["fio", "--name=bench", "--filename=" + ":".join(paths), "--ioengine=io_uring",
+            "--fixedbufs", "--registerfiles", "--hipri=0", "--sqthread_poll=0",
+            "--direct=1", "--rw=randread", f"--bs={bs}", f"--iodepth={qd}",
+            f"--number_ios={nreq}", "--norandommap", "--randrepeat=0",
+            "--output-format=json", "--thread"]
 
 
-def run_fio(paths, bs, qd, nreq):
-    cmd = ["fio", "--name=bench", "--filename=" + ":".join(paths), "--ioengine=io_uring",
-           "--direct=1", "--rw=randread", f"--bs={bs}", f"--iodepth={qd}",
-           f"--number_ios={nreq}", "--norandommap", "--randrepeat=0",
-           "--output-format=json", "--thread"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    j = json.loads(out[out.index("{"):])["jobs"][0]["read"]
-    return j["io_bytes"] / j["bw_bytes"] if j["bw_bytes"] else float("nan"), j["total_ios"]
+def run_fio(paths, bs, qd, nreq, startup_cpu=0.0):
+    """(wall s, process CPU s less start-up, job thread's CPU s) of one fio run,
+    scaled to ``nreq`` requests."""
+    c0 = rusage_s(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(fio_cmd(paths, bs, qd, nreq), capture_output=True, text=True,
+                         check=True).stdout
+    proc_cpu = rusage_s(resource.RUSAGE_CHILDREN) - c0 - startup_cpu
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    rd = job["read"]
+    n = max(rd["total_ios"], 1)
+    wall = rd["io_bytes"] / rd["bw_bytes"] if rd["bw_bytes"] else float("nan")
+    job_cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * job["job_runtime"] / 1e3
+    return wall * nreq / n, proc_cpu * nreq / n, job_cpu * nreq / n
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", default="bench-out/engine-disks", help="where the disk files live")
-    ap.add_argument("--disks", type=int, default=4)
-    ap.add_argument("--disk-size", type=int, default=512 << 20, help="bytes per disk file")
-    ap.add_argument("--qd", type=int, default=32, help="queue depth for all three")
-    ap.add_argument("--bytes", type=int, default=256 << 20, help="bytes read per run")
-    ap.add_argument("--min-requests", type=int, default=2000)
-    ap.add_argument("--max-requests", type=int, default=40000)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--dst", choices=["ring", "linear"], default="ring",
-                    help="ring: destinations cycle through 2 x qd buffers like fio's; "
-                         "linear: every request has its own destination")
-    ap.add_argument("--out", default="bench-out/engine", help="output prefix (.json, .png)")
-    a = ap.parse_args(argv)
+def fio_startup_cpu(paths, bs, qd) -> float:
+    """CPU seconds of a fio process that reads only qd requests: its start-up
+    and teardown, subtracted from each run's process CPU (median of 3)."""
+    cs = []
+    for _ in range(3):
+        c0 = rusage_s(resource.RUSAGE_CHILDREN)
+        subprocess.run(fio_cmd(paths, bs, qd, qd), capture_output=True, check=True)
+        cs.append(rusage_s(resource.RUSAGE_CHILDREN) - c0)
+    return statistics.median(cs)
 
+
+def throughput(a):
     paths = ensure_disks(a.dir, a.disks, a.disk_size)
     fds = [open_disk(p) for p in paths]
-    eng = Engine(fds, kind="io_uring", queue_depth=a.qd, block_sizes=[4096] * len(fds))
-    pool = cf.ThreadPoolExecutor(max_workers=a.qd)
+    engines = {
+        "swarmfs": Engine(fds, kind="io_uring", queue_depth=a.qd,
+                          block_sizes=[4096] * len(fds)),
+        "swarmfs-threads": Engine(fds, kind="threads", queue_depth=a.qd,
+                                  block_sizes=[4096] * len(fds)),
+    }
     rng = np.random.default_rng(1)
     results = []
-    for bs in SIZES:
+    sizes = [SIZES[s.strip().upper()] for s in a.sizes.split(",")]
+    print(f"CPU: {cpu_model()}; disks: {len(paths)} files on {fs_type(a.dir)}; "
+          f"queue depth {a.qd}; ring flags {engines['swarmfs'].ring_flags}")
+    hdr = (f"{'size':>6} {'contender':>16} {'kIOPS':>8} {'GB/s':>7} {'wall µs/req':>12} "
+           f"{'CPU µs/req':>11} {'thread CPU':>11} {'vs fio':>7}")
+    print(hdr)
+    for bs in sizes:
         nreq = int(np.clip(a.bytes // bs, a.min_requests, a.max_requests))
-        slots = 2 * a.qd if a.dst == "ring" else 0
-        buf = eng.alloc((slots or nreq) * bs)
-        view = memoryview(buf.array)
-        times = {"swarmfs": [], "threads": [], "fio": []}
+        slots = 2 * a.qd
+        bufs = {k: e.alloc(slots * bs) for k, e in engines.items()}
+        runs = {k: [] for k in (*engines, "fio")}
+        startup = fio_startup_cpu(paths, bs, a.qd)
         for _ in range(a.repeats):
-            plan = make_plan(rng, len(paths), a.disk_size, bs, nreq, slots)
-            times["swarmfs"].append(run_engine(eng, buf, plan))
-            plan = make_plan(rng, len(paths), a.disk_size, bs, nreq, slots)
-            times["threads"].append(run_threads(pool, fds, view, plan))
-            t, n = run_fio(paths, bs, a.qd, nreq)
-            times["fio"].append(t * nreq / max(n, 1))
+            for k, eng in engines.items():
+                plan = make_plan(rng, len(paths), a.disk_size, bs, nreq, slots)
+                runs[k].append(run_engine(eng, bufs[k], plan))
+            runs["fio"].append(run_fio(paths, bs, a.qd, nreq, startup))
         row = {"bs": bs, "requests": nreq, "qd": a.qd}
-        for k, ts in times.items():
-            med = statistics.median(ts)
-            row[k] = {"median_s": med, "gbps": nreq * bs / med / 1e9, "iops": nreq / med,
-                      "runs_s": ts}
-        row["swarmfs_over_fio"] = row["swarmfs"]["gbps"] / row["fio"]["gbps"]
-        row["swarmfs_over_threads"] = row["swarmfs"]["gbps"] / row["threads"]["gbps"]
+        for k, rs in runs.items():
+            wall = statistics.median(r[0] for r in rs)
+            cpu = statistics.median(r[1] for r in rs)
+            row[k] = {"median_s": wall, "iops": nreq / wall, "gbps": nreq * bs / wall / 1e9,
+                      "wall_us_per_req": wall / nreq * 1e6, "cpu_us_per_req": cpu / nreq * 1e6,
+                      "thread_cpu_us_per_req": statistics.median(r[2] for r in rs) / nreq * 1e6,
+                      "runs": rs}
+        row["fio"]["startup_cpu_s"] = startup
+        for k in engines:
+            row[f"{k}_over_fio"] = row[k]["iops"] / row["fio"]["iops"]
         results.append(row)
-        print(f"{bs >> 10:5d} KiB  swarmfs {row['swarmfs']['gbps']:6.3f} GB/s "
-              f"{row['swarmfs']['iops']:9.0f} IOPS | threads {row['threads']['gbps']:6.3f} GB/s "
-              f"{row['threads']['iops']:9.0f} IOPS | fio {row['fio']['gbps']:6.3f} GB/s "
-              f"{row['fio']['iops']:9.0f} IOPS | swarmfs/fio {row['swarmfs_over_fio']:.3f} "
-              f"swarmfs/threads {row['swarmfs_over_threads']:.2f}", flush=True)
-        buf.release()
-    st = eng.stats()
-    meta = {"disks": paths, "qd": a.qd, "dst": a.dst, "repeats": a.repeats, "engine": st.engine,
-            "registered_files": st.registered_files, "fixed_requests": st.fixed_requests,
+        for k in (*engines, "fio"):
+            r = row[k]
+            ratio = f"{row[k + '_over_fio']:.2f}x" if k != "fio" else "1.00x"
+            print(f"{bs >> 10:>4}Ki {k:>16} {r['iops'] / 1e3:8.1f} {r['gbps']:7.2f} "
+                  f"{r['wall_us_per_req']:12.2f} {r['cpu_us_per_req']:11.2f} "
+                  f"{r['thread_cpu_us_per_req']:11.2f} {ratio:>7}", flush=True)
+        for b in bufs.values():
+            b.release()
+    st = engines["swarmfs"].stats()
+    meta = {"disks": paths, "fs": fs_type(a.dir), "qd": a.qd, "repeats": a.repeats,
+            "cpu": cpu_model(), "kernel": platform.release(),
+            "ring_flags": list(st.ring_flags), "registered_files": st.registered_files,
+            "fixed_requests": st.fixed_requests, "requests": st.requests,
             "submit_calls": st.submit_calls, "executes": st.executes,
-            "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+            "fio_command": " ".join(fio_cmd(["<disks>"], "<bs>", a.qd, "<n>")),
+            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
             "fio": subprocess.run(["fio", "--version"], capture_output=True,
                                   text=True).stdout.strip()}
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+    print(f"swarmfs: {st.requests} requests in {st.submit_calls} io_uring_enter calls "
+          f"({st.requests / max(st.submit_calls, 1):.1f} per call), "
+          f"{st.fixed_requests} with fixed buffers")
+    for e in engines.values():
+        e.close()
+    write_json(a.out, {"meta": meta, "results": results})
     plot(results, a.out + ".png", a.qd, len(paths))
-    print(f"wrote {a.out}.json and {a.out}.png")
+
+
+def percentile(xs, q):
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def isolation(a):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _testbed as T
+    name = f"swarmfs-bench-isolation-{os.getpid()}"
+    backing = os.path.join(a.dir, "isolation-backing")
+    healthy = ensure_disks(os.path.join(a.dir, "isolation-healthy"), 1, 64 << 20)[0]
+    state = T.up(1, "64M", backing, limits=T.Limits(read_iops=a.slow_iops), name=name)
+    rows = []
+    try:
+        dev = state["devices"][0]
+        T.enter(os.getpid(), name=name)         # this process's reads of dev are throttled
+        print(f"CPU: {cpu_model()}; healthy disk: {healthy} ({fs_type(healthy)}); slow disk: "
+              f"{dev} throttled to {a.slow_iops} reads/s (blk-throttle)")
+        print(f"{'engine':>9} {'mode':>11} {'reads':>6} {'p50 µs':>9} {'p99 µs':>10} "
+              f"{'p99/solo':>9} {'CPU µs/read':>12} {'slow reads':>11}")
+        fds = [open_disk(healthy), open_disk(dev)]
+        for kind in ("io_uring", "threads"):
+            eng = Engine(fds, kind=kind, queue_depth=32, block_sizes=[512, 512])
+            hbuf, sbuf = eng.alloc(16 * 4096), eng.alloc(4 * 4096)
+            rng = np.random.default_rng(3)
+            solo = None
+            for mode in ("solo", "beside-slow", "one-lock"):
+                lock = threading.Lock() if mode == "one-lock" else None
+                stop = threading.Event()
+                slow_done = [0]
+
+                def slow_reader():
+                    r = np.random.default_rng(4)
+                    while not stop.is_set():
+                        off = r.integers(0, (64 << 20) // 4096, 4).astype(np.uint64) * 4096
+                        args = ([1] * 4, off, [4096] * 4, np.arange(4) * 4096, sbuf)
+                        if lock is not None:
+                            with lock:
+                                eng.execute(READ, *args)
+                        else:
+                            eng.execute(READ, *args)
+                        slow_done[0] += 1
+
+                th = None
+                if mode != "solo":
+                    th = threading.Thread(target=slow_reader)
+                    th.start()
+                    deadline = time.monotonic() + 5
+                    while eng.stats().in_flight < 1 and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                lat, cpu = [], []
+                t_end = time.monotonic() + a.seconds
+                while time.monotonic() < t_end and len(lat) < a.reads:
+                    off = rng.integers(0, (64 << 20) // 4096, 16).astype(np.uint64) * 4096
+                    args = ([0] * 16, off, [4096] * 16, np.arange(16) * 4096, hbuf)
+                    c0 = time.thread_time()
+                    t0 = time.perf_counter()
+                    if lock is not None:
+                        with lock:
+                            eng.execute(READ, *args)
+                    else:
+                        eng.execute(READ, *args)
+                    lat.append((time.perf_counter() - t0) * 1e6)
+                    cpu.append((time.thread_time() - c0) * 1e6)
+                stop.set()
+                if th is not None:
+                    th.join()
+                p50, p99 = percentile(lat, 50), percentile(lat, 99)
+                if mode == "solo":
+                    solo = p99
+                row = {"engine": kind, "mode": mode, "reads": len(lat), "p50_us": p50,
+                       "p99_us": p99, "p99_over_solo": p99 / solo,
+                       "cpu_us_per_read": statistics.median(cpu), "slow_calls": slow_done[0]}
+                rows.append(row)
+                print(f"{kind:>9} {mode:>11} {len(lat):6d} {p50:9.0f} {p99:10.0f} "
+                      f"{p99 / solo:9.2f} {row['cpu_us_per_read']:12.1f} {slow_done[0]:11d}",
+                      flush=True)
+            eng.close()
+        for fd in fds:
+            os.close(fd)
+    finally:
+        T.down(name, backing)
+    meta = {"cpu": cpu_model(), "kernel": platform.release(), "slow_iops": a.slow_iops,
+            "healthy_fs": fs_type(healthy), "healthy_read": "16 x 4 KiB random, one execute",
+            "slow_read": "4 x 4 KiB random, one execute, repeated",
+            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])}
+    write_json(a.out, {"meta": meta, "results": rows})
+
+
+def write_json(out, obj):
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(obj, f, indent=1)
+    print(f"wrote {out}.json")
 
 
 def plot(results, path, qd, ndisks):
@@ -155,10 +313,10 @@ def plot(results, path, qd, ndisks):
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     x = [r["bs"] >> 10 for r in results]
-    for k, style in (("swarmfs", "o-"), ("threads", "s--"), ("fio", "^:")):
-        ax1.plot(x, [r[k]["gbps"] for r in results], style, label=k)
-        ax2.plot(x, [r[k]["iops"] / 1e3 for r in results], style, label=k)
-    for ax, yl in ((ax1, "GB/s"), (ax2, "kIOPS")):
+    for k, style in (("swarmfs", "o-"), ("swarmfs-threads", "s--"), ("fio", "^:")):
+        ax1.plot(x, [r[k]["iops"] / 1e3 for r in results], style, label=k)
+        ax2.plot(x, [r[k]["cpu_us_per_req"] for r in results], style, label=k)
+    for ax, yl in ((ax1, "kIOPS"), (ax2, "CPU µs per request (process)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("request size (KiB)")
         ax.set_ylabel(yl)
@@ -167,6 +325,34 @@ def plot(results, path, qd, ndisks):
     fig.suptitle(f"random O_DIRECT reads, {ndisks} disk files, queue depth {qd} (medians)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("mode", nargs="?", choices=["throughput", "isolation"],
+                    default="throughput")
+    ap.add_argument("--dir", default="/dev/shm/swarmfs-engine-bench" if
+                    os.path.isdir("/dev/shm") else "bench-out/engine-disks",
+                    help="where the disk files live (default: tmpfs)")
+    ap.add_argument("--disks", type=int, default=4)
+    ap.add_argument("--disk-size", type=int, default=256 << 20, help="bytes per disk file")
+    ap.add_argument("--qd", type=int, default=32, help="queue depth for all contenders")
+    ap.add_argument("--sizes", default="4K,128K", help="request sizes, e.g. 4K,16K,128K,1M")
+    ap.add_argument("--bytes", type=int, default=512 << 20, help="bytes read per run")
+    ap.add_argument("--min-requests", type=int, default=4000)
+    ap.add_argument("--max-requests", type=int, default=100000)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--slow-iops", type=int, default=20,
+                    help="isolation: read requests/s of the throttled disk")
+    ap.add_argument("--reads", type=int, default=3000, help="isolation: healthy reads per mode")
+    ap.add_argument("--seconds", type=float, default=6.0,
+                    help="isolation: at most this long per mode")
+    ap.add_argument("--out", default=None, help="output prefix (.json, .png)")
+    a = ap.parse_args(argv)
+    if a.out is None:
+        a.out = "bench-out/engine" if a.mode == "throughput" else "bench-out/engine-isolation"
+    (throughput if a.mode == "throughput" else isolation)(a)
 
 
 if __name__ == "__main__":
