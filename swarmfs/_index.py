@@ -19,6 +19,7 @@ from .layout._place import copy_locations, stripe_counts
 __all__ = ["LayerIndex", "concat_ranges"]
 
 
+@E.boundary
 def concat_ranges(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(lo[i], lo[i] + n[i])`` for all i, vectorised:
     int64 [sum(n)]."""
@@ -166,6 +167,7 @@ class LayerIndex:
                                       cluster=int(cc[k]), disk=d)
 
     # -- lookups -----------------------------------------------------------
+    @E.boundary
     def check_cluster(self, cid: int) -> int:
         cid = E.as_index(cid, "cluster id", store=self.store, layer=self.layer)
         if not 0 <= cid < self.num_clusters:
@@ -174,6 +176,7 @@ class LayerIndex:
                                     store=self.store, layer=self.layer)
         return cid
 
+    @E.boundary
     def check_tokens(self, tokens) -> np.ndarray:
         t = E.as_int_array(tokens, "token positions", store=self.store, layer=self.layer)
         if t.size and (t.min() < 0 or t.max() >= self.num_tokens):
@@ -182,12 +185,14 @@ class LayerIndex:
                                     store=self.store, layer=self.layer)
         return t
 
+    @E.boundary
     def cluster_copies(self, cids) -> np.ndarray:
         """Copy ids of the given clusters, concatenated in cluster order."""
         cids = np.asarray(cids, dtype=np.int64).reshape(-1)
         lo = self.members_ptr[cids]
         return concat_ranges(lo, self.members_ptr[cids + 1] - lo)
 
+    @E.boundary
     def token_copies(self, tokens) -> np.ndarray:
         """Every copy id of the given tokens (tokens assumed valid)."""
         t = np.asarray(tokens, dtype=np.int64)
@@ -199,6 +204,7 @@ class LayerIndex:
         """Copies per token (M / S)."""
         return self.num_copies / max(self.num_tokens, 1)
 
+    @E.boundary
     def cluster_info(self, cid: int) -> dict:
         """JSON-ready description of one cluster (for ``info.json`` and the CLI)."""
         cid = self.check_cluster(cid)

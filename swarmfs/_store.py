@@ -125,6 +125,7 @@ class Store:
 
     # -- construction --------------------------------------------------------
     @classmethod
+    @E.boundary
     def create(cls, path, *, disks=4, num_layers: int, num_kv_heads: int,
                head_dim: int, dtype: str = "float16", model_name: str | None = None,
                num_query_heads: int | None = None, disk_size: int | None = None,
@@ -356,6 +357,7 @@ class Store:
             raise
         return store
 
+    @E.boundary
     def close(self) -> None:
         """Close the engine and the disks."""
         if self._closed:
@@ -467,22 +469,27 @@ class Store:
                 self._layers[layer] = li
         return li
 
+    @E.boundary
     def layer_info(self, layer: int) -> dict:
         """The manifest record of a layer."""
         return dict(self._m["layers"][str(self._check_layer(layer))])
 
+    @E.boundary
     def num_clusters(self, layer: int) -> int:
         return int(self._m["layers"][str(self._check_layer(layer))]["num_clusters"])
 
+    @E.boundary
     def num_tokens(self, layer: int) -> int:
         return int(self._m["layers"][str(self._check_layer(layer))]["num_tokens"])
 
+    @E.boundary
     def cluster_tokens(self, layer: int, cid: int) -> np.ndarray:
         """Token positions of a cluster's entries, in cluster order: int32 [n]."""
         li = self.layer(layer)
         cid = li.check_cluster(cid)
         return li.members[li.members_ptr[cid]:li.members_ptr[cid + 1]].copy()
 
+    @E.boundary
     def medoid_keys(self, layer: int) -> np.ndarray:
         """K of each cluster's medoid: [C, num_kv_heads, head_dim] store dtype."""
         li = self.layer(layer)
@@ -525,6 +532,7 @@ class Store:
             with self._lock:
                 self._layers.clear()
 
+    @E.boundary
     def write_layer(self, layer: int, kv, clusters, medoids=None, *, hot=None,
                     freq=None, local_window: int | None = None, extra: dict | None = None,
                     placement: str = "eq7") -> None:
@@ -733,6 +741,7 @@ class Store:
                           f"failed: {exc}", stacklevel=3)
         F.remove_stale_indexes(self.path, keep)
 
+    @E.boundary
     def append(self, layer: int, kv, joins=None, *, group: int = 64,
                expect_tokens: int | None = None) -> np.ndarray:
         """Append new tokens to a layer (SWARM §6.2, cluster maintenance).
@@ -798,6 +807,7 @@ class Store:
                     self._pool.sort(key=lambda b: b.size)
                     self._pool.pop(0).release()
 
+    @E.boundary
     def plan(self, layer: int, tokens, *, max_gap: int = 0, max_request: int = MAX_REQUEST,
              policy: str = "balanced", dedup: bool = True) -> Plan:
         """Plan reading the entries of ``tokens`` from any of their copies.
@@ -812,10 +822,12 @@ class Store:
         """
         li = self.layer(layer)
         t = li.check_tokens(tokens)
+        self._check_plan_args(max_gap, max_request, policy, dedup)
         copies = li.token_copies(np.unique(t))
         return self.plan_copies(li, copies, key=li.members[copies], max_gap=max_gap,
                                 max_request=max_request, policy=policy, dedup=dedup)
 
+    @E.boundary
     def plan_copies(self, li: LayerIndex, copies: np.ndarray, *, key=None,
                     max_gap: int = 0, max_request: int = MAX_REQUEST,
                     policy: str = "balanced", dedup: bool = True) -> Plan:
@@ -827,6 +839,7 @@ class Store:
                           block_size=self.block_size, max_gap=max_gap,
                           max_request=max_request, policy=policy, dedup=dedup)
 
+    @E.boundary
     def execute(self, li: LayerIndex, plan: Plan, copies: np.ndarray, *,
                 order=None, out: np.ndarray | None = None,
                 verify: bool | None = None, cluster=None) -> np.ndarray:
@@ -932,6 +945,22 @@ class Store:
                                         offset=max(off, a + n), **kw)
         return exc
 
+    def _check_plan_args(self, max_gap, max_request, policy, dedup=True) -> None:
+        """Planner options, checked before planning (InvalidArgumentError)."""
+        from ._planner import POLICIES
+        for name, v, lo in (("max_gap", max_gap, 0), ("max_request", max_request,
+                                                       self.block_size)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or \
+                    not lo <= v <= 1 << 30:
+                raise E.InvalidArgumentError(f"{name} must be an integer in [{lo}, 2**30], "
+                                             f"got {v!r}", store=self.path)
+        if not isinstance(policy, str) or policy not in POLICIES:
+            raise E.ConfigError(f"unknown policy {policy!r}; use one of "
+                                         f"{sorted(POLICIES)}", store=self.path)
+        if not isinstance(dedup, (bool, np.bool_)):
+            raise E.InvalidArgumentError(f"dedup must be True or False, got {dedup!r}",
+                                         store=self.path)
+
     def _count(self, **kw) -> None:
         with self._counter_lock:
             for k, v in kw.items():
@@ -950,6 +979,7 @@ class Store:
             return arr
         return to_torch(arr, self.dtype)
 
+    @E.boundary
     def read_cluster(self, layer: int, cid: int, *, torch: bool = False,
                      pinned: bool = False, verify: bool | None = None):
         """Read a whole cluster: at most N requests, one batched submission.
@@ -974,6 +1004,7 @@ class Store:
         self._count(cluster_reads=1)
         return self._rows_to_entries(rows, torch=torch, pinned=pinned)
 
+    @E.boundary
     def read_cluster_range(self, layer: int, cid: int, start: int, length: int,
                            *, verify: bool | None = None) -> bytes:
         """Bytes ``[start, start+length)`` of a cluster file (its entries in
@@ -984,8 +1015,12 @@ class Store:
         length = E.as_index(length, "length", store=self.path, layer=layer, cluster=cid)
         Eb = self.entry_bytes
         n = int(li.sizes[cid])
+        if start < 0 or length < 0:
+            raise E.InvalidArgumentError(f"start and length must be >= 0, got {start} and "
+                                         f"{length}", store=self.path, layer=layer,
+                                         cluster=cid)
         end = min(int(start) + int(length), n * Eb)
-        if start < 0 or start >= end:
+        if start >= end:
             return b""
         j0, j1 = start // Eb, -(-end // Eb)
         copies = li.cluster_copies([cid])[j0:j1]
@@ -996,6 +1031,7 @@ class Store:
         a = start - j0 * Eb
         return rows.reshape(-1)[a:a + (end - start)].tobytes()
 
+    @E.boundary
     def read_entries(self, layer: int, tokens, *, torch: bool = False,
                      pinned: bool = False, verify: bool | None = None,
                      policy: str = "balanced", max_gap: int = 0):
@@ -1017,6 +1053,7 @@ class Store:
         """
         li = self.layer(layer)
         t = li.check_tokens(tokens)
+        self._check_plan_args(max_gap, MAX_REQUEST, policy)
         copies = li.token_copies(np.unique(t))
         plan = plan_reads(li.members[copies], li.copy_disk[copies], li.copy_off[copies],
                           ndisks=self.num_disks, entry_bytes=self.entry_bytes,
@@ -1195,6 +1232,7 @@ class Store:
         cp = li.cluster_copies([c])
         return cp[li.copy_disk[cp] == d]
 
+    @E.boundary
     def stats(self) -> StoreStats:
         """Counters since open, as a :class:`StoreStats`."""
         with self._counter_lock:
@@ -1202,6 +1240,7 @@ class Store:
         return StoreStats(engine=self.engine.stats(), verify_checksums=self.verify_checksums,
                           **counters)
 
+    @E.boundary
     def info(self) -> dict:
         """JSON-ready summary: disks, sizes, layers, clusters, replication, engine."""
         m = self._m
