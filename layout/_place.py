@@ -16,10 +16,29 @@ import dataclasses
 
 import numpy as np
 
+from .._errors import InvalidArgumentError, boundary
+
 __all__ = ["Placement", "PLACEMENTS", "start_disks", "stripe_counts", "place_clusters",
            "copy_locations"]
 
 
+def _count(x, what: str, lo: int = 0) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not lo <= x < 1 << 62:
+        raise InvalidArgumentError(f"{what} must be an integer >= {lo}, got {x!r}")
+    return int(x)
+
+
+def _sizes(sizes) -> np.ndarray:
+    a = np.asarray(sizes)
+    if a.size == 0:
+        return np.zeros(0, np.int64)
+    if a.dtype.kind not in "iu" or a.ndim != 1 or a.min() < 0:
+        raise InvalidArgumentError(f"sizes must be a 1-D array of non-negative integers, got "
+                                   f"{a.dtype} of shape {a.shape}")
+    return a.astype(np.int64)
+
+
+@boundary
 def start_disks(sizes: np.ndarray, ndisks: int, p_global: int = 0) -> tuple[np.ndarray, int]:
     """Start disk of each cluster by eq. 7, and the advanced global pointer.
 
@@ -30,19 +49,31 @@ def start_disks(sizes: np.ndarray, ndisks: int, p_global: int = 0) -> tuple[np.n
 
     Returns:
         (int32 [C] start disk id_i, new p_global).
+
+    Raises:
+        InvalidArgumentError: negative or non-integer sizes, ndisks < 1.
     """
-    sizes = np.asarray(sizes, dtype=np.int64)
+    sizes = _sizes(sizes)
+    ndisks = _count(ndisks, "ndisks", 1)
+    p_global = _count(p_global, "p_global")
     before = p_global + np.cumsum(sizes) - sizes
     p_new = int(p_global + sizes.sum())
     return (before % ndisks).astype(np.int32), p_new
 
 
+@boundary
 def stripe_counts(sizes: np.ndarray, start: np.ndarray, ndisks: int) -> np.ndarray:
     """Entries of each cluster on each disk under round-robin striping.
 
     Returns:
         int64 [C, N]: ``counts[c, d] = |{j < n_c : (start_c + j) mod N = d}|``.
+
+    Raises:
+        InvalidArgumentError: sizes and start differ in length, ndisks < 1.
     """
+    ndisks = _count(ndisks, "ndisks", 1)
+    if np.shape(sizes) != np.shape(start):
+        raise InvalidArgumentError("sizes and start need one value per cluster")
     sizes = np.asarray(sizes, dtype=np.int64)[:, None]
     r = (np.arange(ndisks)[None, :] - np.asarray(start, dtype=np.int64)[:, None]) % ndisks
     return np.maximum(0, (sizes - r + ndisks - 1) // ndisks)
@@ -73,6 +104,7 @@ class Placement:
 PLACEMENTS = ("eq7", "disk0")
 
 
+@boundary
 def place_clusters(sizes: np.ndarray, *, ndisks: int, entry_bytes: int,
                    block_size: int, disk_end: np.ndarray, p_global: int = 0,
                    policy: str = "eq7", start: np.ndarray | None = None) -> Placement:
@@ -92,17 +124,27 @@ def place_clusters(sizes: np.ndarray, *, ndisks: int, entry_bytes: int,
             as §6.2 requires of appended entries); p_global is left as is.
 
     Raises:
-        ValueError: unknown policy.
+        InvalidArgumentError: unknown policy, negative sizes, a block size
+            that is not a power of two, ndisks < 1, disk_end of the wrong
+            length, or start of the wrong length or outside [0, N).
     """
-    sizes = np.asarray(sizes, dtype=np.int64)
+    sizes = _sizes(sizes)
     explicit = start
-    if policy not in PLACEMENTS:
-        raise ValueError(f"unknown placement {policy!r}; use one of {PLACEMENTS}")
+    ndisks = _count(ndisks, "ndisks", 1)
+    _count(entry_bytes, "entry_bytes", 1)
+    bsz = _count(block_size, "block_size", 1)
+    if bsz & (bsz - 1):
+        raise InvalidArgumentError(f"block_size must be a power of two, got {bsz}")
+    if np.shape(disk_end) != (ndisks,):
+        raise InvalidArgumentError(f"disk_end needs one offset per disk ({ndisks})")
+    if not isinstance(policy, str) or policy not in PLACEMENTS:
+        raise InvalidArgumentError(f"unknown placement {policy!r}; use one of {PLACEMENTS}")
     start, p_new = start_disks(sizes, ndisks, p_global)
     if explicit is not None:
         start, p_new = np.asarray(explicit, dtype=np.int32).reshape(-1), p_global
-        if start.shape != sizes.shape:
-            raise ValueError("start needs one disk per cluster")
+        if start.shape != sizes.shape or (start.size and (start.min() < 0 or
+                                                           start.max() >= ndisks)):
+            raise InvalidArgumentError("start needs one disk in [0, N) per cluster")
     if policy == "disk0":
         start = np.zeros_like(start)
         p_new = p_global
@@ -118,6 +160,7 @@ def place_clusters(sizes: np.ndarray, *, ndisks: int, entry_bytes: int,
                      disk_end=disk_end + (cum[-1] if len(sizes) else np.uint64(0)))
 
 
+@boundary
 def copy_locations(members_ptr: np.ndarray, start_disk: np.ndarray,
                    extent_off: np.ndarray, *, ndisks: int,
                    entry_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -15,31 +15,75 @@ ENGINE_OPT = click.option("--engine", type=click.Choice(["auto", "io_uring", "th
                           default=None, help="I/O engine (default: $SWARMFS_ENGINE or auto).")
 
 
-def _fail(exc: Exception) -> None:
+#: exit statuses: 0 ok, 1 a user error or damaged store (SwarmError), 2 a
+#: malformed command line (click), 3 an internal error (a bug in swarmfs)
+EXIT_USER, EXIT_USAGE, EXIT_INTERNAL = 1, 2, 3
+
+#: OS errors about a path the user named: their fault, not ours
+_USER_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError,
+                   NotADirectoryError, FileExistsError)
+
+
+def _fail(exc) -> None:
     click.echo(f"swarmfs: error: {exc}", err=True)
-    sys.exit(1)
+    sys.exit(EXIT_USER)
+
+
+def _internal(exc: BaseException) -> None:
+    what = exc.message if isinstance(exc, E.InternalError) else \
+        f"{type(exc).__name__}: {exc}"
+    click.echo(f"swarmfs: internal error: {what}".splitlines()[0], err=True)
+    click.echo("swarmfs: this is a bug in swarmfs, not in your input; rerun with "
+               "SWARMFS_DEBUG=1 for the traceback and report it", err=True)
+    sys.exit(EXIT_INTERNAL)
 
 
 class _Group(click.Group):
-    """Turns SwarmError (and OSError/ValueError, e.g. a bad output path) into a
-    one-line message and exit status 1.  SWARMFS_DEBUG=1 shows tracebacks."""
+    """Error taxonomy at the boundary: a SwarmError (the user's input or a
+    damaged store) is one line on stderr and exit status 1; an OS error on a
+    path the user named likewise; anything else (InternalError or any other
+    exception: a bug) is reported as an internal error with a traceback hint
+    and exit status 3.  SWARMFS_DEBUG=1 shows tracebacks."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit,
+                click.exceptions.Abort):
+            raise
         except BrokenPipeError:
             # the reader went away (``swarmfs info STORE | head``): stop quietly
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             sys.exit(1)
+        except E.InternalError as exc:
+            if os.environ.get("SWARMFS_DEBUG"):
+                raise
+            _internal(exc)
         except E.SwarmError as exc:
             if os.environ.get("SWARMFS_DEBUG"):
                 raise
             _fail(exc)
-        except (OSError, ValueError) as exc:
+        except _USER_OS_ERRORS as exc:
             if os.environ.get("SWARMFS_DEBUG"):
                 raise
-            _fail(f"{type(exc).__name__}: {exc}")
+            _fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else exc)
+        except Exception as exc:
+            if os.environ.get("SWARMFS_DEBUG"):
+                raise
+            _internal(exc)
+
+
+def _write_out(path: str, write) -> None:
+    """Run ``write(file)`` on the output file; an OS error names the path."""
+    import errno
+    try:
+        with open(path, "wb") as f:
+            write(f)
+    except OSError as exc:
+        cls = E.DiskFullError if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) \
+            else E.IOFailedError
+        raise cls(f"cannot write the output file: {exc.strerror}", path=path) from None
 
 
 def _check_out(path: str) -> str:
@@ -48,6 +92,9 @@ def _check_out(path: str) -> str:
     d = os.path.dirname(path)
     if os.path.isdir(path):
         raise click.BadParameter(f"{path} is a directory", param_hint="--out")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise click.BadParameter(f"{path} exists and is not a regular file (a device or "
+                                 "FIFO); give a file path", param_hint="--out")
     if not os.path.isdir(d):
         raise click.BadParameter(f"directory {d} does not exist", param_hint="--out")
     if not os.access(d, os.W_OK):
@@ -116,28 +163,44 @@ def info(store, as_json, engine):
 def verify(store, layers, as_json, engine):
     """Read every extent and check its XXH3-64 checksum.
 
-    Exits 0 when the store is intact; otherwise lists every bad extent with
-    its layer, cluster and disk and exits 1.
+    Works on a damaged store too (a truncated, missing or foreign disk):
+    lists each disk's problem, then every damaged extent with its layer,
+    cluster, disk, the byte offset of the damage, the damaged entries and
+    the tokens lost (no intact replica left).  Exits 0 when the store is
+    intact, 1 otherwise.
     """
     from tqdm import tqdm
 
     from ._store import Store
-    with Store.open(store, engine=engine) as s:
+    with Store.open(store, engine=engine, damaged=True) as s:
         total = sum(int(x["end"]) for x in s.manifest["disks"])
         with tqdm(total=total, unit="B", unit_scale=True, desc="verify",
                   disable=as_json or not sys.stderr.isatty()) as bar:
             bad = s.verify(layers=list(layers) or None, progress=bar.update)
         nlayers = len(layers or s.layers)
+        problems = {d: {"disk": d, "path": s.disk_paths[d], "kind": type(e).__name__,
+                        "error": e.message} for d, e in sorted(s.disk_problems.items())}
     if as_json:
-        click.echo(json.dumps({"ok": not bad, "failures": bad}, indent=1))
-    elif bad:
-        for f in bad:
-            click.echo(f"BAD layer {f['layer']} cluster {f['cluster']} disk {f['disk']} "
-                       f"({f['path']}) offset {f['offset']}: {f['error']}")
-        click.echo(f"{len(bad)} bad extent(s)", err=True)
+        click.echo(json.dumps({"ok": not bad and not problems,
+                               "disk_problems": list(problems.values()),
+                               "failures": bad}, indent=1))
     else:
-        click.echo(f"ok: every extent of {nlayers} layer(s) matches its checksum")
-    sys.exit(1 if bad else 0)
+        for p in problems.values():
+            click.echo(f"DISK {p['disk']} ({p['path']}): {p['error']}")
+        for f in bad:
+            lost = f"{len(f['lost'])} token(s) lost" if f["lost"] else "no token lost"
+            click.echo(f"BAD layer {f['layer']} cluster {f['cluster']} disk {f['disk']} "
+                       f"({f['path']}) offset {f['offset']}: {f['error']}; "
+                       + (f"{f['entries']} entries damaged, {lost} (no intact replica)"
+                          if f["entries"] is not None else "layer not checked"))
+        if bad or problems:
+            lost = sum(len(f["lost"]) for f in bad)
+            click.echo(f"{len(bad)} damaged extent(s) in "
+                       f"{len({(f['layer'], f['cluster']) for f in bad})} cluster(s), "
+                       f"{lost} token(s) lost, {len(problems)} disk problem(s)", err=True)
+        else:
+            click.echo(f"ok: every extent of {nlayers} layer(s) matches its checksum")
+    sys.exit(1 if bad or problems else 0)
 
 
 @main.command()
@@ -158,24 +221,18 @@ def read(store, layer, cid, tokens, out, no_verify, engine):
         raise click.UsageError("give exactly one of --cluster and --tokens")
     if out:
         out = _check_out(out)
+    toks = _parse_tokens(tokens) if tokens is not None else None
     with Store.open(store, engine=engine, verify=not no_verify) as s:
         if cid is not None:
             arr = s.read_cluster(layer, cid)
             toks = s.cluster_tokens(layer, cid)
         else:
-            try:
-                toks = np.array([int(t) for t in tokens.split(",") if t.strip()], dtype=np.int64)
-            except ValueError:
-                raise click.BadParameter("tokens must be integers", param_hint="--tokens")
-            if toks.size == 0:
-                raise click.BadParameter("no tokens given", param_hint="--tokens")
             arr = s.read_entries(layer, toks)
         st = s.stats()
     if out:
         if arr.dtype.name == "bfloat16":   # as the mount serves it: raw bits, exact
             arr = arr.view(np.uint16)
-        with open(out, "wb") as f:        # np.save(path) would append ".npy"
-            np.save(f, arr)
+        _write_out(out, lambda f: np.save(f, arr))   # np.save(path) would append ".npy"
         click.echo(f"wrote {out}: {arr.shape} {arr.dtype}")
         return
     click.echo(f"layer {layer} " + (f"cluster {cid}" if cid is not None else "tokens") +
@@ -186,6 +243,29 @@ def read(store, layer, cid, tokens, out, no_verify, engine):
     a = arr.astype(np.float32)
     click.echo(f"K mean {a[:, 0].mean():+.4f} std {a[:, 0].std():.4f}; "
                f"V mean {a[:, 1].mean():+.4f} std {a[:, 1].std():.4f}")
+
+
+def _parse_tokens(text: str) -> np.ndarray:
+    """``--tokens 1,2,3``: comma-separated non-negative integers, no empty items."""
+    items = [t.strip() for t in text.split(",")]
+    if text.strip() == "":
+        raise click.BadParameter("no tokens given", param_hint="--tokens")
+    if any(t == "" for t in items):
+        raise click.BadParameter(f"empty item in {text!r} (write 1,2,3)",
+                                 param_hint="--tokens")
+    try:
+        vals = [int(t) for t in items]
+    except ValueError:
+        raise click.BadParameter(f"tokens must be integers, got {text!r}",
+                                 param_hint="--tokens") from None
+    if len(items) > 1 << 24:
+        raise click.BadParameter("too many tokens", param_hint="--tokens")
+    return np.array(vals, dtype=object).astype(np.int64) if all(
+        -2**63 <= v < 2**63 for v in vals) else _too_big()
+
+
+def _too_big():
+    raise click.BadParameter("a token position is beyond int64", param_hint="--tokens")
 
 
 def _layout_options(f):
@@ -213,6 +293,10 @@ def _params(ratio, tau, metric, local_window, hot_fraction):
         raise E.LayoutError(f"--ratio must be in (0, 1], got {ratio}")
     if tau is not None and not 0 < tau <= 1:
         raise E.LayoutError(f"--tau must be in (0, 1], got {tau}")
+    if not 0 <= hot_fraction <= 1:      # also refuses NaN
+        raise E.LayoutError(f"--hot-fraction must be in [0, 1], got {hot_fraction}")
+    if local_window < 0:
+        raise E.LayoutError(f"--local-window must be >= 0, got {local_window}")
     return LayoutParams(ratio=ratio, tau=tau, metric=metric, local_window=local_window,
                         hot_fraction=hot_fraction)
 
@@ -238,7 +322,10 @@ def capture(model, text_file, max_tokens, dtype, out):
     text = C.read_text(text_file) if text_file else None
     cap = C.capture(model, text, max_tokens=max_tokens or None, dtype=dtype,
                     text_source=text_file)
-    C.save_capture(out, cap)
+    try:
+        C.save_capture(out, cap)
+    except OSError as exc:
+        raise E.IOFailedError(f"cannot write the capture: {exc.strerror}", path=out) from None
     click.echo(f"wrote {out}: {cap.num_layers} layers, {cap.num_tokens} tokens, "
                f"{cap.num_kv_heads} KV heads / {cap.num_query_heads} query heads x "
                f"{cap.head_dim}, {cap.k.dtype}")

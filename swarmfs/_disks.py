@@ -1,28 +1,115 @@
-"""The disk set of a store: creating superblocks, opening and checking disks."""
+"""The disk set of a store: creating superblocks, opening and checking disks,
+and the per-disk commit records that pin the manifest's generation."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
 import os
 import stat
+import warnings
 
 import numpy as np
 
 from . import _errors as E
 from . import _format as F
-from ._engine import WRITE, Engine, device_size, logical_block_size, open_disk
+from ._engine import WRITE, Engine, device_size, logical_block_size
 
-__all__ = ["create_disks", "open_disks", "read_superblock"]
+__all__ = ["create_disks", "open_disks", "read_superblock", "read_header", "open_disk",
+           "write_commit_records", "check_header", "truncate_to"]
+
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR:
+          "a character device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symlink"}
+
+
+def open_disk(path, *, write: bool = False, create: bool = False, disk=None,
+              store=None) -> int:
+    """Open a disk (regular file or block device) with ``O_DIRECT``, never
+    blocking: opened ``O_NONBLOCK`` and checked with ``fstat`` first, so a
+    FIFO or a directory is refused at once.
+
+    Raises:
+        DiskMissingError: the path does not exist (and ``create`` is False).
+        DiskError: not a regular file or block device (naming what it is), a
+            symlink loop, no permission, or no ``O_DIRECT`` on its file system.
+    """
+    kw = dict(disk=disk, path=path, store=store)
+    if isinstance(path, str) and "\0" in path:
+        raise E.DiskError("a disk path cannot contain NUL bytes", disk=disk, store=store)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+        if not create:
+            raise E.DiskMissingError("disk not found", **kw) from None
+    except OSError as exc:
+        raise E.DiskError(f"cannot open disk: {_why(exc)}", **kw) from None
+    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+        raise E.DiskError(f"a disk must be a regular file or a block device, this is "
+                          f"{_KINDS.get(stat.S_IFMT(st.st_mode), 'something else')}", **kw)
+    flags = os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY | (os.O_RDWR if write else os.O_RDONLY)
+    if create:
+        flags |= os.O_CREAT
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        raise E.DiskMissingError("disk not found", **kw) from None
+    except OSError as exc:
+        raise E.DiskError(f"cannot open disk: {_why(exc)}", **kw) from None
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+            raise E.DiskError(f"a disk must be a regular file or a block device, this is "
+                              f"{_KINDS.get(stat.S_IFMT(st.st_mode), 'something else')}",
+                              **kw)
+        fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, (fl & ~os.O_NONBLOCK) | os.O_DIRECT)
+        except OSError as exc:
+            raise E.DiskError(f"cannot open disk with O_DIRECT: {exc.strerror} (its file "
+                              "system does not support direct I/O)", **kw) from None
+        if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise E.DiskError("cannot open disk with O_DIRECT (its file system does not "
+                              "support direct I/O)", **kw)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "symlink loop"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return exc.strerror or str(exc)
+
+
+def read_header(fd: int, nbytes: int = F.HEADER_BYTES, *, disk=None, path=None,
+                store=None) -> bytes:
+    """The first ``nbytes`` of a disk (superblock and commit slots), read
+    with an aligned buffer (O_DIRECT-safe); short on a short disk.
+
+    Raises:
+        IOFailedError: the kernel failed the read (EIO ...).
+    """
+    m = mmap.mmap(-1, nbytes)
+    try:
+        try:
+            n = os.preadv(fd, [m], 0)
+        except OSError as exc:
+            raise E.IOFailedError(f"cannot read the disk header: {exc.strerror}",
+                                  errno=exc.errno, disk=disk, path=path,
+                                  store=store) from None
+        return bytes(m[:n])
+    finally:
+        m.close()
 
 
 def read_superblock(fd: int) -> bytes:
     """The first 4096 bytes of a disk (O_DIRECT-safe aligned read)."""
-    m = mmap.mmap(-1, F.SUPERBLOCK_SIZE)
-    try:
-        os.preadv(fd, [m], 0)
-        return bytes(m)
-    finally:
-        m.close()
+    return read_header(fd, F.SUPERBLOCK_SIZE)
 
 
 def check_reusable(fd, p, i, store, force):
@@ -61,9 +148,17 @@ def check_reusable(fd, p, i, store, force):
 
 
 def create_disks(path: str, disk_paths: list, *, force: bool, disk_size, block_size,
-                 engine) -> tuple[bytes, list, int]:
+                 engine, make_manifest) -> dict:
     """Open (creating files as needed), size and stamp every disk with its
-    superblock.  Returns (store UUID, capacity per disk, block size).
+    superblock and the generation-0 commit record.
+
+    Args:
+        make_manifest: callable(uuid bytes, capacities, block size) -> the
+            sealed generation-0 manifest (its model goes into the
+            superblocks, its checksum into the commit records).
+
+    Returns:
+        The manifest to write.
 
     Raises:
         StoreExistsError, DiskError, DiskFullError, ShapeError.
@@ -89,78 +184,206 @@ def create_disks(path: str, disk_paths: list, *, force: bool, disk_size, block_s
                                               store=path) from exc
                 caps.append(int(disk_size or 0))
         bs = int(block_size or max(bss + [512]))
-        if bs & (bs - 1) or bs < max(bss) or bs > F.DATA_START:
+        if bs & (bs - 1) or bs < max(bss) or bs > F.SUPERBLOCK_SIZE:
             raise E.ShapeError(f"block size {bs} must be a power of two between the "
-                               f"disks' logical block size ({max(bss)}) and {F.DATA_START}",
-                               store=path)
+                               f"disks' logical block size ({max(bss)}) and "
+                               f"{F.SUPERBLOCK_SIZE}", store=path)
+        for i, c in enumerate(caps):
+            if c and c < F.DATA_START:
+                raise E.DiskFullError(f"disk holds {c} bytes, less than the "
+                                      f"{F.DATA_START}-byte header", disk=i,
+                                      path=disk_paths[i], store=path)
+        m = make_manifest(uid, caps, bs)
         tmp = Engine(fds, kind=engine, queue_depth=8, block_sizes=[bs] * len(fds),
                      names=disk_paths, store=path)
-        buf = tmp.alloc(F.SUPERBLOCK_SIZE * len(fds), register=False)
-        for i in range(len(fds)):
-            sb = F.pack_superblock(store_uuid=uid, disk_index=i, disk_count=len(fds),
-                                   block_size=bs, capacity=caps[i])
-            buf.array[i * F.SUPERBLOCK_SIZE:(i + 1) * F.SUPERBLOCK_SIZE] = \
-                np.frombuffer(sb, dtype=np.uint8)
-        n = len(fds)
-        tmp.execute(WRITE, np.arange(n), np.zeros(n), [F.SUPERBLOCK_SIZE] * n,
-                    np.arange(n) * F.SUPERBLOCK_SIZE, buf)
-        tmp.close()
-        for fd in fds:
-            os.fsync(fd)
+        try:
+            n = len(fds)
+            buf = tmp.alloc(F.SUPERBLOCK_SIZE * n, register=False)
+            for i in range(n):
+                sb = F.pack_superblock(store_uuid=uid, disk_index=i, disk_count=n,
+                                       block_size=bs, capacity=caps[i], model=m["model"])
+                buf.array[i * F.SUPERBLOCK_SIZE:(i + 1) * F.SUPERBLOCK_SIZE] = \
+                    np.frombuffer(sb, dtype=np.uint8)
+            tmp.execute(WRITE, np.arange(n), np.zeros(n), [F.SUPERBLOCK_SIZE] * n,
+                        np.arange(n) * F.SUPERBLOCK_SIZE, buf)
+            write_commit_records(tmp, fds, uid, m, F.COMMITTED, both=True)
+        finally:
+            tmp.close()
     finally:
         for fd in fds:
             os.close(fd)
-    return uid, caps, bs
+    return m
 
 
-def open_disks(path: str, manifest: dict, *, writable: bool) -> list[int]:
-    """Open every disk of a manifest and check superblock, UUID, index, block
-    size and length.  Returns the file descriptors, in disk order.
+def write_commit_records(engine, fds, uid: bytes, manifest: dict, state: int, *,
+                         both: bool = False) -> None:
+    """Write the commit record of ``manifest`` (its generation, checksum and
+    disk ends) to slot ``generation mod 2`` of every disk (both slots with
+    ``both``, at creation) in one batched submission, then fdatasync.
 
     Raises:
-        DiskMissingError, DiskMismatchError, DiskTruncatedError, ManifestError.
+        DiskFullError, IOFailedError: a write failed.
+    """
+    n = len(fds)
+    gen = int(manifest["generation"])
+    slots = [0, 1] if both else [gen % 2]
+    buf = engine.alloc(F.COMMIT_SIZE * n * len(slots), register=False)
+    try:
+        disk, off, dst = [], [], []
+        for i in range(n):
+            rec = F.pack_commit(store_uuid=uid, disk_index=i, generation=gen,
+                                manifest_sum=F.manifest_sum(manifest),
+                                disk_end=int(manifest["disks"][i]["end"]), state=state)
+            for s in slots:
+                k = len(disk)
+                buf.array[k * F.COMMIT_SIZE:(k + 1) * F.COMMIT_SIZE] = \
+                    np.frombuffer(rec, dtype=np.uint8)
+                disk.append(i)
+                off.append(F.COMMIT_OFF + s * F.COMMIT_SIZE)
+                dst.append(k * F.COMMIT_SIZE)
+        engine.execute(WRITE, np.array(disk), np.array(off, dtype=np.uint64),
+                       [F.COMMIT_SIZE] * len(disk), np.array(dst, dtype=np.uint64), buf)
+        for fd in fds:
+            os.fdatasync(fd)
+    finally:
+        buf.release()
+
+
+def check_header(raw: bytes, i: int, p: str, m: dict, *, store) -> dict:
+    """Check one disk's superblock and commit records against the manifest:
+    UUID, disk index and count, block size, capacity, the model identity
+    (dtype, KV heads, head_dim, entry bytes, layers), and the generation.
+
+    Returns:
+        The parsed superblock.
+
+    Raises:
+        DiskMismatchError: not this store's disk, swapped, or from another
+            (older) generation.
+        ManifestError: the manifest disagrees with what the disks pin: an
+            edited identity, a rolled-back manifest (a disk committed a newer
+            generation), or an edited manifest with a recomputed checksum.
+    """
+    kw = dict(disk=i, path=p, store=store)
+    sb = F.unpack_superblock(raw, **kw)
+    uid = bytes.fromhex(m["uuid"])
+    n = len(m["disks"])
+    if sb["uuid"] != uid:
+        raise E.DiskMismatchError(f"disk belongs to another store (UUID {sb['uuid'].hex()}, "
+                                  f"manifest {uid.hex()})", **kw)
+    if sb["disk_index"] != i or sb["disk_count"] != n:
+        raise E.DiskMismatchError(
+            f"disk carries index {sb['disk_index']} of {sb['disk_count']} but is listed "
+            f"as {i} of {n} (disks swapped?)", **kw)
+    if sb["block_size"] != int(m["block_size"]):
+        raise E.ManifestError(f"manifest block size {m['block_size']} differs from the "
+                              f"superblock's {sb['block_size']} (manifest edited?)", **kw)
+    if sb["capacity"] != int(m["disks"][i]["capacity"]):
+        raise E.ManifestError(f"manifest capacity {m['disks'][i]['capacity']} differs from "
+                              f"the superblock's {sb['capacity']} (manifest edited?)", **kw)
+    for k, v in sb["model"].items():
+        if m["model"][k] != v:
+            raise E.ManifestError(f"manifest says model.{k} = {m['model'][k]!r} but the "
+                                  f"disks' superblocks say {v!r} (manifest edited?); the "
+                                  "bytes would be misread, so the store is refused", **kw)
+    g, h = int(m["generation"]), F.manifest_sum(m)
+    recs = []
+    for s in (0, 1):
+        lo = F.COMMIT_OFF + s * F.COMMIT_SIZE
+        r = F.unpack_commit(raw[lo:lo + F.COMMIT_SIZE])
+        if r is not None and (r["uuid"] != uid or r["disk_index"] != i):
+            r = None
+        recs.append(r)
+    valid = [r for r in recs if r is not None]
+    newest_committed = max((r["generation"] for r in valid if r["state"] == F.COMMITTED),
+                           default=-1)
+    if newest_committed > g or any(r["generation"] > g + 1 for r in valid):
+        newest = max(r["generation"] for r in valid)
+        raise E.ManifestError(f"manifest is generation {g} but the disk recorded "
+                              f"generation {newest}: the manifest was rolled back "
+                              "(restored from an older copy?); restore the newest "
+                              "manifest.json", **kw)
+    mine = [r for r in valid if r["generation"] == g]
+    if mine:
+        if all(r["manifest_sum"] != h for r in mine):
+            raise E.ManifestError(f"manifest generation {g} differs from the one committed "
+                                  "to the disks (edited and its checksum recomputed?)", **kw)
+        return sb
+    slot, other = recs[g % 2], recs[1 - g % 2]
+    if slot is None and other is not None and other["generation"] == g - 1:
+        return sb          # the commit-record write of generation g was torn by a crash
+    newest = max((r["generation"] for r in valid), default=None)
+    if newest is None:
+        raise E.DiskMismatchError("disk has no valid commit record (corrupt header)", **kw)
+    raise E.DiskMismatchError(f"disk holds generation {newest} but the manifest is at "
+                              f"generation {g} (a disk from another copy or time?)", **kw)
+
+
+def open_disks(path: str, manifest: dict, *, writable: bool,
+               damaged: bool = False) -> tuple[list[int], dict]:
+    """Open every disk of a (schema-checked) manifest and check superblock,
+    commit records and length.
+
+    Args:
+        damaged: instead of raising, record each disk's problem and carry
+            on (a disk that cannot be opened gets an empty stand-in file), so
+            ``Store.verify`` can say what is lost on a damaged store.
+
+    Returns:
+        (file descriptors in disk order, {disk: problem message}).
+
+    Raises:
+        DiskMissingError, DiskMismatchError, DiskTruncatedError, DiskError,
+        ManifestError (only without ``damaged``).
     """
     m = manifest
+    fds, problems = [], {}
     try:
-        uid = bytes.fromhex(m["uuid"])
-        disks = m["disks"]
-        bs = int(m["block_size"])
-        n = len(disks)
-    except (KeyError, ValueError, TypeError) as exc:
-        raise E.ManifestError(f"manifest lacks a field: {exc}", store=path) from exc
-    fds = []
-    try:
-        for i, rec in enumerate(disks):
+        for i, rec in enumerate(m["disks"]):
             p = rec["path"] if os.path.isabs(rec["path"]) else os.path.join(path, rec["path"])
-            fd = open_disk(p, write=writable, disk=i, store=path)
+            fd = None
+            try:
+                fd = open_disk(p, write=writable, disk=i, store=path)
+                size = device_size(fd)
+                if size < F.SUPERBLOCK_SIZE:
+                    raise E.DiskTruncatedError(f"disk is {size} bytes, smaller than a "
+                                               "superblock", disk=i, path=p, store=path)
+                raw = read_header(fd, disk=i, path=p, store=path)
+                check_header(raw, i, p, m, store=path)
+                if size < int(rec["end"]):
+                    raise E.DiskTruncatedError(
+                        f"disk is {size} bytes but holds data up to byte {rec['end']} "
+                        "(truncated)", disk=i, path=p, store=path, offset=size)
+                if logical_block_size(fd) > int(m["block_size"]):
+                    raise E.DiskMismatchError(f"disk's logical block size exceeds the "
+                                              f"store block size {m['block_size']}",
+                                              disk=i, path=p, store=path)
+            except E.SwarmError as exc:
+                if not damaged:
+                    if fd is not None:
+                        os.close(fd)
+                    raise
+                problems[i] = exc
+                if fd is None:
+                    fd = os.memfd_create(f"swarmfs-missing-disk-{i}", os.MFD_CLOEXEC)
             fds.append(fd)
-            size = device_size(fd)
-            if size < F.SUPERBLOCK_SIZE:
-                raise E.DiskTruncatedError(f"disk is {size} bytes, smaller than a "
-                                           "superblock", disk=i, path=p, store=path)
-            sb = F.unpack_superblock(read_superblock(fd), disk=i, path=p, store=path)
-            if sb["uuid"] != uid:
-                raise E.DiskMismatchError("disk belongs to another store "
-                                          f"(UUID {sb['uuid'].hex()}, manifest "
-                                          f"{uid.hex()})", disk=i, path=p, store=path)
-            if sb["disk_index"] != i or sb["disk_count"] != n:
-                raise E.DiskMismatchError(
-                    f"disk carries index {sb['disk_index']} of {sb['disk_count']} but "
-                    f"is listed as {i} of {n} (disks swapped?)", disk=i, path=p,
-                    store=path)
-            if sb["block_size"] != bs:
-                raise E.DiskMismatchError("superblock block size differs from the "
-                                          "manifest", disk=i, path=p, store=path)
-            if size < int(rec["end"]):
-                raise E.DiskTruncatedError(
-                    f"disk is {size} bytes but holds data up to byte {rec['end']} "
-                    "(truncated)", disk=i, path=p, store=path)
-            if logical_block_size(fd) > bs:
-                raise E.DiskMismatchError(f"disk's logical block size exceeds the "
-                                          f"store block size {bs}", disk=i, path=p,
-                                          store=path)
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
-    return fds
+    return fds, problems
+
+
+def truncate_to(fds, manifest: dict) -> None:
+    """Give back the space a failed write allocated on growing file disks:
+    cut each regular-file disk without a fixed capacity back to its
+    committed end (nothing beyond it is referenced).  Best effort."""
+    for fd, d in zip(fds, manifest["disks"]):
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and not int(d["capacity"]) and \
+                    st.st_size > int(d["end"]):
+                os.ftruncate(fd, int(d["end"]))
+        except OSError as exc:
+            warnings.warn(f"could not give back space on disk {d['index']}: {exc}",
+                          stacklevel=2)

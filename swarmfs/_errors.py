@@ -44,15 +44,19 @@ class SwarmError(Exception):
         disk: disk index, or None.
         layer: layer index, or None.
         cluster: cluster id, or None.
+        path: the file or disk path, or None.
+        offset: byte offset on the disk of the damage itself (the first
+            damaged or missing byte), or None.
     """
 
     def __init__(self, message: str, *, store=None, disk=None, layer=None,
-                 cluster=None, path=None):
+                 cluster=None, path=None, offset=None):
         self.store = str(store) if store is not None else None
         self.disk = disk
         self.layer = layer
         self.cluster = cluster
         self.path = str(path) if path is not None else None
+        self.offset = int(offset) if offset is not None else None
         where = []
         if store is not None:
             where.append(f"store {store}")
@@ -64,6 +68,8 @@ class SwarmError(Exception):
             where.append(f"layer {layer}")
         if cluster is not None:
             where.append(f"cluster {cluster}")
+        if offset is not None:
+            where.append(f"offset {int(offset)}")
         self.message = message
         super().__init__(message + (f" [{', '.join(where)}]" if where else ""))
 
@@ -133,6 +139,35 @@ class IOFailedError(SwarmError, OSError):
     def __init__(self, message: str, *, errno: int | None = None, **kw):
         super().__init__(message, **kw)
         self.errno = errno
+
+
+def boundary(fn):
+    """Decorator for public functions: whatever escapes is a SwarmError.
+
+    A SwarmError passes unchanged; an ``OSError`` becomes an
+    :class:`IOFailedError` (errno kept); any other exception is a bug in
+    swarmfs and becomes an :class:`InternalError` naming the function, with
+    the original chained (``__cause__``).  ``KeyboardInterrupt`` and other
+    BaseExceptions pass unchanged.
+    """
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        try:
+            return fn(*args, **kw)
+        except SwarmError:
+            raise
+        except MemoryError as exc:
+            raise InvalidArgumentError(f"{fn.__qualname__}: out of memory (the request "
+                                       "is too large)") from exc
+        except OSError as exc:
+            raise IOFailedError(f"{fn.__qualname__}: {exc.strerror or exc}",
+                                errno=exc.errno, path=exc.filename) from exc
+        except Exception as exc:
+            raise InternalError(f"internal error in {fn.__qualname__}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+    return wrapper
 
 
 class ShapeError(SwarmError, ValueError):

@@ -1,4 +1,5 @@
-"""On-disk format: disk superblocks, the manifest, and per-layer index files.
+"""On-disk format: disk superblocks, commit records, the manifest, and
+per-layer index files.
 
 A store is a directory plus N disks (regular files or block devices)::
 
@@ -7,33 +8,63 @@ A store is a directory plus N disks (regular files or block devices)::
                                         per-layer index arrays (safetensors)
     STORE/disks/disk-I.img              default location of file-backed disks
 
-Every disk starts with a 4096-byte superblock (little-endian)::
+Every disk (format version 2) starts with a 4096-byte superblock, then two
+4096-byte commit-record slots, then data (``DATA_START`` = 12288)::
 
+    superblock (little-endian), written once at creation
     offset size field
-         0    8 magic  b"SWARMFS\\0"
-         8    4 format version (u32)
+         0    8 magic  b"SWARMFS\0"
+         8    4 format version (u32, 2)
         12    4 superblock size (u32, 4096)
         16   16 store UUID
         32    4 disk index (u32)
         36    4 disk count (u32)
         40    4 store block size in bytes (u32; every extent is aligned to it)
-        44    4 reserved (0)
-        48    8 data start offset in bytes (u64, 4096)
+        44    4 dtype code (u32: 1 float16, 2 bfloat16, 3 float32)
+        48    8 data start offset in bytes (u64, 12288)
         56    8 creation time (u64, ns since the epoch)
         64    8 capacity in bytes (u64, 0 = grows with the file)
-        72 4016 zero
+        72    4 num_layers (u32)
+        76    4 num_kv_heads (u32)
+        80    4 head_dim (u32)
+        84    4 num_query_heads (u32)
+        88    8 entry bytes (u64)
+        96 3992 zero
       4088    8 XXH3-64 of bytes [0, 4088)
 
-The superblock is written once, at creation, and never changes: what lives on
-the disk is described by the manifest, which is replaced atomically (temp file,
-fsync, rename, directory fsync).  The data region of a disk is append-only;
-data that a committed manifest references is never overwritten.
+    commit record, slot (generation mod 2) at 4096 + 4096 x slot
+         0    8 magic  b"SWARMCMT"
+         8    4 format version (u32, 2)
+        12    4 state (u32: 1 prepared, 2 committed)
+        16   16 store UUID
+        32    4 disk index (u32)
+        36    4 zero
+        40    8 generation (u64)
+        48    8 manifest checksum (u64, the manifest's XXH3-64)
+        56    8 disk end: first unallocated byte of this disk (u64)
+        64 4024 zero
+      4088    8 XXH3-64 of bytes [0, 4088)
+
+The superblock never changes: it pins the store's identity (UUID, disk
+index, model shape, dtype, entry size), so a manifest edit cannot make the
+store reinterpret its bytes.  Each commit writes a *prepared* record of the
+new generation to every disk (fdatasync), renames the new manifest into
+place, then marks the records *committed*.  At open, the manifest's
+generation and checksum must be on every disk, and no disk may hold a
+committed record newer than the manifest: a rolled-back manifest, an edited
+manifest with a recomputed checksum, and a disk from another generation are
+refused.  The data region of a disk is never overwritten while a committed
+manifest references it; space freed by a commit is reused two commits later
+(see ``free`` in the manifest).
 """
 
 from __future__ import annotations
 
+import errno as _errno
 import json
 import os
+import re
+import stat
 import struct
 import time
 import uuid as _uuid
@@ -43,36 +74,57 @@ import xxhash
 
 from . import _errors as E
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"SWARMFS\0"
+COMMIT_MAGIC = b"SWARMCMT"
 SUPERBLOCK_SIZE = 4096
-DATA_START = 4096
+COMMIT_SIZE = 4096
+COMMIT_OFF = SUPERBLOCK_SIZE          # slot s at COMMIT_OFF + s * COMMIT_SIZE
+DATA_START = SUPERBLOCK_SIZE + 2 * COMMIT_SIZE
+HEADER_BYTES = DATA_START             # superblock + both commit slots
 MANIFEST = "manifest.json"
 INDEX_DIR = "index"
+MAX_MANIFEST_BYTES = 16 << 20         # metadata reads are bounded
+MAX_INDEX_BYTES = 1 << 34
+MAX_JSON_DEPTH = 32
+PREPARED, COMMITTED = 1, 2
 
-_SB = struct.Struct("<8sII16sIIIIQQQ")
+_SB = struct.Struct("<8sII16sIIIIQQQIIIIQ")
 _SB_SUM_OFF = SUPERBLOCK_SIZE - 8
+_CR = struct.Struct("<8sII16sIIQQQ")
+_CR_SUM_OFF = COMMIT_SIZE - 8
 
 DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3}
+_OLD_VERSION_HINT = ("written by an older swarmfs (format 1, no generation records); "
+                     "rebuild it with this version (`swarmfs build`, or "
+                     "Store.create + write_layer)")
 
 
 def numpy_dtype(name: str) -> np.dtype:
-    """numpy dtype of a store dtype name (bfloat16 via ml_dtypes)."""
+    """numpy dtype of a store dtype name (bfloat16 via ml_dtypes).
+
+    Raises:
+        ShapeError: an unknown dtype name.
+    """
+    if not isinstance(name, str) or name not in DTYPES:
+        raise E.ShapeError(f"unsupported dtype {name!r}; use one of {sorted(DTYPES)}")
     if name == "bfloat16":
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
-    if name not in DTYPES:
-        raise E.ShapeError(f"unsupported dtype {name!r}; use one of {sorted(DTYPES)}")
     return np.dtype(name)
 
 
 def pack_superblock(*, store_uuid: bytes, disk_index: int, disk_count: int,
-                    block_size: int, capacity: int = 0,
+                    block_size: int, model: dict, capacity: int = 0,
                     created_ns: int | None = None) -> bytes:
-    """The 4096-byte superblock of one disk (see the module docstring)."""
+    """The 4096-byte superblock of one disk (see the module docstring);
+    ``model`` is the manifest's model record (identity fields)."""
     head = _SB.pack(MAGIC, FORMAT_VERSION, SUPERBLOCK_SIZE, store_uuid, disk_index,
-                    disk_count, block_size, 0, DATA_START,
-                    created_ns if created_ns is not None else time.time_ns(), capacity)
+                    disk_count, block_size, DTYPE_CODES[model["dtype"]], DATA_START,
+                    created_ns if created_ns is not None else time.time_ns(), capacity,
+                    model["num_layers"], model["num_kv_heads"], model["head_dim"],
+                    model["num_query_heads"], model["entry_bytes"])
     body = head + b"\0" * (_SB_SUM_OFF - len(head))
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
@@ -81,7 +133,8 @@ def unpack_superblock(raw: bytes, *, disk=None, path=None, store=None) -> dict:
     """Parse and check a superblock.
 
     Raises:
-        DiskMismatchError: no swarmfs magic, bad checksum, or unknown version.
+        DiskMismatchError: no swarmfs magic, bad checksum, an unknown or old
+            version, or fields out of range.
     """
     kw = dict(disk=disk, path=path, store=store)
     if len(raw) < SUPERBLOCK_SIZE or raw[:8] != MAGIC:
@@ -90,13 +143,47 @@ def unpack_superblock(raw: bytes, *, disk=None, path=None, store=None) -> dict:
     (want,) = struct.unpack("<Q", raw[_SB_SUM_OFF:SUPERBLOCK_SIZE])
     if xxhash.xxh3_64_intdigest(body) != want:
         raise E.DiskMismatchError("superblock checksum mismatch (corrupt superblock)", **kw)
-    (magic, version, size, sid, idx, count, bs, _r, start, created,
-     cap) = _SB.unpack(raw[:_SB.size])
+    (magic, version, size, sid, idx, count, bs, dcode, start, created, cap, nl, hkv, hd,
+     hq, eb) = _SB.unpack(raw[:_SB.size])
+    if version == 1:
+        raise E.DiskMismatchError("disk " + _OLD_VERSION_HINT, **kw)
     if version != FORMAT_VERSION:
         raise E.DiskMismatchError(f"disk format version {version} is not supported "
                                   f"(this swarmfs reads version {FORMAT_VERSION})", **kw)
+    dtype = {v: k for k, v in DTYPE_CODES.items()}.get(dcode)
+    if size != SUPERBLOCK_SIZE or start != DATA_START or dtype is None or \
+            not (512 <= bs <= DATA_START and bs & (bs - 1) == 0) or not 1 <= count <= 256 \
+            or idx >= count or eb != 2 * hkv * hd * DTYPES[dtype] or 0 in (nl, hkv, hd, hq):
+        raise E.DiskMismatchError("superblock fields are out of range (corrupt "
+                                  "superblock)", **kw)
     return dict(uuid=sid, disk_index=idx, disk_count=count, block_size=bs,
-                data_start=start, created_ns=created, capacity=cap)
+                data_start=start, created_ns=created, capacity=cap,
+                model=dict(num_layers=nl, num_kv_heads=hkv, head_dim=hd,
+                           num_query_heads=hq, dtype=dtype, entry_bytes=eb))
+
+
+def pack_commit(*, store_uuid: bytes, disk_index: int, generation: int,
+                manifest_sum: int, disk_end: int, state: int) -> bytes:
+    """One 4096-byte commit record (see the module docstring)."""
+    head = _CR.pack(COMMIT_MAGIC, FORMAT_VERSION, state, store_uuid, disk_index, 0,
+                    generation, manifest_sum, disk_end)
+    body = head + b"\0" * (_CR_SUM_OFF - len(head))
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+def unpack_commit(raw: bytes) -> dict | None:
+    """Parse one commit-record slot; None when it is empty, torn or corrupt."""
+    if len(raw) < COMMIT_SIZE or raw[:8] != COMMIT_MAGIC:
+        return None
+    body = raw[:_CR_SUM_OFF]
+    (want,) = struct.unpack("<Q", raw[_CR_SUM_OFF:COMMIT_SIZE])
+    if xxhash.xxh3_64_intdigest(body) != want:
+        return None
+    (_m, version, state, sid, idx, _z, gen, msum, end) = _CR.unpack(raw[:_CR.size])
+    if version != FORMAT_VERSION or state not in (PREPARED, COMMITTED):
+        return None
+    return dict(state=state, uuid=sid, disk_index=idx, generation=gen,
+                manifest_sum=msum, disk_end=end)
 
 
 def new_uuid() -> bytes:
@@ -137,17 +224,115 @@ def atomic_write(path: str, data: bytes) -> None:
     fsync_dir(d)
 
 
+def read_bounded(path: str, *, cap: int, what: str, store=None, layer=None,
+                 missing=None) -> bytes:
+    """The bytes of a regular metadata file, read with a size cap.
+
+    Opened with ``O_NONBLOCK`` and checked with ``fstat`` before reading, so
+    a FIFO, a device or a directory never blocks or streams forever.
+
+    Raises:
+        StoreNotFoundError: (or ``missing``) the file does not exist.
+        ManifestError: not a regular file, larger than ``cap``, a symlink
+            loop or no permission.
+        IOFailedError: the kernel failed the read (EIO ...).
+    """
+    kw = dict(store=store, layer=layer, path=path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except FileNotFoundError as exc:
+        raise (missing or E.StoreNotFoundError(f"{what} does not exist", **kw)) from exc
+    except OSError as exc:
+        raise _os_error(exc, what, kw) from exc
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise E.ManifestError(f"{what} is a directory", **kw)
+        if not stat.S_ISREG(st.st_mode):
+            raise E.ManifestError(f"{what} is not a regular file (a FIFO, socket or "
+                                  "device)", **kw)
+        if st.st_size > cap:
+            raise E.ManifestError(f"{what} is {st.st_size} bytes, over the {cap}-byte "
+                                  "limit (corrupt)", **kw)
+        chunks, total = [], 0
+        while True:
+            b = os.read(fd, min(cap + 1 - total, 1 << 24))
+            if not b:
+                break
+            chunks.append(b)
+            total += len(b)
+            if total > cap:
+                raise E.ManifestError(f"{what} grows past the {cap}-byte limit", **kw)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise _os_error(exc, what, kw) from exc
+    finally:
+        os.close(fd)
+
+
+def _os_error(exc: OSError, what: str, kw: dict) -> E.SwarmError:
+    if exc.errno == _errno.ELOOP:
+        return E.ManifestError(f"{what} is a symlink loop", **kw)
+    if exc.errno in (_errno.EACCES, _errno.EPERM):
+        return E.ManifestError(f"{what} cannot be read: permission denied", **kw)
+    if exc.errno in (_errno.ENOTDIR, _errno.ENAMETOOLONG):
+        return E.ManifestError(f"{what} cannot be opened: {exc.strerror}", **kw)
+    return E.IOFailedError(f"{what} cannot be read: {exc.strerror}", errno=exc.errno,
+                           **kw)
+
+
+def json_depth(x) -> int:
+    """Nesting depth of a parsed JSON value (iterative: no recursion)."""
+    depth, stack = 0, [(x, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            depth = max(depth, d)
+            stack.extend((w, d + 1) for w in v.values())
+        elif isinstance(v, list):
+            depth = max(depth, d)
+            stack.extend((w, d + 1) for w in v)
+    return depth
+
+
+def parse_json(data: bytes, what: str, **kw):
+    """``json.loads`` that never raises anything but ManifestError (bad
+    UTF-8, bad JSON, nesting deeper than ``MAX_JSON_DEPTH``)."""
+    try:
+        v = json.loads(data)
+    except RecursionError:
+        raise E.ManifestError(f"{what} is nested too deeply (corrupt)", **kw) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise E.ManifestError(f"{what} is not valid JSON: {exc}", **kw) from None
+    if json_depth(v) > MAX_JSON_DEPTH:
+        raise E.ManifestError(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels "
+                              "(corrupt)", **kw)
+    return v
+
+
 def _manifest_checksum(m: dict) -> str:
     body = {k: v for k, v in m.items() if k != "checksum"}
     return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode())
+
+
+def manifest_sum(m: dict) -> int:
+    """The manifest's checksum as an integer (what the commit records hold)."""
+    return int(m["checksum"], 16)
+
+
+def seal_manifest(manifest: dict) -> dict:
+    """A copy of ``manifest`` with its ``checksum`` (XXH3-64 of the rest)."""
+    m = dict(manifest)
+    m.pop("checksum", None)
+    m["checksum"] = _manifest_checksum(m)
+    return m
 
 
 def write_manifest(store_dir: str, manifest: dict) -> dict:
     """Atomically replace ``STORE/manifest.json`` (with an XXH3-64 of its
     content in ``"checksum"``, so an edited or corrupt manifest is refused).
     Returns the manifest as written."""
-    m = dict(manifest)
-    m["checksum"] = _manifest_checksum(m)
+    m = seal_manifest(manifest)
     data = json.dumps(m, indent=1, sort_keys=False).encode() + b"\n"
     atomic_write(os.path.join(store_dir, MANIFEST), data)
     # leftovers of writers that crashed before their rename
@@ -167,48 +352,74 @@ def write_manifest(store_dir: str, manifest: dict) -> dict:
 
 
 def read_manifest(store_dir: str) -> dict:
-    """Read and sanity-check ``STORE/manifest.json``.
+    """Read and check ``STORE/manifest.json`` (bounded read, checksum, schema).
 
     Raises:
         StoreNotFoundError: no directory or no manifest.
-        ManifestError: unreadable JSON or an unsupported format version.
+        ManifestError: unreadable, not JSON, an unsupported format version,
+            a failed checksum, or a field of the wrong type or range.
+        IOFailedError: the kernel failed the read.
     """
+    store_dir = os.fspath(store_dir)
+    if "\0" in store_dir:
+        raise E.StoreNotFoundError("a store path cannot contain NUL bytes",
+                                   store=store_dir.replace("\0", "\\0"))
     path = os.path.join(store_dir, MANIFEST)
-    if os.path.exists(store_dir) and not os.path.isdir(store_dir):
-        raise E.StoreNotFoundError("is a file, not a store directory", store=store_dir)
-    if not os.path.isdir(store_dir):
-        raise E.StoreNotFoundError("store directory does not exist", store=store_dir)
     try:
-        with open(path, "rb") as f:
-            m = json.loads(f.read())
-    except FileNotFoundError as exc:
+        st = os.stat(store_dir)
+    except FileNotFoundError:
+        raise E.StoreNotFoundError("store directory does not exist", store=store_dir) \
+            from None
+    except OSError as exc:
+        raise _os_error(exc, "store directory", dict(store=store_dir)) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise E.StoreNotFoundError("is a file, not a store directory", store=store_dir)
+    if not os.path.lexists(path):
         hint = ""
-        for sub in sorted(os.listdir(store_dir)):
-            if os.path.isfile(os.path.join(store_dir, sub, MANIFEST)):
-                hint = f"; did you mean {os.path.join(store_dir, sub)}?"
-                break
+        try:
+            for sub in sorted(os.listdir(store_dir))[:1000]:
+                if os.path.isfile(os.path.join(store_dir, sub, MANIFEST)):
+                    hint = f"; did you mean {os.path.join(store_dir, sub)}?"
+                    break
+        except OSError:
+            pass
         raise E.StoreNotFoundError("no manifest.json (not a swarmfs store)" + hint,
-                                   store=store_dir) from exc
-    except IsADirectoryError as exc:
-        raise E.ManifestError("manifest.json is a directory", store=store_dir) from exc
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise E.ManifestError(f"manifest.json is not valid JSON: {exc}",
-                              store=store_dir) from exc
+                                   store=store_dir)
+    data = read_bounded(path, cap=MAX_MANIFEST_BYTES, what="manifest.json",
+                        store=store_dir)
+    m = parse_json(data, "manifest.json", store=store_dir)
     if not isinstance(m, dict) or m.get("format") != "swarmfs":
         raise E.ManifestError("manifest.json is not a swarmfs manifest", store=store_dir)
-    if m.get("format_version") != FORMAT_VERSION:
-        raise E.ManifestError(f"format version {m.get('format_version')} is not "
+    if m.get("format_version") == 1:
+        raise E.ManifestError("store " + _OLD_VERSION_HINT, store=store_dir)
+    if m.get("format_version") != FORMAT_VERSION or \
+            isinstance(m.get("format_version"), bool):
+        raise E.ManifestError(f"format version {m.get('format_version')!r} is not "
                               f"supported (this swarmfs reads {FORMAT_VERSION})",
                               store=store_dir)
-    if m.get("checksum") != _manifest_checksum(m):
+    try:
+        ok = m.get("checksum") == _manifest_checksum(m)
+    except (ValueError, TypeError, RecursionError):
+        ok = False
+    if not ok:
         raise E.ManifestError("manifest.json fails its checksum (edited or corrupt); "
                               "restore it from a backup", store=store_dir)
     check_manifest(m, store_dir)
     return m
 
 
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,5}")
+_INDEX_NAME = re.compile(r"layer-([0-9]{3,})\.g([0-9]{8,})\.safetensors")
+_U63 = (1 << 63) - 1
+_I31 = (1 << 31) - 1
+
+
 def check_manifest(m: dict, store_dir) -> None:
-    """Structural checks of a manifest: types, ranges and consistency.
+    """Schema checks of a manifest: every field's type and range, and the
+    fields' consistency with each other (the one validating loader; the
+    disks and index files are checked against it at open).
 
     Raises:
         ManifestError: naming the first field that is wrong.
@@ -216,50 +427,101 @@ def check_manifest(m: dict, store_dir) -> None:
     def fail(msg, **kw):
         raise E.ManifestError(f"manifest.json: {msg}", store=store_dir, **kw)
 
-    def integer(x, what, lo=0):
-        if isinstance(x, bool) or not isinstance(x, int) or x < lo:
-            fail(f"{what} must be an integer >= {lo}, got {x!r}")
+    def integer(x, what, lo=0, hi=_U63, **kw):
+        if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
+            fail(f"{what} must be an integer in [{lo}, {hi}], got {x!r}"[:300], **kw)
         return x
 
+    if not isinstance(m.get("uuid"), str) or not _HEX32.fullmatch(m["uuid"]):
+        fail("uuid must be 32 hex digits")
+    if not isinstance(m.get("checksum"), str) or not _HEX16.fullmatch(m["checksum"]):
+        fail("checksum must be 16 hex digits")
     model = m.get("model")
     if not isinstance(model, dict):
         fail("model is missing")
-    for k in ("num_layers", "num_kv_heads", "head_dim", "num_query_heads", "entry_bytes"):
-        integer(model.get(k), f"model.{k}", 1)
-    if model.get("dtype") not in DTYPES:
-        fail(f"model.dtype {model.get('dtype')!r} is not one of {sorted(DTYPES)}")
+    for k in ("num_layers", "num_kv_heads", "head_dim", "num_query_heads"):
+        integer(model.get(k), f"model.{k}", 1, 1 << 16)
+    integer(model.get("entry_bytes"), "model.entry_bytes", 1, 1 << 30)
+    if not isinstance(model.get("dtype"), str) or model["dtype"] not in DTYPES:
+        fail(f"model.dtype {model.get('dtype')!r} is not one of {sorted(DTYPES)}"[:300])
+    if model.get("name") is not None and not isinstance(model["name"], str):
+        fail("model.name must be a string or null")
+    if model["num_query_heads"] % model["num_kv_heads"]:
+        fail("model.num_query_heads is not a multiple of num_kv_heads")
     if model["entry_bytes"] != 2 * model["num_kv_heads"] * model["head_dim"] * \
             DTYPES[model["dtype"]]:
         fail("model.entry_bytes does not match 2 x num_kv_heads x head_dim x itemsize")
-    bs = integer(m.get("block_size"), "block_size", 512)
-    if bs & (bs - 1) or bs > DATA_START:
-        fail(f"block_size {bs} is not a power of two <= {DATA_START}")
-    integer(m.get("generation"), "generation")
+    bs = integer(m.get("block_size"), "block_size", 512, SUPERBLOCK_SIZE)
+    if bs & (bs - 1):
+        fail(f"block_size {bs} is not a power of two")
+    gen = integer(m.get("generation"), "generation")
     integer(m.get("p_global"), "p_global")
+    dram = m.get("dram")
+    if not isinstance(dram, dict):
+        fail("dram must be an object")
+    integer(dram.get("local_window"), "dram.local_window", 0, _I31)
     disks = m.get("disks")
     if not isinstance(disks, list) or not 1 <= len(disks) <= 256:
         fail("disks must be a list of 1 to 256 disks")
     for i, d in enumerate(disks):
-        if not isinstance(d, dict) or not isinstance(d.get("path"), str) or not d["path"]:
-            fail("disk record has no path", disk=i)
-        end = integer(d.get("end"), f"disks[{i}].end", DATA_START)
+        if not isinstance(d, dict) or not isinstance(d.get("path"), str) or not d["path"] \
+                or "\0" in d["path"] or len(d["path"]) > 4096:
+            fail("disk record has no valid path", disk=i)
+        if d.get("index") != i or isinstance(d.get("index"), bool):
+            fail(f"disks[{i}].index must be {i}", disk=i)
+        end = integer(d.get("end"), f"disks[{i}].end", DATA_START, 1 << 62, disk=i)
         if end % bs:
             fail(f"disks[{i}].end is not block aligned", disk=i)
-        integer(d.get("capacity"), f"disks[{i}].capacity")
+        cap = integer(d.get("capacity"), f"disks[{i}].capacity", 0, 1 << 62, disk=i)
+        if cap and cap < end:
+            fail(f"disks[{i}].end is beyond its capacity", disk=i)
+        free = d.get("free", [])
+        if not isinstance(free, list) or len(free) > 1 << 20:
+            fail(f"disks[{i}].free must be a list", disk=i)
+        prev = DATA_START
+        for r in free:
+            if not isinstance(r, list) or len(r) != 3:
+                fail(f"disks[{i}].free holds a malformed range", disk=i)
+            off = integer(r[0], f"disks[{i}].free offset", DATA_START, end, disk=i)
+            ln = integer(r[1], f"disks[{i}].free length", 1, end - off, disk=i)
+            integer(r[2], f"disks[{i}].free generation", 0, gen, disk=i)
+            if off % bs or ln % bs or off < prev:
+                fail(f"disks[{i}].free ranges are unaligned, unsorted or overlap",
+                     disk=i)
+            prev = off + ln
     layers = m.get("layers")
     if not isinstance(layers, dict):
         fail("layers must be an object")
     for k, rec in layers.items():
-        if not k.isdigit() or not 0 <= int(k) < model["num_layers"]:
-            fail(f"layer key {k!r} is not a layer of the model")
+        if not _LAYER_KEY.fullmatch(k) or not int(k) < model["num_layers"]:
+            fail(f"layer key {k!r} is not a layer of the model"[:300])
+        layer = int(k)
         if not isinstance(rec, dict) or not isinstance(rec.get("index"), dict):
-            fail("layer record has no index", layer=int(k))
-        for f in ("num_tokens", "num_clusters", "num_copies", "local_window"):
-            integer(rec.get(f), f"layers[{k}].{f}", 1 if f != "local_window" else 0)
+            fail("layer record has no index", layer=layer)
+        S = integer(rec.get("num_tokens"), f"layers[{k}].num_tokens", 1, _I31, layer=layer)
+        C = integer(rec.get("num_clusters"), f"layers[{k}].num_clusters", 1, _I31,
+                    layer=layer)
+        M = integer(rec.get("num_copies"), f"layers[{k}].num_copies", 1, _I31, layer=layer)
+        integer(rec.get("local_window"), f"layers[{k}].local_window", 0, _I31, layer=layer)
+        integer(rec.get("hot_clusters"), f"layers[{k}].hot_clusters", 0, C, layer=layer)
+        lgen = integer(rec.get("generation"), f"layers[{k}].generation", 1, gen, layer=layer)
+        if M < S or M < C:
+            fail(f"layers[{k}] has fewer copies than tokens or clusters", layer=layer)
+        r = rec.get("replication")
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or \
+                abs(r - round(M / S, 6)) > 1e-5:
+            fail(f"layers[{k}].replication does not match num_copies / num_tokens",
+                 layer=layer)
         idx = rec["index"]
-        if not isinstance(idx.get("file"), str) or not isinstance(idx.get("xxh3"), str) or \
-                "/" in idx["file"]:
-            fail("layer index record is malformed", layer=int(k))
+        name = idx.get("file")
+        mm = _INDEX_NAME.fullmatch(name) if isinstance(name, str) else None
+        if mm is None or int(mm.group(1)) != layer or int(mm.group(2)) != lgen:
+            fail(f"layers[{k}].index.file is not layer-{layer:03d}.g{lgen:08d}.safetensors",
+                 layer=layer)
+        if not isinstance(idx.get("xxh3"), str) or not _HEX16.fullmatch(idx["xxh3"]):
+            fail(f"layers[{k}].index.xxh3 must be 16 hex digits", layer=layer)
+        integer(idx.get("bytes"), f"layers[{k}].index.bytes", 1, MAX_INDEX_BYTES,
+                layer=layer)
 
 
 # -- per-layer index files ------------------------------------------------------
@@ -283,17 +545,32 @@ def index_name(layer: int, generation: int) -> str:
     return f"layer-{layer:03d}.g{generation:08d}.safetensors"
 
 
-def save_index(store_dir: str, layer: int, generation: int, arrays: dict) -> dict:
+#: index-file metadata keys checked against the manifest and superblocks
+INDEX_META = ("format", "format_version", "uuid", "layer", "generation", "num_tokens",
+              "num_clusters", "num_copies", "num_disks", "dtype", "num_kv_heads",
+              "head_dim", "entry_bytes")
+
+
+def save_index(store_dir: str, layer: int, generation: int, arrays: dict, *,
+               meta: dict) -> dict:
     """Write one layer's index file durably; returns its manifest record
-    ``{"file": name, "xxh3": hex, "bytes": n}``."""
+    ``{"file": name, "xxh3": hex, "bytes": n}``.  ``meta`` gives the store's
+    identity (uuid, num_disks, dtype, num_kv_heads, head_dim, entry_bytes),
+    stored in the file's own metadata with the layer's counts."""
     from safetensors.numpy import save
 
     out = {}
     for k, dt in INDEX_ARRAYS.items():
         a = np.ascontiguousarray(arrays[k], dtype=dt)
         out[k] = a
-    data = save(out, metadata={"format": "swarmfs-index", "layer": str(layer),
-                               "format_version": str(FORMAT_VERSION)})
+    md = {"format": "swarmfs-index", "format_version": str(FORMAT_VERSION),
+          "layer": str(layer), "generation": str(generation),
+          "num_tokens": str(out["token_xxh"].shape[0]),
+          "num_clusters": str(out["members_ptr"].shape[0] - 1),
+          "num_copies": str(out["members"].shape[0])}
+    md.update({k: str(meta[k]) for k in ("uuid", "num_disks", "dtype", "num_kv_heads",
+                                          "head_dim", "entry_bytes")})
+    data = save(out, metadata=md)
     d = os.path.join(store_dir, INDEX_DIR)
     os.makedirs(d, exist_ok=True)
     name = index_name(layer, generation)
@@ -316,49 +593,99 @@ def save_index(store_dir: str, layer: int, generation: int, arrays: dict) -> dic
     return {"file": name, "xxh3": xxhash.xxh3_64_hexdigest(data), "bytes": len(data)}
 
 
-def load_index(store_dir: str, layer: int, record: dict) -> dict:
-    """Read one layer's index file and check its XXH3-64.
+def _check_meta(meta, name: str, layer: int, expect: dict, kw: dict) -> None:
+    if not isinstance(meta, dict) or meta.get("layer") != str(layer):
+        got = meta.get("layer") if isinstance(meta, dict) else None
+        raise E.ManifestError(f"index file {name} belongs to layer {got!r}, not {layer}",
+                              **kw)
+    for k in INDEX_META:
+        want = {"format": "swarmfs-index", "format_version": str(FORMAT_VERSION),
+                "layer": str(layer)}.get(k, expect.get(k))
+        if want is not None and meta.get(k) != str(want):
+            raise E.ManifestError(f"index file {name}: {k} is {meta.get(k)!r} but the "
+                                  f"store says {want} (manifest edited or the file is "
+                                  "from another store)", **kw)
+
+
+def _header_meta(head: bytes, size: int, name: str, kw: dict):
+    header_len = int.from_bytes(head[:8], "little")
+    if len(head) < 8 or not 0 < header_len <= min(size - 8, 1 << 24):
+        raise E.ManifestError(f"index file {name} has no valid safetensors header", **kw)
+    return header_len
+
+
+def check_index_header(store_dir: str, layer: int, record: dict, *, expect: dict) -> None:
+    """Read only the header of a layer's index file and check its metadata
+    against ``expect`` (cheap; done for every layer at open).
 
     Raises:
-        ManifestError: the file is missing, corrupt, or lacks an array.
+        ManifestError: missing, wrong size, or metadata that disagrees.
+    """
+    name = record["file"]
+    kw = dict(store=store_dir, layer=layer)
+    path = os.path.join(store_dir, INDEX_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise E.ManifestError(f"index file {name} is missing", path=path, **kw) from None
+    except OSError as exc:
+        raise _os_error(exc, f"index file {name}", dict(kw, path=path)) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise E.ManifestError(f"index file {name} is not a regular file", **kw)
+        if st.st_size != record["bytes"]:
+            raise E.ManifestError(f"index file {name} is {st.st_size} bytes, the manifest "
+                                  f"says {record['bytes']} (corrupt or replaced)", **kw)
+        head = os.pread(fd, 8, 0)
+        n = _header_meta(head, st.st_size, name, kw)
+        raw = os.pread(fd, n, 8)
+    except OSError as exc:
+        raise _os_error(exc, f"index file {name}", dict(kw, path=path)) from None
+    finally:
+        os.close(fd)
+    meta = parse_json(raw, f"index file {name}", **kw)
+    _check_meta(meta.get("__metadata__") if isinstance(meta, dict) else None, name, layer,
+                expect, kw)
+
+
+def load_index(store_dir: str, layer: int, record: dict, *, expect: dict) -> dict:
+    """Read one layer's index file (bounded), check its XXH3-64, its own
+    metadata against ``expect`` (the manifest's counts and generation, the
+    superblocks' identity) and its arrays' dtypes, ranks and sizes.
+
+    Raises:
+        ManifestError: the file is missing, corrupt, lacks an array, or
+            disagrees with the manifest or the superblocks.
     """
     from safetensors.numpy import load
 
-    path = os.path.join(store_dir, INDEX_DIR, record["file"])
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise E.ManifestError(f"index file {record['file']} unreadable: {exc.strerror}",
-                              store=store_dir, layer=layer) from exc
-    if xxhash.xxh3_64_hexdigest(data) != record["xxh3"]:
-        raise E.ManifestError(f"index file {record['file']} fails its checksum",
-                              store=store_dir, layer=layer)
-    try:
-        header_len = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8:8 + header_len]).get("__metadata__", {})
-    except (ValueError, UnicodeDecodeError):
-        meta = None
-    if not isinstance(meta, dict) or meta.get("layer") != str(layer):
-        raise E.ManifestError(f"index file {record['file']} belongs to layer "
-                              f"{(meta or {}).get('layer')}, not {layer}",
-                              store=store_dir, layer=layer)
+    name = record["file"]
+    kw = dict(store=store_dir, layer=layer)
+    path = os.path.join(store_dir, INDEX_DIR, name)
+    data = read_bounded(path, cap=int(record.get("bytes") or MAX_INDEX_BYTES),
+                        what=f"index file {name}", store=store_dir, layer=layer,
+                        missing=E.ManifestError(f"index file {name} is missing", **kw))
+    if len(data) != record.get("bytes") or xxhash.xxh3_64_hexdigest(data) != record["xxh3"]:
+        raise E.ManifestError(f"index file {name} fails its checksum", **kw)
+    n = _header_meta(data[:8], len(data), name, kw)
+    meta = parse_json(data[8:8 + n], f"index file {name}", **kw)
+    _check_meta(meta.get("__metadata__") if isinstance(meta, dict) else None, name, layer,
+                expect, kw)
     try:
         arrays = load(data)
     except Exception as exc:  # safetensors raises its own error types
-        raise E.ManifestError(f"index file {record['file']} is not readable: {exc}",
-                              store=store_dir, layer=layer) from exc
+        raise E.ManifestError(f"index file {name} is not readable: {exc}", **kw) from None
     missing = set(INDEX_ARRAYS) - set(arrays)
     if missing:
-        raise E.ManifestError(f"index file {record['file']} lacks {sorted(missing)}",
-                              store=store_dir, layer=layer)
+        raise E.ManifestError(f"index file {name} lacks {sorted(missing)}", **kw)
     ndim = {"extent_off": 2, "extent_xxh": 2, "medoid_keys": 2}
     for k, dt in INDEX_ARRAYS.items():
         a = arrays[k]
         if a.dtype != np.dtype(dt) or a.ndim != ndim.get(k, 1):
-            raise E.ManifestError(f"index file {record['file']}: array {k} is "
+            raise E.ManifestError(f"index file {name}: array {k} is "
                                   f"{a.dtype} {a.ndim}-d, expected {np.dtype(dt)} "
-                                  f"{ndim.get(k, 1)}-d", store=store_dir, layer=layer)
+                                  f"{ndim.get(k, 1)}-d", **kw)
     return arrays
 
 

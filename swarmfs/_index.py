@@ -19,6 +19,7 @@ from .layout._place import copy_locations, stripe_counts
 __all__ = ["LayerIndex", "concat_ranges"]
 
 
+@E.boundary
 def concat_ranges(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(lo[i], lo[i] + n[i])`` for all i, vectorised:
     int64 [sum(n)]."""
@@ -46,8 +47,23 @@ class LayerIndex:
     """
 
     def __init__(self, layer: int, arrays: dict, *, num_tokens: int, ndisks: int,
-                 entry_bytes: int, block_size: int, store=None):
+                 entry_bytes: int, block_size: int, store=None, disk_end=None,
+                 free=None):
+        """Check the stored arrays and derive the lookups.
+
+        Args:
+            disk_end: per disk the end of allocated space (bytes); every
+                extent must lie in ``[DATA_START, end)``.
+            free: per disk the manifest's free ranges ``[off, len, gen]``;
+                no extent may overlap one.
+
+        Raises:
+            ManifestError: the arrays are inconsistent with each other or
+                with the disks' allocated space.
+        """
         self.layer = layer
+        self._disk_end = disk_end
+        self._free = free
         self.ndisks = ndisks
         self.entry_bytes = entry_bytes
         self.block_size = block_size
@@ -78,7 +94,7 @@ class LayerIndex:
     def _check_shapes(self) -> None:
         C, N, S = self.num_clusters, self.ndisks, self.num_tokens
         p = self.members_ptr
-        if C < 0 or p[0] != 0 or np.any(np.diff(p) <= 0) or p[-1] != self.members.shape[0]:
+        if C < 0 or p.shape[0] < 2 or p[0] != 0 or np.any(np.diff(p) <= 0) or p[-1] != self.members.shape[0]:
             self._fail("cluster pointers are not increasing or do not cover the members")
         for name, shape in (("medoid", (C,)), ("start_disk", (C,)),
                             ("extent_off", (C, N)), ("extent_xxh", (C, N)),
@@ -95,8 +111,63 @@ class LayerIndex:
             self._fail("an extent is not block aligned")
         if S and np.bincount(self.members, minlength=S).min() == 0:
             self._fail("a token has no stored copy")
+        if self.medoid_keys.shape[1] * 2 != self.entry_bytes:
+            self._fail("medoid_keys rows are not half an entry (K) wide")
+        if C and (self.medoid.min() < 0 or self.medoid.max() >= S):
+            self._fail("a medoid token is outside [0, num_tokens)")
+        if self.hot.size and self.hot.max() > 1:
+            self._fail("hot holds values other than 0/1")
+        if not np.isfinite(self.freq).all() or (self.freq.size and self.freq.min() < 0):
+            self._fail("freq holds negative or non-finite values")
+        if self._disk_end is not None and C:
+            self._check_extents()
+
+    def _check_extents(self) -> None:
+        """Every extent inside its disk's allocated space, outside free space,
+        and no two extents of the layer overlap."""
+        from ._format import DATA_START
+        sizes = np.diff(self.members_ptr)
+        counts = stripe_counts(sizes, self.start_disk, self.ndisks)
+        cc, dd = np.nonzero(counts > 0)
+        bs = np.uint64(self.block_size)
+        off = self.extent_off[cc, dd]
+        ln = (counts[cc, dd].astype(np.uint64) * np.uint64(self.entry_bytes) + bs -
+              np.uint64(1)) // bs * bs
+        end = np.asarray(self._disk_end, dtype=np.uint64)[dd]
+        if np.any(off < np.uint64(DATA_START)) or np.any(off > end) or \
+                np.any(ln > end - np.minimum(off, end)):
+            k = int(np.flatnonzero((off < np.uint64(DATA_START)) | (off > end) |
+                                   (ln > end - np.minimum(off, end)))[0])
+            raise E.ManifestError(f"inconsistent index: extent at offset {int(off[k])} lies "
+                                  "outside the disk's allocated space", store=self.store,
+                                  layer=self.layer, cluster=int(cc[k]), disk=int(dd[k]))
+        # overlaps: sort by (disk, offset); each extent must end before the next
+        key = np.lexsort((off, dd))
+        d_s, o_s, l_s = dd[key], off[key], ln[key]
+        same = d_s[1:] == d_s[:-1]
+        if np.any(same & (o_s[:-1] + l_s[:-1] > o_s[1:])):
+            k = int(key[1:][np.flatnonzero(same & (o_s[:-1] + l_s[:-1] > o_s[1:]))[0]])
+            raise E.ManifestError(f"inconsistent index: two extents overlap at offset "
+                                  f"{int(off[k])}", store=self.store, layer=self.layer,
+                                  cluster=int(cc[k]), disk=int(dd[k]))
+        for d, fr in enumerate(self._free or []):
+            if not fr:
+                continue
+            fo = np.array([r[0] for r in fr], dtype=np.uint64)
+            fe = fo + np.array([r[1] for r in fr], dtype=np.uint64)
+            sel = dd == d
+            o, e = off[sel], off[sel] + ln[sel]
+            j = np.searchsorted(fo, e, side="left") - 1      # last free range starting < e
+            hit = (j >= 0) & (fe[np.maximum(j, 0)] > o)
+            if np.any(hit):
+                k = int(np.flatnonzero(sel)[np.flatnonzero(hit)[0]])
+                raise E.ManifestError(f"inconsistent index: extent at offset {int(off[k])} "
+                                      "lies in space the manifest lists as free",
+                                      store=self.store, layer=self.layer,
+                                      cluster=int(cc[k]), disk=d)
 
     # -- lookups -----------------------------------------------------------
+    @E.boundary
     def check_cluster(self, cid: int) -> int:
         cid = E.as_index(cid, "cluster id", store=self.store, layer=self.layer)
         if not 0 <= cid < self.num_clusters:
@@ -105,6 +176,7 @@ class LayerIndex:
                                     store=self.store, layer=self.layer)
         return cid
 
+    @E.boundary
     def check_tokens(self, tokens) -> np.ndarray:
         t = E.as_int_array(tokens, "token positions", store=self.store, layer=self.layer)
         if t.size and (t.min() < 0 or t.max() >= self.num_tokens):
@@ -113,12 +185,14 @@ class LayerIndex:
                                     store=self.store, layer=self.layer)
         return t
 
+    @E.boundary
     def cluster_copies(self, cids) -> np.ndarray:
         """Copy ids of the given clusters, concatenated in cluster order."""
         cids = np.asarray(cids, dtype=np.int64).reshape(-1)
         lo = self.members_ptr[cids]
         return concat_ranges(lo, self.members_ptr[cids + 1] - lo)
 
+    @E.boundary
     def token_copies(self, tokens) -> np.ndarray:
         """Every copy id of the given tokens (tokens assumed valid)."""
         t = np.asarray(tokens, dtype=np.int64)
@@ -130,6 +204,7 @@ class LayerIndex:
         """Copies per token (M / S)."""
         return self.num_copies / max(self.num_tokens, 1)
 
+    @E.boundary
     def cluster_info(self, cid: int) -> dict:
         """JSON-ready description of one cluster (for ``info.json`` and the CLI)."""
         cid = self.check_cluster(cid)

@@ -18,6 +18,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 
 import numpy as np
 
@@ -28,13 +29,16 @@ from ._engine import (READ, Engine, EngineStats, device_size, gather_rows,
                       xxh3_ranges, xxh3_rows)
 from ._index import LayerIndex
 from ._planner import MAX_REQUEST, Plan, plan_reads
-from ._disks import create_disks, open_disks
-from ._write import append_tokens, as_bytes_rows, chunk_bounds, clusters_csr, write_extents
+from ._disks import create_disks, open_disks, truncate_to, write_commit_records
+from ._write import (append_tokens, as_bytes_rows, chunk_bounds, clusters_csr, free_extents,
+                     place_layer, write_extents)
 from .layout._place import PLACEMENTS, place_clusters
 
 __all__ = ["Store", "StoreStats"]
 
 _POOL_KEEP = 4               # staging buffers kept for reuse
+_OPEN_RETRIES = 8            # opens that race a writer's commits
+_PROBE_LIMIT = 4096          # per-entry probes when locating a failed read
 
 
 #: fields of a layer's manifest record that write_layer sets itself
@@ -117,9 +121,11 @@ class Store:
         self._counter_lock = threading.Lock()
         self._writer_mutex = threading.Lock()
         self._closed = False
+        self.disk_problems: dict = {}
 
     # -- construction --------------------------------------------------------
     @classmethod
+    @E.boundary
     def create(cls, path, *, disks=4, num_layers: int, num_kv_heads: int,
                head_dim: int, dtype: str = "float16", model_name: str | None = None,
                num_query_heads: int | None = None, disk_size: int | None = None,
@@ -152,20 +158,32 @@ class Store:
             DiskFullError: preallocation failed for lack of space.
         """
         path = os.path.abspath(path)
-        if dtype not in F.DTYPES:
+        if not isinstance(dtype, str) or dtype not in F.DTYPES:
             raise E.ShapeError(f"unsupported dtype {dtype!r}; use one of {sorted(F.DTYPES)}")
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-                raise E.ShapeError(f"{name} must be a positive integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or \
+                    not 0 < v <= 1 << 16:
+                raise E.ShapeError(f"{name} must be a positive integer <= 65536, got {v!r}")
         if num_query_heads is not None and (
-                not isinstance(num_query_heads, (int, np.integer)) or num_query_heads <= 0
-                or num_query_heads % num_kv_heads):
+                isinstance(num_query_heads, bool) or
+                not isinstance(num_query_heads, (int, np.integer)) or
+                not 0 < num_query_heads <= 1 << 16 or num_query_heads % num_kv_heads):
             raise E.ShapeError(f"num_query_heads must be a positive multiple of "
                                f"num_kv_heads, got {num_query_heads!r}")
         if 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype] > 1 << 30:
             raise E.ShapeError(f"an entry of 2 x {num_kv_heads} x {head_dim} {dtype} is over "
                                "1 GiB")
+        if model_name is not None and not isinstance(model_name, str):
+            raise E.InvalidArgumentError(f"model_name must be a string, got {model_name!r}")
+        for name, v in (("disk_size", disk_size), ("block_size", block_size)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                                  or v < 0 or v > 1 << 62):
+                raise E.InvalidArgumentError(f"{name} must be a non-negative integer of "
+                                             f"bytes, got {v!r}")
+        if disk_size and disk_size < F.DATA_START:
+            raise E.InvalidArgumentError(f"disk_size {disk_size} is smaller than the "
+                                         f"{F.DATA_START}-byte disk header")
         if isinstance(disks, (bool, str, bytes, os.PathLike)) or not isinstance(
                 disks, (int, np.integer, collections.abc.Iterable)):
             raise E.ShapeError(f"disks must be a number of disk files or a list of paths, "
@@ -210,26 +228,32 @@ class Store:
             disk_paths = [os.path.abspath(str(p)) for p in disks]
             if not 1 <= len(disk_paths) <= 256 or len(set(disk_paths)) != len(disk_paths):
                 raise E.ShapeError("disks must be 1 to 256 distinct paths", store=path)
-        uid, caps, bs = create_disks(path, disk_paths, force=force, disk_size=disk_size,
-                                     block_size=block_size, engine=engine)
         entry_bytes = 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype]
-        manifest = {
-            "format": "swarmfs",
-            "format_version": F.FORMAT_VERSION,
-            "uuid": uid.hex(),
-            "generation": 0,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "model": {"name": model_name, "num_layers": int(num_layers),
-                      "num_kv_heads": int(num_kv_heads), "head_dim": int(head_dim),
-                      "num_query_heads": int(num_query_heads or num_kv_heads),
-                      "dtype": dtype, "entry_bytes": entry_bytes},
-            "block_size": bs,
-            "p_global": 0,
-            "disks": [{"index": i, "path": cls._rel(path, p), "end": F.DATA_START,
-                       "capacity": caps[i]} for i, p in enumerate(disk_paths)],
-            "layers": {},
-            "dram": {"local_window": 256},
-        }
+
+        def make_manifest(uid, caps, bs):
+            return F.seal_manifest({
+                "format": "swarmfs",
+                "format_version": F.FORMAT_VERSION,
+                "uuid": uid.hex(),
+                "generation": 0,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "model": {"name": model_name, "num_layers": int(num_layers),
+                          "num_kv_heads": int(num_kv_heads), "head_dim": int(head_dim),
+                          "num_query_heads": int(num_query_heads or num_kv_heads),
+                          "dtype": dtype, "entry_bytes": entry_bytes},
+                "block_size": bs,
+                "p_global": 0,
+                "disks": [{"index": i, "path": cls._rel(path, p), "end": F.DATA_START,
+                           "capacity": caps[i], "free": []}
+                          for i, p in enumerate(disk_paths)],
+                "layers": {},
+                "dram": {"local_window": 256},
+            })
+
+        manifest = create_disks(path, disk_paths, force=force, disk_size=disk_size,
+                                block_size=block_size, engine=engine,
+                                make_manifest=make_manifest)
+        F.check_manifest(manifest, path)
         F.write_manifest(path, manifest)
         return cls.open(path, engine=engine, queue_depth=queue_depth, verify=verify,
                         writable=True)
@@ -244,10 +268,20 @@ class Store:
         return p if os.path.isabs(p) else os.path.join(self.path, p)
 
     @classmethod
+    @E.boundary
     def open(cls, path, *, engine: str | None = None, queue_depth: int = 128,
              verify: bool = True, writable: bool = False,
-             preload: bool = False) -> "Store":
-        """Open a store and check every disk.
+             preload: bool = False, damaged: bool = False) -> "Store":
+        """Open a store and check every disk against the manifest.
+
+        The manifest is schema-checked; each disk's superblock must carry
+        this store's UUID, its disk index and the model identity (dtype, KV
+        heads, head_dim, entry bytes) the manifest claims; each disk's commit
+        records must hold the manifest's generation and checksum, and none a
+        newer committed generation; each layer's index-file header must
+        agree with the manifest's counts.  An open that races a writer's
+        commit re-reads the manifest and tries again, so it sees one
+        consistent generation.
 
         Args:
             path: store directory.
@@ -259,18 +293,51 @@ class Store:
             preload: load every layer's index now instead of on first use
                 (long-lived readers: a writer deletes index files two
                 generations old, which a lazy reader could still need).
+            damaged: open a damaged store for :meth:`verify`: a disk that is
+                missing, foreign, from another generation or truncated is
+                recorded in ``disk_problems`` instead of refusing the open
+                (reads that touch it fail; ``verify`` reports what is lost).
+                Read-only.
 
         Raises:
-            StoreNotFoundError, ManifestError: no or bad manifest.
+            StoreNotFoundError, ManifestError: no or bad manifest, or one
+                the disks contradict (rolled back, edited).
             DiskMissingError: a disk path is gone.
-            DiskMismatchError: a disk is foreign, swapped or has no superblock.
+            DiskMismatchError: a disk is foreign, swapped, from another
+                generation or has no superblock.
             DiskTruncatedError: a disk is shorter than its committed data.
+            DiskError: a disk path is not a regular file or block device.
         """
         if not isinstance(path, (str, os.PathLike)):
             raise E.StoreNotFoundError(f"a store path must be a string or path, got {path!r}")
+        for name, v in (("verify", verify), ("writable", writable), ("preload", preload),
+                        ("damaged", damaged)):
+            if not isinstance(v, (bool, np.bool_)):
+                raise E.InvalidArgumentError(f"{name} must be True or False, got {v!r}")
+        if damaged and writable:
+            raise E.InvalidArgumentError("a damaged store can only be opened read-only")
         path = os.path.abspath(path)
-        m = F.read_manifest(path)
-        fds = open_disks(path, m, writable=writable)
+        for attempt in range(_OPEN_RETRIES):
+            m = F.read_manifest(path)
+            try:
+                return cls._open_once(path, m, engine=engine, queue_depth=queue_depth,
+                                      verify=verify, writable=writable, preload=preload,
+                                      damaged=damaged)
+            except (E.ManifestError, E.DiskMismatchError):
+                # a writer may have committed between our manifest read and the
+                # disk/index checks: retry on the newer manifest, else report
+                try:
+                    now = F.read_manifest(path)
+                except E.SwarmError:
+                    raise
+                if now.get("checksum") == m.get("checksum") or attempt == _OPEN_RETRIES - 1:
+                    raise
+                time.sleep(0.001 * (attempt + 1))
+
+    @classmethod
+    def _open_once(cls, path, m, *, engine, queue_depth, verify, writable, preload,
+                   damaged):
+        fds, problems = open_disks(path, m, writable=writable, damaged=damaged)
         try:
             store = cls(path, m, fds, engine_kind=engine, queue_depth=queue_depth,
                         verify=verify, writable=writable)
@@ -278,15 +345,19 @@ class Store:
             for fd in fds:
                 os.close(fd)
             raise
-        if preload:
-            try:
+        store.disk_problems = problems
+        try:
+            for layer in store.layers:
+                store._check_index_header(layer)
+            if preload:
                 for layer in store.layers:
                     store.layer(layer)
-            except BaseException:
-                store.close()
-                raise
+        except BaseException:
+            store.close()
+            raise
         return store
 
+    @E.boundary
     def close(self) -> None:
         """Close the engine and the disks."""
         if self._closed:
@@ -333,12 +404,29 @@ class Store:
             raise E.OutOfRangeError("layer holds no data", store=self.path, layer=layer)
         return layer
 
+    def _index_expect(self, layer: int) -> dict:
+        """What a layer's index-file metadata must say (manifest counts and
+        generation; identity as the superblocks pinned it at open)."""
+        rec = self._m["layers"][str(layer)]
+        return dict(uuid=self._m["uuid"], generation=rec["generation"],
+                    num_tokens=rec["num_tokens"], num_clusters=rec["num_clusters"],
+                    num_copies=rec["num_copies"], num_disks=self.num_disks,
+                    dtype=self.dtype, num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim, entry_bytes=self.entry_bytes)
+
+    def _check_index_header(self, layer: int) -> None:
+        F.check_index_header(self.path, layer, self._m["layers"][str(layer)]["index"],
+                             expect=self._index_expect(layer))
+
+    @E.boundary
     def layer(self, layer: int) -> LayerIndex:
         """The :class:`LayerIndex` of a layer (loaded on first use).
 
         Raises:
             OutOfRangeError: the layer does not exist or holds no data.
-            ManifestError: its index file is missing or corrupt.
+            ManifestError: its index file is missing, corrupt or disagrees
+                with the manifest (counts, generation, identity, extents
+                outside the disks' allocated space or inside free space).
         """
         layer = self._check_layer(layer)
         li = self._layers.get(layer)
@@ -348,39 +436,60 @@ class Store:
             li = self._layers.get(layer)
             if li is None:
                 rec = self._m["layers"][str(layer)]
-                if not os.path.exists(os.path.join(self.path, F.INDEX_DIR,
-                                                   rec["index"]["file"])):
-                    raise E.ManifestError(
-                        f"index file {rec['index']['file']} is gone: the store was "
-                        "rewritten since this Store was opened; open it again",
-                        store=self.path, layer=layer)
-                arrays = F.load_index(self.path, layer, rec["index"])
+                name = rec["index"]["file"]
+                if not os.path.lexists(os.path.join(self.path, F.INDEX_DIR, name)):
+                    try:
+                        now = F.read_manifest(self.path)
+                    except E.SwarmError:
+                        now = None
+                    if now is not None and now.get("generation") != self._m["generation"]:
+                        raise E.ManifestError(
+                            f"index file {name} is gone: the store was rewritten (now "
+                            f"generation {now['generation']}) since this Store was opened "
+                            f"at generation {self._m['generation']}; open it again",
+                            store=self.path, layer=layer)
+                    raise E.ManifestError(f"index file {name} is missing (deleted?); the "
+                                          "layer cannot be read", store=self.path,
+                                          layer=layer)
+                arrays = F.load_index(self.path, layer, rec["index"],
+                                      expect=self._index_expect(layer))
                 try:
                     li = LayerIndex(layer, arrays, num_tokens=rec["num_tokens"],
                                     ndisks=self.num_disks, entry_bytes=self.entry_bytes,
-                                    block_size=self.block_size, store=self.path)
-                except (ValueError, IndexError, TypeError) as exc:
+                                    block_size=self.block_size, store=self.path,
+                                    disk_end=[int(d["end"]) for d in self._m["disks"]],
+                                    free=[d.get("free", []) for d in self._m["disks"]])
+                except (ValueError, IndexError, TypeError, OverflowError) as exc:
                     raise E.ManifestError(f"index of the layer is inconsistent: {exc}",
                                           store=self.path, layer=layer) from exc
+                if li.num_clusters != rec["num_clusters"] or \
+                        li.num_copies != rec["num_copies"]:
+                    raise E.ManifestError("index arrays disagree with the manifest's "
+                                          "cluster/copy counts", store=self.path, layer=layer)
                 self._layers[layer] = li
         return li
 
+    @E.boundary
     def layer_info(self, layer: int) -> dict:
         """The manifest record of a layer."""
         return dict(self._m["layers"][str(self._check_layer(layer))])
 
+    @E.boundary
     def num_clusters(self, layer: int) -> int:
         return int(self._m["layers"][str(self._check_layer(layer))]["num_clusters"])
 
+    @E.boundary
     def num_tokens(self, layer: int) -> int:
         return int(self._m["layers"][str(self._check_layer(layer))]["num_tokens"])
 
+    @E.boundary
     def cluster_tokens(self, layer: int, cid: int) -> np.ndarray:
         """Token positions of a cluster's entries, in cluster order: int32 [n]."""
         li = self.layer(layer)
         cid = li.check_cluster(cid)
         return li.members[li.members_ptr[cid]:li.members_ptr[cid + 1]].copy()
 
+    @E.boundary
     def medoid_keys(self, layer: int) -> np.ndarray:
         """K of each cluster's medoid: [C, num_kv_heads, head_dim] store dtype."""
         li = self.layer(layer)
@@ -423,6 +532,7 @@ class Store:
             with self._lock:
                 self._layers.clear()
 
+    @E.boundary
     def write_layer(self, layer: int, kv, clusters, medoids=None, *, hot=None,
                     freq=None, local_window: int | None = None, extra: dict | None = None,
                     placement: str = "eq7") -> None:
@@ -473,6 +583,9 @@ class Store:
             if clash:
                 raise E.ShapeError(f"extra may not set the layer record's own fields {clash} "
                                    "(use the keyword arguments)", store=self.path, layer=layer)
+            if F.json_depth(extra) > 16:
+                raise E.ShapeError("extra is nested deeper than 16 levels", store=self.path,
+                                   layer=layer)
             try:
                 json.dumps(extra)
             except (TypeError, ValueError) as exc:
@@ -527,44 +640,70 @@ class Store:
                                layer=layer)
 
         with self._write_lock():
-            token_xxh = xxh3_rows(rows, self.entry_bytes)
-            half = self.entry_bytes // 2
-            medoid_keys = np.ascontiguousarray(rows[medoids, :half])
-            disk_end = np.array([d["end"] for d in self._m["disks"]], dtype=np.uint64)
-            pl = place_clusters(np.diff(ptr), ndisks=self.num_disks,
-                                entry_bytes=self.entry_bytes, block_size=self.block_size,
-                                disk_end=disk_end, p_global=int(self._m["p_global"]),
-                                policy=placement)
-            self._check_capacity(pl.disk_end, layer)
-            extent_xxh = write_extents(self, rows, ptr, members, pl, layer)
-            for fd in self._fds:
-                os.fdatasync(fd)
-            arrays = dict(members_ptr=ptr, members=members, medoid=medoids,
-                          start_disk=pl.start_disk, extent_off=pl.extent_off,
-                          extent_xxh=extent_xxh, token_xxh=token_xxh,
-                          medoid_keys=medoid_keys, hot=hot, freq=freq)
-            lw = local_window if local_window is not None else self._m["dram"]["local_window"]
-            self._commit_layer(layer, arrays, disk_end=pl.disk_end, p_global=pl.p_global,
-                               record={"local_window": int(lw), **(extra or {})})
+            try:
+                self._write_layer_locked(layer, rows, ptr, members, medoids, hot, freq,
+                                         local_window, extra, placement)
+            except BaseException:
+                self._give_back_space()
+                raise
 
-    def _commit_layer(self, layer: int, arrays: dict, *, disk_end, p_global: int,
+    def _write_layer_locked(self, layer, rows, ptr, members, medoids, hot, freq,
+                            local_window, extra, placement) -> None:
+        token_xxh = xxh3_rows(rows, self.entry_bytes)
+        half = self.entry_bytes // 2
+        medoid_keys = np.ascontiguousarray(rows[medoids, :half])
+        gen = int(self._m["generation"]) + 1
+        pl, disks = place_layer(self, np.diff(ptr), gen, p_global=int(self._m["p_global"]),
+                                policy=placement, layer=layer)
+        extent_xxh = write_extents(self, rows, ptr, members, pl, layer)
+        for fd in self._fds:
+            os.fdatasync(fd)
+        if str(layer) in self._m["layers"]:
+            # the layer's previous extents are no longer referenced
+            try:
+                old = self.layer(layer)
+            except E.SwarmError:
+                old = None           # an unreadable old index: leave its space alone
+            if old is not None:
+                oc, od = np.nonzero(old.counts > 0)
+                disks = free_extents(disks, oc, od, old.extent_off[oc, od],
+                                     old.counts[oc, od] * self.entry_bytes, gen,
+                                     self.block_size)
+        arrays = dict(members_ptr=ptr, members=members, medoid=medoids,
+                      start_disk=pl.start_disk, extent_off=pl.extent_off,
+                      extent_xxh=extent_xxh, token_xxh=token_xxh,
+                      medoid_keys=medoid_keys, hot=hot, freq=freq)
+        lw = local_window if local_window is not None else self._m["dram"]["local_window"]
+        self._commit_layer(layer, arrays, disks=disks, p_global=pl.p_global,
+                           record={"local_window": int(lw), **(extra or {})})
+
+    def _give_back_space(self) -> None:
+        """After a failed write: nothing it wrote is referenced; cut growing
+        file disks back to the committed end (caller holds the write lock)."""
+        truncate_to(self._fds, self._m)
+
+    def _commit_layer(self, layer: int, arrays: dict, *, disks: list, p_global: int,
                       record: dict) -> None:
         """Make a layer's new arrays the committed state: index file (fsync),
-        then the manifest (atomic rename).  Caller holds the write lock and
-        has fdatasync'ed the disks."""
+        prepared commit records on every disk (fdatasync), the manifest
+        (atomic rename), then the records marked committed.  Caller holds
+        the write lock and has fdatasync'ed the data."""
         m = self.manifest
         gen = int(m["generation"]) + 1
+        meta = dict(uuid=m["uuid"], num_disks=self.num_disks, dtype=self.dtype,
+                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    entry_bytes=self.entry_bytes)
         try:
-            rec = F.save_index(self.path, layer, gen, arrays)
+            rec = F.save_index(self.path, layer, gen, arrays, meta=meta)
         except OSError as exc:
             raise _metadata_error(exc, self.path, layer) from exc
+        index_path = os.path.join(self.path, F.INDEX_DIR, rec["file"])
         old = m["layers"].get(str(layer))
         S = int(arrays["token_xxh"].shape[0])
         M = int(arrays["members"].shape[0])
         m["generation"] = gen
         m["p_global"] = int(p_global)
-        for i, d in enumerate(m["disks"]):
-            d["end"] = int(disk_end[i])
+        m["disks"] = [dict(d) for d in disks]
         m["layers"][str(layer)] = {
             **(old or {}), **record,
             "num_tokens": S, "num_clusters": int(arrays["members_ptr"].shape[0] - 1),
@@ -575,25 +714,34 @@ class Store:
         keep = {r["index"]["file"] for r in m["layers"].values()}
         if old is not None:
             keep.add(old["index"]["file"])   # readers of the previous generation
+        m = F.seal_manifest(m)
         try:
             F.check_manifest(m, self.path)      # never commit what open() would refuse
         except E.ManifestError as exc:
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self.path, F.INDEX_DIR, rec["file"]))
+                os.unlink(index_path)
             raise E.ShapeError(f"refusing to commit layer {layer}: {exc}", store=self.path,
                                layer=layer) from None
+        uid = bytes.fromhex(m["uuid"])
         try:
+            write_commit_records(self.engine, self._fds, uid, m, F.PREPARED)
             self._m = F.write_manifest(self.path, m)
-        except OSError as exc:
-            try:
-                os.unlink(os.path.join(self.path, F.INDEX_DIR, rec["file"]))
-            except OSError:
-                pass
-            raise _metadata_error(exc, self.path, layer) from exc
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(index_path)
+            if isinstance(exc, OSError):
+                raise _metadata_error(exc, self.path, layer) from exc
+            raise
         with self._lock:
             self._layers.pop(layer, None)
+        try:
+            write_commit_records(self.engine, self._fds, uid, self._m, F.COMMITTED)
+        except (E.SwarmError, OSError) as exc:   # committed already; only weaker checks
+            warnings.warn(f"generation {gen} is committed but marking it on the disks "
+                          f"failed: {exc}", stacklevel=3)
         F.remove_stale_indexes(self.path, keep)
 
+    @E.boundary
     def append(self, layer: int, kv, joins=None, *, group: int = 64,
                expect_tokens: int | None = None) -> np.ndarray:
         """Append new tokens to a layer (SWARM §6.2, cluster maintenance).
@@ -659,6 +807,7 @@ class Store:
                     self._pool.sort(key=lambda b: b.size)
                     self._pool.pop(0).release()
 
+    @E.boundary
     def plan(self, layer: int, tokens, *, max_gap: int = 0, max_request: int = MAX_REQUEST,
              policy: str = "balanced", dedup: bool = True) -> Plan:
         """Plan reading the entries of ``tokens`` from any of their copies.
@@ -673,10 +822,12 @@ class Store:
         """
         li = self.layer(layer)
         t = li.check_tokens(tokens)
+        self._check_plan_args(max_gap, max_request, policy, dedup)
         copies = li.token_copies(np.unique(t))
         return self.plan_copies(li, copies, key=li.members[copies], max_gap=max_gap,
                                 max_request=max_request, policy=policy, dedup=dedup)
 
+    @E.boundary
     def plan_copies(self, li: LayerIndex, copies: np.ndarray, *, key=None,
                     max_gap: int = 0, max_request: int = MAX_REQUEST,
                     policy: str = "balanced", dedup: bool = True) -> Plan:
@@ -688,6 +839,7 @@ class Store:
                           block_size=self.block_size, max_gap=max_gap,
                           max_request=max_request, policy=policy, dedup=dedup)
 
+    @E.boundary
     def execute(self, li: LayerIndex, plan: Plan, copies: np.ndarray, *,
                 order=None, out: np.ndarray | None = None,
                 verify: bool | None = None, cluster=None) -> np.ndarray:
@@ -714,8 +866,11 @@ class Store:
         Eb = self.entry_bytes
         with self._staging(plan.staging_bytes) as buf:
             if plan.num_requests:
-                self.engine.execute(READ, plan.disk, plan.offset, plan.length, plan.dst,
-                                    buf, layer=li.layer, cluster=cluster, check=False)
+                try:
+                    self.engine.execute(READ, plan.disk, plan.offset, plan.length, plan.dst,
+                                        buf, layer=li.layer, cluster=cluster, check=False)
+                except (E.DiskTruncatedError, E.IOFailedError) as exc:
+                    raise self._locate_damage(li, copies[plan.copy], exc) from exc
             copy_ids = copies[plan.copy]
             if verify and plan.num_entries:
                 bad = verify_rows(buf.array, plan.src, Eb, li.token_xxh[li.members[copy_ids]])
@@ -728,12 +883,83 @@ class Store:
                         + (f" ({bad.size} entries)" if bad.size > 1 else ""),
                         store=self.path, disk=int(li.copy_disk[c]),
                         path=self.disk_paths[int(li.copy_disk[c])], layer=li.layer,
-                        cluster=int(li.copy_cluster[c]))
+                        cluster=int(li.copy_cluster[c]), offset=int(li.copy_off[c]))
             src = plan.src if order is None else plan.src[order]
             rows = gather_rows(buf.array, src, Eb, out)
         self._count(bytes_read=int(plan.staging_bytes), entries_returned=rows.shape[0],
                     bytes_returned=rows.nbytes)
         return rows
+
+    def _disk_size(self, d: int) -> int:
+        try:
+            return device_size(self._fds[d])
+        except OSError:
+            return 0
+
+    def _locate_damage(self, li: LayerIndex, copy_ids: np.ndarray,
+                       exc: E.SwarmError) -> E.SwarmError:
+        """The error of a failed batched read, located: which entry (disk,
+        layer, cluster, token) and the byte offset of the damage itself, not
+        the start of the merged request that failed.  Truncation is found
+        from the disk's size; other failures by re-reading the batch's
+        entries on the failing disk one at a time (error path only)."""
+        d = exc.disk
+        if d is None or not 0 <= d < self.num_disks:
+            return exc
+        Eb, bs = self.entry_bytes, self.block_size
+        on = copy_ids[li.copy_disk[copy_ids] == d]
+        on = on[np.argsort(li.copy_off[on], kind="stable")]
+        kw = dict(store=self.path, disk=d, path=self.disk_paths[d], layer=li.layer)
+        size = self._disk_size(d)
+        past = on[li.copy_off[on] + np.uint64(Eb) > np.uint64(size)]
+        if past.size:
+            c = int(past[0])
+            off = int(li.copy_off[c])
+            return E.DiskTruncatedError(
+                f"disk ends at byte {size} (truncated): the entry of token "
+                f"{int(li.members[c])} at offset {off} needs bytes up to {off + Eb}"
+                + (f"; {past.size} entries of this read lie past the end"
+                   if past.size > 1 else ""),
+                cluster=int(li.copy_cluster[c]), offset=max(off, size), **kw)
+        import mmap
+        for c in on[:_PROBE_LIMIT]:
+            off = int(li.copy_off[c])
+            a, e = off // bs * bs, -(-(off + Eb) // bs) * bs
+            m = mmap.mmap(-1, e - a)
+            try:
+                n = os.preadv(self._fds[d], [m], a)
+                err = None if n == e - a else "short read"
+            except OSError as oe:
+                err, n = oe, None
+            finally:
+                m.close()
+            if err is None:
+                continue
+            what = (f"read of the entry of token {int(li.members[c])} at offset {off} "
+                    "failed: ")
+            if isinstance(err, OSError):
+                return E.IOFailedError(what + (err.strerror or str(err)), errno=err.errno,
+                                       cluster=int(li.copy_cluster[c]), offset=off, **kw)
+            return E.DiskTruncatedError(what + f"the disk ends at byte {a + n}",
+                                        cluster=int(li.copy_cluster[c]),
+                                        offset=max(off, a + n), **kw)
+        return exc
+
+    def _check_plan_args(self, max_gap, max_request, policy, dedup=True) -> None:
+        """Planner options, checked before planning (InvalidArgumentError)."""
+        from ._planner import POLICIES
+        for name, v, lo in (("max_gap", max_gap, 0), ("max_request", max_request,
+                                                       self.block_size)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or \
+                    not lo <= v <= 1 << 30:
+                raise E.InvalidArgumentError(f"{name} must be an integer in [{lo}, 2**30], "
+                                             f"got {v!r}", store=self.path)
+        if not isinstance(policy, str) or policy not in POLICIES:
+            raise E.ConfigError(f"unknown policy {policy!r}; use one of "
+                                         f"{sorted(POLICIES)}", store=self.path)
+        if not isinstance(dedup, (bool, np.bool_)):
+            raise E.InvalidArgumentError(f"dedup must be True or False, got {dedup!r}",
+                                         store=self.path)
 
     def _count(self, **kw) -> None:
         with self._counter_lock:
@@ -753,6 +979,7 @@ class Store:
             return arr
         return to_torch(arr, self.dtype)
 
+    @E.boundary
     def read_cluster(self, layer: int, cid: int, *, torch: bool = False,
                      pinned: bool = False, verify: bool | None = None):
         """Read a whole cluster: at most N requests, one batched submission.
@@ -777,6 +1004,7 @@ class Store:
         self._count(cluster_reads=1)
         return self._rows_to_entries(rows, torch=torch, pinned=pinned)
 
+    @E.boundary
     def read_cluster_range(self, layer: int, cid: int, start: int, length: int,
                            *, verify: bool | None = None) -> bytes:
         """Bytes ``[start, start+length)`` of a cluster file (its entries in
@@ -787,8 +1015,12 @@ class Store:
         length = E.as_index(length, "length", store=self.path, layer=layer, cluster=cid)
         Eb = self.entry_bytes
         n = int(li.sizes[cid])
+        if start < 0 or length < 0:
+            raise E.InvalidArgumentError(f"start and length must be >= 0, got {start} and "
+                                         f"{length}", store=self.path, layer=layer,
+                                         cluster=cid)
         end = min(int(start) + int(length), n * Eb)
-        if start < 0 or start >= end:
+        if start >= end:
             return b""
         j0, j1 = start // Eb, -(-end // Eb)
         copies = li.cluster_copies([cid])[j0:j1]
@@ -799,6 +1031,7 @@ class Store:
         a = start - j0 * Eb
         return rows.reshape(-1)[a:a + (end - start)].tobytes()
 
+    @E.boundary
     def read_entries(self, layer: int, tokens, *, torch: bool = False,
                      pinned: bool = False, verify: bool | None = None,
                      policy: str = "balanced", max_gap: int = 0):
@@ -820,6 +1053,7 @@ class Store:
         """
         li = self.layer(layer)
         t = li.check_tokens(tokens)
+        self._check_plan_args(max_gap, MAX_REQUEST, policy)
         copies = li.token_copies(np.unique(t))
         plan = plan_reads(li.members[copies], li.copy_disk[copies], li.copy_off[copies],
                           ndisks=self.num_disks, entry_bytes=self.entry_bytes,
@@ -830,53 +1064,175 @@ class Store:
         return self._rows_to_entries(rows, torch=torch, pinned=pinned)
 
     # -- verification -----------------------------------------------------------
+    @E.boundary
     def verify(self, *, layers=None, progress=None, max_batch: int = 64 << 20) -> list[dict]:
-        """Read every extent and check its XXH3-64.
+        """Read every extent and check its XXH3-64; locate every damaged entry.
+
+        Every damaged extent is reported, whatever else failed in the same
+        batch: a batch whose read fails is re-read extent by extent, extents
+        past a disk's end or on a disk that could not be opened (see
+        ``Store.open(damaged=True)``) are reported without reading, and a
+        mismatching extent is checked entry by entry (per-entry XXH3-64).
 
         Args:
             layers: layers to check (default all).
             progress: optional callable(bytes_done) for progress bars.
-            max_batch: bytes per batched submission.
+            max_batch: bytes per batched submission (>= the block size).
 
         Returns:
-            A list of failures, each ``{"layer", "cluster", "disk", "path",
-            "offset", "error"}``; empty when the store is intact.
+            A list of failures, one per damaged extent (or unreadable layer
+            index), each a dict: ``layer``, ``cluster``, ``disk``, ``path``,
+            ``offset`` (byte offset of the damage itself: the first damaged
+            entry, or the disk's end), ``extent_offset``, ``error``,
+            ``entries`` (damaged entries in the extent), ``tokens`` (their
+            token positions) and ``lost`` (those of them with no intact
+            replica anywhere in the layer).  Empty when the store is intact.
+
+        Raises:
+            InvalidArgumentError: bad ``layers`` or ``max_batch``.
+            OutOfRangeError: a layer that holds no data.
         """
+        if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or \
+                max_batch < self.block_size:
+            raise E.InvalidArgumentError(f"max_batch must be an integer >= the block size "
+                                         f"{self.block_size}, got {max_batch!r}",
+                                         store=self.path)
+        if progress is not None and not callable(progress):
+            raise E.InvalidArgumentError("progress must be callable", store=self.path)
+        todo = self.layers if layers is None else [self._check_layer(x) for x in layers]
         failures = []
-        Eb = self.entry_bytes
-        for layer in (self.layers if layers is None else layers):
-            li = self.layer(layer)
-            cc, dd = np.nonzero(li.counts > 0)
-            nbytes = li.counts[cc, dd].astype(np.uint64) * np.uint64(Eb)
-            alen = (nbytes + np.uint64(self.block_size - 1)) // np.uint64(self.block_size) \
-                * np.uint64(self.block_size)
-            cuts = chunk_bounds(alen, max_batch)
-            for a, b in zip(cuts[:-1], cuts[1:]):
-                sl = slice(int(a), int(b))
-                lens = alen[sl]
-                dst = np.zeros(lens.shape[0], dtype=np.uint64)
-                np.cumsum(lens[:-1], out=dst[1:])
-                offs = li.extent_off[cc[sl], dd[sl]]
-                with self._staging(int(lens.sum())) as buf:
-                    try:
-                        self.engine.execute(READ, dd[sl], offs, lens, dst, buf, layer=layer)
-                    except E.SwarmError as exc:
-                        failures.append({"layer": layer, "cluster": None, "disk": exc.disk,
-                                         "path": exc.path, "offset": None,
-                                         "error": exc.message})
-                        continue
-                    got = xxh3_ranges(buf.array, dst, nbytes[sl])
-                bad = np.flatnonzero(got != li.extent_xxh[cc[sl], dd[sl]])
-                for k in bad[:1000]:
-                    d = int(dd[sl][k])
-                    failures.append({"layer": layer, "cluster": int(cc[sl][k]), "disk": d,
-                                     "path": self.disk_paths[d], "offset": int(offs[k]),
-                                     "error": "extent checksum mismatch"})
-                self._count(checksum_failures=int(bad.size))
-                if progress is not None:
-                    progress(int(lens.sum()))
+        sizes = np.array([self._disk_size(d) for d in range(self.num_disks)], np.uint64)
+        gone = np.zeros(self.num_disks, bool)
+        for d, exc in self.disk_problems.items():
+            gone[d] = not isinstance(exc, (E.DiskTruncatedError, E.DiskMismatchError))
+        for layer in todo:
+            try:
+                li = self.layer(layer)
+            except E.SwarmError as exc:
+                failures.append(dict(layer=layer, cluster=None, disk=exc.disk,
+                                     path=exc.path, offset=None, extent_offset=None,
+                                     error=f"layer index unusable: {exc.message}",
+                                     entries=None, tokens=[], lost=[]))
+                continue
+            failures += self._verify_layer(li, sizes, gone, max_batch, progress)
         return failures
 
+    def _verify_layer(self, li: LayerIndex, sizes, gone, max_batch, progress) -> list:
+        Eb, bs = self.entry_bytes, np.uint64(self.block_size)
+        cc, dd = np.nonzero(li.counts > 0)
+        nbytes = li.counts[cc, dd].astype(np.uint64) * np.uint64(Eb)
+        alen = (nbytes + bs - np.uint64(1)) // bs * bs
+        offs = li.extent_off[cc, dd]
+        # (extent k) -> error text and damage offset; entries damaged per extent
+        errors: dict[int, tuple[str, int]] = {}
+        bad_entries: dict[int, np.ndarray] = {}
+        past = offs + nbytes > sizes[dd]
+        for k in np.flatnonzero(gone[dd]):
+            errors[int(k)] = (f"disk unavailable: {self.disk_problems[int(dd[k])].message}",
+                              int(offs[k]))
+        for k in np.flatnonzero(past & ~gone[dd]):
+            k, size = int(k), int(sizes[dd[k]])
+            cp = self._extent_copies(li, int(cc[k]), int(dd[k]))
+            inside = cp[li.copy_off[cp] + np.uint64(Eb) <= np.uint64(size)]
+            bad = np.setdiff1d(cp, inside[~self._bad_entries(li, inside)])
+            bad_entries[k] = bad[np.argsort(li.copy_off[bad], kind="stable")]
+            errors[k] = (f"{bad.size} of {cp.size} entries lie past the end of the disk "
+                         f"or fail their checksums (disk is {size} bytes: truncated)",
+                         _damage_offset(int(li.copy_off[bad_entries[k][0]]), Eb, size))
+        readable = np.flatnonzero(~past & ~gone[dd])
+        cuts = chunk_bounds(alen[readable], max_batch)
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            ks = readable[int(a):int(b)]
+            lens = alen[ks]
+            dst = np.zeros(ks.shape[0], dtype=np.uint64)
+            np.cumsum(lens[:-1], out=dst[1:])
+            with self._staging(int(lens.sum())) as buf:
+                try:
+                    self.engine.execute(READ, dd[ks], offs[ks], lens, dst, buf,
+                                        layer=li.layer)
+                    ok = np.ones(ks.shape[0], bool)
+                except E.SwarmError:
+                    ok = self._reread_each(li, ks, cc, dd, offs, lens, dst, buf, errors)
+                got = xxh3_ranges(buf.array, dst, nbytes[ks])
+                mism = np.flatnonzero(ok & (got != li.extent_xxh[cc[ks], dd[ks]]))
+                for j in mism:
+                    k = int(ks[j])
+                    cp = self._extent_copies(li, int(cc[k]), int(dd[k]))
+                    src = dst[j] + (li.copy_off[cp] - offs[k])
+                    eh = xxh3_ranges(buf.array, src, np.full(cp.shape[0], Eb, np.uint64))
+                    badc = cp[eh != li.token_xxh[li.members[cp]]]
+                    if badc.size:
+                        bad_entries[k] = badc
+                        errors[k] = (f"{badc.size} of {cp.size} entries fail their checksums",
+                                     int(li.copy_off[badc[0]]))
+                    else:
+                        errors[k] = ("extent checksum mismatch, but every entry matches its "
+                                     "own checksum (the stored extent checksum is wrong)",
+                                     int(offs[k]))
+            if progress is not None:
+                progress(int(lens.sum()))
+        self._count(checksum_failures=len(errors))
+        # entries damaged per extent, and tokens with no intact copy left
+        bad_copy = np.zeros(li.num_copies, bool)
+        for k in errors:
+            if k not in bad_entries:
+                bad_entries[k] = self._extent_copies(li, int(cc[k]), int(dd[k]))
+            bad_copy[bad_entries[k]] = True
+        intact = np.bincount(li.members[~bad_copy], minlength=li.num_tokens)
+        out = []
+        for k in sorted(errors, key=lambda k: (int(cc[k]), int(dd[k]))):
+            d = int(dd[k])
+            toks = np.unique(li.members[bad_entries[k]])
+            out.append(dict(layer=li.layer, cluster=int(cc[k]), disk=d,
+                            path=self.disk_paths[d], offset=errors[k][1],
+                            extent_offset=int(offs[k]), error=errors[k][0],
+                            entries=int(bad_entries[k].size), tokens=toks.tolist(),
+                            lost=toks[intact[toks] == 0].tolist()))
+        return out
+
+    def _reread_each(self, li, ks, cc, dd, offs, lens, dst, buf, errors) -> np.ndarray:
+        """A failed batch, read again one extent at a time (error path):
+        returns which extents read; failures go to ``errors``."""
+        ok = np.zeros(ks.shape[0], bool)
+        for j, k in enumerate(ks):
+            try:
+                self.engine.execute(READ, dd[k:k + 1], offs[k:k + 1], lens[j:j + 1],
+                                    dst[j:j + 1], buf)
+                ok[j] = True
+            except E.SwarmError as exc:
+                exc = self._locate_damage(
+                    li, self._extent_copies(li, int(cc[k]), int(dd[k])), exc)
+                errors[int(k)] = (f"read failed: {exc.message}",
+                                  exc.offset if exc.offset is not None else int(offs[k]))
+        return ok
+
+    def _bad_entries(self, li: LayerIndex, cp: np.ndarray) -> np.ndarray:
+        """Entry-by-entry check of copies ``cp`` (error path: one batched
+        read of their blocks); returns a bool mask of the damaged ones."""
+        if not cp.size:
+            return np.zeros(0, bool)
+        Eb, bs = self.entry_bytes, self.block_size
+        off = li.copy_off[cp].astype(np.int64)
+        a = off // bs * bs
+        ln = -(-(off + Eb) // bs) * bs - a
+        dst = np.zeros(cp.shape[0], np.uint64)
+        np.cumsum(ln[:-1], out=dst[1:])
+        with self._staging(int(ln.sum())) as buf:
+            try:
+                self.engine.execute(READ, li.copy_disk[cp], a.astype(np.uint64), ln, dst, buf,
+                                    layer=li.layer)
+            except E.SwarmError:
+                return np.ones(cp.shape[0], bool)
+            eh = xxh3_ranges(buf.array, dst + (off - a).astype(np.uint64),
+                             np.full(cp.shape[0], Eb, np.uint64))
+        return eh != li.token_xxh[li.members[cp]]
+
+    @staticmethod
+    def _extent_copies(li: LayerIndex, c: int, d: int) -> np.ndarray:
+        cp = li.cluster_copies([c])
+        return cp[li.copy_disk[cp] == d]
+
+    @E.boundary
     def stats(self) -> StoreStats:
         """Counters since open, as a :class:`StoreStats`."""
         with self._counter_lock:
@@ -884,6 +1240,7 @@ class Store:
         return StoreStats(engine=self.engine.stats(), verify_checksums=self.verify_checksums,
                           **counters)
 
+    @E.boundary
     def info(self) -> dict:
         """JSON-ready summary: disks, sizes, layers, clusters, replication, engine."""
         m = self._m
@@ -913,6 +1270,12 @@ class Store:
             "kv_bytes": copies * self.entry_bytes,
             "layers": layers,
         }
+
+
+def _damage_offset(off: int, entry_bytes: int, disk_size: int) -> int:
+    """First damaged byte of an entry at ``off``: inside the disk, the entry
+    itself (a checksum failure); cut by the disk's end, the end."""
+    return off if off + entry_bytes <= disk_size else max(off, disk_size)
 
 
 def _metadata_error(exc: OSError, store, layer) -> E.SwarmError:

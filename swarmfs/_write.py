@@ -12,15 +12,126 @@ from ._engine import WRITE, scatter_rows, xxh3_ranges, xxh3_rows
 from ._index import concat_ranges
 from .layout._place import copy_locations, place_clusters
 
-__all__ = ["as_bytes_rows", "clusters_csr", "write_extents", "chunk_bounds", "append_tokens"]
+__all__ = ["as_bytes_rows", "clusters_csr", "write_extents", "chunk_bounds", "append_tokens",
+           "allocate", "free_extents", "check_finite"]
+
+#: a range freed by commit f is reused from commit f + REUSE_AFTER on: the
+#: committed manifest (f + 1 onwards) and the previous one, whose index files
+#: are kept for readers, never reference it
+REUSE_AFTER = 2
+
+_EXP_MASK = {2: (np.uint16, 0x7C00), 4: (np.uint32, 0x7F800000)}
+
+
+def check_finite(rows: np.ndarray, dtype_name: str, entry_shape: tuple, *, layer=None,
+                 store=None, first_token: int = 0) -> None:
+    """Refuse NaN or infinite K/V values (one NaN key would poison every
+    medoid score).  Works on the raw bytes: an all-ones exponent field.
+
+    Raises:
+        ShapeError: naming the layer, the first bad token, K or V, and the
+            KV head.
+    """
+    if dtype_name == "bfloat16":
+        ut, mask = np.uint16, 0x7F80
+    else:
+        ut, mask = _EXP_MASK[F.DTYPES[dtype_name]]
+    bits = rows.view(ut)
+    bad = (bits & ut(mask)) == ut(mask)
+    if not bad.any():
+        return
+    r, c = np.argwhere(bad)[0]
+    per = bits.shape[1] // 2
+    kv = "K" if c < per else "V"
+    head = (c % per) // entry_shape[2]
+    raise E.ShapeError(f"{kv} of token {first_token + int(r)} (KV head {int(head)}) is NaN "
+                       f"or infinite; refusing to store non-finite values "
+                       f"({int(bad.any(axis=1).sum())} token(s) affected)",
+                       store=store, layer=layer)
+
+
+def _reusable(r, gen: int) -> bool:
+    return r[2] + REUSE_AFTER <= gen
+
+
+def allocate(disks: list, seg: np.ndarray, gen: int) -> tuple[np.ndarray, list]:
+    """Where each disk's contiguous segment of ``seg[d]`` bytes goes: the
+    smallest reusable free range that holds it (best fit), else the disk's
+    end.  Only space no committed manifest references is handed out.
+
+    Args:
+        disks: the manifest's disk records (``end``, ``free``).
+        seg: uint64 [N] bytes needed per disk (block aligned).
+        gen: the generation being written.
+
+    Returns:
+        (uint64 [N] base offset per disk, new disk records with ``end`` and
+        ``free`` updated; the caller's are not changed).
+    """
+    base = np.zeros(len(disks), dtype=np.uint64)
+    out = []
+    for d, rec in enumerate(disks):
+        free = [list(r) for r in rec.get("free", [])]
+        end = int(rec["end"])
+        need = int(seg[d])
+        fit = [k for k, r in enumerate(free) if _reusable(r, gen) and r[1] >= need] \
+            if need else []
+        if fit:
+            k = min(fit, key=lambda k: free[k][1])
+            base[d] = free[k][0]
+            if free[k][1] == need:
+                free.pop(k)
+            else:
+                free[k] = [free[k][0] + need, free[k][1] - need, free[k][2]]
+        else:
+            base[d] = end
+            end += need
+        out.append({**rec, "end": end, "free": free})
+    return base, out
+
+
+def free_extents(disks: list, cc, dd, off, nbytes, gen: int, block_size: int) -> list:
+    """Add extents (disk ``dd``, offset ``off``, ``nbytes`` of entries) that
+    commit ``gen`` stops referencing to the disks' free lists (sorted,
+    adjacent ranges merged), and give back reusable space at a disk's end.
+    Returns new disk records."""
+    bs = int(block_size)
+    out = []
+    for d, rec in enumerate(disks):
+        sel = np.flatnonzero(np.asarray(dd) == d)
+        free = [list(r) for r in rec.get("free", [])]
+        for k in sel:
+            ln = -(-int(nbytes[k]) // bs) * bs
+            if ln:
+                free.append([int(off[k]), ln, int(gen)])
+        free.sort()
+        merged = []
+        for r in free:
+            if merged and merged[-1][0] + merged[-1][1] >= r[0]:
+                last = merged[-1]
+                last[1] = max(last[0] + last[1], r[0] + r[1]) - last[0]
+                last[2] = max(last[2], r[2])
+            else:
+                merged.append(r)
+        end = int(rec["end"])
+        while merged and merged[-1][0] + merged[-1][1] >= end and \
+                _reusable(merged[-1], gen):
+            end = merged.pop()[0]
+        out.append({**rec, "end": end, "free": merged})
+    return out
 
 WRITE_CHUNK = 64 << 20      # bytes of staged layer data per write batch
 WRITE_REQUEST = 1 << 20     # bytes per write request
 
 
 def as_bytes_rows(kv, entry_shape: tuple, dtype_name: str, *, layer=None,
-                   store=None) -> np.ndarray:
-    """KV array [S, 2, H, d] (numpy or torch) -> uint8 [S, entry_bytes] view."""
+                   store=None, first_token: int = 0) -> np.ndarray:
+    """KV array [S, 2, H, d] (numpy or torch) -> uint8 [S, entry_bytes] view.
+
+    Raises:
+        ShapeError: wrong dtype or shape, no tokens, or a NaN/inf value
+            (naming the token, counted from ``first_token``).
+    """
     want = F.numpy_dtype(dtype_name)
     if hasattr(kv, "detach"):  # torch
         import torch
@@ -32,7 +143,11 @@ def as_bytes_rows(kv, entry_shape: tuple, dtype_name: str, *, layer=None,
         shape = tuple(kv.shape)
         arr = kv.detach().cpu().contiguous().view(torch.uint8).numpy()
     else:
-        arr = np.asarray(kv)
+        try:
+            arr = np.asarray(kv)
+        except (ValueError, TypeError) as exc:
+            raise E.ShapeError(f"KV is not an array: {exc}", store=store,
+                               layer=layer) from None
         if arr.dtype != want:
             raise E.ShapeError(f"KV dtype {arr.dtype} does not match the store dtype "
                                f"{dtype_name}", store=store, layer=layer)
@@ -43,7 +158,10 @@ def as_bytes_rows(kv, entry_shape: tuple, dtype_name: str, *, layer=None,
                            store=store, layer=layer)
     if shape[0] == 0:
         raise E.ShapeError("KV array has no tokens", store=store, layer=layer)
-    return arr.reshape(shape[0], -1).view(np.uint8)
+    rows = arr.reshape(shape[0], -1).view(np.uint8)
+    check_finite(rows, dtype_name, entry_shape, layer=layer, store=store,
+                 first_token=first_token)
+    return rows
 
 
 def clusters_csr(clusters, *, layer=None, store=None) -> tuple[np.ndarray, np.ndarray]:
@@ -82,6 +200,25 @@ def chunk_bounds(sizes: np.ndarray, limit: int) -> np.ndarray:
     cuts = np.flatnonzero(np.diff(group)) + 1
     return np.concatenate([[0], cuts, [n]]).astype(np.int64)
 
+
+
+def place_layer(store, sizes, gen: int, *, p_global: int, start=None, policy="eq7",
+                layer=None):
+    """Eq. 7 placement of clusters of ``sizes`` entries, each disk's share in
+    one contiguous segment taken from reusable free space or the disk's
+    end; checks capacity.  Returns (Placement, new disk records).
+
+    Raises:
+        DiskFullError: a disk's capacity would be exceeded (nothing written).
+    """
+    N = store.num_disks
+    kw = dict(ndisks=N, entry_bytes=store.entry_bytes, block_size=store.block_size,
+              p_global=p_global, policy=policy, start=start)
+    pl0 = place_clusters(sizes, disk_end=np.zeros(N, np.uint64), **kw)
+    base, disks = allocate(store._m["disks"], pl0.disk_end, gen)
+    pl = place_clusters(sizes, disk_end=base, **kw)
+    store._check_capacity([d["end"] for d in disks], layer)
+    return pl, disks
 
 
 def write_extents(store, rows, ptr, members, pl, layer) -> np.ndarray:
@@ -133,9 +270,19 @@ def append_tokens(store, layer: int, kv, joins, *, group: int,
     """The work of :meth:`Store.append` (see there): new cluster table, rows of
     the clusters that grow (read back, verified) and of the new entries,
     copy-on-write extents keeping each cluster's start disk, one commit."""
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
+        raise E.InvalidArgumentError(f"group must be an integer >= 1, got {group!r}",
+                                     store=store.path, layer=layer)
+    if expect_tokens is not None:
+        expect_tokens = E.as_index(expect_tokens, "expect_tokens", store=store.path,
+                                   layer=layer)
     with store._write_lock():       # the whole append sees one committed state
-        return _append_locked(store, layer, kv, joins, group=group,
-                              expect_tokens=expect_tokens)
+        try:
+            return _append_locked(store, layer, kv, joins, group=int(group),
+                                  expect_tokens=expect_tokens)
+        except BaseException:
+            store._give_back_space()
+            raise
 
 
 def _append_locked(store, layer: int, kv, joins, *, group: int,
@@ -147,7 +294,8 @@ def _append_locked(store, layer: int, kv, joins, *, group: int,
         raise E.SwarmError(
             f"layer holds {li.num_tokens} tokens, expected {expect_tokens}: another writer "
             "appended since this one read it", store=self.path, layer=layer)
-    rows_new = as_bytes_rows(kv, self.entry_shape, self.dtype, layer=layer, store=self.path)
+    rows_new = as_bytes_rows(kv, self.entry_shape, self.dtype, layer=layer, store=self.path,
+                             first_token=li.num_tokens)
     n = rows_new.shape[0]
     S, C = li.num_tokens, li.num_clusters
     if joins is None:
@@ -205,21 +353,24 @@ def _append_locked(store, layer: int, kv, joins, *, group: int,
     w_sizes = sizes[write]
     w_ptr = np.zeros(write.shape[0] + 1, np.int64)
     np.cumsum(w_sizes, out=w_ptr[1:])
-    disk_end = np.array([d["end"] for d in self._m["disks"]], dtype=np.uint64)
     p0 = int(self._m["p_global"])
     start = np.concatenate([li.start_disk[grow],
                             place_clusters(sizes[C:], ndisks=self.num_disks,
                                            entry_bytes=self.entry_bytes,
                                            block_size=self.block_size,
-                                           disk_end=disk_end, p_global=p0).start_disk])
+                                           disk_end=np.zeros(self.num_disks, np.uint64),
+                                           p_global=p0).start_disk])
     p_new = p0 + int(sizes[C:].sum())
-    pl = place_clusters(w_sizes, ndisks=self.num_disks, entry_bytes=self.entry_bytes,
-                        block_size=self.block_size, disk_end=disk_end, p_global=p0,
-                        start=start)
-    self._check_capacity(pl.disk_end, layer)
+    gen = int(self._m["generation"]) + 1
+    pl, disks = place_layer(self, w_sizes, gen, p_global=p0, start=start, layer=layer)
     xxh = write_extents(self, rows, w_ptr, local, pl, layer)
     for fd in self._fds:
         os.fdatasync(fd)
+    # the growing clusters' old extents are no longer referenced
+    cnt = li.counts[grow]
+    gc, gd = np.nonzero(cnt > 0)
+    disks = free_extents(disks, grow[gc], gd, li.extent_off[grow[gc], gd],
+                         cnt[gc, gd] * self.entry_bytes, gen, self.block_size)
     N = self.num_disks
     extent_off = np.concatenate([li.extent_off, np.zeros((k_new, N), np.uint64)])
     extent_xxh = np.concatenate([li.extent_xxh, np.zeros((k_new, N), np.uint64)])
@@ -236,6 +387,5 @@ def _append_locked(store, layer: int, kv, joins, *, group: int,
         medoid_keys=np.concatenate([li.medoid_keys, new_keys]),
         hot=np.concatenate([li.hot, np.zeros(k_new, np.uint8)]),
         freq=np.concatenate([li.freq, np.zeros(k_new, np.float32)]))
-    self._commit_layer(layer, arrays, disk_end=pl.disk_end, p_global=p_new,
-                       record={})
+    self._commit_layer(layer, arrays, disks=disks, p_global=p_new, record={})
     return np.arange(S, S + n, dtype=np.int64)
