@@ -349,6 +349,7 @@ class Store:
         try:
             for layer in store.layers:
                 store._check_index_header(layer)
+            F.check_orphan_indexes(path, m)
             if preload:
                 for layer in store.layers:
                     store.layer(layer)
@@ -693,6 +694,7 @@ class Store:
         meta = dict(uuid=m["uuid"], num_disks=self.num_disks, dtype=self.dtype,
                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                     entry_bytes=self.entry_bytes)
+        F.remove_uncommitted_indexes(self.path, gen)
         try:
             rec = F.save_index(self.path, layer, gen, arrays, meta=meta)
         except OSError as exc:
