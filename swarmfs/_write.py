@@ -104,13 +104,13 @@ def free_extents(disks: list, cc, dd, off, nbytes, gen: int, block_size: int) ->
             ln = -(-int(nbytes[k]) // bs) * bs
             if ln:
                 free.append([int(off[k]), ln, int(gen)])
-        free.sort()
+        # reusable ranges lose their generation (0), so they merge with each
+        # other; a range still in quarantine merges only with its own kind
+        free = sorted([r[0], r[1], 0 if _reusable(r, gen) else r[2]] for r in free)
         merged = []
         for r in free:
-            if merged and merged[-1][0] + merged[-1][1] >= r[0]:
-                last = merged[-1]
-                last[1] = max(last[0] + last[1], r[0] + r[1]) - last[0]
-                last[2] = max(last[2], r[2])
+            if merged and merged[-1][0] + merged[-1][1] == r[0] and merged[-1][2] == r[2]:
+                merged[-1][1] += r[1]
             else:
                 merged.append(r)
         end = int(rec["end"])

@@ -234,8 +234,18 @@ def _rewrite_commits(store: str, m: dict, paths: list[str]) -> None:
                 for s in (0, 1):
                     f.seek(F.COMMIT_OFF + s * F.COMMIT_SIZE)
                     f.write(rec)
-        except OSError:
+        except (OSError, ValueError, TypeError):
             pass
+
+
+def reseal_manifest(store: str, m: dict, *, deep: bool = False) -> None:
+    """Write manifest ``m`` with a valid checksum (someone edited it and
+    recomputed it); ``deep`` also rewrites the disks' commit records to
+    match (what a buggy writer would leave)."""
+    paths = _disk_paths(store, _raw_manifest(store))      # where the disks really are
+    _write_manifest_raw(store, m, seal=True)
+    if deep:
+        _rewrite_commits(store, m, paths)
 
 
 def _flip(data: bytearray, rng: random.Random, n: int | None = None) -> str:
