@@ -547,8 +547,8 @@ def index_name(layer: int, generation: int) -> str:
 
 #: index-file metadata keys checked against the manifest and superblocks
 INDEX_META = ("format", "format_version", "uuid", "layer", "generation", "num_tokens",
-              "num_clusters", "num_copies", "num_disks", "dtype", "num_kv_heads",
-              "head_dim", "entry_bytes")
+              "num_clusters", "num_copies", "hot_clusters", "num_disks", "dtype",
+              "num_kv_heads", "head_dim", "entry_bytes")
 
 
 def save_index(store_dir: str, layer: int, generation: int, arrays: dict, *,
@@ -567,7 +567,8 @@ def save_index(store_dir: str, layer: int, generation: int, arrays: dict, *,
           "layer": str(layer), "generation": str(generation),
           "num_tokens": str(out["token_xxh"].shape[0]),
           "num_clusters": str(out["members_ptr"].shape[0] - 1),
-          "num_copies": str(out["members"].shape[0])}
+          "num_copies": str(out["members"].shape[0]),
+          "hot_clusters": str(int(out["hot"].astype(np.int64).sum()))}
     md.update({k: str(meta[k]) for k in ("uuid", "num_disks", "dtype", "num_kv_heads",
                                           "head_dim", "entry_bytes")})
     data = save(out, metadata=md)
