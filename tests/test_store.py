@@ -709,11 +709,18 @@ def test_preload_open_while_a_writer_appends_sees_one_generation(tmp_path, rng):
     stop = threading.Event()
     errors = []
 
+    appends = []
+
     def writer():
         k = 0
-        while not stop.is_set():
-            s.append(0, kvs[0][k % 300:k % 300 + 2], [[k % 40], []])
-            k += 1
+        try:
+            while not stop.is_set():
+                i = (k % 150) * 2
+                s.append(0, kvs[0][i:i + 2], [[k % 40], []])
+                k += 1
+                appends.append(k)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion
+            errors.append(exc)
     t = threading.Thread(target=writer)
     t.start()
     opens = 0
@@ -732,7 +739,7 @@ def test_preload_open_while_a_writer_appends_sees_one_generation(tmp_path, rng):
         stop.set()
         t.join()
     s.close()
-    assert opens >= 20 and errors == [], errors[:3]
+    assert opens >= 20 and len(appends) >= 20 and errors == [], errors[:3]
 
 
 def test_deleted_index_file_on_a_fresh_open_says_missing(tmp_path, rng):
