@@ -33,7 +33,7 @@ from ._disks import (ReaderLease, create_disks, open_disks, truncate_to,
                      write_commit_records)
 from ._write import (append_tokens, as_bytes_rows, chunk_bounds, clusters_csr, free_extents,
                      place_layer, write_extents)
-from .layout._place import PLACEMENTS, place_clusters
+from .layout._place import PLACEMENTS
 
 __all__ = ["Store", "StoreStats"]
 

@@ -158,7 +158,7 @@ def test_out_to_a_device_names_the_path(store):
     assert p.returncode == 2 and "/dev/full" in p.stderr and "not a regular file" in p.stderr
 
 
-def test_out_on_a_full_disk_names_the_path(store, monkeypatch, tmp_path):
+def test_out_on_a_full_disk_names_the_path(store, tmp_path):
     """ENOSPC while writing --out (injected): a DiskFullError naming the file."""
     path, _, _ = store
     out = str(tmp_path / "x.npy")
@@ -176,7 +176,6 @@ def test_out_on_a_full_disk_names_the_path(store, monkeypatch, tmp_path):
 def test_verify_lists_disk_problems_and_lost_tokens(store):
     path, kv, cl = store
     s = Store.open(path)
-    li = s.layer(1)
     p0 = s.disk_paths[0]
     s.close()
     os.truncate(p0, os.path.getsize(p0) - 2048)
@@ -186,4 +185,3 @@ def test_verify_lists_disk_problems_and_lost_tokens(store):
     lines = [x for x in p.stdout.splitlines() if x.startswith("BAD")]
     assert lines and all("disk 0" in x and "offset" in x and "lost" in x for x in lines)
     assert "token(s) lost" in p.stderr
-    del li

@@ -76,11 +76,11 @@ def test_damaged_open_substitutes_missing_disks(tmp_path, rng):
         assert set(s.disk_problems) == {2}
         assert isinstance(s.disk_problems[2], E.DiskMissingError)
         bad = s.verify()
-    li_counts = None
+        on_disk2 = int(s.layer(0).counts[:, 2].sum())
     with pytest.raises(E.DiskMissingError):
         Store.open(path)
     assert bad and all(f["disk"] == 2 and "unavailable" in f["error"] for f in bad)
-    del li_counts
+    assert sum(f["entries"] for f in bad) == on_disk2
 
 
 def test_a_failed_write_gives_its_space_back(tmp_path, rng, monkeypatch):

@@ -3,7 +3,6 @@ commit records and generations (issue 9, items 2-4)."""
 
 import json
 import os
-import resource
 import shutil
 import struct
 import subprocess
