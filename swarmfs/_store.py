@@ -76,7 +76,19 @@ class Store:
     """A KV-cache store: clusters of KV entries striped over several disks.
 
     Open with :meth:`open` or create with :meth:`create`; do not call the
-    constructor.  A Store is safe to read from several threads.
+    constructor.
+
+    Concurrency: a Store is safe to read from several threads.  Writes
+    (``write_layer``, ``append``) serialise across the Store's threads and
+    across processes (a second writing process gets a SwarmError).  Other
+    Stores (threads, processes, the mount) may read while a writer commits:
+    each holds a reader lease on the generation it opened, and the space
+    that generation references is not reused while the lease is held, so
+    they keep reading correct bytes.  A read in flight on the writing Store
+    itself reads the generation current when it started; space its commit
+    frees is reused no earlier than two commits later, and a checksum
+    mismatch would report it.  Public methods raise only SwarmError
+    subclasses (an unexpected exception is an :class:`InternalError`).
 
     Attributes:
         path: the store directory.
