@@ -17,7 +17,7 @@ from . import _format as F
 from ._engine import WRITE, Engine, device_size, logical_block_size
 
 __all__ = ["create_disks", "open_disks", "read_superblock", "read_header", "open_disk",
-           "write_commit_records", "check_header", "truncate_to"]
+           "write_commit_records", "check_header", "truncate_to", "ReaderLease"]
 
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR:
           "a character device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symlink"}
@@ -372,6 +372,76 @@ def open_disks(path: str, manifest: dict, *, writable: bool,
             os.close(fd)
         raise
     return fds, problems
+
+
+class ReaderLease:
+    """An open Store's claim on the generation it reads.
+
+    Each Store holds an OFD read lock (``fcntl`` ``F_OFD_SETLK``) on byte
+    ``generation`` of ``STORE/.readers``; a writer reuses space freed by
+    commit f only when no lock sits below byte f (:meth:`oldest_reader`).
+    OFD locks belong to the open file, so several Stores in one process
+    are independent, and a crashed process's locks vanish with it.  On a
+    store directory where the file cannot be opened (read-only media, no
+    writer) there is no lease and nothing to protect.
+    """
+    NAME = ".readers"
+    _FMT = "@hhqqi4x"
+
+    def __init__(self, store_dir: str):
+        self.fd = None
+        self.generation = None
+        try:
+            self.fd = os.open(os.path.join(store_dir, self.NAME),
+                              os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError:
+            try:
+                self.fd = os.open(os.path.join(store_dir, self.NAME),
+                                  os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self.fd = None
+
+    def _lk(self, cmd, kind, start, length):
+        import struct
+        arg = struct.pack(self._FMT, kind, os.SEEK_SET, start, length, 0)
+        return struct.unpack(self._FMT, fcntl.fcntl(self.fd, cmd, arg))
+
+    def hold(self, generation: int) -> None:
+        """Move this Store's claim to ``generation`` (new lock first)."""
+        if self.fd is None or generation == self.generation:
+            return
+        self._lk(fcntl.F_OFD_SETLK, fcntl.F_RDLCK, int(generation), 1)
+        if self.generation is not None:
+            self._lk(fcntl.F_OFD_SETLK, fcntl.F_UNLCK, int(self.generation), 1)
+        self.generation = int(generation)
+
+    def _any_below(self, x: int) -> bool:
+        if x <= 0:
+            return False
+        got = self._lk(fcntl.F_OFD_GETLK, fcntl.F_WRLCK, 0, x)
+        return got[0] != fcntl.F_UNLCK
+
+    def oldest_reader(self) -> int | None:
+        """The oldest generation another open Store holds (None: none, or
+        no lease file).  A binary search with ``F_OFD_GETLK``."""
+        if self.fd is None:
+            return None
+        hi = 1 << 62
+        if not self._any_below(hi):
+            return None
+        lo = 0                       # invariant: no lock below lo, one below hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._any_below(mid):
+                hi = mid
+            else:
+                lo = mid
+        return lo
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def truncate_to(fds, manifest: dict) -> None:

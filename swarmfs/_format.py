@@ -547,8 +547,8 @@ def index_name(layer: int, generation: int) -> str:
 
 #: index-file metadata keys checked against the manifest and superblocks
 INDEX_META = ("format", "format_version", "uuid", "layer", "generation", "num_tokens",
-              "num_clusters", "num_copies", "num_disks", "dtype", "num_kv_heads",
-              "head_dim", "entry_bytes")
+              "num_clusters", "num_copies", "hot_clusters", "num_disks", "dtype",
+              "num_kv_heads", "head_dim", "entry_bytes")
 
 
 def save_index(store_dir: str, layer: int, generation: int, arrays: dict, *,
@@ -567,7 +567,8 @@ def save_index(store_dir: str, layer: int, generation: int, arrays: dict, *,
           "layer": str(layer), "generation": str(generation),
           "num_tokens": str(out["token_xxh"].shape[0]),
           "num_clusters": str(out["members_ptr"].shape[0] - 1),
-          "num_copies": str(out["members"].shape[0])}
+          "num_copies": str(out["members"].shape[0]),
+          "hot_clusters": str(int(out["hot"].astype(np.int64).sum()))}
     md.update({k: str(meta[k]) for k in ("uuid", "num_disks", "dtype", "num_kv_heads",
                                           "head_dim", "entry_bytes")})
     data = save(out, metadata=md)
@@ -687,6 +688,43 @@ def load_index(store_dir: str, layer: int, record: dict, *, expect: dict) -> dic
                                   f"{a.dtype} {a.ndim}-d, expected {np.dtype(dt)} "
                                   f"{ndim.get(k, 1)}-d", **kw)
     return arrays
+
+
+def _index_files(store_dir: str):
+    try:
+        names = os.listdir(os.path.join(store_dir, INDEX_DIR))
+    except OSError:
+        return
+    for name in names:
+        mm = _INDEX_NAME.fullmatch(name)
+        if mm:
+            yield name, int(mm.group(1)), int(mm.group(2))
+
+
+def check_orphan_indexes(store_dir: str, m: dict) -> None:
+    """Refuse a manifest that lost a layer record: a committed index file
+    (generation <= the manifest's) of a layer the manifest does not list.
+    Uncommitted leftovers (newer generations) are ignored.
+
+    Raises:
+        ManifestError: naming the layer and the file.
+    """
+    for name, layer, gen in _index_files(store_dir):
+        if str(layer) not in m["layers"] and gen <= int(m["generation"]):
+            raise E.ManifestError(f"index file {name} holds committed data of layer "
+                                  f"{layer}, which the manifest does not list (layer record "
+                                  "removed?)", store=store_dir, layer=layer)
+
+
+def remove_uncommitted_indexes(store_dir: str, generation: int) -> None:
+    """Delete index files of generation >= ``generation``: leftovers of
+    writers that crashed before their commit (best effort)."""
+    for name, _layer, gen in list(_index_files(store_dir)):
+        if gen >= generation:
+            try:
+                os.unlink(os.path.join(store_dir, INDEX_DIR, name))
+            except OSError:
+                pass
 
 
 def remove_stale_indexes(store_dir: str, keep: set) -> None:

@@ -25,6 +25,8 @@ def concat_ranges(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
     int64 [sum(n)]."""
     lo = np.asarray(lo, dtype=np.int64)
     n = np.asarray(n, dtype=np.int64)
+    if lo.shape != n.shape or lo.ndim != 1 or (n.size and n.min() < 0):
+        raise E.InvalidArgumentError("lo and n must be 1-D of one length, n >= 0")
     total = int(n.sum())
     if total == 0:
         return np.empty(0, dtype=np.int64)

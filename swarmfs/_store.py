@@ -29,10 +29,11 @@ from ._engine import (READ, Engine, EngineStats, device_size, gather_rows,
                       xxh3_ranges, xxh3_rows)
 from ._index import LayerIndex
 from ._planner import MAX_REQUEST, Plan, plan_reads
-from ._disks import create_disks, open_disks, truncate_to, write_commit_records
+from ._disks import (ReaderLease, create_disks, open_disks, truncate_to,
+                     write_commit_records)
 from ._write import (append_tokens, as_bytes_rows, chunk_bounds, clusters_csr, free_extents,
                      place_layer, write_extents)
-from .layout._place import PLACEMENTS, place_clusters
+from .layout._place import PLACEMENTS
 
 __all__ = ["Store", "StoreStats"]
 
@@ -75,7 +76,19 @@ class Store:
     """A KV-cache store: clusters of KV entries striped over several disks.
 
     Open with :meth:`open` or create with :meth:`create`; do not call the
-    constructor.  A Store is safe to read from several threads.
+    constructor.
+
+    Concurrency: a Store is safe to read from several threads.  Writes
+    (``write_layer``, ``append``) serialise across the Store's threads and
+    across processes (a second writing process gets a SwarmError).  Other
+    Stores (threads, processes, the mount) may read while a writer commits:
+    each holds a reader lease on the generation it opened, and the space
+    that generation references is not reused while the lease is held, so
+    they keep reading correct bytes.  A read in flight on the writing Store
+    itself reads the generation current when it started; space its commit
+    frees is reused no earlier than two commits later, and a checksum
+    mismatch would report it.  Public methods raise only SwarmError
+    subclasses (an unexpected exception is an :class:`InternalError`).
 
     Attributes:
         path: the store directory.
@@ -122,6 +135,7 @@ class Store:
         self._writer_mutex = threading.Lock()
         self._closed = False
         self.disk_problems: dict = {}
+        self._lease = ReaderLease(self.path)
 
     # -- construction --------------------------------------------------------
     @classmethod
@@ -196,7 +210,7 @@ class Store:
                     os.path.join(path, F.MANIFEST)) else "store path is not empty")
                 raise E.StoreExistsError(f"{what} (replace it with --force / force=True)",
                                          store=path)
-            for sub in (F.MANIFEST, F.INDEX_DIR, "disks"):
+            for sub in (F.MANIFEST, F.INDEX_DIR, "disks", ReaderLease.NAME):
                 p = os.path.join(path, sub)
                 if os.path.isdir(p):
                     shutil.rmtree(p)
@@ -347,8 +361,15 @@ class Store:
             raise
         store.disk_problems = problems
         try:
+            # claim the generation, then make sure no writer could have reused
+            # its space before the claim was visible (two commits later)
+            store._lease.hold(int(m["generation"]))
+            now = F.read_manifest(path)
+            if int(now["generation"]) > int(m["generation"]) + 1:
+                raise E.ManifestError("the store moved on while opening", store=path)
             for layer in store.layers:
                 store._check_index_header(layer)
+            F.check_orphan_indexes(path, m)
             if preload:
                 for layer in store.layers:
                     store.layer(layer)
@@ -370,6 +391,7 @@ class Store:
         self.engine.close()
         for fd in self._fds:
             os.close(fd)
+        self._lease.close()
 
     def __enter__(self):
         return self
@@ -410,7 +432,8 @@ class Store:
         rec = self._m["layers"][str(layer)]
         return dict(uuid=self._m["uuid"], generation=rec["generation"],
                     num_tokens=rec["num_tokens"], num_clusters=rec["num_clusters"],
-                    num_copies=rec["num_copies"], num_disks=self.num_disks,
+                    num_copies=rec["num_copies"], hot_clusters=rec["hot_clusters"],
+                    num_disks=self.num_disks,
                     dtype=self.dtype, num_kv_heads=self.num_kv_heads,
                     head_dim=self.head_dim, entry_bytes=self.entry_bytes)
 
@@ -463,7 +486,8 @@ class Store:
                     raise E.ManifestError(f"index of the layer is inconsistent: {exc}",
                                           store=self.path, layer=layer) from exc
                 if li.num_clusters != rec["num_clusters"] or \
-                        li.num_copies != rec["num_copies"]:
+                        li.num_copies != rec["num_copies"] or \
+                        int(li.hot.astype(np.int64).sum()) != rec["hot_clusters"]:
                     raise E.ManifestError("index arrays disagree with the manifest's "
                                           "cluster/copy counts", store=self.path, layer=layer)
                 self._layers[layer] = li
@@ -529,6 +553,7 @@ class Store:
                 raise E.ManifestError("the store was replaced since it was opened; reopen it",
                                       store=self.path)
             self._m = m
+            self._lease.hold(int(m["generation"]))
             with self._lock:
                 self._layers.clear()
 
@@ -668,7 +693,7 @@ class Store:
                 oc, od = np.nonzero(old.counts > 0)
                 disks = free_extents(disks, oc, od, old.extent_off[oc, od],
                                      old.counts[oc, od] * self.entry_bytes, gen,
-                                     self.block_size)
+                                     self.block_size, self._lease.oldest_reader())
         arrays = dict(members_ptr=ptr, members=members, medoid=medoids,
                       start_disk=pl.start_disk, extent_off=pl.extent_off,
                       extent_xxh=extent_xxh, token_xxh=token_xxh,
@@ -693,6 +718,7 @@ class Store:
         meta = dict(uuid=m["uuid"], num_disks=self.num_disks, dtype=self.dtype,
                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                     entry_bytes=self.entry_bytes)
+        F.remove_uncommitted_indexes(self.path, gen)
         try:
             rec = F.save_index(self.path, layer, gen, arrays, meta=meta)
         except OSError as exc:
@@ -732,6 +758,7 @@ class Store:
             if isinstance(exc, OSError):
                 raise _metadata_error(exc, self.path, layer) from exc
             raise
+        self._lease.hold(gen)
         with self._lock:
             self._layers.pop(layer, None)
         try:
@@ -1099,6 +1126,10 @@ class Store:
                                          store=self.path)
         if progress is not None and not callable(progress):
             raise E.InvalidArgumentError("progress must be callable", store=self.path)
+        if layers is not None and (isinstance(layers, (str, bytes, dict)) or
+                                   not isinstance(layers, collections.abc.Iterable)):
+            raise E.InvalidArgumentError(f"layers must be a list of layer numbers, got "
+                                         f"{layers!r}", store=self.path)
         todo = self.layers if layers is None else [self._check_layer(x) for x in layers]
         failures = []
         sizes = np.array([self._disk_size(d) for d in range(self.num_disks)], np.uint64)

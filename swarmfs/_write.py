@@ -50,11 +50,15 @@ def check_finite(rows: np.ndarray, dtype_name: str, entry_shape: tuple, *, layer
                        store=store, layer=layer)
 
 
-def _reusable(r, gen: int) -> bool:
-    return r[2] + REUSE_AFTER <= gen
+def _reusable(r, gen: int, oldest_reader: int | None = None) -> bool:
+    """A range freed by commit r[2] may be written by commit ``gen``: the two
+    newest manifests do not reference it, and no open reader holds a
+    generation older than r[2] (which could)."""
+    return r[2] + REUSE_AFTER <= gen and (oldest_reader is None or r[2] <= oldest_reader)
 
 
-def allocate(disks: list, seg: np.ndarray, gen: int) -> tuple[np.ndarray, list]:
+def allocate(disks: list, seg: np.ndarray, gen: int,
+             oldest_reader: int | None = None) -> tuple[np.ndarray, list]:
     """Where each disk's contiguous segment of ``seg[d]`` bytes goes: the
     smallest reusable free range that holds it (best fit), else the disk's
     end.  Only space no committed manifest references is handed out.
@@ -63,6 +67,8 @@ def allocate(disks: list, seg: np.ndarray, gen: int) -> tuple[np.ndarray, list]:
         disks: the manifest's disk records (``end``, ``free``).
         seg: uint64 [N] bytes needed per disk (block aligned).
         gen: the generation being written.
+        oldest_reader: the oldest generation an open Store still reads
+            (None: no reader).
 
     Returns:
         (uint64 [N] base offset per disk, new disk records with ``end`` and
@@ -74,7 +80,8 @@ def allocate(disks: list, seg: np.ndarray, gen: int) -> tuple[np.ndarray, list]:
         free = [list(r) for r in rec.get("free", [])]
         end = int(rec["end"])
         need = int(seg[d])
-        fit = [k for k, r in enumerate(free) if _reusable(r, gen) and r[1] >= need] \
+        fit = [k for k, r in enumerate(free) if _reusable(r, gen, oldest_reader) and
+               r[1] >= need] \
             if need else []
         if fit:
             k = min(fit, key=lambda k: free[k][1])
@@ -90,7 +97,8 @@ def allocate(disks: list, seg: np.ndarray, gen: int) -> tuple[np.ndarray, list]:
     return base, out
 
 
-def free_extents(disks: list, cc, dd, off, nbytes, gen: int, block_size: int) -> list:
+def free_extents(disks: list, cc, dd, off, nbytes, gen: int, block_size: int,
+                 oldest_reader: int | None = None) -> list:
     """Add extents (disk ``dd``, offset ``off``, ``nbytes`` of entries) that
     commit ``gen`` stops referencing to the disks' free lists (sorted,
     adjacent ranges merged), and give back reusable space at a disk's end.
@@ -104,18 +112,19 @@ def free_extents(disks: list, cc, dd, off, nbytes, gen: int, block_size: int) ->
             ln = -(-int(nbytes[k]) // bs) * bs
             if ln:
                 free.append([int(off[k]), ln, int(gen)])
-        free.sort()
+        # reusable ranges lose their generation (0), so they merge with each
+        # other; a range still in quarantine merges only with its own kind
+        free = sorted([r[0], r[1], 0 if _reusable(r, gen, oldest_reader) else r[2]]
+                      for r in free)
         merged = []
         for r in free:
-            if merged and merged[-1][0] + merged[-1][1] >= r[0]:
-                last = merged[-1]
-                last[1] = max(last[0] + last[1], r[0] + r[1]) - last[0]
-                last[2] = max(last[2], r[2])
+            if merged and merged[-1][0] + merged[-1][1] == r[0] and merged[-1][2] == r[2]:
+                merged[-1][1] += r[1]
             else:
                 merged.append(r)
         end = int(rec["end"])
         while merged and merged[-1][0] + merged[-1][1] >= end and \
-                _reusable(merged[-1], gen):
+                _reusable(merged[-1], gen, oldest_reader):
             end = merged.pop()[0]
         out.append({**rec, "end": end, "free": merged})
     return out
@@ -215,7 +224,8 @@ def place_layer(store, sizes, gen: int, *, p_global: int, start=None, policy="eq
     kw = dict(ndisks=N, entry_bytes=store.entry_bytes, block_size=store.block_size,
               p_global=p_global, policy=policy, start=start)
     pl0 = place_clusters(sizes, disk_end=np.zeros(N, np.uint64), **kw)
-    base, disks = allocate(store._m["disks"], pl0.disk_end, gen)
+    base, disks = allocate(store._m["disks"], pl0.disk_end, gen,
+                           store._lease.oldest_reader())
     pl = place_clusters(sizes, disk_end=base, **kw)
     store._check_capacity([d["end"] for d in disks], layer)
     return pl, disks
@@ -304,6 +314,10 @@ def _append_locked(store, layer: int, kv, joins, *, group: int,
         jptr = E.as_int_array(joins[0], "joins pointers", store=self.path, layer=layer)
         jcl = E.as_int_array(joins[1], "joined clusters", store=self.path, layer=layer)
     else:
+        if isinstance(joins, (str, bytes, dict)) or not hasattr(joins, "__iter__"):
+            raise E.InvalidArgumentError(f"joins must be a CSR (ptr, clusters) or a list of "
+                                         f"cluster lists, got {joins!r}"[:200],
+                                         store=self.path, layer=layer)
         lists = [E.as_int_array(j, "joined clusters", store=self.path, layer=layer)
                  for j in joins]
         jptr = np.zeros(len(lists) + 1, np.int64)
@@ -370,7 +384,8 @@ def _append_locked(store, layer: int, kv, joins, *, group: int,
     cnt = li.counts[grow]
     gc, gd = np.nonzero(cnt > 0)
     disks = free_extents(disks, grow[gc], gd, li.extent_off[grow[gc], gd],
-                         cnt[gc, gd] * self.entry_bytes, gen, self.block_size)
+                         cnt[gc, gd] * self.entry_bytes, gen, self.block_size,
+                         self._lease.oldest_reader())
     N = self.num_disks
     extent_off = np.concatenate([li.extent_off, np.zeros((k_new, N), np.uint64)])
     extent_xxh = np.concatenate([li.extent_xxh, np.zeros((k_new, N), np.uint64)])

@@ -112,3 +112,76 @@ def test_closed_pipe_is_quiet(store):
                        shell=True, executable="/bin/bash", capture_output=True, text=True,
                        timeout=300)
     assert p.stderr == "" and p.returncode in (0, 1)
+
+
+# -- issue 9: the error taxonomy at the boundary ---------------------------------
+
+def test_internal_error_exits_3_with_a_hint(store, tmp_path):
+    """A bug (any non-SwarmError exception, or InternalError) is not the
+    user's fault: distinct exit status 3 and a traceback hint."""
+    path, _, _ = store
+    code = ("import sys; from swarmfs import _cli, _store\n"
+            "def boom(self, *a, **k): raise KeyError('bug')\n"
+            "_store.Store.info = boom\n"
+            f"sys.argv = ['swarmfs', 'info', {path!r}]\n"
+            "_cli.main()")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 3, p.stderr
+    assert "internal error" in p.stderr and "SWARMFS_DEBUG=1" in p.stderr
+    assert "Traceback" not in p.stderr
+    code2 = code.replace("raise KeyError('bug')",
+                         "from swarmfs import _errors as E; raise E.InternalError('x')")
+    p = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 3 and "internal error: x" in p.stderr
+
+
+def test_tokens_option_refuses_empty_items(store):
+    path, _, _ = store
+    for bad in ("1,,2", ",", "1,x"):
+        p = run("read", path, "--layer", "1", "--tokens", bad, ok=False)
+        assert p.returncode == 2 and "--tokens" in p.stderr, bad
+
+
+@pytest.mark.parametrize("value", ["nan", "2", "-0.1"])
+def test_hot_fraction_out_of_range(tmp_path, value):
+    p = run("build", str(tmp_path / "kv.safetensors"), str(tmp_path / "st"),
+            "--hot-fraction", value, ok=False)
+    assert p.returncode == 1 and "--hot-fraction must be in [0, 1]" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_out_to_a_device_names_the_path(store):
+    path, _, _ = store
+    p = run("read", path, "--layer", "1", "--cluster", "0", "--out", "/dev/full", ok=False)
+    assert p.returncode == 2 and "/dev/full" in p.stderr and "not a regular file" in p.stderr
+
+
+def test_out_on_a_full_disk_names_the_path(store, tmp_path):
+    """ENOSPC while writing --out (injected): a DiskFullError naming the file."""
+    path, _, _ = store
+    out = str(tmp_path / "x.npy")
+    code = ("import errno, sys, numpy as np; from swarmfs import _cli\n"
+            "def full(f, a): raise OSError(errno.ENOSPC, 'No space left on device')\n"
+            "np.save = full\n"
+            f"sys.argv = ['swarmfs', 'read', {path!r}, '--layer', '1', '--cluster', '0', "
+            f"'--out', {out!r}]\n"
+            "_cli.main()")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1 and out in p.stderr and "No space left" in p.stderr
+
+
+def test_verify_lists_disk_problems_and_lost_tokens(store):
+    path, kv, cl = store
+    s = Store.open(path)
+    p0 = s.disk_paths[0]
+    s.close()
+    os.truncate(p0, os.path.getsize(p0) - 2048)
+    p = run("verify", path, ok=False)
+    assert p.returncode == 1
+    assert p.stdout.startswith("DISK 0 (") and "truncated" in p.stdout
+    lines = [x for x in p.stdout.splitlines() if x.startswith("BAD")]
+    assert lines and all("disk 0" in x and "offset" in x and "lost" in x for x in lines)
+    assert "token(s) lost" in p.stderr

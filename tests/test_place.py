@@ -50,3 +50,26 @@ def test_no_balance_placement_starts_every_cluster_at_disk_0():
                         disk_end=np.full(4, 4096, dtype=np.uint64), policy="disk0")
     assert list(pl.start_disk) == [0, 0, 0, 0]
     assert pl.counts[:, 0].tolist() == [1, 2, 1, 1]
+
+
+def test_bad_arguments_are_invalid_argument_errors():
+    """Issue 9 item 15: placement raises only SwarmError subclasses."""
+    import pytest
+
+    from swarmfs import _errors as E
+    for call in (lambda: place_clusters([3], ndisks=2, entry_bytes=8, block_size=512,
+                                        disk_end=[0, 0], policy="x"),
+                 lambda: place_clusters([-1], ndisks=2, entry_bytes=8, block_size=512,
+                                        disk_end=[0, 0]),
+                 lambda: place_clusters([3], ndisks=0, entry_bytes=8, block_size=512,
+                                        disk_end=[]),
+                 lambda: place_clusters([3], ndisks=2, entry_bytes=8, block_size=500,
+                                        disk_end=[0, 0]),
+                 lambda: place_clusters([3], ndisks=2, entry_bytes=8, block_size=512,
+                                        disk_end=[0]),
+                 lambda: place_clusters([3], ndisks=2, entry_bytes=8, block_size=512,
+                                        disk_end=[0, 0], start=[7]),
+                 lambda: start_disks([1.5], 2),
+                 lambda: stripe_counts([1, 2], [0], 2)):
+        with pytest.raises(E.InvalidArgumentError):
+            call()

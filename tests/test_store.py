@@ -4,7 +4,9 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -545,3 +547,271 @@ def test_closed_store_says_so(tmp_path, rng):
     for call in (lambda: s.read_cluster(0, 0), lambda: s.read_entries(0, [1]), s.stats):
         with pytest.raises(E.SwarmError, match="closed"):
             call()
+
+
+# -- issue 9: damage reports, NaN, consistent opens, argument edges --------------
+
+def _cut_store(tmp_path, rng, cut=4096, zero_cluster=None):
+    """A 3-disk store; disk 0 cut short by ``cut`` bytes at its end and,
+    optionally, one extent on disk 1 overwritten."""
+    s = Store.create(tmp_path / "st", disks=3, num_layers=1, num_kv_heads=2, head_dim=16)
+    kv = random_kv(rng, 3000, 2, 16, "float16")
+    cl = random_clusters(rng, 3000, 100, 300)
+    s.write_layer(0, kv, cl)
+    li = s.layer(0)
+    paths = s.disk_paths
+    s.close()
+    if zero_cluster is not None:
+        with open(paths[1], "r+b") as f:
+            f.seek(int(li.extent_off[zero_cluster, 1]))
+            f.write(b"\0" * 64)
+    size = os.path.getsize(paths[0])
+    os.truncate(paths[0], size - cut)
+    return str(tmp_path / "st"), kv, cl, li, size - cut
+
+
+def _past_end(li, size, Eb=128):
+    on0 = np.flatnonzero((li.copy_disk == 0) & (li.copy_off + np.uint64(Eb) > size))
+    return on0[np.argsort(li.copy_off[on0])]
+
+
+def test_truncated_disk_reads_name_cluster_and_damage_offset(tmp_path, rng):
+    """read_entries, Retriever.retrieve (via Store.execute) and execute: the
+    error names disk, path, layer, the cluster and the offset of the damage
+    itself (the disk's end), not the start of a merged request."""
+    path, kv, cl, li, size = _cut_store(tmp_path, rng)
+    first = int(_past_end(li, size)[0])
+    want_cluster, want_off = int(li.copy_cluster[first]), max(int(li.copy_off[first]), size)
+    with Store.open(path, damaged=True) as s:
+        for read in (lambda: s.read_entries(0, np.arange(3000)),
+                     lambda: s.read_cluster(0, want_cluster),
+                     lambda: s.execute(s.layer(0), s.plan(0, np.arange(3000)),
+                                       s.layer(0).token_copies(np.arange(3000)))):
+            with pytest.raises(E.DiskTruncatedError) as ei:
+                read()
+            e = ei.value
+            assert (e.disk, e.layer, e.cluster, e.offset) == (0, 0, want_cluster, want_off)
+            assert e.path.endswith("disk-0.img") and f"offset {want_off}" in str(e)
+        from swarmfs import Retriever
+        r = Retriever(s, sparsity=1.0)
+        q = rng.standard_normal((2, 16)).astype(np.float32)
+        with pytest.raises(E.DiskTruncatedError) as ei:
+            r.retrieve(0, q)
+        assert ei.value.offset is not None and ei.value.cluster is not None
+        assert ei.value.offset >= size
+
+
+def test_verify_reports_every_damaged_extent_of_a_batch(tmp_path, rng):
+    """A cut disk and a zeroed extent elsewhere in the same batch: both are
+    reported, each with its cluster and the offset of the first damaged
+    entry; the store that no longer opens is verified with damaged=True."""
+    path, kv, cl, li, size = _cut_store(tmp_path, rng, zero_cluster=5)
+    with pytest.raises(E.DiskTruncatedError):
+        Store.open(path)
+    with Store.open(path, damaged=True) as s:
+        assert isinstance(s.disk_problems[0], E.DiskTruncatedError)
+        bad = s.verify()
+    by = {(f["cluster"], f["disk"]): f for f in bad}
+    assert (5, 1) in by and by[(5, 1)]["offset"] == int(li.extent_off[5, 1])
+    assert by[(5, 1)]["entries"] == 1
+    past = _past_end(li, size)
+    cut_clusters = set(li.copy_cluster[past].tolist())
+    assert {c for c, d in by if d == 0} == cut_clusters
+    for f in bad:
+        assert f["path"] and f["layer"] == 0 and f["offset"] >= f["extent_offset"]
+    # the damaged tokens are exactly those past the end plus the zeroed one;
+    # a token is lost when no intact replica is left
+    damaged = set(li.members[past].tolist()) | set(by[(5, 1)]["tokens"])
+    assert set().union(*(f["tokens"] for f in bad)) == damaged
+    counts = np.bincount(li.members, minlength=3000)
+    for f in bad:
+        for t in f["tokens"]:
+            assert (t in f["lost"]) == (counts[t] == 1 or all(
+                c in set(past.tolist()) for c in li.token_copies([t])))
+
+
+def test_verify_of_a_read_error_names_the_entry(tmp_path, rng, monkeypatch):
+    """An EIO in one batch (injected): the batch is re-read extent by extent,
+    the failing extent is named and the other extents are still checked."""
+    s, kvs, cls = make_store(tmp_path / "st", rng)
+    li = s.layer(0)
+    bad_off = int(li.extent_off[3, 2])
+    real = s.engine.execute
+
+    def execute(op, disk, off, length, *a, **kw):
+        off_a = np.asarray(off, np.uint64)
+        if np.any((np.asarray(disk) == 2) & (off_a == bad_off)):
+            import errno
+            raise E.IOFailedError("injected EIO", errno=errno.EIO, disk=2)
+        return real(op, disk, off, length, *a, **kw)
+    monkeypatch.setattr(s.engine, "execute", execute)
+    monkeypatch.setattr(os, "preadv", _failing_preadv(bad_off, os.preadv))
+    bad = s.verify()
+    assert [(f["cluster"], f["disk"]) for f in bad] == [(3, 2)]
+    assert bad[0]["offset"] == bad_off and "read failed" in bad[0]["error"]
+    s.close()
+
+
+def _failing_preadv(bad_off, real):
+    import errno
+
+    def preadv(fd, bufs, off, *a):
+        if off == bad_off:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, bufs, off, *a)
+    return preadv
+
+
+def test_cli_verify_on_a_store_that_does_not_open(tmp_path, rng):
+    path, kv, cl, li, size = _cut_store(tmp_path, rng, zero_cluster=5)
+    p = subprocess.run([sys.executable, "-m", "swarmfs", "verify", path, "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stderr
+    out = json.loads(p.stdout)
+    assert out["disk_problems"][0]["disk"] == 0
+    assert "truncated" in out["disk_problems"][0]["error"]
+    assert {f["cluster"] for f in out["failures"]} >= {5}
+    assert all(f["offset"] is not None for f in out["failures"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_kv_is_refused_naming_layer_and_token(tmp_path, rng, dtype, bad):
+    s = Store.create(tmp_path / "st", disks=2, num_layers=2, num_kv_heads=2, head_dim=8,
+                     dtype=dtype)
+    kv = random_kv(rng, 50, 2, 8, dtype)
+    x = kv.astype(np.float32)
+    x[17, 0, 1, 3] = bad                      # K, head 1
+    with pytest.raises(E.ShapeError, match="K of token 17 .KV head 1. is NaN or infinite") \
+            as ei:
+        s.write_layer(1, x.astype(kv.dtype), [np.arange(50)])
+    assert ei.value.layer == 1 and s.layers == []
+    s.write_layer(1, kv, [np.arange(50)])
+    y = kv[:3].astype(np.float32)
+    y[2, 1, 0, 0] = bad                       # V of the third new token
+    with pytest.raises(E.ShapeError, match="V of token 52"):
+        s.append(1, y.astype(kv.dtype), [[0], [], []])
+    assert s.num_tokens(1) == 50
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy(x.astype(np.float32)).to({"float16": torch.float16, "bfloat16":
+                                                   torch.bfloat16,
+                                                   "float32": torch.float32}[dtype])
+    with pytest.raises(E.ShapeError, match="token 17"):
+        s.write_layer(0, t, [np.arange(50)])
+    s.close()
+
+
+def test_preload_open_while_a_writer_appends_sees_one_generation(tmp_path, rng):
+    """Item 12: readers opening with preload=True while a writer appends
+    never get a transient ManifestError (and read what they opened)."""
+    import threading
+    s, kvs, _ = make_store(tmp_path / "st", rng, S=300, ndisks=2)
+    stop = threading.Event()
+    errors = []
+
+    appends = []
+
+    def writer():
+        k = 0
+        try:
+            while not stop.is_set():
+                i = (k % 150) * 2
+                s.append(0, kvs[0][i:i + 2], [[k % 40], []])
+                k += 1
+                appends.append(k)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion
+            errors.append(exc)
+    t = threading.Thread(target=writer)
+    t.start()
+    opens = 0
+    try:
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            try:
+                with Store.open(tmp_path / "st", preload=True) as r:
+                    n = r.num_tokens(0)
+                    got = r.read_entries(0, np.arange(300))
+                    assert same_bits(got, kvs[0]) and n >= 300
+                opens += 1
+            except E.SwarmError as exc:
+                errors.append(exc)
+    finally:
+        stop.set()
+        t.join()
+    s.close()
+    assert opens >= 20 and len(appends) >= 20 and errors == [], errors[:3]
+
+
+def test_deleted_index_file_on_a_fresh_open_says_missing(tmp_path, rng):
+    s, _, _ = make_store(tmp_path / "st", rng, layers=(0, 1))
+    name = s.manifest["layers"]["1"]["index"]["file"]
+    s.close()
+    with Store.open(tmp_path / "st") as s2:
+        os.unlink(tmp_path / "st" / F.INDEX_DIR / name)
+        with pytest.raises(E.ManifestError, match="missing") as ei:
+            s2.layer(1)
+        assert "rewritten" not in str(ei.value)
+    with pytest.raises(E.ManifestError, match="missing"):
+        Store.open(tmp_path / "st")
+
+
+@pytest.mark.parametrize("call", [
+    lambda s: Store.create(s.path + "x", disks=1, num_layers=1, num_kv_heads=1, head_dim=8,
+                           disk_size=-1),
+    lambda s: Store.create(s.path + "x", disks=1, num_layers=1, num_kv_heads=1, head_dim=8,
+                           disk_size=1.5),
+    lambda s: s.append(0, s.read_entries(0, [0]), None, group=1.5),
+    lambda s: s.append(0, s.read_entries(0, [0]), None, group=0),
+    lambda s: s.read_cluster_range(0, 0, -1, 10),
+    lambda s: s.read_cluster_range(0, 0, 0, -10),
+    lambda s: s.plan(0, [1], max_request=0),
+    lambda s: s.plan(0, [1], max_gap=-1),
+    lambda s: s.verify(max_batch=0),
+    lambda s: Store.open(s.path, preload="yes"),
+])
+def test_bad_arguments_are_invalid_argument_errors(tmp_path, rng, call):
+    """Item 14's leftovers: refused with InvalidArgumentError (both a
+    ValueError and a TypeError), nothing changed."""
+    s = Store.create(tmp_path / "st", disks=2, num_layers=1, num_kv_heads=2, head_dim=8)
+    kv = random_kv(rng, 40, 2, 8, "float16")
+    s.write_layer(0, kv, [np.arange(40)])
+    s.close()
+    s = Store.open(tmp_path / "st", writable=True)
+    before = s.manifest
+    with pytest.raises(E.InvalidArgumentError) as ei:
+        call(s)
+    assert isinstance(ei.value, ValueError) and isinstance(ei.value, TypeError)
+    assert s.manifest == before and not os.path.exists(s.path + "x")
+    s.close()
+
+
+def test_store_api_raises_only_swarm_errors(tmp_path, rng):
+    """Item 15: odd arguments of every kind get a SwarmError, never a raw
+    exception (an unexpected one would be an InternalError)."""
+    s, kvs, _ = make_store(tmp_path / "st", rng)
+    odd = [None, "x", 1.5, [1.5], [[1, 2]], {"a": 1}, -1, 2**70, np.array([np.nan]),
+           object(), [None], b"1"]
+    calls = [lambda v: s.read_cluster(0, v), lambda v: s.read_entries(0, v),
+             lambda v: s.read_entries(v, [1]), lambda v: s.plan(0, v),
+             lambda v: s.cluster_tokens(0, v), lambda v: s.read_cluster_range(0, 1, v, 10),
+             lambda v: s.verify(layers=v), lambda v: s.write_layer(0, v, [[0]]),
+             lambda v: s.append(0, kvs[0][:1], v), lambda v: s.layer(v),
+             lambda v: s.read_entries(0, [1], policy=v)]
+    for call in calls:
+        for v in odd:
+            try:
+                call(v)
+            except E.InternalError:
+                raise
+            except E.SwarmError:
+                pass
+    s.close()
+
+
+def test_boundary_turns_a_bug_into_an_internal_error():
+    @E.boundary
+    def buggy():
+        return {}["x"]
+    with pytest.raises(E.InternalError, match="internal error in .*buggy: KeyError") as ei:
+        buggy()
+    assert isinstance(ei.value.__cause__, KeyError)

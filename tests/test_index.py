@@ -1,0 +1,80 @@
+"""LayerIndex: stored arrays are checked against each other and the disks'
+allocated space before use (issue 9, item 4)."""
+
+import numpy as np
+import pytest
+
+from swarmfs import _errors as E
+from swarmfs import _format as F
+from swarmfs._index import LayerIndex, concat_ranges
+from swarmfs.layout._place import place_clusters
+
+
+def _arrays(sizes=(3, 2, 4), ndisks=2, Eb=64, bs=512):
+    sizes = np.array(sizes)
+    C = len(sizes)
+    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    members = np.arange(ptr[-1], dtype=np.int32) % 7
+    pl = place_clusters(sizes, ndisks=ndisks, entry_bytes=Eb, block_size=bs,
+                        disk_end=np.full(ndisks, F.DATA_START, np.uint64))
+    a = dict(members_ptr=ptr, members=members, medoid=members[ptr[:-1]].copy(),
+             start_disk=pl.start_disk.astype(np.int32), extent_off=pl.extent_off,
+             extent_xxh=np.zeros((C, ndisks), np.uint64),
+             token_xxh=np.zeros(7, np.uint64), medoid_keys=np.zeros((C, Eb // 2), np.uint8),
+             hot=np.zeros(C, np.uint8), freq=np.zeros(C, np.float32))
+    return a, pl
+
+
+def _li(a, pl, free=None, ndisks=2):
+    return LayerIndex(0, a, num_tokens=7, ndisks=ndisks, entry_bytes=64, block_size=512,
+                      disk_end=[int(x) for x in pl.disk_end],
+                      free=free or [[] for _ in range(ndisks)])
+
+
+def test_a_consistent_index_loads():
+    a, pl = _arrays()
+    li = _li(a, pl)
+    assert li.num_copies == 9 and li.counts.sum() == 9
+
+
+@pytest.mark.parametrize("breaks,match", [
+    (lambda a: a["extent_off"].__setitem__((0, 0), 0), "outside the disk"),
+    (lambda a: a["extent_off"].__setitem__((2, 1), 1 << 40), "outside the disk"),
+    (lambda a: a["extent_off"].__setitem__((1, 0), a["extent_off"][0, 0]), "overlap"),
+    (lambda a: a["medoid"].__setitem__(0, 99), "medoid"),
+    (lambda a: a["hot"].__setitem__(0, 7), "hot"),
+    (lambda a: a["freq"].__setitem__(0, np.nan), "freq"),
+    (lambda a: a.__setitem__("medoid_keys", np.zeros((3, 31), np.uint8)), "medoid_keys"),
+    (lambda a: a["start_disk"].__setitem__(1, 5), "start disk"),
+    (lambda a: a["members"].__setitem__(0, 50), "member token"),
+    (lambda a: a["members_ptr"].__setitem__(1, 0), "pointers"),
+])
+def test_inconsistent_arrays_are_a_manifest_error(breaks, match):
+    a, pl = _arrays()
+    breaks(a)
+    with pytest.raises(E.ManifestError, match=match):
+        _li(a, pl)
+
+
+def test_an_extent_inside_a_free_range_is_refused():
+    a, pl = _arrays()
+    off = int(a["extent_off"][1, 0])
+    with pytest.raises(E.ManifestError, match="free") as ei:
+        _li(a, pl, free=[[[off, 512, 0]], []])
+    assert ei.value.cluster == 1 and ei.value.disk == 0
+    end = int(pl.disk_end[0])
+    _li(a, pl, free=[[[end, 512, 0]], []])     # free space past the data is fine
+
+
+def test_lookups_raise_only_swarm_errors():
+    a, pl = _arrays()
+    li = _li(a, pl)
+    for bad in (1.5, "x", None, -1, 99):
+        with pytest.raises(E.SwarmError):
+            li.check_cluster(bad)
+    for bad in ([1.5], ["x"], [99], [-1], [[None]]):
+        with pytest.raises(E.SwarmError):
+            li.check_tokens(bad)
+    with pytest.raises(E.SwarmError):
+        concat_ranges([1, 2], [1])
+    assert concat_ranges([5, 0], [2, 1]).tolist() == [5, 6, 0]
