@@ -155,13 +155,19 @@ int64_t se_choose_clusters(const float *scores, int64_t C, const int64_t *ptr,
                            const int32_t *members, int64_t S, int64_t budget, int64_t w,
                            int64_t *out, int64_t *entries);
 
+/* The medoid index m [C, H * d] (2-byte floats) repacked for the "prob" score:
+ * per KV head, blocks of 16 rows stored dimension-major, out [H, ceil(C/16), d, 16]
+ * (rows past C are zero). */
+void se_pack_medoids(const uint16_t *m, int64_t C, int64_t H, int64_t d, uint16_t *out);
+
 /* Medoid scoring and cluster choice in one call: m [C, H * d] (fp16 kind 1 /
- * bf16 kind 2), one query q float32 [Hq, d]; score 0 = "prob" (per-head
+ * bf16 kind 2) and optionally its se_pack_medoids form (NULL: none; used by
+ * the AVX-512 and AVX2 "prob" paths), one query q float32 [Hq, d]; score 0 = "prob" (per-head
  * softmax of scale * logits, summed over heads), 1 = "logit" (GQA-summed
  * query, scaled).  work: float32 [C * (Hq + 1)] scratch (scores in its first
  * C).  Then se_choose_clusters.  Returns as se_choose_clusters. */
-int64_t se_select_fused(const uint16_t *m, int64_t C, int64_t H, int64_t d, int kind,
-                        const float *q, int64_t Hq, float scale, int score,
+int64_t se_select_fused(const uint16_t *m, const uint16_t *packed, int64_t C, int64_t H,
+                        int64_t d, int kind, const float *q, int64_t Hq, float scale, int score,
                         const int64_t *ptr, const int32_t *members, int64_t S,
                         int64_t budget, int64_t w, float *work, int64_t *out,
                         int64_t *entries);

@@ -535,6 +535,95 @@ static void softmax_sum_avx2(const float *x, int64_t nh, int64_t n, float scale,
 }
 #endif /* SE_X86 */
 
+/* ---- packed medoid index: per KV head, blocks of 16 rows, dimension-major ------ */
+
+void se_pack_medoids(const uint16_t *m, int64_t C, int64_t H, int64_t d, uint16_t *out)
+{
+    int64_t nblk = (C + 15) / 16;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t b = 0; b < nblk; b++) {
+            uint16_t *o = out + ((g * nblk + b) * d) * 16;
+            for (int64_t j = 0; j < d; j++)
+                for (int64_t i = 0; i < 16; i++) {
+                    int64_t r = b * 16 + i;
+                    o[j * 16 + i] = r < C ? m[r * H * d + g * d + j] : 0;
+                }
+        }
+}
+
+#if SE_X86
+/* Logits of one query's Hq heads against the packed index: lg [Hq, C].  Each
+ * 16-row block of KV head g is converted once per dimension and feeds the G
+ * query heads of g (no horizontal sums, contiguous stores). */
+__attribute__((target("avx512f")))
+static void packed_logits_avx512(const uint16_t *P, int64_t C, int64_t H, int64_t d, int kind,
+                                 const float *q, int64_t Hq, float *lg)
+{
+    int64_t G = Hq / H, nblk = (C + 15) / 16;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t h0 = 0; h0 < G; h0 += 8) {
+            int64_t nh = G - h0 < 8 ? G - h0 : 8;
+            const float *qh = q + (g * G + h0) * d;
+            for (int64_t b = 0; b < nblk; b++) {
+                const uint16_t *p = P + ((g * nblk + b) * d) * 16;
+                __m512 acc[8];
+                for (int k = 0; k < 8; k++)
+                    acc[k] = _mm512_setzero_ps();
+                for (int64_t j = 0; j < d; j++) {
+                    __m512 x = LOAD16(kind, p + j * 16);
+#pragma GCC unroll 8
+                    for (int k = 0; k < 8; k++)
+                        if (k < nh)
+                            acc[k] = _mm512_fmadd_ps(x, _mm512_set1_ps(qh[k * d + j]), acc[k]);
+                }
+                int64_t r0 = b * 16, nr = C - r0 < 16 ? C - r0 : 16;
+                __mmask16 mk = (__mmask16)((1u << nr) - 1);
+                for (int k = 0; k < nh; k++)
+                    _mm512_mask_storeu_ps(lg + (g * G + h0 + k) * C + r0, mk, acc[k]);
+            }
+        }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void packed_logits_avx2(const uint16_t *P, int64_t C, int64_t H, int64_t d, int kind,
+                               const float *q, int64_t Hq, float *lg)
+{
+    int64_t G = Hq / H, nblk = (C + 15) / 16;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t h0 = 0; h0 < G; h0 += 8) {
+            int64_t nh = G - h0 < 8 ? G - h0 : 8;
+            const float *qh = q + (g * G + h0) * d;
+            for (int64_t b = 0; b < nblk; b++)
+                for (int half = 0; half < 2; half++) {
+                    const uint16_t *p = P + ((g * nblk + b) * d) * 16 + half * 8;
+                    __m256 acc[8];
+                    for (int k = 0; k < 8; k++)
+                        acc[k] = _mm256_setzero_ps();
+                    for (int64_t j = 0; j < d; j++) {
+                        __m256 x = LOAD8(kind, p + j * 16);
+#pragma GCC unroll 8
+                        for (int k = 0; k < 8; k++)
+                            if (k < nh)
+                                acc[k] = _mm256_fmadd_ps(x, _mm256_set1_ps(qh[k * d + j]),
+                                                         acc[k]);
+                    }
+                    int64_t r0 = b * 16 + half * 8, nr = C - r0 < 8 ? C - r0 : 8;
+                    if (nr <= 0)
+                        continue;
+                    for (int k = 0; k < nh; k++) {
+                        if (nr == 8) {
+                            _mm256_storeu_ps(lg + (g * G + h0 + k) * C + r0, acc[k]);
+                        } else {
+                            float t[8];
+                            _mm256_storeu_ps(t, acc[k]);
+                            memcpy(lg + (g * G + h0 + k) * C + r0, t, sizeof(float) * (size_t)nr);
+                        }
+                    }
+                }
+        }
+}
+#endif /* SE_X86 */
+
 /* ---- NEON (aarch64): fp16/bf16 GEMV -------------------------------------------- */
 #if defined(__aarch64__)
 static void gemv_neon(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
@@ -856,8 +945,8 @@ finish:
     return nout;
 }
 
-int64_t se_select_fused(const uint16_t *m, int64_t C, int64_t H, int64_t d, int kind,
-                        const float *q, int64_t Hq, float scale, int score,
+int64_t se_select_fused(const uint16_t *m, const uint16_t *packed, int64_t C, int64_t H,
+                        int64_t d, int kind, const float *q, int64_t Hq, float scale, int score,
                         const int64_t *ptr, const int32_t *members, int64_t S,
                         int64_t budget, int64_t w, float *work, int64_t *out,
                         int64_t *entries)
@@ -888,7 +977,11 @@ int64_t se_select_fused(const uint16_t *m, int64_t C, int64_t H, int64_t d, int 
             float *lg = work + C;
             int rc = 0;
 #if SE_X86
-            if (path == SE_PATH_AVX512)
+            if (packed && path == SE_PATH_AVX512)
+                packed_logits_avx512(packed, C, H, d, kind, q, Hq, lg);
+            else if (packed && path == SE_PATH_AVX2)
+                packed_logits_avx2(packed, C, H, d, kind, q, Hq, lg);
+            else if (path == SE_PATH_AVX512)
                 head_logits_avx512(m, C, H, d, kind, q, 1, Hq, lg);
             else if (path == SE_PATH_AVX2)
                 head_logits_avx2(m, C, H, d, kind, q, 1, Hq, lg);

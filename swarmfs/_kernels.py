@@ -20,7 +20,7 @@ from ._native import ffi, lib
 
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
            "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum",
-           "choose_clusters", "select_fused", "kernel_path", "set_kernel_path",
+           "choose_clusters", "select_fused", "pack_medoids", "kernel_path", "set_kernel_path",
            "supported_paths", "cpu_flags", "KERNEL_PATHS"]
 
 
@@ -417,9 +417,26 @@ def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
     return out[:n].copy(), int(ent[0])
 
 
+def pack_medoids(m: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """The medoid index [C, H_kv*d] (2-byte floats) in the layout the
+    AVX-512/AVX2 "prob" scoring reads: uint16 [H_kv, ceil(C/16), d, 16]
+    (per KV head, blocks of 16 medoids, dimension-major; same bytes, padded)."""
+    m = _arr(m, "m")
+    H = _pos(num_kv_heads, "num_kv_heads")
+    if m.ndim != 2 or m.itemsize != 2 or m.shape[1] % H:
+        _fail(f"pack_medoids: rows {m.shape} {m.dtype} do not split into {H} heads")
+    C, d = m.shape[0], m.shape[1] // H
+    out = np.empty((H, (C + 15) // 16, d, 16), dtype=np.uint16)
+    if C:
+        lib.se_pack_medoids(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), C, H, d,
+                            ffi.from_buffer("uint16_t[]", out, require_writable=True))
+    return out
+
+
 def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: float,
                  score: str, bf16: bool, ptr: np.ndarray, members: np.ndarray,
-                 num_tokens: int, budget: int, window: int) -> tuple[np.ndarray, int]:
+                 num_tokens: int, budget: int, window: int,
+                 packed: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """Score one query against the fp16/bf16 medoid index and choose clusters,
     in one native call (``se_select_fused``): per-head logits (or the
     GQA-summed logit), softmax sums, then :func:`choose_clusters`'s rule.
@@ -428,6 +445,8 @@ def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: floa
         m: C-contiguous [C, H_kv * d] 2-byte floats (the medoid keys).
         q: float32 [H_q, d] one query.
         score: ``"prob"`` or ``"logit"`` (see ``MedoidSelector``).
+        packed: ``pack_medoids(m, num_kv_heads)`` (faster "prob" scoring on
+            the AVX-512 and AVX2 paths), or None.
 
     Returns:
         (int64 [c] cluster ids best first, distinct entries).
@@ -448,7 +467,11 @@ def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: floa
     work = np.empty(C * (Hq + 1) + 1, dtype=np.float32)
     out = np.empty(max(C, 1), dtype=np.int64)
     ent = ffi.new("int64_t *")
-    n = lib.se_select_fused(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), C, H, d,
+    if packed is not None and (packed.dtype != np.uint16 or not packed.flags.c_contiguous or
+                               packed.shape != (H, (C + 15) // 16, d, 16)):
+        _fail(f"select_fused: packed index {packed.shape} does not match {m.shape}")
+    pk = ffi.from_buffer("uint16_t[]", packed) if packed is not None and C else ffi.NULL
+    n = lib.se_select_fused(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), pk, C, H, d,
                             2 if bf16 else 1, ffi.from_buffer("float[]", q), Hq, float(scale),
                             0 if score == "prob" else 1,
                             ffi.from_buffer("int64_t[]", ptr),

@@ -122,3 +122,24 @@ def test_forcing_an_unknown_or_missing_path_is_refused(each_path):
     for p in missing:
         with pytest.raises(InvalidArgumentError):
             set_kernel_path(p)
+
+
+@pytest.mark.parametrize("G", [1, 4, 8, 12])
+def test_packed_index_scores_like_the_plain_one(each_path, rng, G):
+    from swarmfs._kernels import pack_medoids, select_fused, set_kernel_path
+    H, d, C = 2, 24, 37                     # C not a multiple of 16: a padded block
+    m = rng.standard_normal((C, H * d)).astype(np.float16)
+    q = rng.standard_normal((H * G, d)).astype(np.float32)
+    pk = pack_medoids(m, H)
+    assert pk.shape == (H, 3, d, 16)
+    assert np.array_equal(pk[1, 0, :, 5], m[5, d:].view(np.uint16))
+    ptr = np.arange(C + 1, dtype=np.int64)
+    members = np.arange(C, dtype=np.int32)
+    for path in each_path:
+        set_kernel_path(path)
+        kw = dict(scale=0.2, score="prob", bf16=False, ptr=ptr, members=members,
+                  num_tokens=C, budget=C, window=0)
+        a, na = select_fused(m, q, H, **kw)
+        b, nb = select_fused(m, q, H, packed=pk, **kw)
+        assert na == nb == C
+        assert a.tolist() == b.tolist(), path       # every cluster, in the same score order

@@ -5,10 +5,17 @@ Selection: a Qwen3-32B-shaped layer (8 KV heads, 64 query heads, head_dim
 128, fp16 keys) at 128K, 256K, 512K and 1M tokens.  "naive" scores the query
 against every key (the full-key scan) and takes the top r x S; "swarm" scores
 it against the medoid index (one medoid per cluster; C = S / mean cluster
-size, --cluster-size) and takes clusters in score order until r x S entries
-(``swarmfs._retrieve.select_clusters``).  Both use a single-threaded GEMV
-on the GQA-summed query (fp32 keys for the naive scan, so it gets BLAS; the fp16
-medoid index is scored by swarmfs's C GEMV, as the Retriever does); medians.
+size, --cluster-size) and takes clusters in score order until r x S distinct
+entries, in one native call as the Retriever does
+(``swarmfs._kernels.select_fused``: per-head logits, softmax sums, partial
+selection; the default "prob" score, and "logit").  "split" is the same work
+as separate kernel calls from Python (``head_logits`` + ``softmax_sum`` +
+``select_clusters``).  The naive scan is a single-threaded BLAS GEMV on the
+GQA-summed query over fp32 keys; medians, one core.
+
+The scoring kernels dispatch at run time (AVX-512, AVX2+FMA+F16C, NEON,
+scalar); ``--paths avx512,avx2`` measures each named path (forced with
+``swarmfs._kernels.set_kernel_path``), and the CPU flags are printed.
 
 Planning: ``plan_reads`` for 100K selected entries (30% with a second copy)
 over 4 disks: dedup (eq. 8), entry buckets (§6.1), coalescing.
@@ -28,10 +35,10 @@ import time
 import numpy as np
 
 from swarmfs import plan_reads
-from swarmfs._kernels import softmax_sum
-from swarmfs._retrieve import (group_queries, score_medoids, select_clusters,
-                               single_threaded_blas)
-from swarmfs._selectors import head_logits
+from swarmfs._kernels import (cpu_flags, kernel_path, pack_medoids, select_fused,
+                              set_kernel_path, softmax_sum, supported_paths)
+from swarmfs._selectors import (group_queries, head_logits, select_clusters,
+                                single_threaded_blas)
 
 PAPER = {131072: (1.635, 0.236), 262144: (3.136, 0.374), 524288: (6.176, 0.554),
          1048576: (12.15, 0.999)}
@@ -47,7 +54,7 @@ def median_ms(f, reps):
     return statistics.median(ts) * 1e3
 
 
-def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128):
+def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=None):
     C = int(round(S / cluster_size))
     q = rng.standard_normal((1, Hq, d)).astype(np.float32)
     sizes = rng.integers(max(int(cluster_size) // 2, 1), int(cluster_size * 1.5) + 1, size=C)
@@ -59,17 +66,29 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128):
     budget = int(np.ceil(r * S))
     scale = d ** -0.5
 
-    def swarm_prob():      # the Retriever's default (MedoidSelector score="prob")
+    packed = pack_medoids(medoids, H)      # made once per layer, as MedoidSelector does
+
+    def fused(score):
+        return lambda: select_fused(medoids, q[0], H, scale=scale, score=score, bf16=False,
+                                    ptr=ptr, members=members, num_tokens=S_,
+                                    budget=budget, window=0,
+                                    packed=packed if score == "prob" else None)
+
+    def split():           # the same as separate calls from Python
         sc = softmax_sum(head_logits(medoids, q, H)[0], scale)
         select_clusters(sc, ptr, members, num_tokens=S_, budget=budget)
 
-    def swarm_logit():     # MedoidSelector score="logit": GQA-summed query, one GEMV
-        select_clusters(score_medoids(medoids, group_queries(q, H))[0], ptr, members,
-                        num_tokens=S_, budget=budget)
-
-    t_prob = median_ms(swarm_prob, reps)
-    t_logit = median_ms(swarm_logit, reps)
-    medoids = None                     # free the index before the naive scan allocates keys
+    per_path = {}
+    paths = paths or [kernel_path()]
+    for path in paths:
+        set_kernel_path(path)
+        per_path[path] = {"prob_ms": median_ms(fused("prob"), reps),
+                          "logit_ms": median_ms(fused("logit"), reps)}
+    set_kernel_path("auto")
+    t_split = median_ms(split, max(reps // 4, 5))
+    t_prob = per_path[paths[0]]["prob_ms"]
+    t_logit = per_path[paths[0]]["logit_ms"]
+    medoids = packed = None            # free the index before the naive scan allocates keys
     keys = rng.standard_normal((S, H * d), dtype=np.float32)
 
     def naive():
@@ -81,6 +100,7 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128):
     t_naive = median_ms(naive, max(reps // 10, 5))
     return {"tokens": S, "medoids": C, "mean_cluster_size": cluster_size,
             "naive_ms": t_naive, "swarm_ms": t_prob, "swarm_logit_ms": t_logit,
+            "split_ms": t_split, "paths": per_path,
             "speedup": t_naive / t_prob,
             "swarm_index_bytes": C * H * d * 2,
             "paper_naive_ms": PAPER.get(S, (None, None))[0],
@@ -113,28 +133,39 @@ def main(argv=None):
                          "14.9 at 128K, bench_layout.py) grown as S^0.377 as measured "
                          "from 16K to 128K")
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--paths", default="auto",
+                    help="kernel paths to measure, comma-separated (scalar, avx2, avx512, "
+                         "neon; 'all' = every path this CPU runs; default: the auto path)")
     ap.add_argument("--out", default="bench-out/select")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = []
-    print(f"{'tokens':>8} {'medoids':>8} {'naive ms':>9} {'swarm ms':>9} {'logit ms':>9} "
-          f"{'paper':>7} {'speedup':>8}")
+    auto = kernel_path()
+    paths = supported_paths()[::-1] if a.paths == "all" else \
+        [auto if p == "auto" else p for p in a.paths.split(",")]
+    print(f"CPU flags: {' '.join(cpu_flags())}; auto path: {auto}; measured: "
+          f"{', '.join(paths)}; one thread")
+    print(f"{'tokens':>8} {'medoids':>8} {'naive ms':>9} " +
+          " ".join(f"{p + ' prob':>12} {p + ' logit':>12}" for p in paths) +
+          f" {'split ms':>9} {'paper':>7}")
     sizes = [float(x) for x in a.cluster_sizes.split(",")]
     toks = [int(x) for x in a.tokens.split(",")]
     if len(sizes) == 1:
         sizes = sizes * len(toks)
     for S, cs in zip(toks, sizes):
-        r = bench_selection(S, cs, a.reps, rng)
+        r = bench_selection(S, cs, a.reps, rng, paths=paths)
         rows.append(r)
-        print(f"{S:8d} {r['medoids']:8d} {r['naive_ms']:9.3f} {r['swarm_ms']:9.3f} "
-              f"{r['swarm_logit_ms']:9.3f} {r['paper_swarm_ms'] or 0:7.3f} "
-              f"{r['speedup']:8.1f}", flush=True)
+        print(f"{S:8d} {r['medoids']:8d} {r['naive_ms']:9.3f} " +
+              " ".join(f"{r['paths'][p]['prob_ms']:12.3f} {r['paths'][p]['logit_ms']:12.3f}"
+                       for p in paths) +
+              f" {r['split_ms']:9.3f} {r['paper_swarm_ms'] or 0:7.3f}", flush=True)
     plan = bench_planning(max(a.reps // 4, 20), rng)
     print(f"planning {plan['entries']} entries ({plan['candidates']} candidate copies, "
           f"{plan['disks']} disks): {plan['plan_ms']:.2f} ms, {plan['requests']} requests")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"selection": rows, "planning": plan, "cluster_sizes": sizes,
+                   "cpu_flags": cpu_flags(), "auto_path": auto, "paths": paths,
                    "command": "tools/bench_select.py " + " ".join(argv or sys.argv[1:])},
                   f, indent=1)
     print(f"wrote {a.out}.json")
