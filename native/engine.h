@@ -130,6 +130,24 @@ int se_head_logits(const uint16_t *m, int64_t rows, int64_t num_kv_heads, int64_
  * AVX-512.  Returns 0 or -EINVAL. */
 int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *out);
 
+/* The read planner (SWARM 6.1, eq. 8) in one call, as swarmfs._planner
+ * documents it: m candidate copies (tok, cdisk, coff) -> with dedup, one copy
+ * per token (balanced: single-copy entries fill their buckets, the others in
+ * ascending copy count go to the smallest bucket among their copies, the first
+ * copy on a tie; else the first copy); per disk in offset order, runs of
+ * entries with gaps <= max_gap split every max_request bytes from the run's
+ * start, block aligned, overlapping ranges merged; requests in round-robin
+ * disk order laid out back to back.  Outputs (capacity m): utok/chosen/src
+ * per entry (ascending token), rdisk/roff/rlen/rdst per request; *n_entries,
+ * *staging; disk_entries/disk_bytes [ndisks].  Returns the request count or
+ * -EINVAL / -ENOMEM. */
+int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const uint64_t *coff,
+                      int ndisks, uint64_t E, uint64_t bs, uint64_t max_gap,
+                      uint64_t max_request, int balanced, int dedup,
+                      int64_t *utok, int64_t *chosen, uint64_t *src, int64_t *n_entries,
+                      int32_t *rdisk, uint64_t *roff, uint32_t *rlen, uint64_t *rdst,
+                      uint64_t *staging, int64_t *disk_entries, int64_t *disk_bytes);
+
 /* Kernel paths of the scoring kernels (gemv, head logits, softmax sums, fused
  * selection), chosen at run time from the CPU's features: */
 #define SE_PATH_AUTO 0
