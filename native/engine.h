@@ -148,6 +148,11 @@ int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const
                       int32_t *rdisk, uint64_t *roff, uint32_t *rlen, uint64_t *rdst,
                       uint64_t *staging, int64_t *disk_entries, int64_t *disk_bytes);
 
+/* Assembly: entry i (K of H heads then V of H heads, dbytes per head, at
+ * src + src_off[i]) goes to column dst_idx[i] of k and v [H, n_total, dbytes]. */
+void se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
+                  uint64_t dbytes, const int64_t *dst_idx, int64_t n_total, char *k, char *v);
+
 /* Kernel paths of the scoring kernels (gemv, head logits, softmax sums, fused
  * selection), chosen at run time from the CPU's features: */
 #define SE_PATH_AUTO 0

@@ -1249,3 +1249,20 @@ int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const
 out:
     return ret;
 }
+
+/* ---- assembly: entries straight into K and V [H, n_total, d] ------------------ */
+
+void se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
+                  uint64_t dbytes, const int64_t *dst_idx, int64_t n_total, char *k, char *v)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const char *row = src + src_off[i];
+        uint64_t at = (uint64_t)dst_idx[i] * dbytes;
+        for (int64_t h = 0; h < H; h++) {
+            memcpy(k + (uint64_t)h * (uint64_t)n_total * dbytes + at, row + (uint64_t)h * dbytes,
+                   dbytes);
+            memcpy(v + (uint64_t)h * (uint64_t)n_total * dbytes + at,
+                   row + (uint64_t)(H + h) * dbytes, dbytes);
+        }
+    }
+}

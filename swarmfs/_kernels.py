@@ -20,7 +20,7 @@ from ._native import ffi, lib
 
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
            "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum",
-           "choose_clusters", "select_fused", "pack_medoids", "kernel_path", "set_kernel_path",
+           "choose_clusters", "select_fused", "pack_medoids", "gather_kv", "kernel_path", "set_kernel_path",
            "supported_paths", "cpu_flags", "KERNEL_PATHS"]
 
 
@@ -138,6 +138,46 @@ def scatter_rows(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray,
                         ffi.from_buffer("uint64_t[]", dst_off),
                         ffi.from_buffer("char[]", src),
                         ffi.from_buffer("int64_t[]", src_row), n, row)
+
+
+def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.ndarray,
+              v: np.ndarray) -> None:
+    """Write entries straight into K and V: entry i (its K heads then its V
+    heads, as stored) at byte ``src_off[i]`` of ``src`` goes to
+    ``k[:, dst_idx[i]]`` and ``v[:, dst_idx[i]]`` (in C, no intermediate copy).
+
+    Args:
+        src: uint8 buffer (staging buffer or DRAM pool).
+        src_off: uint64 [n] byte offsets of the entries.
+        dst_idx: int64 [n] output columns in [0, n_total).
+        k, v: C-contiguous writable [H, n_total, d] arrays of one 2- or 4-byte
+            dtype (entry bytes = 2 * H * d * itemsize).
+
+    Raises:
+        InvalidArgumentError: shapes, bounds or dtypes that do not fit.
+    """
+    k = _arr(k, "k", writable=True)
+    v = _arr(v, "v", writable=True)
+    src = _arr(src, "src")
+    if k.ndim != 3 or k.shape != v.shape or k.dtype != v.dtype:
+        _fail(f"gather_kv: k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must be one "
+              "[H, n, d] shape and dtype")
+    H, nt, d = k.shape
+    db = d * k.itemsize
+    src_off = _vec(src_off, np.uint64, "src_off")
+    dst_idx = _vec(dst_idx, np.int64, "dst_idx")
+    n = src_off.shape[0]
+    if dst_idx.shape[0] != n:
+        _fail(f"gather_kv: {n} entries but {dst_idx.shape[0]} destinations")
+    if not n:
+        return
+    if int(src_off.max()) + 2 * H * db > src.nbytes or dst_idx.min() < 0 or \
+            dst_idx.max() >= nt:
+        _fail("gather_kv: an entry outside the source or the output")
+    lib.se_gather_kv(ffi.from_buffer("char[]", src), ffi.from_buffer("uint64_t[]", src_off), n,
+                     H, db, ffi.from_buffer("int64_t[]", dst_idx), nt,
+                     ffi.from_buffer("char[]", k, require_writable=True),
+                     ffi.from_buffer("char[]", v, require_writable=True))
 
 
 def xxh3_rows(buf: np.ndarray, row: int) -> np.ndarray:

@@ -169,12 +169,13 @@ class DecodeSession:
         self._check_layer(st)
         S = st.li.num_tokens
         n_pend = self.pend_rows.shape[0]
-        rows = np.concatenate([ret.rows, self.pend_rows]) if n_pend else ret.rows
         pos = np.concatenate([ret.positions, S + np.arange(n_pend)])
-        kv = rows.view(self.store.np_dtype).reshape(rows.shape[0], 2, self.store.num_kv_heads,
-                                                    self.store.head_dim)
-        k = np.ascontiguousarray(kv[:, 0].transpose(1, 0, 2))
-        v = np.ascontiguousarray(kv[:, 1].transpose(1, 0, 2))
+        k, v = ret.k, ret.v
+        if n_pend:
+            pk = self.pend_rows.view(self.store.np_dtype).reshape(
+                n_pend, 2, self.store.num_kv_heads, self.store.head_dim)
+            k = np.concatenate([k, pk[:, 0].transpose(1, 0, 2)], axis=1)
+            v = np.concatenate([v, pk[:, 1].transpose(1, 0, 2)], axis=1)
         self._count_coactivation(q, k, ret, n_pend)
         admitted, evicted = self._replace_cache(ret) if self.adapt_cache else \
             (np.empty(0, np.int64), np.empty(0, np.int64))
@@ -238,7 +239,9 @@ class DecodeSession:
         admitted = np.flatnonzero(want & ~st.hot)
         evicted = np.flatnonzero(st.hot & ~want)
         st.evict(evicted)
-        st.admit(admitted, ret.positions, ret.rows)   # admitted clusters were just read
+        if admitted.size:                      # admitted clusters were just read
+            toks = np.unique(st.li.members[st.li.cluster_copies(admitted)])
+            st.admit(admitted, toks, ret.rows_of(np.searchsorted(ret.positions, toks)))
         return admitted, evicted
 
     def _check_layer(self, st) -> None:

@@ -143,3 +143,25 @@ def test_packed_index_scores_like_the_plain_one(each_path, rng, G):
         b, nb = select_fused(m, q, H, packed=pk, **kw)
         assert na == nb == C
         assert a.tolist() == b.tolist(), path       # every cluster, in the same score order
+
+
+def test_gather_kv_writes_entries_into_head_major_k_and_v(rng):
+    from swarmfs._kernels import gather_kv
+    H, d, n = 3, 4, 10
+    rows = rng.standard_normal((n, 2, H, d)).astype(np.float16)
+    buf = np.zeros(64 + rows.nbytes, np.uint8)
+    buf[64:] = rows.reshape(-1).view(np.uint8)
+    k = np.full((H, n + 2, d), -1, np.float16)
+    v = np.full((H, n + 2, d), -1, np.float16)
+    dst = rng.permutation(n + 2)[:n]
+    gather_kv(buf, 64 + np.arange(n, dtype=np.uint64) * np.uint64(rows[0].nbytes), dst, k, v)
+    assert np.array_equal(k[:, dst], rows[:, 0].transpose(1, 0, 2))
+    assert np.array_equal(v[:, dst], rows[:, 1].transpose(1, 0, 2))
+    rest = np.setdiff1d(np.arange(n + 2), dst)
+    assert (k[:, rest] == -1).all() and (v[:, rest] == -1).all()
+    with pytest.raises(InvalidArgumentError):
+        gather_kv(buf, [buf.nbytes - 8], [0], k, v)              # outside the source
+    with pytest.raises(InvalidArgumentError):
+        gather_kv(buf, [64], [n + 2], k, v)                      # outside the output
+    with pytest.raises(InvalidArgumentError):
+        gather_kv(buf, [64], [0], k, v[:, :, :2])                # shapes differ
