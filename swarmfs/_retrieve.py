@@ -469,7 +469,7 @@ class Retriever:
 
     # -- one decode step ------------------------------------------------------
     def retrieve(self, layer: int, q, *, torch: bool = True, pinned: bool = False,
-                 budget: int | None = None) -> Retrieval:
+                 budget: int | None = None, out=None) -> Retrieval:
         """Fetch the KV entries a query (or a batch of queries) needs.
 
         Stages: score, select (:func:`~swarmfs._selectors.select_clusters`),
@@ -486,6 +486,11 @@ class Retriever:
             torch: return torch tensors (else numpy).
             pinned: K and V in pinned (page-locked) host memory.
             budget: entry budget per query (default ceil(r x S)).
+            out: ``(k, v)`` buffers to write into instead of new arrays: numpy
+                arrays or torch CPU tensors [H_kv, cap, head_dim] of the store
+                dtype with cap >= n, C-contiguous, reused across steps as a
+                serving engine would (no page faults on fresh memory); the
+                returned K and V are the views ``k[:, :n]``, ``v[:, :n]``.
 
         Returns:
             A :class:`Retrieval` with K and V [H_kv, n, head_dim].
@@ -534,7 +539,8 @@ class Retriever:
             ssd_toks = plan.tokens
             nd, ns = dram_toks.shape[0], ssd_toks.shape[0]
             n = nd + ns
-            k, v, kw, vw = self._outputs(n, torch, pinned)
+            k, v, kw, vw = self._outputs(n, torch, pinned) if out is None else \
+                self._given_outputs(out, n)
             # both lists are ascending and disjoint: merged places by counting
             d_idx = np.arange(nd) + np.searchsorted(ssd_toks, dram_toks)
             s_idx = np.arange(ns) + np.searchsorted(dram_toks, ssd_toks, side="right")
@@ -564,6 +570,39 @@ class Retriever:
                             dram=int(nd),
                             dups=int(cand.shape[0] - plan.num_entries) if self.dedup else 0)
         return Retrieval(k=k, v=v, positions=pos, clusters=clusters, stats=stats)
+
+    def _given_outputs(self, out, n: int):
+        """Caller buffers [H_kv, cap, d] -> (k view, v view, k array, v array)."""
+        H, d = self.store.num_kv_heads, self.store.head_dim
+        try:
+            kb, vb = out
+        except (TypeError, ValueError):
+            raise E.InvalidArgumentError("out must be a (k, v) pair") from None
+        arrs = []
+        for name, x in (("k", kb), ("v", vb)):
+            if hasattr(x, "detach"):
+                import torch as _torch
+                if str(x.dtype) != f"torch.{self.store.dtype}" or x.device.type != "cpu":
+                    raise E.InvalidArgumentError(f"out {name} is {x.dtype} on {x.device}; "
+                                                 f"need {self.store.dtype} on the CPU")
+                a = x.view(_torch.int16).numpy().view(self.store.np_dtype) \
+                    if self.store.dtype == "bfloat16" else x.numpy()
+            else:
+                a = x
+            if not isinstance(a, np.ndarray) or a.dtype != self.store.np_dtype or \
+                    a.ndim != 3 or a.shape[0] != H or a.shape[2] != d or \
+                    not a.flags.c_contiguous or not a.flags.writeable:
+                raise E.InvalidArgumentError(
+                    f"out {name} must be a writable C-contiguous [{H}, cap, {d}] "
+                    f"{self.store.dtype} array, got {getattr(a, 'shape', None)} "
+                    f"{getattr(a, 'dtype', type(a))}")
+            if a.shape[1] < n:
+                raise E.InvalidArgumentError(f"out {name} holds {a.shape[1]} entries; this "
+                                             f"retrieval returns {n}")
+            arrs.append(a)
+        if arrs[0].shape != arrs[1].shape:
+            raise E.InvalidArgumentError("out k and v differ in shape")
+        return kb[:, :n], vb[:, :n], arrs[0], arrs[1]
 
     def _outputs(self, n: int, torch: bool, pinned: bool):
         """K and V [H_kv, n, d] to return, and numpy views of them to write

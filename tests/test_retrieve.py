@@ -171,3 +171,27 @@ def test_torch_and_pinned_outputs_are_the_stored_entries(tmp_path, rng, dtype):
         if kw["torch"]:
             assert str(out.k.dtype) == f"torch.{dtype}" and out.k.shape == (H, len(out.positions), D)
     s.close()
+
+
+def test_retrieve_into_caller_buffers(store, rng):
+    s, kv, cl = store
+    r = Retriever(s, sparsity=0.1)
+    kb = np.zeros((H, S, D), np.float16)
+    vb = np.zeros((H, S, D), np.float16)
+    for q in rng.standard_normal((3, HQ, D)):
+        out = r.retrieve(0, q, torch=False, out=(kb, vb))
+        n = len(out.positions)
+        assert np.shares_memory(out.k, kb) and out.k.shape == (H, n, D)
+        assert same_bits(kb[:, :n], kv[out.positions][:, 0].transpose(1, 0, 2))
+        assert same_bits(vb[:, :n], kv[out.positions][:, 1].transpose(1, 0, 2))
+    for bad in ((kb[:, :10], vb[:, :10]),                       # too small
+                (kb.astype(np.float32), vb.astype(np.float32)),  # wrong dtype
+                (kb[:, ::2], vb[:, ::2]), kb):                  # not contiguous, not a pair
+        with pytest.raises(E.InvalidArgumentError):
+            r.retrieve(0, rng.standard_normal((HQ, D)), torch=False, out=bad)
+    st_ = r.layer_state(0)
+    pinned_left = st_.refs.copy()
+    r2 = Retriever(s, sparsity=0.1)               # a fresh state: the references it starts with
+    assert np.array_equal(pinned_left, r2.layer_state(0).refs)   # failed calls unpinned
+    toks = np.flatnonzero(st_.resident)
+    assert same_bits(st_.rows[st_.slot[toks]], kv[toks].reshape(len(toks), -1).view(np.uint8))

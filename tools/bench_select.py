@@ -124,6 +124,55 @@ def bench_planning(reps, rng, n=100_000, replicated=0.3, ndisks=4, S=1 << 20, E=
             "requests": p.num_requests, "bucket_entries": p.disk_entries.tolist()}
 
 
+def bench_assembly(reps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, batches=(1, 4, 8),
+                   root=None):
+    """Retrieve at batch 1, 4 and 8 from a store on tmpfs (Qwen3-32B-shaped
+    entries, 4 KiB fp16) into reused K/V buffers (``retrieve(out=...)``): GB/s
+    of returned entry bytes over the retrieval's wall time, and assembly alone
+    (entries written into K/V by gather_kv)."""
+    import tempfile
+
+    from swarmfs import Retriever, Store
+    base = root or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    with tempfile.TemporaryDirectory(dir=base) as tmp:
+        s = Store.create(os.path.join(tmp, "st"), disks=4, num_layers=1, num_kv_heads=H,
+                         head_dim=d, num_query_heads=Hq, dtype="float16")
+        kv = rng.standard_normal((S, 2, H, d)).astype(np.float16)
+        perm = rng.permutation(S)
+        clusters = np.array_split(perm, S // 16)
+        hot = np.zeros(len(clusters), bool)
+        hot[rng.choice(len(clusters), len(clusters) // 50, replace=False)] = True
+        s.write_layer(0, kv, clusters, hot=hot, local_window=256)
+        del kv
+        ret = Retriever(s, sparsity=r)
+        qs = rng.standard_normal((max(batches), Hq, d)).astype(np.float32)
+        out = {}
+        cap = S                            # output buffers reused across steps
+        kb = np.zeros((H, cap, d), np.float16)
+        vb = np.zeros((H, cap, d), np.float16)
+        for b in batches:
+            q = qs[:b] if b > 1 else qs[0]
+            ret.retrieve(0, q, torch=False, out=(kb, vb))
+            res = [ret.retrieve(0, q, torch=False, out=(kb, vb)) for _ in range(reps)]
+            tot = [x.stats.total_us for x in res]
+            asm = [x.stats.assemble_us for x in res]
+            nbytes = res[0].stats.entries * s.entry_bytes
+            out[b] = {"entries": res[0].stats.entries, "bytes": nbytes,
+                      "total_us": statistics.median(tot), "assemble_us": statistics.median(asm),
+                      "gbps": nbytes / statistics.median(tot) / 1e3,
+                      "assemble_gbps": nbytes / statistics.median(asm) / 1e3,
+                      "io_us": statistics.median([x.stats.io_us for x in res]),
+                      "select_us": statistics.median([x.stats.score_us + x.stats.select_us
+                                                      for x in res]),
+                      "plan_us": statistics.median([x.stats.plan_us for x in res])}
+        s.close()
+    for b in batches:
+        out[b]["gbps_vs_batch1"] = out[b]["gbps"] / out[batches[0]]["gbps"]
+        out[b]["assemble_gbps_vs_batch1"] = out[b]["assemble_gbps"] / \
+            out[batches[0]]["assemble_gbps"]
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="131072,262144,524288,1048576")
@@ -136,6 +185,8 @@ def main(argv=None):
     ap.add_argument("--paths", default="auto",
                     help="kernel paths to measure, comma-separated (scalar, avx2, avx512, "
                          "neon; 'all' = every path this CPU runs; default: the auto path)")
+    ap.add_argument("--assembly", action="store_true",
+                    help="also retrieve at batch 1/4/8 from a tmpfs store (GB/s, assembly)")
     ap.add_argument("--out", default="bench-out/select")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -162,6 +213,20 @@ def main(argv=None):
     plan = bench_planning(max(a.reps // 4, 20), rng)
     print(f"planning {plan['entries']} entries ({plan['candidates']} candidate copies, "
           f"{plan['disks']} disks): {plan['plan_ms']:.2f} ms, {plan['requests']} requests")
+    step = bench_planning(max(a.reps // 4, 20), rng, n=13108, ndisks=8, S=131072)
+    print(f"planning a 128K-token step at r = 0.1: {step['entries']} entries "
+          f"({step['candidates']} candidate copies, {step['disks']} disks): "
+          f"{step['plan_ms']:.3f} ms, {step['requests']} requests")
+    plan["step_128k"] = step
+    if a.assembly:
+        asm = bench_assembly(max(a.reps // 4, 20), rng)
+        plan["assembly"] = asm
+        for b, x in asm.items():
+            print(f"batch {b}: {x['entries']} entries, retrieve {x['total_us']:.0f} µs "
+                  f"(select {x['select_us']:.0f}, plan {x['plan_us']:.0f}, I/O {x['io_us']:.0f}, "
+                  f"assemble {x['assemble_us']:.0f}) = {x['gbps']:.2f} GB/s "
+                  f"({x['gbps_vs_batch1']:.2f}x batch 1); assembly {x['assemble_gbps']:.1f} GB/s "
+                  f"({x['assemble_gbps_vs_batch1']:.2f}x)")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"selection": rows, "planning": plan, "cluster_sizes": sizes,
