@@ -88,12 +88,17 @@ class Retrieval:
         positions: int64 [n] token positions of the entries (ascending).
         clusters: int64 [c] selected cluster ids, in score order.
         stats: :class:`RetrievalStats`.
+        layer: the layer.
+        index: the :class:`~swarmfs.LayerIndex` the retrieval read (a
+            :class:`~swarmfs.DecodeSession` refuses a retrieval of an older one).
     """
     k: object
     v: object
     positions: np.ndarray
     clusters: np.ndarray
     stats: RetrievalStats
+    layer: int = -1
+    index: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def _kv_numpy(self):
         k, v = self.k, self.v
@@ -569,7 +574,8 @@ class Retriever:
                             clusters=int(clusters.shape[0]), hot=hot_sel, n=n,
                             dram=int(nd),
                             dups=int(cand.shape[0] - plan.num_entries) if self.dedup else 0)
-        return Retrieval(k=k, v=v, positions=pos, clusters=clusters, stats=stats)
+        return Retrieval(k=k, v=v, positions=pos, clusters=clusters, stats=stats,
+                         layer=int(layer), index=li)
 
     def _given_outputs(self, out, n: int):
         """Caller buffers [H_kv, cap, d] -> (k view, v view, k array, v array)."""
