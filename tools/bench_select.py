@@ -173,6 +173,67 @@ def bench_assembly(reps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, batches=(1, 4, 
     return out
 
 
+def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None):
+    """A decode step over L layers from a tmpfs store, with numpy attention of
+    the Hq query heads over each layer's retrieved K/V: sequential (each
+    layer retrieves, then attends) against ``pipelined_step`` (layer L+1's
+    retrieval prefetched while layer L steps and attends).  Medians."""
+    import tempfile
+
+    from swarmfs import DecodeSession, Retriever, Store, pipelined_step
+    from swarmfs._report import attention_logits
+    base = root or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    scale = d ** -0.5
+    qs = rng.standard_normal((steps + 2, L, Hq, d)).astype(np.float32)
+
+    def attend(i, res, q):
+        lg = attention_logits(q[:, None, :], res.k, scale)[:, 0]      # [Hq, n]
+        p = np.exp(lg - lg.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        g = Hq // H
+        return np.einsum("hgn,hnd->hgd", p.reshape(H, g, -1), res.v.astype(np.float32))
+
+    with tempfile.TemporaryDirectory(dir=base) as tmp:
+        s = Store.create(os.path.join(tmp, "st"), disks=4, num_layers=L, num_kv_heads=H,
+                         head_dim=d, num_query_heads=Hq, dtype="float16")
+        for layer in range(L):
+            kv = rng.standard_normal((S, 2, H, d)).astype(np.float16)
+            cl = np.array_split(rng.permutation(S), S // 16)
+            hot = np.zeros(len(cl), bool)
+            hot[: len(cl) // 50] = True
+            s.write_layer(layer, kv, cl, hot=hot, local_window=256)
+        out = {}
+        for mode in ("sequential", "pipelined"):
+            r_obj = Retriever(s, sparsity=r)
+            sess = [DecodeSession(r_obj, layer, adapt_cache=True) for layer in range(L)]
+            rows = []
+            for t in range(steps + 2):
+                q = qs[t]
+                if mode == "pipelined":
+                    res = pipelined_step(sess, list(q), lambda i, x: attend(i, x, q[i]))
+                    rows.append((res.step_us, res.sum_us, res.max_us, sum(res.retrieval_us),
+                                 sum(res.compute_us)))
+                else:
+                    t0 = time.perf_counter()
+                    ret_us = comp_us = 0.0
+                    for i in range(L):
+                        x = sess[i].step(q[i])
+                        tc = time.perf_counter()
+                        attend(i, x, q[i])
+                        comp_us += (time.perf_counter() - tc) * 1e6
+                        ret_us += x.retrieval.stats.total_us
+                    step = (time.perf_counter() - t0) * 1e6
+                    rows.append((step, step, step, ret_us, step - ret_us))
+            r_obj.close()
+            rows = rows[2:]                    # warm-up: layer states, packed index
+            med = [statistics.median(c) for c in zip(*rows)]
+            out[mode] = {"step_us": med[0], "sum_us": med[1], "max_us": med[2],
+                         "retrieval_us": med[3], "compute_us": med[4]}
+        s.close()
+    out["speedup"] = out["sequential"]["step_us"] / out["pipelined"]["step_us"]
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="131072,262144,524288,1048576")
@@ -187,6 +248,8 @@ def main(argv=None):
                          "neon; 'all' = every path this CPU runs; default: the auto path)")
     ap.add_argument("--assembly", action="store_true",
                     help="also retrieve at batch 1/4/8 from a tmpfs store (GB/s, assembly)")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="also time a decode step over 8 layers, sequential vs pipelined")
     ap.add_argument("--out", default="bench-out/select")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -227,6 +290,15 @@ def main(argv=None):
                   f"assemble {x['assemble_us']:.0f}) = {x['gbps']:.2f} GB/s "
                   f"({x['gbps_vs_batch1']:.2f}x batch 1); assembly {x['assemble_gbps']:.1f} GB/s "
                   f"({x['assemble_gbps_vs_batch1']:.2f}x)")
+    if a.pipeline:
+        pipe = bench_pipeline(max(a.reps // 10, 8), rng)
+        plan["pipeline"] = pipe
+        for mode in ("sequential", "pipelined"):
+            x = pipe[mode]
+            print(f"decode step, 8 layers, {mode}: {x['step_us'] / 1e3:.2f} ms (retrieval "
+                  f"{x['retrieval_us'] / 1e3:.2f} ms + compute {x['compute_us'] / 1e3:.2f} ms; "
+                  f"sum {x['sum_us'] / 1e3:.2f}, max {x['max_us'] / 1e3:.2f})")
+        print(f"pipelined / sequential step: {1 / pipe['speedup']:.2f}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"selection": rows, "planning": plan, "cluster_sizes": sizes,
