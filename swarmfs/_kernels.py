@@ -20,8 +20,8 @@ from ._native import ffi, lib
 
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
            "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum",
-           "choose_clusters", "select_fused", "pack_medoids", "gather_kv", "kernel_path", "set_kernel_path",
-           "supported_paths", "cpu_flags", "KERNEL_PATHS"]
+           "choose_clusters", "select_fused", "pack_medoids", "gather_kv", "kernel_path",
+           "set_kernel_path", "supported_paths", "cpu_flags", "KERNEL_PATHS"]
 
 
 # -- argument checks (before C touches memory) ---------------------------------

@@ -228,7 +228,7 @@ class DecodeSession:
     def _replace_cache(self, ret: Retrieval):
         """§6.2 cache replacement over the hot set and this step's clusters."""
         st = self.r.layer_state(self.layer)
-        with st.lock:       # the hot set changes as one, beside concurrent retrievals
+        with st.lock:       # the hot set is read and changed as one
             return self._replace_locked(st, ret)
 
     def _replace_locked(self, st, ret: Retrieval):
@@ -249,13 +249,7 @@ class DecodeSession:
         keep = order[cum <= self.hot_budget]
         want = np.zeros_like(st.hot)
         want[keep] = True
-        admitted = np.flatnonzero(want & ~st.hot)
-        evicted = np.flatnonzero(st.hot & ~want)
-        st.evict(evicted)
-        if admitted.size:                      # admitted clusters were just read
-            toks = np.unique(st.li.members[st.li.cluster_copies(admitted)])
-            st.admit(admitted, toks, ret.rows_of(np.searchsorted(ret.positions, toks)))
-        return admitted, evicted
+        return self.r.set_hot(self.layer, want, ret)
 
     def _check_layer(self, st) -> None:
         if st.li.num_clusters != self.freq.shape[0] or \

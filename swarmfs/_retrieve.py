@@ -399,6 +399,39 @@ class Retriever:
                 lk = self._step_locks[layer] = threading.Lock()
             return lk
 
+    def set_hot(self, layer: int, want, retrieval: Retrieval) -> tuple[np.ndarray, np.ndarray]:
+        """Make the hot set of a layer ``want`` (bool [C]) in one change under
+        the layer lock (§6.2 cache replacement): clusters leaving it are
+        evicted, clusters entering it are filled from ``retrieval`` (which
+        must have read them whole).
+
+        Returns:
+            (admitted, evicted) cluster ids, int64.
+
+        Raises:
+            InvalidArgumentError: a mask of the wrong shape, or an admitted
+                cluster the retrieval did not read.
+        """
+        st = self.layer_state(layer)
+        want = np.asarray(want, dtype=bool)
+        if want.shape != st.hot.shape:
+            raise E.InvalidArgumentError(f"hot mask of shape {want.shape} for "
+                                         f"{st.hot.shape[0]} clusters", layer=layer)
+        with st.lock:
+            admitted = np.flatnonzero(want & ~st.hot)
+            evicted = np.flatnonzero(st.hot & ~want)
+            toks = np.unique(st.li.members[st.li.cluster_copies(admitted)]) \
+                if admitted.size else np.empty(0, np.int64)
+            at = np.searchsorted(retrieval.positions, toks)
+            if toks.size and (at.max() >= retrieval.positions.shape[0] or
+                              np.any(retrieval.positions[at] != toks)):
+                raise E.InvalidArgumentError("an admitted cluster was not read by the given "
+                                             "retrieval", layer=layer)
+            st.evict(evicted)
+            if admitted.size:
+                st.admit(admitted, toks, retrieval.rows_of(at))
+        return admitted, evicted
+
     def dram_bytes(self) -> int:
         """Bytes held in DRAM by the loaded layers (medoids, window, hot clusters)."""
         with self._lock:
@@ -560,8 +593,8 @@ class Retriever:
                 placed[0] = time.perf_counter() - t
             self.store.execute(li, plan, cand, consume=place)
             t4 = time.perf_counter()
-            gather_kv(pool.reshape(-1), slots.astype(np.uint64) * np.uint64(self.store.entry_bytes),
-                      d_idx, kw, vw)
+            eb = np.uint64(self.store.entry_bytes)
+            gather_kv(pool.reshape(-1), slots.astype(np.uint64) * eb, d_idx, kw, vw)
         finally:
             st.unpin(dram_toks)
         t5 = time.perf_counter()

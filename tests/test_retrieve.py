@@ -169,7 +169,8 @@ def test_torch_and_pinned_outputs_are_the_stored_entries(tmp_path, rng, dtype):
         assert np.array_equal(k, want[:, 0].transpose(1, 0, 2))
         assert np.array_equal(v, want[:, 1].transpose(1, 0, 2))
         if kw["torch"]:
-            assert str(out.k.dtype) == f"torch.{dtype}" and out.k.shape == (H, len(out.positions), D)
+            assert str(out.k.dtype) == f"torch.{dtype}"
+            assert out.k.shape == (H, len(out.positions), D)
     s.close()
 
 
