@@ -431,12 +431,29 @@ if os.environ.get("SWARMFS_KERNEL_PATH"):
 
 # -- cluster choice (SWARM §5.2, eq. 8) --------------------------------------------
 
+def _check_csr(C: int, ptr: np.ndarray, members: np.ndarray, num_tokens: int,
+               full: bool) -> None:
+    """The cluster table fits the scores (and, with ``full``, every member
+    is a token of the context: O(M))."""
+    if ptr.shape != (C + 1,) or (C >= 0 and ptr.shape[0] and
+                                 (ptr[0] != 0 or ptr[-1] != members.shape[0])):
+        _fail(f"{ptr.shape[0]} cluster pointers covering {members.shape[0]} members do "
+              f"not fit {C} clusters")
+    if int(num_tokens) < 0 or int(num_tokens) >= 2**31:
+        _fail(f"num_tokens {num_tokens} outside [0, 2**31)")
+    if full and (np.any(np.diff(ptr) < 0) or
+                 (members.size and (members.min() < 0 or members.max() >= num_tokens))):
+        _fail("cluster pointers decrease or a member is outside the context")
+
+
 def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
-                    num_tokens: int, budget: int, window: int) -> tuple[np.ndarray, int]:
+                    num_tokens: int, budget: int, window: int,
+                    check: bool = True) -> tuple[np.ndarray, int]:
     """Clusters by descending score until window + clusters hold ``budget``
     distinct entries, in C (``se_choose_clusters``; the rule is documented at
     :func:`swarmfs._selectors.select_clusters`, which checks the arguments).
-    Scores are compared as float32.
+    Scores are compared as float32.  ``check=False`` skips the O(M) check
+    of the members (for an index that was checked when it was loaded).
 
     Returns:
         (int64 [c] cluster ids best first, distinct entries).
@@ -445,6 +462,7 @@ def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
     ptr = np.ascontiguousarray(ptr, dtype=np.int64)
     members = np.ascontiguousarray(members, dtype=np.int32)
     C = sc.shape[0]
+    _check_csr(C, ptr, members, num_tokens, check)
     out = np.empty(max(C, 1), dtype=np.int64)
     ent = ffi.new("int64_t *")
     n = lib.se_choose_clusters(ffi.from_buffer("float[]", sc), C,
@@ -476,7 +494,8 @@ def pack_medoids(m: np.ndarray, num_kv_heads: int) -> np.ndarray:
 def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: float,
                  score: str, bf16: bool, ptr: np.ndarray, members: np.ndarray,
                  num_tokens: int, budget: int, window: int,
-                 packed: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+                 packed: np.ndarray | None = None, check: bool = True
+                 ) -> tuple[np.ndarray, int]:
     """Score one query against the fp16/bf16 medoid index and choose clusters,
     in one native call (``se_select_fused``): per-head logits (or the
     GQA-summed logit), softmax sums, then :func:`choose_clusters`'s rule.
@@ -502,8 +521,7 @@ def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: floa
     C = m.shape[0]
     ptr = np.ascontiguousarray(ptr, dtype=np.int64)
     members = np.ascontiguousarray(members, dtype=np.int32)
-    if ptr.shape != (C + 1,):
-        _fail(f"select_fused: {ptr.shape[0]} cluster pointers for {C} medoids")
+    _check_csr(C, ptr, members, num_tokens, check)
     work = np.empty(C * (Hq + 1) + 1, dtype=np.float32)
     out = np.empty(max(C, 1), dtype=np.int64)
     ent = ffi.new("int64_t *")

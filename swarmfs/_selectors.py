@@ -193,7 +193,7 @@ def _select(scores, ptr, members, S: int, budget: int, w: int) -> Selection:
     clusters above it, a bitmap of seen tokens)."""
     from ._kernels import choose_clusters
     clusters, entries = choose_clusters(scores, ptr, members, num_tokens=S, budget=budget,
-                                        window=w)
+                                        window=w, check=False)
     return Selection(clusters, entries, min(w, S))
 
 
@@ -322,7 +322,7 @@ class MedoidSelector:
                                  score=self.score, bf16=m.dtype.name == "bfloat16",
                                  ptr=li.members_ptr, members=li.members,
                                  num_tokens=li.num_tokens, budget=budget, window=window,
-                                 packed=packed)
+                                 packed=packed, check=False)
             out.append(Selection(cl, n, window))
         return out
 

@@ -165,3 +165,18 @@ def test_gather_kv_writes_entries_into_head_major_k_and_v(rng):
         gather_kv(buf, [64], [n + 2], k, v)                      # outside the output
     with pytest.raises(InvalidArgumentError):
         gather_kv(buf, [64], [0], k, v[:, :, :2])                # shapes differ
+
+
+def test_choice_kernels_refuse_a_table_that_does_not_fit(rng):
+    from swarmfs._kernels import choose_clusters, select_fused
+    sc = np.zeros(3, np.float32)
+    ptr = np.array([0, 2, 3, 5])
+    members = np.array([0, 1, 2, 3, 4], np.int32)
+    for p, mm in ((ptr[:3], members), (ptr, members[:4]), (ptr, np.array([0, 1, 2, 3, 9]))):
+        with pytest.raises(InvalidArgumentError):
+            choose_clusters(sc, p, mm, num_tokens=5, budget=5, window=0)
+        with pytest.raises(InvalidArgumentError):
+            select_fused(np.zeros((3, 8), np.float16), np.zeros((4, 4), np.float32), 2,
+                         scale=0.5, score="prob", bf16=False, ptr=p, members=mm,
+                         num_tokens=5, budget=5, window=0)
+    assert choose_clusters(sc, ptr, members, num_tokens=5, budget=5, window=0)[1] == 5

@@ -72,7 +72,8 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
         return lambda: select_fused(medoids, q[0], H, scale=scale, score=score, bf16=False,
                                     ptr=ptr, members=members, num_tokens=S_,
                                     budget=budget, window=0,
-                                    packed=packed if score == "prob" else None)
+                                    packed=packed if score == "prob" else None,
+                                    check=False)
 
     def split():           # the same as separate calls from Python
         sc = softmax_sum(head_logits(medoids, q, H)[0], scale)
