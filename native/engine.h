@@ -162,6 +162,8 @@ void se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H
 #define SE_PATH_NEON 4
 /* The path the kernels use now. */
 int se_kernel_path(void);
+/* 1 when this CPU (and build) can run the path, else 0. */
+int se_kernel_path_supported(int path);
 /* Force a path (SE_PATH_AUTO: back to the best the CPU has), for benchmarks
  * and tests; process-wide.  Returns the path now used, or -ENOTSUP when this
  * CPU (or this build) lacks it. */

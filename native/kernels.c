@@ -678,10 +678,16 @@ static int path_supported(int path)
     }
 }
 
+int se_kernel_path_supported(int path)
+{
+    return path_supported(path);
+}
+
 int se_kernel_path(void)
 {
-    if (g_forced != SE_PATH_AUTO)
-        return g_forced;
+    int forced = __atomic_load_n(&g_forced, __ATOMIC_RELAXED);
+    if (forced != SE_PATH_AUTO)
+        return forced;
     if (path_supported(SE_PATH_AVX512))
         return SE_PATH_AVX512;
     if (path_supported(SE_PATH_AVX2))
@@ -695,7 +701,7 @@ int se_set_kernel_path(int path)
 {
     if (path != SE_PATH_AUTO && !path_supported(path))
         return -ENOTSUP;
-    g_forced = path;
+    __atomic_store_n(&g_forced, path, __ATOMIC_RELAXED);
     return se_kernel_path();
 }
 

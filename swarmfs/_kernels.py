@@ -367,7 +367,6 @@ def softmax_sum(x: np.ndarray, scale: float) -> np.ndarray:
 #: Scoring-kernel paths by name (``native/engine.h`` SE_PATH_*).
 KERNEL_PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "neon": 4}
 _PATH_NAMES = {v: k for k, v in KERNEL_PATHS.items()}
-_forced = "auto"
 
 
 def kernel_path() -> str:
@@ -378,17 +377,14 @@ def kernel_path() -> str:
 
 def supported_paths() -> list[str]:
     """Every path this CPU and build can run (the scalar reference first)."""
-    out = []
-    for name in ("scalar", "avx2", "avx512", "neon"):
-        if lib.se_set_kernel_path(KERNEL_PATHS[name]) >= 0:
-            out.append(name)
-    lib.se_set_kernel_path(KERNEL_PATHS[_forced])
-    return out
+    return [name for name in ("scalar", "avx2", "avx512", "neon")
+            if lib.se_kernel_path_supported(KERNEL_PATHS[name])]
 
 
 def set_kernel_path(name: str) -> str:
-    """Force a scoring-kernel path (process-wide; for benchmarks and tests),
-    or ``"auto"`` for the best this CPU has.  ``SWARMFS_KERNEL_PATH=avx2``
+    """Force a scoring-kernel path (process-wide, for benchmarks and tests:
+    calls already running keep the path they started with), or ``"auto"``
+    for the best this CPU has.  ``SWARMFS_KERNEL_PATH=avx2``
     (etc.) does the same at import.
 
     Returns:
@@ -400,12 +396,10 @@ def set_kernel_path(name: str) -> str:
     code = KERNEL_PATHS.get(name) if isinstance(name, str) else None
     if code is None:
         _fail(f"unknown kernel path {name!r}; use one of {sorted(KERNEL_PATHS)}")
-    global _forced
     ret = lib.se_set_kernel_path(code)
     if ret < 0:
         _fail(f"this CPU cannot run the {name} kernel path (supported: "
               f"{', '.join(supported_paths())})")
-    _forced = name
     return _PATH_NAMES[int(ret)]
 
 
