@@ -535,6 +535,95 @@ static void softmax_sum_avx2(const float *x, int64_t nh, int64_t n, float scale,
 }
 #endif /* SE_X86 */
 
+/* ---- packed medoid index: per KV head, blocks of 16 rows, dimension-major ------ */
+
+void se_pack_medoids(const uint16_t *m, int64_t C, int64_t H, int64_t d, uint16_t *out)
+{
+    int64_t nblk = (C + 15) / 16;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t b = 0; b < nblk; b++) {
+            uint16_t *o = out + ((g * nblk + b) * d) * 16;
+            for (int64_t j = 0; j < d; j++)
+                for (int64_t i = 0; i < 16; i++) {
+                    int64_t r = b * 16 + i;
+                    o[j * 16 + i] = r < C ? m[r * H * d + g * d + j] : 0;
+                }
+        }
+}
+
+#if SE_X86
+/* Logits of one query's Hq heads against the packed index: lg [Hq, C].  Each
+ * 16-row block of KV head g is converted once per dimension and feeds the G
+ * query heads of g (no horizontal sums, contiguous stores). */
+__attribute__((target("avx512f")))
+static void packed_logits_avx512(const uint16_t *P, int64_t C, int64_t H, int64_t d, int kind,
+                                 const float *q, int64_t Hq, float *lg)
+{
+    int64_t G = Hq / H, nblk = (C + 15) / 16;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t h0 = 0; h0 < G; h0 += 8) {
+            int64_t nh = G - h0 < 8 ? G - h0 : 8;
+            const float *qh = q + (g * G + h0) * d;
+            for (int64_t b = 0; b < nblk; b++) {
+                const uint16_t *p = P + ((g * nblk + b) * d) * 16;
+                __m512 acc[8];
+                for (int k = 0; k < 8; k++)
+                    acc[k] = _mm512_setzero_ps();
+                for (int64_t j = 0; j < d; j++) {
+                    __m512 x = LOAD16(kind, p + j * 16);
+#pragma GCC unroll 8
+                    for (int k = 0; k < 8; k++)
+                        if (k < nh)
+                            acc[k] = _mm512_fmadd_ps(x, _mm512_set1_ps(qh[k * d + j]), acc[k]);
+                }
+                int64_t r0 = b * 16, nr = C - r0 < 16 ? C - r0 : 16;
+                __mmask16 mk = (__mmask16)((1u << nr) - 1);
+                for (int k = 0; k < nh; k++)
+                    _mm512_mask_storeu_ps(lg + (g * G + h0 + k) * C + r0, mk, acc[k]);
+            }
+        }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void packed_logits_avx2(const uint16_t *P, int64_t C, int64_t H, int64_t d, int kind,
+                               const float *q, int64_t Hq, float *lg)
+{
+    int64_t G = Hq / H, nblk = (C + 15) / 16;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t h0 = 0; h0 < G; h0 += 8) {
+            int64_t nh = G - h0 < 8 ? G - h0 : 8;
+            const float *qh = q + (g * G + h0) * d;
+            for (int64_t b = 0; b < nblk; b++)
+                for (int half = 0; half < 2; half++) {
+                    const uint16_t *p = P + ((g * nblk + b) * d) * 16 + half * 8;
+                    __m256 acc[8];
+                    for (int k = 0; k < 8; k++)
+                        acc[k] = _mm256_setzero_ps();
+                    for (int64_t j = 0; j < d; j++) {
+                        __m256 x = LOAD8(kind, p + j * 16);
+#pragma GCC unroll 8
+                        for (int k = 0; k < 8; k++)
+                            if (k < nh)
+                                acc[k] = _mm256_fmadd_ps(x, _mm256_set1_ps(qh[k * d + j]),
+                                                         acc[k]);
+                    }
+                    int64_t r0 = b * 16 + half * 8, nr = C - r0 < 8 ? C - r0 : 8;
+                    if (nr <= 0)
+                        continue;
+                    for (int k = 0; k < nh; k++) {
+                        if (nr == 8) {
+                            _mm256_storeu_ps(lg + (g * G + h0 + k) * C + r0, acc[k]);
+                        } else {
+                            float t[8];
+                            _mm256_storeu_ps(t, acc[k]);
+                            memcpy(lg + (g * G + h0 + k) * C + r0, t, sizeof(float) * (size_t)nr);
+                        }
+                    }
+                }
+        }
+}
+#endif /* SE_X86 */
+
 /* ---- NEON (aarch64): fp16/bf16 GEMV -------------------------------------------- */
 #if defined(__aarch64__)
 static void gemv_neon(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
@@ -589,10 +678,16 @@ static int path_supported(int path)
     }
 }
 
+int se_kernel_path_supported(int path)
+{
+    return path_supported(path);
+}
+
 int se_kernel_path(void)
 {
-    if (g_forced != SE_PATH_AUTO)
-        return g_forced;
+    int forced = __atomic_load_n(&g_forced, __ATOMIC_RELAXED);
+    if (forced != SE_PATH_AUTO)
+        return forced;
     if (path_supported(SE_PATH_AVX512))
         return SE_PATH_AVX512;
     if (path_supported(SE_PATH_AVX2))
@@ -606,7 +701,7 @@ int se_set_kernel_path(int path)
 {
     if (path != SE_PATH_AUTO && !path_supported(path))
         return -ENOTSUP;
-    g_forced = path;
+    __atomic_store_n(&g_forced, path, __ATOMIC_RELAXED);
     return se_kernel_path();
 }
 
@@ -856,8 +951,8 @@ finish:
     return nout;
 }
 
-int64_t se_select_fused(const uint16_t *m, int64_t C, int64_t H, int64_t d, int kind,
-                        const float *q, int64_t Hq, float scale, int score,
+int64_t se_select_fused(const uint16_t *m, const uint16_t *packed, int64_t C, int64_t H,
+                        int64_t d, int kind, const float *q, int64_t Hq, float scale, int score,
                         const int64_t *ptr, const int32_t *members, int64_t S,
                         int64_t budget, int64_t w, float *work, int64_t *out,
                         int64_t *entries)
@@ -888,7 +983,11 @@ int64_t se_select_fused(const uint16_t *m, int64_t C, int64_t H, int64_t d, int 
             float *lg = work + C;
             int rc = 0;
 #if SE_X86
-            if (path == SE_PATH_AVX512)
+            if (packed && path == SE_PATH_AVX512)
+                packed_logits_avx512(packed, C, H, d, kind, q, Hq, lg);
+            else if (packed && path == SE_PATH_AVX2)
+                packed_logits_avx2(packed, C, H, d, kind, q, Hq, lg);
+            else if (path == SE_PATH_AVX512)
                 head_logits_avx512(m, C, H, d, kind, q, 1, Hq, lg);
             else if (path == SE_PATH_AVX2)
                 head_logits_avx2(m, C, H, d, kind, q, 1, Hq, lg);
@@ -901,4 +1000,275 @@ int64_t se_select_fused(const uint16_t *m, int64_t C, int64_t H, int64_t d, int 
         }
     }
     return se_choose_clusters(sc, C, ptr, members, S, budget, w, out, entries);
+}
+
+/* ---- the read planner (SWARM 6.1, eq. 8) ------------------------------------------ */
+
+typedef struct {
+    uint64_t key;
+    int64_t idx;
+} kv_rec;
+
+/* Stable LSD radix sort of records by key, 11-bit digits up to `bits`
+ * bits, skipping digits that are equal in every key; tmp: scratch of n. */
+static kv_rec *radix_sort_rec(kv_rec *a, kv_rec *tmp, int64_t n, int bits)
+{
+    size_t cnt[2048];
+    for (int shift = 0; shift < bits; shift += 11) {
+        memset(cnt, 0, sizeof cnt);
+        for (int64_t i = 0; i < n; i++)
+            cnt[(a[i].key >> shift) & 2047]++;
+        if (n && cnt[(a[0].key >> shift) & 2047] == (size_t)n)
+            continue;
+        size_t sum = 0;
+        for (int b = 0; b < 2048; b++) {
+            size_t c = cnt[b];
+            cnt[b] = sum;
+            sum += c;
+        }
+        for (int64_t i = 0; i < n; i++)
+            tmp[cnt[(a[i].key >> shift) & 2047]++] = a[i];
+        kv_rec *t = a;
+        a = tmp;
+        tmp = t;
+    }
+    return a;
+}
+
+int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const uint64_t *coff,
+                      int ndisks, uint64_t E, uint64_t bs, uint64_t max_gap,
+                      uint64_t max_request, int balanced, int dedup,
+                      int64_t *utok, int64_t *chosen, uint64_t *src, int64_t *n_entries,
+                      int32_t *rdisk, uint64_t *roff, uint32_t *rlen, uint64_t *rdst,
+                      uint64_t *staging, int64_t *disk_entries, int64_t *disk_bytes)
+{
+    if (m < 0 || ndisks <= 0 || E == 0 || bs == 0 || (bs & (bs - 1)))
+        return -EINVAL;
+    for (int d = 0; d < ndisks; d++)
+        disk_entries[d] = disk_bytes[d] = 0;
+    *n_entries = 0;
+    *staging = 0;
+    if (m == 0)
+        return 0;
+    /* one per-thread scratch area, kept between calls: a fresh malloc of these
+     * sizes is an mmap whose page faults cost more than the planning */
+    static __thread char *scratch;
+    static __thread size_t scratch_cap;
+    size_t need = (size_t)m * (8 * 11 + 4) + (size_t)(m + 1) * 8 + (size_t)ndisks * 24 + 256;
+    if (need > scratch_cap) {
+        free(scratch);
+        scratch = malloc(need);
+        scratch_cap = scratch ? need : 0;
+    }
+    int64_t ret = -ENOMEM;
+    if (!scratch)
+        return ret;
+    char *sp = scratch;
+#define TAKE(T, cnt) ((T *)(void *)(sp += ((sizeof(T) * (size_t)(cnt) + 7) & ~(size_t)7), \
+                                    sp - ((sizeof(T) * (size_t)(cnt) + 7) & ~(size_t)7)))
+    int64_t *load = TAKE(int64_t, ndisks);
+    int64_t *first = TAKE(int64_t, ndisks + 1);
+    int64_t *nreq_d = TAKE(int64_t, ndisks);
+    memset(load, 0, sizeof(int64_t) * (size_t)(3 * ndisks + 1));
+    int64_t *order = TAKE(int64_t, m);
+    int64_t *tmp = TAKE(int64_t, m);
+    uint64_t *key = TAKE(uint64_t, m);
+    int64_t *ustart = TAKE(int64_t, m + 1);
+    int64_t *req = TAKE(int64_t, m);                  /* request of sorted entry */
+    uint64_t *rs = TAKE(uint64_t, m);
+    uint64_t *re = TAKE(uint64_t, m);
+    int64_t *rpos = TAKE(int64_t, m);
+    kv_rec *recs = TAKE(kv_rec, m);
+    kv_rec *rtmp = TAKE(kv_rec, m);
+    int32_t *rd = TAKE(int32_t, m);
+#undef TAKE
+
+    /* 1. candidates by token (stable: candidate order within a token), as
+     * (token << 32 | candidate) values: no indirection */
+    for (int64_t i = 0; i < m; i++)
+        key[i] = ((uint64_t)tok[i] << 32) | (uint64_t)i;
+    {
+        size_t cnt[2048];
+        uint64_t *a = key, *b = (uint64_t *)(void *)tmp;
+        for (int shift = 32; shift < 64; shift += 11) {
+            memset(cnt, 0, sizeof cnt);
+            for (int64_t i = 0; i < m; i++)
+                cnt[(a[i] >> shift) & 2047]++;
+            if (cnt[(a[0] >> shift) & 2047] == (size_t)m)
+                continue;
+            size_t sum = 0;
+            for (int bb = 0; bb < 2048; bb++) {
+                size_t c = cnt[bb];
+                cnt[bb] = sum;
+                sum += c;
+            }
+            for (int64_t i = 0; i < m; i++)
+                b[cnt[(a[i] >> shift) & 2047]++] = a[i];
+            uint64_t *t = a;
+            a = b;
+            b = t;
+        }
+        for (int64_t i = 0; i < m; i++)
+            order[i] = (int64_t)(a[i] & 0xffffffffu);
+    }
+    int64_t n = 0;
+    if (!dedup) {
+        for (int64_t i = 0; i < m; i++) {
+            chosen[i] = order[i];
+            utok[i] = tok[order[i]];
+        }
+        n = m;
+    } else {
+        /* 2. dedup (eq. 8) and entry buckets (6.1) */
+        int64_t U = 0, multi = 0, maxc = 1;
+        for (int64_t i = 0; i < m; i++)
+            if (i == 0 || tok[order[i]] != tok[order[i - 1]])
+                ustart[U++] = i;
+        ustart[U] = m;
+        for (int64_t u = 0; u < U; u++) {
+            int64_t c = ustart[u + 1] - ustart[u];
+            chosen[u] = order[ustart[u]];
+            utok[u] = tok[order[ustart[u]]];
+            if (c == 1)
+                load[cdisk[chosen[u]]]++;
+            else {
+                multi++;
+                if (c > maxc)
+                    maxc = c;
+            }
+        }
+        if (balanced && multi) {
+            /* multi-copy entries in ascending copy count (stable), each to the
+             * smallest bucket among its copies, the first copy on a tie */
+            int64_t *cc = calloc((size_t)maxc + 2, sizeof(int64_t));
+            if (!cc)
+                goto out;
+            for (int64_t u = 0; u < U; u++) {
+                int64_t c = ustart[u + 1] - ustart[u];
+                if (c > 1)
+                    cc[c + 1]++;
+            }
+            for (int64_t c = 1; c <= maxc + 1; c++)
+                cc[c] += cc[c - 1];
+            for (int64_t u = 0; u < U; u++) {
+                int64_t c = ustart[u + 1] - ustart[u];
+                if (c > 1)
+                    tmp[cc[c]++] = u;
+            }
+            free(cc);
+            for (int64_t k = 0; k < multi; k++) {
+                int64_t u = tmp[k], best = order[ustart[u]];
+                int64_t bl = load[cdisk[best]];
+                for (int64_t i = ustart[u] + 1; i < ustart[u + 1]; i++) {
+                    int64_t c = order[i];
+                    if (load[cdisk[c]] < bl) {
+                        bl = load[cdisk[c]];
+                        best = c;
+                    }
+                }
+                load[cdisk[best]]++;
+                chosen[u] = best;
+            }
+        }
+        n = U;
+    }
+    *n_entries = n;
+
+    /* 3. per disk, in offset order */
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t d = (uint64_t)cdisk[chosen[i]];
+        recs[i].key = (d << 52) | coff[chosen[i]];
+        recs[i].idx = i;
+        disk_entries[d]++;
+    }
+    kv_rec *sr = radix_sort_rec(recs, rtmp, n, 66);
+    for (int64_t i = 0; i < n; i++) {
+        order[i] = sr[i].idx;
+        key[i] = sr[i].key;               /* key in sorted order from here on */
+    }
+
+    /* 4. runs (gap <= max_gap), split at max_request from the run's start,
+     * aligned to blocks, merged where aligned ranges overlap */
+    uint64_t chunk_bytes = max_request > E ? max_request : E;
+    int64_t R = 0;
+    uint64_t run_base = 0, prev_chunk = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint64_t k = key[j], d = k >> 52, o = k & (((uint64_t)1 << 52) - 1);
+        int newrun = 1;
+        if (j > 0) {
+            uint64_t kp = key[j - 1], dp = kp >> 52, op = kp & (((uint64_t)1 << 52) - 1);
+            newrun = d != dp || o > op + E + max_gap;
+        }
+        uint64_t ch = 0;
+        if (newrun)
+            run_base = o;
+        else if (max_request > 0)
+            ch = (o - run_base) / chunk_bytes;
+        int newreq = newrun || (max_request > 0 && ch != prev_chunk);
+        prev_chunk = newrun ? 0 : ch;
+        uint64_t a0 = o / bs * bs, a1 = (o + E + bs - 1) / bs * bs;
+        if (newreq && R > 0 && rd[R - 1] == (int32_t)d && a0 < re[R - 1])
+            newreq = 0;                          /* aligned ranges overlap: one request */
+        if (newreq) {
+            rs[R] = a0;
+            re[R] = a1;
+            rd[R] = (int32_t)d;
+            R++;
+        } else if (a1 > re[R - 1]) {
+            re[R - 1] = a1;
+        }
+        req[j] = R - 1;
+    }
+
+    /* 5. submission order: round robin over the disks, request r of each in turn */
+    for (int64_t r = 0; r < R; r++)
+        nreq_d[rd[r]]++;
+    int64_t maxr = 0;
+    for (int d = 0; d < ndisks; d++) {
+        first[d + 1] = first[d] + nreq_d[d];
+        if (nreq_d[d] > maxr)
+            maxr = nreq_d[d];
+    }
+    int64_t kq = 0;
+    uint64_t dst = 0;
+    for (int64_t r = 0; r < maxr; r++)
+        for (int d = 0; d < ndisks; d++)
+            if (r < nreq_d[d]) {
+                int64_t q = first[d] + r;
+                rpos[q] = kq;
+                rdisk[kq] = rd[q];
+                roff[kq] = rs[q];
+                rlen[kq] = (uint32_t)(re[q] - rs[q]);
+                rdst[kq] = dst;
+                dst += re[q] - rs[q];
+                disk_bytes[d] += (int64_t)(re[q] - rs[q]);
+                kq++;
+            }
+    *staging = dst;
+    /* 6. where each entry lands in the staging buffer */
+    for (int64_t j = 0; j < n; j++) {
+        int64_t i = order[j], q = req[j];
+        uint64_t o = key[j] & (((uint64_t)1 << 52) - 1);
+        src[i] = rdst[rpos[q]] + (o - rs[q]);
+    }
+    ret = R;
+out:
+    return ret;
+}
+
+/* ---- assembly: entries straight into K and V [H, n_total, d] ------------------ */
+
+void se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
+                  uint64_t dbytes, const int64_t *dst_idx, int64_t n_total, char *k, char *v)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const char *row = src + src_off[i];
+        uint64_t at = (uint64_t)dst_idx[i] * dbytes;
+        for (int64_t h = 0; h < H; h++) {
+            memcpy(k + (uint64_t)h * (uint64_t)n_total * dbytes + at, row + (uint64_t)h * dbytes,
+                   dbytes);
+            memcpy(v + (uint64_t)h * (uint64_t)n_total * dbytes + at,
+                   row + (uint64_t)(H + h) * dbytes, dbytes);
+        }
+    }
 }

@@ -20,8 +20,8 @@ from ._native import ffi, lib
 
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
            "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum",
-           "choose_clusters", "select_fused", "kernel_path", "set_kernel_path",
-           "supported_paths", "cpu_flags", "KERNEL_PATHS"]
+           "choose_clusters", "select_fused", "pack_medoids", "gather_kv", "kernel_path",
+           "set_kernel_path", "supported_paths", "cpu_flags", "KERNEL_PATHS"]
 
 
 # -- argument checks (before C touches memory) ---------------------------------
@@ -138,6 +138,46 @@ def scatter_rows(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray,
                         ffi.from_buffer("uint64_t[]", dst_off),
                         ffi.from_buffer("char[]", src),
                         ffi.from_buffer("int64_t[]", src_row), n, row)
+
+
+def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.ndarray,
+              v: np.ndarray) -> None:
+    """Write entries straight into K and V: entry i (its K heads then its V
+    heads, as stored) at byte ``src_off[i]`` of ``src`` goes to
+    ``k[:, dst_idx[i]]`` and ``v[:, dst_idx[i]]`` (in C, no intermediate copy).
+
+    Args:
+        src: uint8 buffer (staging buffer or DRAM pool).
+        src_off: uint64 [n] byte offsets of the entries.
+        dst_idx: int64 [n] output columns in [0, n_total).
+        k, v: C-contiguous writable [H, n_total, d] arrays of one 2- or 4-byte
+            dtype (entry bytes = 2 * H * d * itemsize).
+
+    Raises:
+        InvalidArgumentError: shapes, bounds or dtypes that do not fit.
+    """
+    k = _arr(k, "k", writable=True)
+    v = _arr(v, "v", writable=True)
+    src = _arr(src, "src")
+    if k.ndim != 3 or k.shape != v.shape or k.dtype != v.dtype:
+        _fail(f"gather_kv: k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must be one "
+              "[H, n, d] shape and dtype")
+    H, nt, d = k.shape
+    db = d * k.itemsize
+    src_off = _vec(src_off, np.uint64, "src_off")
+    dst_idx = _vec(dst_idx, np.int64, "dst_idx")
+    n = src_off.shape[0]
+    if dst_idx.shape[0] != n:
+        _fail(f"gather_kv: {n} entries but {dst_idx.shape[0]} destinations")
+    if not n:
+        return
+    if int(src_off.max()) + 2 * H * db > src.nbytes or dst_idx.min() < 0 or \
+            dst_idx.max() >= nt:
+        _fail("gather_kv: an entry outside the source or the output")
+    lib.se_gather_kv(ffi.from_buffer("char[]", src), ffi.from_buffer("uint64_t[]", src_off), n,
+                     H, db, ffi.from_buffer("int64_t[]", dst_idx), nt,
+                     ffi.from_buffer("char[]", k, require_writable=True),
+                     ffi.from_buffer("char[]", v, require_writable=True))
 
 
 def xxh3_rows(buf: np.ndarray, row: int) -> np.ndarray:
@@ -327,7 +367,6 @@ def softmax_sum(x: np.ndarray, scale: float) -> np.ndarray:
 #: Scoring-kernel paths by name (``native/engine.h`` SE_PATH_*).
 KERNEL_PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "neon": 4}
 _PATH_NAMES = {v: k for k, v in KERNEL_PATHS.items()}
-_forced = "auto"
 
 
 def kernel_path() -> str:
@@ -338,17 +377,14 @@ def kernel_path() -> str:
 
 def supported_paths() -> list[str]:
     """Every path this CPU and build can run (the scalar reference first)."""
-    out = []
-    for name in ("scalar", "avx2", "avx512", "neon"):
-        if lib.se_set_kernel_path(KERNEL_PATHS[name]) >= 0:
-            out.append(name)
-    lib.se_set_kernel_path(KERNEL_PATHS[_forced])
-    return out
+    return [name for name in ("scalar", "avx2", "avx512", "neon")
+            if lib.se_kernel_path_supported(KERNEL_PATHS[name])]
 
 
 def set_kernel_path(name: str) -> str:
-    """Force a scoring-kernel path (process-wide; for benchmarks and tests),
-    or ``"auto"`` for the best this CPU has.  ``SWARMFS_KERNEL_PATH=avx2``
+    """Force a scoring-kernel path (process-wide, for benchmarks and tests:
+    calls already running keep the path they started with), or ``"auto"``
+    for the best this CPU has.  ``SWARMFS_KERNEL_PATH=avx2``
     (etc.) does the same at import.
 
     Returns:
@@ -360,12 +396,10 @@ def set_kernel_path(name: str) -> str:
     code = KERNEL_PATHS.get(name) if isinstance(name, str) else None
     if code is None:
         _fail(f"unknown kernel path {name!r}; use one of {sorted(KERNEL_PATHS)}")
-    global _forced
     ret = lib.se_set_kernel_path(code)
     if ret < 0:
         _fail(f"this CPU cannot run the {name} kernel path (supported: "
               f"{', '.join(supported_paths())})")
-    _forced = name
     return _PATH_NAMES[int(ret)]
 
 
@@ -391,12 +425,29 @@ if os.environ.get("SWARMFS_KERNEL_PATH"):
 
 # -- cluster choice (SWARM §5.2, eq. 8) --------------------------------------------
 
+def _check_csr(C: int, ptr: np.ndarray, members: np.ndarray, num_tokens: int,
+               full: bool) -> None:
+    """The cluster table fits the scores (and, with ``full``, every member
+    is a token of the context: O(M))."""
+    if ptr.shape != (C + 1,) or (C >= 0 and ptr.shape[0] and
+                                 (ptr[0] != 0 or ptr[-1] != members.shape[0])):
+        _fail(f"{ptr.shape[0]} cluster pointers covering {members.shape[0]} members do "
+              f"not fit {C} clusters")
+    if int(num_tokens) < 0 or int(num_tokens) >= 2**31:
+        _fail(f"num_tokens {num_tokens} outside [0, 2**31)")
+    if full and (np.any(np.diff(ptr) < 0) or
+                 (members.size and (members.min() < 0 or members.max() >= num_tokens))):
+        _fail("cluster pointers decrease or a member is outside the context")
+
+
 def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
-                    num_tokens: int, budget: int, window: int) -> tuple[np.ndarray, int]:
+                    num_tokens: int, budget: int, window: int,
+                    check: bool = True) -> tuple[np.ndarray, int]:
     """Clusters by descending score until window + clusters hold ``budget``
     distinct entries, in C (``se_choose_clusters``; the rule is documented at
     :func:`swarmfs._selectors.select_clusters`, which checks the arguments).
-    Scores are compared as float32.
+    Scores are compared as float32.  ``check=False`` skips the O(M) check
+    of the members (for an index that was checked when it was loaded).
 
     Returns:
         (int64 [c] cluster ids best first, distinct entries).
@@ -405,6 +456,7 @@ def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
     ptr = np.ascontiguousarray(ptr, dtype=np.int64)
     members = np.ascontiguousarray(members, dtype=np.int32)
     C = sc.shape[0]
+    _check_csr(C, ptr, members, num_tokens, check)
     out = np.empty(max(C, 1), dtype=np.int64)
     ent = ffi.new("int64_t *")
     n = lib.se_choose_clusters(ffi.from_buffer("float[]", sc), C,
@@ -417,9 +469,27 @@ def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
     return out[:n].copy(), int(ent[0])
 
 
+def pack_medoids(m: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """The medoid index [C, H_kv*d] (2-byte floats) in the layout the
+    AVX-512/AVX2 "prob" scoring reads: uint16 [H_kv, ceil(C/16), d, 16]
+    (per KV head, blocks of 16 medoids, dimension-major; same bytes, padded)."""
+    m = _arr(m, "m")
+    H = _pos(num_kv_heads, "num_kv_heads")
+    if m.ndim != 2 or m.itemsize != 2 or m.shape[1] % H:
+        _fail(f"pack_medoids: rows {m.shape} {m.dtype} do not split into {H} heads")
+    C, d = m.shape[0], m.shape[1] // H
+    out = np.empty((H, (C + 15) // 16, d, 16), dtype=np.uint16)
+    if C:
+        lib.se_pack_medoids(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), C, H, d,
+                            ffi.from_buffer("uint16_t[]", out, require_writable=True))
+    return out
+
+
 def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: float,
                  score: str, bf16: bool, ptr: np.ndarray, members: np.ndarray,
-                 num_tokens: int, budget: int, window: int) -> tuple[np.ndarray, int]:
+                 num_tokens: int, budget: int, window: int,
+                 packed: np.ndarray | None = None, check: bool = True
+                 ) -> tuple[np.ndarray, int]:
     """Score one query against the fp16/bf16 medoid index and choose clusters,
     in one native call (``se_select_fused``): per-head logits (or the
     GQA-summed logit), softmax sums, then :func:`choose_clusters`'s rule.
@@ -428,6 +498,8 @@ def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: floa
         m: C-contiguous [C, H_kv * d] 2-byte floats (the medoid keys).
         q: float32 [H_q, d] one query.
         score: ``"prob"`` or ``"logit"`` (see ``MedoidSelector``).
+        packed: ``pack_medoids(m, num_kv_heads)`` (faster "prob" scoring on
+            the AVX-512 and AVX2 paths), or None.
 
     Returns:
         (int64 [c] cluster ids best first, distinct entries).
@@ -443,12 +515,15 @@ def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: floa
     C = m.shape[0]
     ptr = np.ascontiguousarray(ptr, dtype=np.int64)
     members = np.ascontiguousarray(members, dtype=np.int32)
-    if ptr.shape != (C + 1,):
-        _fail(f"select_fused: {ptr.shape[0]} cluster pointers for {C} medoids")
+    _check_csr(C, ptr, members, num_tokens, check)
     work = np.empty(C * (Hq + 1) + 1, dtype=np.float32)
     out = np.empty(max(C, 1), dtype=np.int64)
     ent = ffi.new("int64_t *")
-    n = lib.se_select_fused(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), C, H, d,
+    if packed is not None and (packed.dtype != np.uint16 or not packed.flags.c_contiguous or
+                               packed.shape != (H, (C + 15) // 16, d, 16)):
+        _fail(f"select_fused: packed index {packed.shape} does not match {m.shape}")
+    pk = ffi.from_buffer("uint16_t[]", packed) if packed is not None and C else ffi.NULL
+    n = lib.se_select_fused(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), pk, C, H, d,
                             2 if bf16 else 1, ffi.from_buffer("float[]", q), Hq, float(scale),
                             0 if score == "prob" else 1,
                             ffi.from_buffer("int64_t[]", ptr),

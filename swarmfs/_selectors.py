@@ -193,7 +193,7 @@ def _select(scores, ptr, members, S: int, budget: int, w: int) -> Selection:
     clusters above it, a bitmap of seen tokens)."""
     from ._kernels import choose_clusters
     clusters, entries = choose_clusters(scores, ptr, members, num_tokens=S, budget=budget,
-                                        window=w)
+                                        window=w, check=False)
     return Selection(clusters, entries, min(w, S))
 
 
@@ -258,6 +258,7 @@ class MedoidSelector:
         self.scale = float(store.head_dim) ** -0.5
         self._m = {}
         self._mt = {}
+        self._pk = {}
 
     def _medoids(self, layer, li=None):
         """The medoid keys [C, H_kv*d] of a layer index ``li`` (default the
@@ -280,6 +281,16 @@ class MedoidSelector:
         mt = np.ascontiguousarray(m.reshape(m.shape[0], H, -1).transpose(1, 0, 2))
         self._mt[layer] = (li, mt)
         return mt
+
+    def _packed(self, layer, li, m):
+        """The index in ``pack_medoids`` layout, made once per layer index."""
+        hit = self._pk.get(layer)
+        if hit is not None and hit[0] is li:
+            return hit[1]
+        from ._kernels import pack_medoids
+        pk = pack_medoids(m, self.store.num_kv_heads)
+        self._pk[layer] = (li, pk)
+        return pk
 
     def scores(self, layer: int, q: np.ndarray, li=None) -> np.ndarray:
         li = self.store.layer(layer) if li is None else li
@@ -304,12 +315,14 @@ class MedoidSelector:
             return [_select(s, li.members_ptr, li.members, li.num_tokens, budget, window)
                     for s in self.scores(layer, q, li)]
         from ._kernels import select_fused
+        packed = self._packed(layer, li, m) if self.score == "prob" else None
         out = []
         for qq in q:
             cl, n = select_fused(m, qq, self.store.num_kv_heads, scale=self.scale,
                                  score=self.score, bf16=m.dtype.name == "bfloat16",
                                  ptr=li.members_ptr, members=li.members,
-                                 num_tokens=li.num_tokens, budget=budget, window=window)
+                                 num_tokens=li.num_tokens, budget=budget, window=window,
+                                 packed=packed, check=False)
             out.append(Selection(cl, n, window))
         return out
 
@@ -317,10 +330,11 @@ class MedoidSelector:
         """Drop the cached index of a layer (it changed on disk)."""
         self._m.pop(layer, None)
         self._mt.pop(layer, None)
+        self._pk.pop(layer, None)
 
     def dram_bytes(self, layer: int) -> int:
-        mt = self._mt.get(layer)
-        return int(self._medoids(layer).nbytes + (mt[1].nbytes if mt is not None else 0))
+        extra = sum(c[layer][1].nbytes for c in (self._mt, self._pk) if layer in c)
+        return int(self._medoids(layer).nbytes + extra)
 
 
 class VectorSelector:

@@ -122,3 +122,61 @@ def test_forcing_an_unknown_or_missing_path_is_refused(each_path):
     for p in missing:
         with pytest.raises(InvalidArgumentError):
             set_kernel_path(p)
+
+
+@pytest.mark.parametrize("G", [1, 4, 8, 12])
+def test_packed_index_scores_like_the_plain_one(each_path, rng, G):
+    from swarmfs._kernels import pack_medoids, select_fused, set_kernel_path
+    H, d, C = 2, 24, 37                     # C not a multiple of 16: a padded block
+    m = rng.standard_normal((C, H * d)).astype(np.float16)
+    q = rng.standard_normal((H * G, d)).astype(np.float32)
+    pk = pack_medoids(m, H)
+    assert pk.shape == (H, 3, d, 16)
+    assert np.array_equal(pk[1, 0, :, 5], m[5, d:].view(np.uint16))
+    ptr = np.arange(C + 1, dtype=np.int64)
+    members = np.arange(C, dtype=np.int32)
+    for path in each_path:
+        set_kernel_path(path)
+        kw = dict(scale=0.2, score="prob", bf16=False, ptr=ptr, members=members,
+                  num_tokens=C, budget=C, window=0)
+        a, na = select_fused(m, q, H, **kw)
+        b, nb = select_fused(m, q, H, packed=pk, **kw)
+        assert na == nb == C
+        assert a.tolist() == b.tolist(), path       # every cluster, in the same score order
+
+
+def test_gather_kv_writes_entries_into_head_major_k_and_v(rng):
+    from swarmfs._kernels import gather_kv
+    H, d, n = 3, 4, 10
+    rows = rng.standard_normal((n, 2, H, d)).astype(np.float16)
+    buf = np.zeros(64 + rows.nbytes, np.uint8)
+    buf[64:] = rows.reshape(-1).view(np.uint8)
+    k = np.full((H, n + 2, d), -1, np.float16)
+    v = np.full((H, n + 2, d), -1, np.float16)
+    dst = rng.permutation(n + 2)[:n]
+    gather_kv(buf, 64 + np.arange(n, dtype=np.uint64) * np.uint64(rows[0].nbytes), dst, k, v)
+    assert np.array_equal(k[:, dst], rows[:, 0].transpose(1, 0, 2))
+    assert np.array_equal(v[:, dst], rows[:, 1].transpose(1, 0, 2))
+    rest = np.setdiff1d(np.arange(n + 2), dst)
+    assert (k[:, rest] == -1).all() and (v[:, rest] == -1).all()
+    with pytest.raises(InvalidArgumentError):
+        gather_kv(buf, [buf.nbytes - 8], [0], k, v)              # outside the source
+    with pytest.raises(InvalidArgumentError):
+        gather_kv(buf, [64], [n + 2], k, v)                      # outside the output
+    with pytest.raises(InvalidArgumentError):
+        gather_kv(buf, [64], [0], k, v[:, :, :2])                # shapes differ
+
+
+def test_choice_kernels_refuse_a_table_that_does_not_fit(rng):
+    from swarmfs._kernels import choose_clusters, select_fused
+    sc = np.zeros(3, np.float32)
+    ptr = np.array([0, 2, 3, 5])
+    members = np.array([0, 1, 2, 3, 4], np.int32)
+    for p, mm in ((ptr[:3], members), (ptr, members[:4]), (ptr, np.array([0, 1, 2, 3, 9]))):
+        with pytest.raises(InvalidArgumentError):
+            choose_clusters(sc, p, mm, num_tokens=5, budget=5, window=0)
+        with pytest.raises(InvalidArgumentError):
+            select_fused(np.zeros((3, 8), np.float16), np.zeros((4, 4), np.float32), 2,
+                         scale=0.5, score="prob", bf16=False, ptr=p, members=mm,
+                         num_tokens=5, budget=5, window=0)
+    assert choose_clusters(sc, ptr, members, num_tokens=5, budget=5, window=0)[1] == 5

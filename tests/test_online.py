@@ -273,3 +273,41 @@ def test_rejected_step_changes_nothing(store, rng):
             sess.step(*args)
         assert np.array_equal(sess.freq, freq) and sess.lookups == hits
         assert np.array_equal(r.layer_state(0).hot, hot) and sess.pending == 0
+
+
+def test_pipelined_step_over_layers_equals_stepping_each(tmp_path, rng):
+    from swarmfs import pipelined_step
+    L, S_ = 3, 400
+    s = Store.create(tmp_path / "p", disks=3, num_layers=L, num_kv_heads=H, head_dim=D,
+                     num_query_heads=HQ, dtype="float16")
+    kvs = [random_kv(rng, S_, H, D, "float16") for _ in range(L)]
+    for layer in range(L):
+        hot = np.zeros(30, bool)
+        hot[:2] = True
+        s.write_layer(layer, kvs[layer], random_clusters(rng, S_, 30, 40), hot=hot,
+                      local_window=8)
+    r = Retriever(s, sparsity=0.2)
+    sessions = [DecodeSession(r, layer, window=2, flush_batch=2) for layer in range(L)]
+    truth = [k.reshape(S_, -1).view(np.uint8) for k in kvs]
+    new = [random_kv(rng, 6, H, D, "float16") for _ in range(L)]
+    truth = [np.concatenate([truth[i], new[i].reshape(6, -1).view(np.uint8)]) for i in range(L)]
+    for t in range(6):
+        qs = rng.standard_normal((L, HQ, D)).astype(np.float32)
+        out = pipelined_step(sessions, list(qs), lambda i, res: res.k.shape[1],
+                             new_kv=[(new[i][t, 0], new[i][t, 1]) for i in range(L)])
+        assert len(out.steps) == L and out.step_us > 0
+        assert out.max_us <= out.sum_us
+        for i, res in enumerate(out.steps):
+            assert out.results[i] == len(res.positions)
+            want = truth[i][res.positions].view(np.float16).reshape(-1, 2, H, D)
+            assert same_bits(res.k, want[:, 0].transpose(1, 0, 2))
+            assert same_bits(res.v, want[:, 1].transpose(1, 0, 2))
+    for sess in sessions:
+        sess.flush()
+    assert [s.num_tokens(i) for i in range(L)] == [S_ + 6] * L
+    # a retrieval of another layer, or of an index the session no longer has, is refused
+    stale = r.retrieve(1, rng.standard_normal((HQ, D)), torch=False)
+    with pytest.raises(E.SwarmError):
+        sessions[0].step(rng.standard_normal((HQ, D)), retrieval=stale)
+    r.close()
+    s.close()
