@@ -98,6 +98,8 @@ async def _run(ops: SwarmFS, signals: bool) -> None:
         ops.kv.nursery = nursery
         if signals:
             await nursery.start(_unmount_on_signal)
+        if ops.follow_store:
+            await nursery.start(ops.follow)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
 
@@ -115,10 +117,37 @@ def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def _refusal(exc: BaseException, *, allow_other: bool, dev: str = "/dev/fuse",
+             conf: str = "/etc/fuse.conf") -> str:
+    """Why the kernel refused a mount, in one sentence, checked in the order
+    fusermount3 checks: /dev/fuse missing, /dev/fuse that this user cannot
+    open, then (only with ``allow_other``, as non-root) ``user_allow_other``
+    missing from ``conf``; else the library's message."""
+    head = "the kernel refused the mount: "
+    if not os.path.exists(dev):
+        return head + f"{dev} does not exist (load the fuse module, or give the " \
+            "container the device)"
+    if not os.access(dev, os.R_OK | os.W_OK):
+        return head + f"this user cannot open {dev} (Permission denied; it needs read " \
+            f"and write access to {dev}, e.g. membership in the group that owns it)"
+    if allow_other and os.geteuid() != 0:
+        try:
+            with open(conf) as f:
+                allowed = any(line.split("#", 1)[0].strip() == "user_allow_other"
+                              for line in f)
+        except OSError:
+            allowed = False
+        if not allowed:
+            return head + f"--allow-other as non-root needs user_allow_other in {conf}"
+    return head + str(exc)
+
+
 def _serve(store: Store, mountpoint: str, *, allow_other: bool, debug: bool,
-           direct_io: bool, threads: int, readahead: int, ready=None) -> None:
+           direct_io: bool, threads: int, readahead: int, snapshot: bool = False,
+           poll_interval: float = 0.2, ready=None) -> None:
     """Mount ``store`` and serve it until unmounted or signalled."""
-    ops = SwarmFS(store, direct_io=direct_io, threads=threads, readahead=readahead)
+    ops = SwarmFS(store, direct_io=direct_io, threads=threads, readahead=readahead,
+                  follow=not snapshot, poll_interval=poll_interval)
     opts = _fuse_options(store.path, allow_other=allow_other, debug=debug)
     main_thread = threading.current_thread() is threading.main_thread()
     # until trio's signal receiver takes over, SIGTERM/SIGHUP unwind through
@@ -129,14 +158,13 @@ def _serve(store: Store, mountpoint: str, *, allow_other: bool, debug: bool,
         try:
             pyfuse3.init(ops, mountpoint, opts)
         except RuntimeError as exc:
-            hint = (" (as non-root, --allow-other needs user_allow_other in /etc/fuse.conf)"
-                    if allow_other else "")
-            raise MountError(f"the kernel refused the mount: {exc}{hint}",
+            raise MountError(_refusal(exc, allow_other=allow_other),
                              path=mountpoint, store=store.path) from None
         try:
-            log.info("mounted %s on %s (engine %s, checksums %s, direct_io %s)", store.path,
-                     mountpoint, store.engine.kind, "on" if store.verify_checksums else "off",
-                     direct_io)
+            log.info("mounted %s on %s (engine %s, checksums %s, direct_io %s, %s)",
+                     store.path, mountpoint, store.engine.kind,
+                     "on" if store.verify_checksums else "off", direct_io,
+                     "snapshot" if snapshot else "following the store")
             if ready is not None:
                 ready("ok")
             trio.run(_run, ops, main_thread)
@@ -151,7 +179,7 @@ def _serve(store: Store, mountpoint: str, *, allow_other: bool, debug: bool,
 def mount(store_path, mountpoint, *, foreground: bool = True, allow_other: bool = False,
           debug: bool = False, direct_io: bool = False, threads: int = 8,
           readahead: int = 4 << 20, verify: bool = True, engine: str | None = None, log_file=None,
-          timeout: float = 30.0):
+          timeout: float = 30.0, snapshot: bool = False, poll_interval: float = 0.2):
     """Mount a store read-only at ``mountpoint`` (``swarmfs mount``).
 
     The store is opened (superblocks, manifest, disks) before anything is
@@ -180,6 +208,12 @@ def mount(store_path, mountpoint, *, foreground: bool = True, allow_other: bool 
             file, in bytes (0: none; see ``_fuse_stream``).
         verify: verify checksums of everything read (default on).
         engine: engine kind for ``Store.open`` (default: auto).
+        snapshot: show the generation committed at mount time for ever.
+            Default: follow the store -- a newly committed generation (a
+            ``write_layer`` or ``append``) becomes visible within about
+            ``poll_interval`` seconds without remounting; open files keep
+            reading the generation they were opened on.
+        poll_interval: seconds between polls of the manifest (following).
 
     Raises:
         SwarmError subclasses from ``Store.open``: the store cannot be opened.
@@ -194,21 +228,24 @@ def mount(store_path, mountpoint, *, foreground: bool = True, allow_other: bool 
         Store.open(store_path, verify=verify, engine=engine).close()
         return _spawn(store_path, mountpoint, allow_other=allow_other, debug=debug,
                       direct_io=direct_io, threads=threads, readahead=readahead,
-                      verify=verify, engine=engine, log_file=log_file, timeout=timeout)
+                      verify=verify, engine=engine, log_file=log_file, timeout=timeout,
+                      snapshot=snapshot, poll_interval=poll_interval)
     store = Store.open(store_path, verify=verify, engine=engine, preload=True)
     try:
         _serve(store, mountpoint, allow_other=allow_other, debug=debug,
-               direct_io=direct_io, threads=threads, readahead=readahead)
+               direct_io=direct_io, threads=threads, readahead=readahead,
+               snapshot=snapshot, poll_interval=poll_interval)
     finally:
         store.close()
     return None
 
 
 def _spawn(store_path, mountpoint, *, allow_other, debug, direct_io, threads, readahead,
-           verify, engine, log_file, timeout) -> int:
+           verify, engine, log_file, timeout, snapshot, poll_interval) -> int:
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "swarmfs._fuse", store_path, mountpoint, "--foreground",
-           "--ready-fd", str(w), "--threads", str(threads), "--readahead", str(readahead)]
+           "--ready-fd", str(w), "--threads", str(threads), "--readahead", str(readahead),
+           "--poll-interval", repr(float(poll_interval))] + ["--snapshot"] * snapshot
     cmd += ["--allow-other"] * allow_other + ["--debug"] * debug + \
         ["--direct-io"] * direct_io + ["--no-verify"] * (not verify)
     if engine:
@@ -253,8 +290,11 @@ def _spawn(store_path, mountpoint, *, allow_other, debug, direct_io, threads, re
         rc = proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         rc = None
-    if text.startswith("error: "):
-        raise MountError(text[len("error: "):], path=mountpoint, store=store_path)
+    if text.startswith("error: "):          # a SwarmError: its text names its context
+        raise MountError(text[len("error: "):])
+    if text.startswith("crash: "):
+        raise MountError(f"the mount process failed: {text[len('crash: '):]} (see "
+                         f"{log_file})", path=mountpoint, store=store_path)
     raise MountError(f"the mount process did not come up within {timeout:g} s "
                      f"(exit status {rc}; see {log_file})",
                      path=mountpoint, store=store_path)
@@ -337,6 +377,10 @@ def main(argv=None) -> int:
     p.add_argument("--readahead", type=int, default=4 << 20,
                    help="largest read-ahead window in bytes (0: off)")
     p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--snapshot", action="store_true",
+                   help="show the generation at mount time (default: follow the store)")
+    p.add_argument("--poll-interval", type=float, default=0.2,
+                   help="seconds between polls of the manifest when following")
     p.add_argument("--engine", default=None)
     p.add_argument("--log-file", default=None)
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -344,7 +388,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO,
                         format="%(asctime)s swarmfs[%(process)d] %(levelname)s %(message)s")
     kw = dict(allow_other=a.allow_other, debug=a.debug, direct_io=a.direct_io,
-              threads=a.threads, readahead=a.readahead)
+              threads=a.threads, readahead=a.readahead, snapshot=a.snapshot,
+              poll_interval=a.poll_interval)
     if a.ready_fd is None:
         try:
             pid = mount(a.store, a.mountpoint, foreground=a.foreground, verify=not a.no_verify,
@@ -380,7 +425,7 @@ def main(argv=None) -> int:
         ready(f"error: {exc}")
         return 1
     except BaseException as exc:
-        ready(f"error: {type(exc).__name__}: {exc}")
+        ready(f"crash: {type(exc).__name__}: {exc}")
         raise
     return 0
 

@@ -91,16 +91,25 @@ class _Window:
 
 
 class Stream:
-    """Read state of one open cluster file: its read-ahead windows."""
+    """Read state of one open cluster file: the layer index of the generation
+    it was opened on (``li``; default: the store's current one, looked up per
+    read) and its read-ahead windows."""
 
-    def __init__(self, layer: int, cluster: int, nbytes: int):
+    def __init__(self, layer: int, cluster: int, nbytes: int, li=None):
         self.layer, self.cluster, self.nbytes = layer, cluster, int(nbytes)
+        self.li = li
         self.windows: collections.deque = collections.deque()
         self.next_off = 0
         self.sequential = 0
         self.window = 0
         self.closed = False
         self.lock = trio.Lock()
+
+    @property
+    def source(self):
+        """What ``KVReader.read_into`` reads from: the pinned layer index, or
+        the layer number."""
+        return self.layer if self.li is None else self.li
 
 
 class KVReader:
@@ -128,16 +137,17 @@ class KVReader:
                              readahead_bytes=0, readahead_failed=0)
 
     # -- blocking part (worker threads) ----------------------------------------------
-    def read_into(self, layer: int, cid: int, start: int, end: int, buf: np.ndarray) -> int:
+    def read_into(self, layer, cid: int, start: int, end: int, buf: np.ndarray) -> int:
         """Read the entries covering bytes [start, end) of a cluster file into
         ``buf``; returns the byte offset (in the file) of ``buf[0]``.
+        ``layer`` is a layer number or a ``LayerIndex`` (a pinned generation).
 
         Raises:
             ChecksumError, IOFailedError, DiskTruncatedError: from the store.
         """
         Eb = self.entry_bytes
         j0, j1 = start // Eb, -(-end // Eb)
-        li = self.store.layer(layer)
+        li = self.store.layer(layer) if isinstance(layer, int) else layer
         copies = li.cluster_copies([cid])[j0:j1]
         k = j1 - j0
         plan = self.store.plan_copies(li, copies, key=np.arange(k))
@@ -194,7 +204,7 @@ class KVReader:
             if out is None:
                 self.counters["readahead_misses"] += 1
                 buf = self._buffer(end - off + 2 * Eb)
-                base = await trio.to_thread.run_sync(self.read_into, stream.layer,
+                base = await trio.to_thread.run_sync(self.read_into, stream.source,
                                                      stream.cluster, off, end, buf,
                                                      limiter=self.limiter)
                 out = memoryview(buf)[off - base:end - base]
@@ -230,7 +240,8 @@ class KVReader:
 
     async def _fill(self, stream: Stream, w: _Window) -> None:
         try:
-            w.base = await trio.to_thread.run_sync(self.read_into, stream.layer, stream.cluster,
+            w.base = await trio.to_thread.run_sync(self.read_into, stream.source,
+                                                   stream.cluster,
                                                    w.start, w.end, w.buf,
                                                    limiter=self.limiter)
         except (E.SwarmError, OSError) as exc:
