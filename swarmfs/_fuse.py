@@ -147,7 +147,8 @@ def _serve(store: Store, mountpoint: str, *, allow_other: bool, debug: bool,
            poll_interval: float = 0.2, ready=None) -> None:
     """Mount ``store`` and serve it until unmounted or signalled."""
     ops = SwarmFS(store, direct_io=direct_io, threads=threads, readahead=readahead,
-                  follow=not snapshot, poll_interval=poll_interval)
+                  follow=not snapshot, poll_interval=poll_interval,
+                  engines=min(4, max(threads, 1)))
     opts = _fuse_options(store.path, allow_other=allow_other, debug=debug)
     main_thread = threading.current_thread() is threading.main_thread()
     # until trio's signal receiver takes over, SIGTERM/SIGHUP unwind through
@@ -172,13 +173,14 @@ def _serve(store: Store, mountpoint: str, *, allow_other: bool, debug: bool,
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", mountpoint)
     finally:
+        ops.close()
         for sig, handler in old.items():
             signal.signal(sig, handler)
 
 
 def mount(store_path, mountpoint, *, foreground: bool = True, allow_other: bool = False,
           debug: bool = False, direct_io: bool = False, threads: int = 8,
-          readahead: int = 4 << 20, verify: bool = True, engine: str | None = None, log_file=None,
+          readahead: int = 16 << 20, verify: bool = True, engine: str | None = None, log_file=None,
           timeout: float = 30.0, snapshot: bool = False, poll_interval: float = 0.2):
     """Mount a store read-only at ``mountpoint`` (``swarmfs mount``).
 
@@ -374,7 +376,7 @@ def main(argv=None) -> int:
     p.add_argument("--debug", action="store_true")
     p.add_argument("--direct-io", action="store_true")
     p.add_argument("--threads", type=int, default=8)
-    p.add_argument("--readahead", type=int, default=4 << 20,
+    p.add_argument("--readahead", type=int, default=16 << 20,
                    help="largest read-ahead window in bytes (0: off)")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--snapshot", action="store_true",

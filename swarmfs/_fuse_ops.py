@@ -31,7 +31,7 @@ from ._fuse_stream import KVReader, Stream
 from ._fuse_tree import (CLUSTER_BASE, CLUSTER_INFO, CLUSTER_STRIDE, CLUSTERS, DIR_KINDS, DOTS,
                          KV_BIN, KV_KINDS, KV_NPY, KV_NPY_FILE, LAYER_DIR, LAYER_SHIFT, LAYERS,
                          LIVE_KINDS, ROOT_INODE, VER_SHIFT, LookupCounts, Node, Tree, decode,
-                         encode)
+                         encode, sum_stats)
 from ._store import Store
 
 __all__ = ["SwarmFS", "MAX_READ", "TIMEOUT"]
@@ -100,6 +100,9 @@ class SwarmFS(pyfuse3.Operations):
             :meth:`follow`).  False: the generation at mount time for ever
             (``--snapshot``).
         poll_interval: seconds between manifest polls.
+        engines: engines serving KV reads in parallel: the store's own plus
+            ``engines - 1`` more opened on the same store (each runs one
+            batched submission at a time).  Closed by :meth:`close`.
 
     Concurrency: every handler runs in the trio thread; store reads and
     renderings run in worker threads.  The current generation (``tree``) is
@@ -112,10 +115,19 @@ class SwarmFS(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, store, *, direct_io: bool = False, threads: int = 8,
-                 readahead: int = 4 << 20, buffer_budget: int = 256 << 20,
-                 follow: bool = True, poll_interval: float = 0.2):
+                 readahead: int = 16 << 20, buffer_budget: int = 256 << 20,
+                 follow: bool = True, poll_interval: float = 0.2, engines: int = 4):
         super().__init__()
         self.store = store
+        self._extra = []
+        try:
+            for _ in range(max(int(engines), 1) - 1):
+                self._extra.append(Store.open(store.path, engine=store.engine.kind,
+                                              verify=store.verify_checksums))
+        except BaseException:
+            self.close()
+            raise
+        self.engines = [store] + self._extra
         self.direct_io = bool(direct_io)
         self.threads = int(threads)
         self.follow_store = bool(follow)
@@ -124,12 +136,12 @@ class SwarmFS(pyfuse3.Operations):
         self._mkey = self._manifest_key()
         mtime = self._mkey[1] if self._mkey else time.time_ns()
         self.tree = Tree(store, kv_blksize=MAX_READ, mount_stats=self.mount_stats,
-                         mtime_ns=mtime)
+                         mtime_ns=mtime, store_stats=self.store_stats)
         self.counts = LookupCounts(store)
         self._limiter = trio.CapacityLimiter(self.threads)
         self._refresh_limiter = trio.CapacityLimiter(1)
         self.kv = KVReader(store, limiter=self._limiter, budget=buffer_budget,
-                           window_max=readahead)
+                           window_max=readahead, engines=self.engines)
         self._handles: dict[int, tuple] = {}
         self._pinned: dict[int, list] = {}      # id(tree) -> [tree, open handles]
         self._next_fh = 1
@@ -141,6 +153,15 @@ class SwarmFS(pyfuse3.Operations):
                        bytes_returned=0, kv_reads=0, kv_bytes_returned=0, io_errors=0,
                        checksum_failures=0, refused_writes=0, stale=0, generations_seen=1,
                        refresh_errors=0, invalidations=0)
+
+    def close(self) -> None:
+        """Close the extra engines' stores (not ``store``)."""
+        while self._extra:
+            self._extra.pop().close()
+
+    def store_stats(self):
+        """The store's counters summed over the mount's engines."""
+        return sum_stats([s.stats() for s in self.engines])
 
     # -- bookkeeping -------------------------------------------------------------
     def _count(self, key: str, n: int = 1) -> None:

@@ -363,6 +363,9 @@ class Tree:
         cache_entries: rendered small files (info.json, tokens.txt) kept.
         mount_stats: callable returning the file system's own counters (a
             JSON-ready dict) for stats.json.
+        store_stats: callable returning the store's counters
+            (:class:`StoreStats`; default ``store.stats``), e.g. summed over
+            the mount's engines.
 
     Everything is computed when the Tree is built (vectorised per layer), so
     its methods never block on I/O except live files and KV reads.  A Tree
@@ -372,8 +375,9 @@ class Tree:
 
     def __init__(self, store, manifest=None, indexes=None, *, prev: "Tree | None" = None,
                  kv_blksize: int = 1 << 20, cache_entries: int = 4096, mount_stats=None,
-                 mtime_ns: int = 0):
+                 mtime_ns: int = 0, store_stats=None):
         self.store = store
+        self._store_stats = store_stats or (prev._store_stats if prev else store.stats)
         m = store.manifest if manifest is None else manifest
         self._mount_stats = mount_stats or (prev._mount_stats if prev else dict)
         self.kv_blksize = int(kv_blksize)
@@ -698,7 +702,7 @@ class Tree:
         return data
 
     def disk_info(self, i: int) -> dict:
-        st = self.store.stats().engine.disks[i]
+        st = self._store_stats().engine.disks[i]
         rec = self._disk_recs[i]
         return {"index": i, "path": self.store.disk_paths[i],
                 "size": _device_size(self.store.disk_paths[i]),
@@ -712,7 +716,7 @@ class Tree:
         if node.kind == DISK_INFO:
             return _json_bytes(self.disk_info(node.disk))
         if node.kind == STATS:
-            st = dataclasses.asdict(self.store.stats())
+            st = dataclasses.asdict(self._store_stats())
             out = {"store": self.store.path, "generation": self.generation,
                    "engine": st["engine"]["engine"],
                    "verify_checksums": st["verify_checksums"],
@@ -742,6 +746,24 @@ class Tree:
                 out += flat[a:a + size - len(out)].tobytes()
             return out
         return self.render_small(node)[off:off + size]
+
+
+def sum_stats(items):
+    """Field-by-field sum of dataclass counters (numbers add up, nested
+    dataclasses and lists of them recursively, anything else is the first
+    item's): the statistics of several engines as one."""
+    first = items[0]
+    if len(items) == 1:
+        return first
+    if dataclasses.is_dataclass(first):
+        return dataclasses.replace(first, **{
+            f.name: sum_stats([getattr(x, f.name) for x in items])
+            for f in dataclasses.fields(first)})
+    if isinstance(first, (list, tuple)):
+        return type(first)(sum_stats(list(col)) for col in zip(*items))
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return sum(items)
+    return first
 
 
 def _device_size(path: str) -> int | None:
