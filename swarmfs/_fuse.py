@@ -43,6 +43,10 @@ __all__ = ["mount", "umount", "default_log_file", "MountError", "SwarmFS", "MAX_
 
 log = logging.getLogger("swarmfs.fuse")
 
+#: Kernel read-ahead of a mount (bytes): four ``MAX_READ`` requests in
+#: flight, one per engine of the pool.
+KERNEL_READAHEAD = 4 * MAX_READ
+
 
 MountError = E.MountError
 
@@ -93,9 +97,55 @@ def _fuse_options(store_path: str, *, allow_other: bool, debug: bool) -> set:
     return opts
 
 
-async def _run(ops: SwarmFS, signals: bool) -> None:
+def _bdi_of(mountpoint: str) -> str | None:
+    """``MAJOR:MINOR`` of the mount at ``mountpoint`` (its backing device
+    info in /sys/class/bdi), from /proc/self/mountinfo: no FUSE request."""
+    want = os.path.abspath(mountpoint)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 4 and re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)),
+                                      fields[4]) == want:
+            found = fields[2]
+    return found
+
+
+def _set_kernel_readahead(mountpoint: str, nbytes: int) -> None:
+    """Set the kernel's read-ahead of the mount (``read_ahead_kb`` of its
+    bdi) so that a sequential reader in page cache mode keeps several
+    ``MAX_READ`` requests in flight, one per engine, and raise the FUSE
+    connection's ``max_background`` (asynchronous read-ahead requests in
+    flight; libfuse 3.14 offers no mount option for it) so that several such
+    readers do not queue behind the default of 12.  Needs write access to
+    /sys (root); otherwise the kernel defaults stay, logged."""
+    bdi = _bdi_of(mountpoint)
+    if not bdi or nbytes <= 0:
+        return
+    minor = bdi.split(":")[-1]
+    for p, value in ((f"/sys/class/bdi/{bdi}/read_ahead_kb", max(nbytes >> 10, 4)),
+                     (f"/sys/fs/fuse/connections/{minor}/max_background", 64),
+                     (f"/sys/fs/fuse/connections/{minor}/congestion_threshold", 48)):
+        try:
+            with open(p, "w") as f:
+                f.write(str(value))
+            log.info("%s of %s: %d", os.path.basename(p), mountpoint, value)
+        except OSError as exc:
+            log.info("%s of %s left at the kernel default (%s: %s)", os.path.basename(p),
+                     mountpoint, p, exc.strerror)
+
+
+async def _run(ops: SwarmFS, signals: bool, mountpoint: str | None = None,
+               kernel_readahead: int = 0) -> None:
     async with trio.open_nursery() as nursery:
         ops.kv.nursery = nursery
+        if mountpoint and kernel_readahead:
+            nursery.start_soon(trio.to_thread.run_sync, _set_kernel_readahead, mountpoint,
+                               kernel_readahead)
         if signals:
             await nursery.start(_unmount_on_signal)
         if ops.follow_store:
@@ -144,7 +194,8 @@ def _refusal(exc: BaseException, *, allow_other: bool, dev: str = "/dev/fuse",
 
 def _serve(store: Store, mountpoint: str, *, allow_other: bool, debug: bool,
            direct_io: bool, threads: int, readahead: int, snapshot: bool = False,
-           poll_interval: float = 0.2, ready=None) -> None:
+           poll_interval: float = 0.2, kernel_readahead: int = KERNEL_READAHEAD,
+           ready=None) -> None:
     """Mount ``store`` and serve it until unmounted or signalled."""
     ops = SwarmFS(store, direct_io=direct_io, threads=threads, readahead=readahead,
                   follow=not snapshot, poll_interval=poll_interval,
@@ -168,7 +219,7 @@ def _serve(store: Store, mountpoint: str, *, allow_other: bool, debug: bool,
                      "snapshot" if snapshot else "following the store")
             if ready is not None:
                 ready("ok")
-            trio.run(_run, ops, main_thread)
+            trio.run(_run, ops, main_thread, mountpoint, kernel_readahead)
         finally:
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", mountpoint)

@@ -289,7 +289,9 @@ def test_names_are_canonical(store):
 async def test_kv_reader_ranges_and_readahead(store):
     want = store.read_cluster(1, 0).tobytes()
     nbytes = len(want)
-    reader = KVReader(store, limiter=trio.CapacityLimiter(4), window_max=1 << 20)
+    second = Store.open(store.path)            # a second engine serves reads in parallel
+    reader = KVReader(store, limiter=trio.CapacityLimiter(4), window_max=1 << 20,
+                      engines=[store, second])
     async with trio.open_nursery() as nursery:
         reader.nursery = nursery
         # a small read reads only the entries it covers: no read-ahead
@@ -323,6 +325,9 @@ async def test_kv_reader_ranges_and_readahead(store):
                 inner.start_soon(one, int(o), int(n))
         assert bytes(await reader.read(s, nbytes, 10)) == b""
         reader.close(s)
+    # both engines served reads, and every read was whole and right
+    assert second.stats().engine.bytes > 0 and store.stats().engine.bytes > 0
+    second.close()
     assert reader.pool.allocated <= reader.pool.budget
 
 
