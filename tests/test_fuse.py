@@ -283,6 +283,41 @@ def test_names_are_canonical(store):
     assert tree.lookup(layers, b"1") is None and tree.lookup(layers, b"02") is None
 
 
+def test_versions_change_only_with_contents(workdir, rng):
+    path = str(workdir / "versions")
+    s = Store.create(path, disks=3, num_layers=2, num_kv_heads=2, head_dim=16)
+    s.write_layer(0, random_kv(rng, 600, 2, 16, "float16"),
+                  [np.arange(i * 60, (i + 1) * 60) for i in range(10)])
+    s.write_layer(1, random_kv(rng, 100, 2, 16, "float16"), [np.arange(100)])
+    t0 = T.Tree(s)
+    before = {c: s.read_cluster(0, c).tobytes() for c in range(10)}
+    joins = [np.array([2]) if i < 5 else np.array([7]) if i < 8 else
+             np.array([], dtype=np.int64) for i in range(20)]
+    s.append(0, random_kv(rng, 20, 2, 16, "float16"), joins, group=64)
+    with Store.open(path) as r:
+        m = r.manifest
+        idx = {0: r.layer(0), 1: t0.load_layer(1)}     # layer 1 unchanged: same index
+        t1 = T.Tree(s, m, idx, prev=t0)
+        after = {c: r.read_cluster(0, c).tobytes() for c in range(r.num_clusters(0))}
+    assert t1.num_clusters(0) == 11
+    changed = [c for c in range(11) if c >= 10 or before[c] != after[c]]
+    assert changed == [2, 7, 10]
+    assert np.flatnonzero(t1.changed[0]).tolist() == changed
+    for c in range(10):
+        n0 = T.Node(T.KV_NPY, layer=0, cluster=c)
+        a0, a1 = t0.current(n0), t1.current(n0)
+        assert (a0 == a1) == (c not in changed), c
+        assert t0.valid(a0) and t1.valid(a1)
+        assert t1.valid(a0) == (c not in changed)      # an old changed inode is stale
+        assert t1.size(a1) == len(T.npy_header("<f2", (len(after[c]) // s.entry_bytes,
+                                                      2, 2, 16))) + len(after[c])
+    assert t1.layer_ver[1] == t0.layer_ver[1] and t1.layer_ver[0] != t0.layer_ver[0]
+    assert t1.manifest_ver != t0.manifest_ver
+    assert not t1.valid(t0.current(T.Node(T.MANIFEST)))
+    assert T.Tree(s, m, idx, prev=t1).manifest_ver == t1.manifest_ver   # nothing new
+    s.close()
+
+
 # -- the read path without FUSE (pytest-trio) -------------------------------------------
 
 @pytest.mark.trio
