@@ -128,10 +128,31 @@ def drop_file_cache(path):
         os.close(fd)
 
 
-def timed(cmd):
+def proc_cpu_s(pid):
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+CPU = {}        # name -> [(daemon CPU s, reader CPU s)] per run
+
+
+def timed(cmd, name=None, daemon=None):
+    """Wall seconds of ``cmd``; with ``name``, also records the CPU seconds
+    the mount daemon (pid ``daemon``) and the reader spent on it."""
+    import resource
+    c0 = proc_cpu_s(daemon) if daemon else 0.0
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - t
+    dt = time.perf_counter() - t
+    if name:
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        reader = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        CPU.setdefault(name, []).append(
+            ((proc_cpu_s(daemon) - c0) if daemon else None, reader))
+    return dt
 
 
 def timed_parallel(cmds):
@@ -205,7 +226,7 @@ def main(argv=None):
                              "mount_direct_concurrent_dd_1M")}
     m1, m2 = os.path.join(a.dir, "mnt"), os.path.join(a.dir, "mnt-direct")
     thr = ["--threads", str(a.threads)]
-    with Mount(big, m1, *thr), Mount(big, m2, "--direct-io", *thr):
+    with Mount(big, m1, *thr) as M1, Mount(big, m2, "--direct-io", *thr) as M2:
         kv = lambda m, c=0: os.path.join(m, "layers", "00", "clusters", f"{c:06d}", "kv.bin")
         # correctness once, and warm-up of the index on both mounts
         want = store.read_cluster(0, 0).tobytes()
@@ -225,11 +246,13 @@ def main(argv=None):
                 store.read_cluster_range(0, 0, off, MiB)
             times["fast_range_1MiB"].append(time.perf_counter() - t)
             drop_file_cache(kv(m1))
-            times["mount_dd_1M"].append(timed(["dd", f"if={kv(m1)}", "of=/dev/null", "bs=1M"]))
+            times["mount_dd_1M"].append(timed(["dd", f"if={kv(m1)}", "of=/dev/null", "bs=1M"],
+                                              "mount_dd_1M", M1.proc.pid))
             drop_file_cache(kv(m1))
             times["mount_cat"].append(timed(["sh", "-c", f"cat {kv(m1)} > /dev/null"]))
             times["mount_direct_dd_1M"].append(
-                timed(["dd", f"if={kv(m2)}", "of=/dev/null", "bs=1M"]))
+                timed(["dd", f"if={kv(m2)}", "of=/dev/null", "bs=1M"], "mount_direct_dd_1M",
+                      M2.proc.pid))
             times["mount_direct_cat"].append(
                 timed(["sh", "-c", f"cat {kv(m2)} > /dev/null"]))
             if a.concurrent > 1:
@@ -298,6 +321,10 @@ def main(argv=None):
         "throughput_MBps": {name: round(v, 1) for name, _, v, _ in rows},
         "ratio_to_fast_path": {name: round(v / base, 3) for name, _, v, base in rows},
         "fast_read_cluster_cpu_s": med.get("fast_read_cluster_cpu"),
+        "cpu_seconds_daemon_reader": CPU,
+        "median_cpu_seconds": {k: {"daemon": statistics.median(d for d, _ in v),
+                                   "reader": statistics.median(r for _, r in v)}
+                               for k, v in CPU.items()},
         "listing": {"clusters": a.clusters, "ls_R_entries": ls_entries,
                     "find_entries": find_entries if a.ls_runs else None,
                     "seconds": listing,
@@ -312,6 +339,9 @@ def main(argv=None):
     print(f"{'':{w}}  {'median s':>9}  {'MB/s':>8}  {'vs fast':>7}")
     for name, sec, v, _ in rows:
         print(f"{name:{w}}  {sec:9.4f}  {v:8.1f}  {result['ratio_to_fast_path'][name]:7.3f}")
+    print(f"CPU per cluster file read (median): fast path {med['fast_read_cluster_cpu']:.3f} s; "
+          + "; ".join(f"{k}: daemon {v['daemon']:.3f} s + dd {v['reader']:.3f} s"
+                      for k, v in result["median_cpu_seconds"].items()))
     for name, d in result["listing"]["median_seconds"].items():
         if d:
             print(f"{name} of a mount of {a.clusters} clusters: cold {d['cold']:.2f} s, "
