@@ -43,9 +43,11 @@ __all__ = ["mount", "umount", "default_log_file", "MountError", "SwarmFS", "MAX_
 
 log = logging.getLogger("swarmfs.fuse")
 
-#: Kernel read-ahead of a mount (bytes): four ``MAX_READ`` requests in
-#: flight, one per engine of the pool.
-KERNEL_READAHEAD = 4 * MAX_READ
+#: Kernel read-ahead of a mount (bytes): one ``MAX_READ`` request ahead of a
+#: sequential reader (the kernel default is 128 KiB: eight times the requests);
+#: the deep prefetch is the daemon's own read-ahead windows.  Measured in
+#: docs/benchmarks.md §5: 1 MiB beat 128 KiB and 2-16 MiB.
+KERNEL_READAHEAD = MAX_READ
 
 
 MountError = E.MountError
@@ -117,8 +119,8 @@ def _bdi_of(mountpoint: str) -> str | None:
 
 def _set_kernel_readahead(mountpoint: str, nbytes: int) -> None:
     """Set the kernel's read-ahead of the mount (``read_ahead_kb`` of its
-    bdi) so that a sequential reader in page cache mode keeps several
-    ``MAX_READ`` requests in flight, one per engine, and raise the FUSE
+    bdi) so that a sequential reader in page cache mode asks in ``MAX_READ``
+    requests (the daemon's windows prefetch behind them), and raise the FUSE
     connection's ``max_background`` (asynchronous read-ahead requests in
     flight; libfuse 3.14 offers no mount option for it) so that several such
     readers do not queue behind the default of 12.  Needs write access to
