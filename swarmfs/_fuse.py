@@ -46,7 +46,7 @@ log = logging.getLogger("swarmfs.fuse")
 #: Kernel read-ahead of a mount (bytes): one ``MAX_READ`` request ahead of a
 #: sequential reader (the kernel default is 128 KiB: eight times the requests);
 #: the deep prefetch is the daemon's own read-ahead windows.  Measured in
-#: docs/benchmarks.md §5: 1 MiB beat 128 KiB and 2-16 MiB.
+#: docs/benchmarks.md §5 (``bench_mount.py --readahead-sweep``).
 KERNEL_READAHEAD = MAX_READ
 
 

@@ -195,6 +195,33 @@ def measure_follow(path, mnt, runs):
     return out
 
 
+def readahead_sweep(big, mnt, sizes_kb, runs, store):
+    """Median seconds of one ``dd bs=1M`` and of four concurrent ones in page
+    cache mode for each kernel read-ahead (``read_ahead_kb`` of the mount's
+    bdi; needs root), interleaved, with the fast path alongside."""
+    res = {}
+    with Mount(big, mnt):
+        bdi = [ln.split()[2] for ln in open("/proc/self/mountinfo")
+               if ln.split()[4] == mnt][0]
+        kv = lambda c: os.path.join(mnt, "layers", "00", "clusters", f"{c:06d}", "kv.bin")
+        for r in range(runs):
+            t = time.perf_counter()
+            store.read_cluster(0, r % 4)
+            res.setdefault("fast path read_cluster", []).append(time.perf_counter() - t)
+            for kb in sizes_kb:
+                with open(f"/sys/class/bdi/{bdi}/read_ahead_kb", "w") as f:
+                    f.write(str(kb))
+                c = (r + kb) % 4
+                drop_file_cache(kv(c))
+                res.setdefault(f"dd, read_ahead_kb={kb}", []).append(
+                    timed(["dd", f"if={kv(c)}", "of=/dev/null", "bs=1M"]))
+                for cc in range(4):
+                    drop_file_cache(kv(cc))
+                res.setdefault(f"4 x dd, read_ahead_kb={kb}", []).append(timed_parallel(
+                    [["dd", f"if={kv(cc)}", "of=/dev/null", "bs=1M"] for cc in range(4)]))
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/tmp/swarmfs-bench")
@@ -205,6 +232,9 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--ls-runs", type=int, default=3)
     ap.add_argument("--follow-runs", type=int, default=5)
+    ap.add_argument("--readahead-sweep", default="",
+                    help="comma-separated read_ahead_kb values to compare instead of the "
+                         "main benchmark (root only)")
     ap.add_argument("--concurrent", type=int, default=4)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--out", default="bench_mount.json")
@@ -218,6 +248,16 @@ def main(argv=None):
     print(f"stores ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     store = Store.open(big)
+    if a.readahead_sweep:
+        sweep = readahead_sweep(big, os.path.join(a.dir, "mnt"),
+                                [int(x) for x in a.readahead_sweep.split(",")], a.runs, store)
+        for k, v in sweep.items():
+            print(f"{k}: median {v:.4f} s")
+        with open(a.out, "w") as f:
+            json.dump({"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+                       "readahead_sweep_median_seconds": sweep}, f, indent=1)
+        store.close()
+        return
     nbytes = int(store.layer(0).sizes[0]) * store.entry_bytes
     conc = list(range(max(a.concurrent, 1)))
     times = {k: [] for k in ("fast_read_cluster", "fast_read_cluster_cpu", "fast_range_1MiB",
