@@ -149,6 +149,7 @@ class SwarmFS(pyfuse3.Operations):
         self._rendered = LIVE_KINDS | ({CLUSTER_INFO} if self.follow_store else frozenset())
         self._neg_timeout = 0.0 if self.follow_store else TIMEOUT
         self._started = time.monotonic()
+        self._last_refresh_error = None
         self._c = dict(lookups=0, forgets=0, getattrs=0, readdirs=0, opens=0, reads=0,
                        bytes_returned=0, kv_reads=0, kv_bytes_returned=0, io_errors=0,
                        checksum_failures=0, refused_writes=0, stale=0, generations_seen=1,
@@ -472,11 +473,16 @@ class SwarmFS(pyfuse3.Operations):
         try:
             new = await trio.to_thread.run_sync(self._load_generation, old,
                                                 limiter=self._refresh_limiter)
-        except E.SwarmError as exc:
+        except Exception as exc:          # retried at the next poll; never ends the mount
             self._count("refresh_errors")
-            log.warning("cannot show the store's new generation (keeping generation %d): "
-                        "%s", old.generation, exc)
+            text = str(exc)
+            if text != self._last_refresh_error:       # once per distinct cause
+                self._last_refresh_error = text
+                log.warning("cannot show the store's new generation (keeping generation "
+                            "%d): %s", old.generation, exc,
+                            exc_info=not isinstance(exc, E.SwarmError))
             return False
+        self._last_refresh_error = None
         self._mkey = key if key is not None else self._manifest_key()
         if new is None:
             return False

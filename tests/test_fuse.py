@@ -917,3 +917,35 @@ def test_snapshot_keeps_the_mount_time_view(workdir, rng):
         with open(os.path.join(m.mnt, "manifest.json")) as fh:
             assert json.load(fh)["generation"] == gen0
         assert np.load(os.path.join(cl, "000003.npy")).tobytes() == g0[3]
+
+
+def test_a_damaged_new_manifest_keeps_the_shown_generation(workdir, rng):
+    path = str(workdir / "damaged")
+    s = Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16)
+    s.write_layer(0, random_kv(rng, 300, 2, 16, "float16"), random_clusters(rng, 300, 6))
+    s.close()
+    g0, _ = _cluster_bytes(path)
+    mf = os.path.join(path, "manifest.json")
+    with open(mf, "rb") as f:
+        good = f.read()
+    with Mount(path, workdir / "mnt-damaged", "--poll-interval", "0.05") as m:
+        cl = os.path.join(m.mnt, "layers", "00", "clusters")
+        tmp = mf + ".bad"
+        with open(tmp, "wb") as f:
+            f.write(good[:len(good) // 2])          # a torn manifest, committed by rename
+        os.replace(tmp, mf)
+        _wait(lambda: "cannot show the store's new generation" in m.output(),
+              what="the refresh failure in the log")
+        assert sorted(os.listdir(cl)) == [f"{c:06d}.npy" for c in range(6)]
+        assert np.load(os.path.join(cl, "000002.npy")).tobytes() == g0[2]
+        with open(os.path.join(m.mnt, "stats.json")) as f:
+            st_ = json.load(f)["mount"]
+        assert st_["refresh_errors"] >= 1 and st_["generations_seen"] == 1
+        assert m.output().count("cannot show the store's new generation") == 1  # once per cause
+        with open(tmp, "wb") as f:
+            f.write(good)
+        os.replace(tmp, mf)
+        with Store.open(path, writable=True) as w:
+            w.append(0, random_kv(rng, 10, 2, 16, "float16"), group=10)
+        _wait(lambda: os.path.exists(os.path.join(cl, "000006.npy")), timeout=5.0,
+              what="the next good generation")
