@@ -409,19 +409,28 @@ def demo(workdir, disks, model, text_file, context, eval_queries, as_json, ratio
 @click.option("--allow-other", is_flag=True, help="Let other users read the mount.")
 @click.option("--debug", is_flag=True, help="Log every FUSE request to stderr.")
 @click.option("--direct-io", is_flag=True,
-              help="Bypass the page cache for KV files (faster single readers; no mmap).")
-@click.option("--readahead", type=int, default=4 << 20, show_default=True,
+              help="Bypass the page cache for KV files (shared mmap then fails with ENODEV; "
+                   "private mmap, np.load(mmap_mode='c'), works).")
+@click.option("--snapshot", is_flag=True,
+              help="Show the store as committed at mount time (default: follow it; new "
+                   "generations appear without remounting).")
+@click.option("--poll-interval", type=click.FloatRange(0.01, 3600), default=0.2,
+              show_default=True, help="Seconds between manifest polls when following.")
+@click.option("--readahead", type=int, default=16 << 20, show_default=True,
               help="Read-ahead window for sequential readers, in bytes (0 = off).")
 @click.option("--no-verify", is_flag=True, help="Do not verify checksums on read.")
 @click.option("--log-file", type=click.Path(), default=None,
               help="Daemon log file (default $TMPDIR/swarmfs-mount-<mountpoint>.log).")
 @ENGINE_OPT
-def mount(store, mountpoint, foreground, allow_other, debug, direct_io, readahead,
-          no_verify, log_file, engine):
+def mount(store, mountpoint, foreground, allow_other, debug, direct_io, snapshot,
+          poll_interval, readahead, no_verify, log_file, engine):
     """Mount STORE read-only at MOUNTPOINT (FUSE): ls, cat and np.load the clusters.
 
     Without --foreground the command returns once the mount is up.  Unmount
-    with `swarmfs umount MOUNTPOINT`.
+    with `swarmfs umount MOUNTPOINT`.  The mount follows the store: a newly
+    committed generation (write or append) becomes visible within about a
+    poll interval, while open files keep reading the generation they were
+    opened on; --snapshot keeps the mount-time view.
     """
     try:
         from ._fuse import default_log_file
@@ -433,7 +442,8 @@ def mount(store, mountpoint, foreground, allow_other, debug, direct_io, readahea
         log_file = default_log_file(mountpoint)
     pid = do_mount(store, mountpoint, foreground=foreground, allow_other=allow_other,
                    debug=debug, direct_io=direct_io, readahead=readahead,
-                   verify=not no_verify, engine=engine, log_file=log_file)
+                   verify=not no_verify, engine=engine, log_file=log_file,
+                   snapshot=snapshot, poll_interval=poll_interval)
     if pid:
         click.echo(f"mounted {store} at {mountpoint} (pid {pid}, log {log_file}); "
                    f"unmount with: swarmfs umount {mountpoint}")

@@ -43,6 +43,12 @@ __all__ = ["mount", "umount", "default_log_file", "MountError", "SwarmFS", "MAX_
 
 log = logging.getLogger("swarmfs.fuse")
 
+#: Kernel read-ahead of a mount (bytes): one ``MAX_READ`` request ahead of a
+#: sequential reader (the kernel default is 128 KiB: eight times the requests);
+#: the deep prefetch is the daemon's own read-ahead windows.  Measured in
+#: docs/benchmarks.md §5 (``bench_mount.py --readahead-sweep``).
+KERNEL_READAHEAD = MAX_READ
+
 
 MountError = E.MountError
 
@@ -93,11 +99,59 @@ def _fuse_options(store_path: str, *, allow_other: bool, debug: bool) -> set:
     return opts
 
 
-async def _run(ops: SwarmFS, signals: bool) -> None:
+def _bdi_of(mountpoint: str) -> str | None:
+    """``MAJOR:MINOR`` of the mount at ``mountpoint`` (its backing device
+    info in /sys/class/bdi), from /proc/self/mountinfo: no FUSE request."""
+    want = os.path.abspath(mountpoint)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 4 and re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)),
+                                      fields[4]) == want:
+            found = fields[2]
+    return found
+
+
+def _set_kernel_readahead(mountpoint: str, nbytes: int) -> None:
+    """Set the kernel's read-ahead of the mount (``read_ahead_kb`` of its
+    bdi) so that a sequential reader in page cache mode asks in ``MAX_READ``
+    requests (the daemon's windows prefetch behind them), and raise the FUSE
+    connection's ``max_background`` (asynchronous read-ahead requests in
+    flight; libfuse 3.14 offers no mount option for it) so that several such
+    readers do not queue behind the default of 12.  Needs write access to
+    /sys (root); otherwise the kernel defaults stay, logged."""
+    bdi = _bdi_of(mountpoint)
+    if not bdi or nbytes <= 0:
+        return
+    minor = bdi.split(":")[-1]
+    for p, value in ((f"/sys/class/bdi/{bdi}/read_ahead_kb", max(nbytes >> 10, 4)),
+                     (f"/sys/fs/fuse/connections/{minor}/max_background", 64),
+                     (f"/sys/fs/fuse/connections/{minor}/congestion_threshold", 48)):
+        try:
+            with open(p, "w") as f:
+                f.write(str(value))
+            log.info("%s of %s: %d", os.path.basename(p), mountpoint, value)
+        except OSError as exc:
+            log.info("%s of %s left at the kernel default (%s: %s)", os.path.basename(p),
+                     mountpoint, p, exc.strerror)
+
+
+async def _run(ops: SwarmFS, signals: bool, mountpoint: str | None = None,
+               kernel_readahead: int = 0) -> None:
     async with trio.open_nursery() as nursery:
         ops.kv.nursery = nursery
+        if mountpoint and kernel_readahead:
+            nursery.start_soon(trio.to_thread.run_sync, _set_kernel_readahead, mountpoint,
+                               kernel_readahead)
         if signals:
             await nursery.start(_unmount_on_signal)
+        if ops.follow_store:
+            await nursery.start(ops.follow)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
 
@@ -115,10 +169,39 @@ def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def _refusal(exc: BaseException, *, allow_other: bool, dev: str = "/dev/fuse",
+             conf: str = "/etc/fuse.conf") -> str:
+    """Why the kernel refused a mount, in one sentence, checked in the order
+    fusermount3 checks: /dev/fuse missing, /dev/fuse that this user cannot
+    open, then (only with ``allow_other``, as non-root) ``user_allow_other``
+    missing from ``conf``; else the library's message."""
+    head = "the kernel refused the mount: "
+    if not os.path.exists(dev):
+        return head + f"{dev} does not exist (load the fuse module, or give the " \
+            "container the device)"
+    if not os.access(dev, os.R_OK | os.W_OK):
+        return head + f"this user cannot open {dev} (Permission denied; it needs read " \
+            f"and write access to {dev}, e.g. membership in the group that owns it)"
+    if allow_other and os.geteuid() != 0:
+        try:
+            with open(conf) as f:
+                allowed = any(line.split("#", 1)[0].strip() == "user_allow_other"
+                              for line in f)
+        except OSError:
+            allowed = False
+        if not allowed:
+            return head + f"--allow-other as non-root needs user_allow_other in {conf}"
+    return head + str(exc)
+
+
 def _serve(store: Store, mountpoint: str, *, allow_other: bool, debug: bool,
-           direct_io: bool, threads: int, readahead: int, ready=None) -> None:
+           direct_io: bool, threads: int, readahead: int, snapshot: bool = False,
+           poll_interval: float = 0.2, kernel_readahead: int = KERNEL_READAHEAD,
+           ready=None) -> None:
     """Mount ``store`` and serve it until unmounted or signalled."""
-    ops = SwarmFS(store, direct_io=direct_io, threads=threads, readahead=readahead)
+    ops = SwarmFS(store, direct_io=direct_io, threads=threads, readahead=readahead,
+                  follow=not snapshot, poll_interval=poll_interval,
+                  engines=min(4, max(threads, 1)))
     opts = _fuse_options(store.path, allow_other=allow_other, debug=debug)
     main_thread = threading.current_thread() is threading.main_thread()
     # until trio's signal receiver takes over, SIGTERM/SIGHUP unwind through
@@ -129,29 +212,29 @@ def _serve(store: Store, mountpoint: str, *, allow_other: bool, debug: bool,
         try:
             pyfuse3.init(ops, mountpoint, opts)
         except RuntimeError as exc:
-            hint = (" (as non-root, --allow-other needs user_allow_other in /etc/fuse.conf)"
-                    if allow_other else "")
-            raise MountError(f"the kernel refused the mount: {exc}{hint}",
+            raise MountError(_refusal(exc, allow_other=allow_other),
                              path=mountpoint, store=store.path) from None
         try:
-            log.info("mounted %s on %s (engine %s, checksums %s, direct_io %s)", store.path,
-                     mountpoint, store.engine.kind, "on" if store.verify_checksums else "off",
-                     direct_io)
+            log.info("mounted %s on %s (engine %s, checksums %s, direct_io %s, %s)",
+                     store.path, mountpoint, store.engine.kind,
+                     "on" if store.verify_checksums else "off", direct_io,
+                     "snapshot" if snapshot else "following the store")
             if ready is not None:
                 ready("ok")
-            trio.run(_run, ops, main_thread)
+            trio.run(_run, ops, main_thread, mountpoint, kernel_readahead)
         finally:
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", mountpoint)
     finally:
+        ops.close()
         for sig, handler in old.items():
             signal.signal(sig, handler)
 
 
 def mount(store_path, mountpoint, *, foreground: bool = True, allow_other: bool = False,
           debug: bool = False, direct_io: bool = False, threads: int = 8,
-          readahead: int = 4 << 20, verify: bool = True, engine: str | None = None, log_file=None,
-          timeout: float = 30.0):
+          readahead: int = 16 << 20, verify: bool = True, engine: str | None = None, log_file=None,
+          timeout: float = 30.0, snapshot: bool = False, poll_interval: float = 0.2):
     """Mount a store read-only at ``mountpoint`` (``swarmfs mount``).
 
     The store is opened (superblocks, manifest, disks) before anything is
@@ -180,6 +263,12 @@ def mount(store_path, mountpoint, *, foreground: bool = True, allow_other: bool 
             file, in bytes (0: none; see ``_fuse_stream``).
         verify: verify checksums of everything read (default on).
         engine: engine kind for ``Store.open`` (default: auto).
+        snapshot: show the generation committed at mount time for ever.
+            Default: follow the store -- a newly committed generation (a
+            ``write_layer`` or ``append``) becomes visible within about
+            ``poll_interval`` seconds without remounting; open files keep
+            reading the generation they were opened on.
+        poll_interval: seconds between polls of the manifest (following).
 
     Raises:
         SwarmError subclasses from ``Store.open``: the store cannot be opened.
@@ -194,21 +283,24 @@ def mount(store_path, mountpoint, *, foreground: bool = True, allow_other: bool 
         Store.open(store_path, verify=verify, engine=engine).close()
         return _spawn(store_path, mountpoint, allow_other=allow_other, debug=debug,
                       direct_io=direct_io, threads=threads, readahead=readahead,
-                      verify=verify, engine=engine, log_file=log_file, timeout=timeout)
+                      verify=verify, engine=engine, log_file=log_file, timeout=timeout,
+                      snapshot=snapshot, poll_interval=poll_interval)
     store = Store.open(store_path, verify=verify, engine=engine, preload=True)
     try:
         _serve(store, mountpoint, allow_other=allow_other, debug=debug,
-               direct_io=direct_io, threads=threads, readahead=readahead)
+               direct_io=direct_io, threads=threads, readahead=readahead,
+               snapshot=snapshot, poll_interval=poll_interval)
     finally:
         store.close()
     return None
 
 
 def _spawn(store_path, mountpoint, *, allow_other, debug, direct_io, threads, readahead,
-           verify, engine, log_file, timeout) -> int:
+           verify, engine, log_file, timeout, snapshot, poll_interval) -> int:
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "swarmfs._fuse", store_path, mountpoint, "--foreground",
-           "--ready-fd", str(w), "--threads", str(threads), "--readahead", str(readahead)]
+           "--ready-fd", str(w), "--threads", str(threads), "--readahead", str(readahead),
+           "--poll-interval", repr(float(poll_interval))] + ["--snapshot"] * snapshot
     cmd += ["--allow-other"] * allow_other + ["--debug"] * debug + \
         ["--direct-io"] * direct_io + ["--no-verify"] * (not verify)
     if engine:
@@ -253,8 +345,11 @@ def _spawn(store_path, mountpoint, *, allow_other, debug, direct_io, threads, re
         rc = proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         rc = None
-    if text.startswith("error: "):
-        raise MountError(text[len("error: "):], path=mountpoint, store=store_path)
+    if text.startswith("error: "):          # a SwarmError: its text names its context
+        raise MountError(text[len("error: "):])
+    if text.startswith("crash: "):
+        raise MountError(f"the mount process failed: {text[len('crash: '):]} (see "
+                         f"{log_file})", path=mountpoint, store=store_path)
     raise MountError(f"the mount process did not come up within {timeout:g} s "
                      f"(exit status {rc}; see {log_file})",
                      path=mountpoint, store=store_path)
@@ -334,9 +429,13 @@ def main(argv=None) -> int:
     p.add_argument("--debug", action="store_true")
     p.add_argument("--direct-io", action="store_true")
     p.add_argument("--threads", type=int, default=8)
-    p.add_argument("--readahead", type=int, default=4 << 20,
+    p.add_argument("--readahead", type=int, default=16 << 20,
                    help="largest read-ahead window in bytes (0: off)")
     p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--snapshot", action="store_true",
+                   help="show the generation at mount time (default: follow the store)")
+    p.add_argument("--poll-interval", type=float, default=0.2,
+                   help="seconds between polls of the manifest when following")
     p.add_argument("--engine", default=None)
     p.add_argument("--log-file", default=None)
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -344,7 +443,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO,
                         format="%(asctime)s swarmfs[%(process)d] %(levelname)s %(message)s")
     kw = dict(allow_other=a.allow_other, debug=a.debug, direct_io=a.direct_io,
-              threads=a.threads, readahead=a.readahead)
+              threads=a.threads, readahead=a.readahead, snapshot=a.snapshot,
+              poll_interval=a.poll_interval)
     if a.ready_fd is None:
         try:
             pid = mount(a.store, a.mountpoint, foreground=a.foreground, verify=not a.no_verify,
@@ -380,7 +480,7 @@ def main(argv=None) -> int:
         ready(f"error: {exc}")
         return 1
     except BaseException as exc:
-        ready(f"error: {type(exc).__name__}: {exc}")
+        ready(f"crash: {type(exc).__name__}: {exc}")
         raise
     return 0
 

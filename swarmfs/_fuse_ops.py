@@ -7,6 +7,11 @@ because stored KV is immutable.  Names and inode numbers come from
 ``_fuse_tree``; KV bytes from ``_fuse_stream``.  Every handler turns failures
 into ``pyfuse3.FUSEError`` (store errors: EIO, logged); ``forget`` never
 raises; everything that would change the tree fails with EROFS.
+
+The view follows the store (:meth:`SwarmFS.follow`): a new committed
+generation becomes visible within ``poll_interval`` plus the time to load the
+changed layers' indexes, while open files keep reading the generation they
+were opened on.
 """
 
 from __future__ import annotations
@@ -17,13 +22,17 @@ import logging
 import os
 import time
 
+import numpy as np
 import pyfuse3
 import trio
 
 from . import _errors as E
 from ._fuse_stream import KVReader, Stream
-from ._fuse_tree import (CLUSTER_DIR, DIR_KINDS, INDEX_KINDS, KV_KINDS, KV_NPY, LIVE_KINDS,
-                         LookupCounts, Node, Tree, decode, encode)
+from ._fuse_tree import (CLUSTER_BASE, CLUSTER_INFO, CLUSTER_STRIDE, CLUSTERS, DIR_KINDS, DOTS,
+                         KV_BIN, KV_KINDS, KV_NPY, KV_NPY_FILE, LAYER_DIR, LAYER_SHIFT, LAYERS,
+                         LIVE_KINDS, ROOT_INODE, VER_SHIFT, LookupCounts, Node, Tree, decode,
+                         encode, sum_stats)
+from ._store import Store
 
 __all__ = ["SwarmFS", "MAX_READ", "TIMEOUT"]
 
@@ -77,13 +86,28 @@ class SwarmFS(pyfuse3.Operations):
         store: an open store; the file system reads it, never closes it.
         direct_io: serve KV files with ``FOPEN_DIRECT_IO`` (no page cache: each
             read() goes to the store as one request of up to ``MAX_READ``
-            bytes; mmap of KV files is refused).  Default False: page cache,
-            kept across opens.
+            bytes).  The kernel then refuses shared mmap (``MAP_SHARED``,
+            ``np.load(mmap_mode='r')``) with ENODEV; private mappings
+            (``mmap_mode='c'``) work.  Default False: page cache, kept across
+            opens.
         threads: worker threads for blocking store reads (a trio
             ``CapacityLimiter``).
         readahead: largest read-ahead window for sequential readers of KV
             files (bytes; 0 disables read-ahead).
         buffer_budget: bytes of reusable buffers for KV reads and read-ahead.
+        follow: follow the store: poll its manifest every ``poll_interval``
+            seconds and show each new committed generation (see
+            :meth:`follow`).  False: the generation at mount time for ever
+            (``--snapshot``).
+        poll_interval: seconds between manifest polls.
+        engines: engines serving KV reads in parallel: the store's own plus
+            ``engines - 1`` more opened on the same store (each runs one
+            batched submission at a time).  Closed by :meth:`close`.
+
+    Concurrency: every handler runs in the trio thread; store reads and
+    renderings run in worker threads.  The current generation (``tree``) is
+    replaced in one assignment; an open file keeps the generation it was
+    opened on until it is closed.
     """
 
     supports_dot_lookup = True
@@ -91,27 +115,54 @@ class SwarmFS(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, store, *, direct_io: bool = False, threads: int = 8,
-                 readahead: int = 4 << 20, buffer_budget: int = 256 << 20):
+                 readahead: int = 16 << 20, buffer_budget: int = 256 << 20,
+                 follow: bool = True, poll_interval: float = 0.2, engines: int = 4):
         super().__init__()
         self.store = store
+        self._extra = []
+        try:
+            for _ in range(max(int(engines), 1) - 1):
+                self._extra.append(Store.open(store.path, engine=store.engine.kind,
+                                              verify=store.verify_checksums))
+        except BaseException:
+            self.close()
+            raise
+        self.engines = [store] + self._extra
         self.direct_io = bool(direct_io)
         self.threads = int(threads)
-        self.tree = Tree(store, kv_blksize=MAX_READ, mount_stats=self.mount_stats)
+        self.follow_store = bool(follow)
+        self.poll_interval = float(poll_interval)
+        self._manifest_path = os.path.join(store.path, "manifest.json")
+        self._mkey = self._manifest_key()
+        mtime = self._mkey[1] if self._mkey else time.time_ns()
+        self.tree = Tree(store, kv_blksize=MAX_READ, mount_stats=self.mount_stats,
+                         mtime_ns=mtime, store_stats=self.store_stats)
         self.counts = LookupCounts(store)
         self._limiter = trio.CapacityLimiter(self.threads)
+        self._refresh_limiter = trio.CapacityLimiter(1)
         self.kv = KVReader(store, limiter=self._limiter, budget=buffer_budget,
-                           window_max=readahead)
+                           window_max=readahead, engines=self.engines)
         self._handles: dict[int, tuple] = {}
+        self._pinned: dict[int, list] = {}      # id(tree) -> [tree, open handles]
         self._next_fh = 1
         self._uid, self._gid = os.getuid(), os.getgid()
-        try:
-            self._mtime_ns = os.stat(os.path.join(store.path, "manifest.json")).st_mtime_ns
-        except OSError:
-            self._mtime_ns = time.time_ns()
+        self._rendered = LIVE_KINDS | ({CLUSTER_INFO} if self.follow_store else frozenset())
+        self._neg_timeout = 0.0 if self.follow_store else TIMEOUT
         self._started = time.monotonic()
+        self._last_refresh_error = None
         self._c = dict(lookups=0, forgets=0, getattrs=0, readdirs=0, opens=0, reads=0,
                        bytes_returned=0, kv_reads=0, kv_bytes_returned=0, io_errors=0,
-                       checksum_failures=0, refused_writes=0)
+                       checksum_failures=0, refused_writes=0, stale=0, generations_seen=1,
+                       refresh_errors=0, invalidations=0)
+
+    def close(self) -> None:
+        """Close the extra engines' stores (not ``store``)."""
+        while self._extra:
+            self._extra.pop().close()
+
+    def store_stats(self):
+        """The store's counters summed over the mount's engines."""
+        return sum_stats([s.stats() for s in self.engines])
 
     # -- bookkeeping -------------------------------------------------------------
     def _count(self, key: str, n: int = 1) -> None:
@@ -124,14 +175,18 @@ class SwarmFS(pyfuse3.Operations):
         requests); bytes_returned (all files) and kv_bytes_returned (kv.bin,
         kv.npy) in bytes; kv_reads (store reads); io_errors and
         checksum_failures (reads answered with EIO); refused_writes (EROFS);
-        open_handles; kernel_lookups (sum of lookup counts the kernel holds);
+        stale (requests for an inode of an older generation: ESTALE);
+        generations_seen, refresh_errors and invalidations (following the
+        store); generation (the one shown); follow; open_handles;
+        kernel_lookups (sum of lookup counts the kernel holds);
         lookup_underflows (forgets below zero, ignored); direct_io; threads;
         uptime_s.
         """
         out = dict(self._c)
         out.update(open_handles=len(self._handles), kernel_lookups=self.counts.total,
                    lookup_underflows=self.counts.underflows, direct_io=self.direct_io,
-                   threads=self.threads,
+                   threads=self.threads, generation=self.tree.generation,
+                   follow=self.follow_store,
                    uptime_s=round(time.monotonic() - self._started, 3))
         out["kv_reader"] = self.kv.stats()
         return out
@@ -139,18 +194,23 @@ class SwarmFS(pyfuse3.Operations):
     async def _thread(self, fn, *args):
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
-    def _node(self, ino: int) -> Node:
+    def _resolve(self, ino: int):
+        """``(tree, node)`` of an inode: the current generation, or the older
+        one an open file keeps alive.  ENOENT for a number that names
+        nothing, ESTALE for a node of a generation no longer shown."""
         node = decode(ino)
-        if not self.tree.valid(node):
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        return node
+        tree = self.tree
+        if tree.valid(node):
+            return tree, node
+        if node is not None:
+            for t, _ in self._pinned.values():
+                if t.valid(node):
+                    return t, node
+            self._count("stale")
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        raise pyfuse3.FUSEError(errno.ENOENT)
 
-    async def _ready(self, node: Node) -> None:
-        """Load the node's layer index (in a worker thread) if it needs it."""
-        if node.kind in INDEX_KINDS and not self.tree.is_loaded(node.layer):
-            await self._thread(self.tree.load_layer, node.layer)
-
-    def _entry_from(self, node: Node, attr, live: bool) -> pyfuse3.EntryAttributes:
+    def _entry_from(self, tree: Tree, node: Node, attr, live: bool) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
         e.st_ino = encode(node)
         e.generation = 0
@@ -164,31 +224,30 @@ class SwarmFS(pyfuse3.Operations):
         e.st_size = attr.size
         e.st_blksize = attr.blksize
         e.st_blocks = (attr.size + 511) // 512
-        t = time.time_ns() if live else self._mtime_ns
+        t = time.time_ns() if live else tree.mtime_ns
         e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = t
         return e
 
-    async def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
-        if node.kind in LIVE_KINDS:
-            attr = await self._thread(self.tree.attr, node)
-            return self._entry_from(node, attr, True)
-        await self._ready(node)
-        return self._entry_from(node, self.tree.attr(node), False)
+    async def _entry(self, tree: Tree, node: Node) -> pyfuse3.EntryAttributes:
+        if node.kind in self._rendered:
+            attr = await self._thread(tree.attr, node)
+            return self._entry_from(tree, node, attr, True)
+        return self._entry_from(tree, node, tree.attr(node), False)
 
     # -- namespace ---------------------------------------------------------------
     @_handler
     async def lookup(self, parent_inode, name, ctx=None):
-        parent = self._node(parent_inode)
+        tree, parent = self._resolve(parent_inode)
         if parent.kind not in DIR_KINDS:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         self._count("lookups")
-        node = self.tree.lookup(parent, name)
+        node = tree.lookup(parent, name)
         if node is None:
             neg = pyfuse3.EntryAttributes()
-            neg.st_ino = 0                     # negative entry, cached by the kernel
-            neg.entry_timeout = TIMEOUT
+            neg.st_ino = 0                     # negative entry
+            neg.entry_timeout = self._neg_timeout
             return neg
-        e = await self._entry(node)
+        e = await self._entry(tree, node)
         self.counts.add(e.st_ino)
         return e
 
@@ -204,99 +263,161 @@ class SwarmFS(pyfuse3.Operations):
     @_handler
     async def getattr(self, inode, ctx=None):
         self._count("getattrs")
-        return await self._entry(self._node(inode))
+        tree, node = self._resolve(inode)
+        return await self._entry(tree, node)
 
     @_handler
     async def opendir(self, inode, ctx):
-        node = self._node(inode)
+        _, node = self._resolve(inode)
         if node.kind not in DIR_KINDS:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
 
     @_handler
     async def readdir(self, fh, start_id, token):
-        parent = self._node(fh)
+        """List a directory, ``.`` and ``..`` first, with every entry's
+        attributes (READDIRPLUS: the kernel needs no lookup afterwards)."""
+        tree, parent = self._resolve(fh)
         self._count("readdirs")
-        if parent.kind == CLUSTER_DIR and not self.tree.is_loaded(parent.layer):
-            await self._thread(self.tree.load_layer, parent.layer)
-        for name, node, next_id in self.tree.entries(parent, start_id):
-            if node.kind in LIVE_KINDS:
-                e = await self._entry(node)
+        if start_id < DOTS:
+            for name, node, next_id in tree.entries(parent, start_id):
+                if next_id > DOTS:
+                    break
+                e = self._entry_from(tree, node, tree.attr(node), False)
+                if not pyfuse3.readdir_reply(token, name, e, next_id):
+                    return
+            start_id = DOTS
+        if parent.kind == CLUSTERS:
+            self._readdir_clusters(tree, parent.layer, start_id - DOTS, token)
+            return
+        for name, node, next_id in tree.entries(parent, start_id):
+            if node.kind in self._rendered:
+                e = await self._entry(tree, node)
             else:
-                e = self._entry_from(node, self.tree.attr(node), False)
+                e = self._entry_from(tree, node, tree.attr(node), False)
             if not pyfuse3.readdir_reply(token, name, e, next_id):
                 return
             self.counts.add(e.st_ino)
+
+    def _readdir_clusters(self, tree: Tree, l: int, first: int, token) -> None:
+        """``clusters/``: one ``CCCCCC.npy`` per cluster from cluster ``first``
+        on.  Inode numbers and sizes come from the Tree's arrays a chunk at a
+        time; one EntryAttributes is filled per entry and copied into the
+        reply by ``readdir_reply``."""
+        C = tree.num_clusters(l)
+        if first >= C:
+            return
+        w = tree.cluster_width(l)
+        f = KV_NPY_FILE
+        e = self._entry_from(tree, Node(KV_NPY, layer=l, cluster=first,
+                                        ver=int(tree.cluster_ver[l][first])),
+                             tree.attr(Node(KV_NPY, layer=l, cluster=first)), False)
+        base = ((l + 1) << LAYER_SHIFT) + CLUSTER_BASE + f
+        ver, sizes = tree.cluster_ver[l], tree.npy_sizes(l)
+        reply = pyfuse3.readdir_reply
+        c = first
+        while c < C:
+            stop = min(C, c + 512)
+            cs = np.arange(c, stop, dtype=np.int64)
+            inos = (base + (ver[c:stop] << VER_SHIFT) + CLUSTER_STRIDE * cs).tolist()
+            szs = sizes[c:stop].tolist()
+            for i in range(stop - c):
+                sz = szs[i]
+                e.st_ino = inos[i]
+                e.st_size = sz
+                e.st_blocks = (sz + 511) >> 9
+                if not reply(token, b"%0*d.npy" % (w, c + i), e, DOTS + c + i + 1):
+                    self.counts.add_clusters(l, c, c + i, f)
+                    return
+            self.counts.add_clusters(l, c, stop, f)
+            c = stop
 
     async def releasedir(self, fh):
         pass
 
     @_handler
     async def statfs(self, ctx):
+        tree = self.tree
         s = pyfuse3.StatvfsData()
         bs = int(self.store.block_size)
         s.f_bsize = MAX_READ
         s.f_frsize = bs
-        s.f_blocks = -(-self.tree.total_kv_bytes // bs)
+        s.f_blocks = -(-tree.total_kv_bytes // bs)
         s.f_bfree = s.f_bavail = 0
-        s.f_files = 5 + 2 * self.tree.num_disks + sum(
-            3 + 5 * self.tree.num_clusters(l) for l in self.tree.layers)
+        s.f_files = 5 + 2 * tree.num_disks + sum(
+            3 + 6 * tree.num_clusters(l) for l in tree.layers)
         s.f_ffree = s.f_favail = 0
         s.f_namemax = 255
         return s
 
     # -- files ---------------------------------------------------------------------
+    def _pin(self, tree: Tree) -> None:
+        ent = self._pinned.setdefault(id(tree), [tree, 0])
+        ent[1] += 1
+
+    def _unpin(self, tree: Tree) -> None:
+        ent = self._pinned.get(id(tree))
+        if ent is not None:
+            ent[1] -= 1
+            if ent[1] <= 0:
+                del self._pinned[id(tree)]
+
     @_handler
     async def open(self, inode, flags, ctx):
-        node = self._node(inode)
+        tree, node = self._resolve(inode)
         if node.kind in DIR_KINDS:
             raise pyfuse3.FUSEError(errno.EISDIR)
         if flags & _WRITE_FLAGS:
             self._count("refused_writes")
             raise pyfuse3.FUSEError(errno.EROFS)
-        live = node.kind in LIVE_KINDS
+        rendered = node.kind in self._rendered
         snapshot = stream = None
-        if live:
-            snapshot = await self._thread(self.tree.render_live, node)
-        else:
-            await self._ready(node)
-        if node.kind in KV_KINDS:
-            li = self.tree.load_layer(node.layer)
-            stream = Stream(node.layer, node.cluster,
-                            int(li.sizes[node.cluster]) * self.tree.entry_bytes)
+        if rendered:
+            snapshot = await self._thread(self._render, tree, node)
+        elif node.kind in KV_KINDS:
+            stream = Stream(node.layer, node.cluster, tree.size(Node(KV_BIN, layer=node.layer,
+                                                                     cluster=node.cluster)),
+                            li=tree.load_layer(node.layer))
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = (node, snapshot, stream)
+        self._handles[fh] = (node, tree, snapshot, stream)
+        self._pin(tree)
         self._count("opens")
         fi = pyfuse3.FileInfo(fh=fh)
-        fi.direct_io = live or (self.direct_io and node.kind in KV_KINDS)
-        fi.keep_cache = not live
+        fi.direct_io = rendered or (self.direct_io and node.kind in KV_KINDS)
+        fi.keep_cache = not rendered
         return fi
+
+    @staticmethod
+    def _render(tree: Tree, node: Node) -> bytes:
+        if node.kind in LIVE_KINDS:
+            return tree.render_live(node)
+        return tree.render_small(node)
 
     @_handler
     async def read(self, fh, off, size):
         try:
-            node, snapshot, stream = self._handles[fh]
+            node, tree, snapshot, stream = self._handles[fh]
         except KeyError:
             raise pyfuse3.FUSEError(errno.EBADF) from None
         self._count("reads")
         if snapshot is not None:
             data = snapshot[off:off + size]
         elif stream is not None:
-            data = await self._read_kv(node, stream, off, size)
+            data = await self._read_kv(tree, node, stream, off, size)
             self._c["kv_reads"] += 1
             self._c["kv_bytes_returned"] += len(data)
         else:
-            data = self.tree.read_static(node, off, size)
+            data = tree.read_static(node, off, size)
         self._c["bytes_returned"] += len(data)
         return data
 
-    async def _read_kv(self, node: Node, stream: Stream, off: int, size: int):
+    async def _read_kv(self, tree: Tree, node: Node, stream: Stream, off: int, size: int):
         """kv.bin bytes come from the reader; kv.npy is the npy header followed
         by kv.bin's bytes."""
         if node.kind != KV_NPY:
             return await self.kv.read(stream, off, size)
-        h = self.tree.kv_npy_header(node.layer, node.cluster)
+        h = tree.kv_npy_header(node.layer, node.cluster)
         if off >= len(h):
             return await self.kv.read(stream, off - len(h), size)
         head = h[off:off + size]
@@ -309,8 +430,137 @@ class SwarmFS(pyfuse3.Operations):
 
     async def release(self, fh):
         entry = self._handles.pop(fh, None)
-        if entry is not None and entry[2] is not None:
-            self.kv.close(entry[2])
+        if entry is not None:
+            if entry[3] is not None:
+                self.kv.close(entry[3])
+            self._unpin(entry[1])
+
+    # -- following the store ---------------------------------------------------------
+    def _manifest_key(self):
+        """What changes when a new manifest is committed (atomic rename): its
+        inode, mtime and size; None when it cannot be stat'ed."""
+        try:
+            st = os.stat(self._manifest_path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    async def follow(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Poll the manifest every ``poll_interval`` s; on a change, load the
+        new generation in a worker thread (only the layers whose record
+        changed), make it current, then invalidate in the kernel what it
+        may have cached of the old one (in a worker thread: the calls block).
+
+        Nodes whose contents changed have new inode numbers, so the kernel
+        never mixes two generations' pages of one file; names that now point
+        elsewhere (``manifest.json``, ``medoids.npy``, changed clusters the
+        kernel knows) and directory attributes are invalidated.  A refresh
+        that fails (a torn or damaged store) is logged and retried at the
+        next poll; the old generation stays visible meanwhile.
+        """
+        task_status.started()
+        while True:
+            await trio.sleep(self.poll_interval)
+            key = self._manifest_key()
+            if key is None or key == self._mkey:
+                continue
+            await self.refresh(key)
+
+    async def refresh(self, key=None) -> bool:
+        """Load and show the store's latest committed generation now; True
+        if it differed from the one shown."""
+        old = self.tree
+        try:
+            new = await trio.to_thread.run_sync(self._load_generation, old,
+                                                limiter=self._refresh_limiter)
+        except Exception as exc:          # retried at the next poll; never ends the mount
+            self._count("refresh_errors")
+            text = str(exc)
+            if text != self._last_refresh_error:       # once per distinct cause
+                self._last_refresh_error = text
+                log.warning("cannot show the store's new generation (keeping generation "
+                            "%d): %s", old.generation, exc,
+                            exc_info=not isinstance(exc, E.SwarmError))
+            return False
+        self._last_refresh_error = None
+        self._mkey = key if key is not None else self._manifest_key()
+        if new is None:
+            return False
+        self.tree = new
+        self._count("generations_seen")
+        log.info("showing generation %d (was %d)", new.generation, old.generation)
+        items = self._invalidations(old, new)
+        if items:
+            n = await trio.to_thread.run_sync(_invalidate, items,
+                                              limiter=self._refresh_limiter)
+            self._count("invalidations", n)
+        return True
+
+    def _load_generation(self, old: Tree) -> Tree | None:
+        """The store's committed generation as a Tree continuing ``old``'s
+        versions, or None if it is ``old``'s.  Blocking (worker thread)."""
+        last = None
+        for _ in range(5):
+            try:
+                side = Store.open(self.store.path, engine="threads", queue_depth=1,
+                                  verify=self.store.verify_checksums)
+            except E.ManifestError as exc:       # torn by a concurrent commit: retry
+                last = exc
+                continue
+            try:
+                m = side.manifest
+                if m.get("uuid") != old.uuid or len(m["disks"]) != old.num_disks:
+                    raise E.MountError("the store was replaced since it was mounted; "
+                                       "remount to see it", store=self.store.path)
+                if m.get("generation") == old.generation and \
+                        all(m["layers"].get(str(l)) == r for l, r in old.layer_records.items()) \
+                        and len(m["layers"]) == len(old.layer_records):
+                    return None
+                indexes = {}
+                for k, rec in m["layers"].items():
+                    l = int(k)
+                    if old.layer_records.get(l) == rec:
+                        indexes[l] = old.load_layer(l)
+                    else:
+                        indexes[l] = side.layer(l)
+                mkey = self._manifest_key()
+                return Tree(self.store, m, indexes, prev=old, kv_blksize=MAX_READ,
+                            mtime_ns=mkey[1] if mkey else time.time_ns())
+            except E.ManifestError as exc:       # an index removed under us: retry
+                last = exc
+            finally:
+                side.close()
+        raise last
+
+    def _invalidations(self, old: Tree, new: Tree) -> list:
+        """What the kernel may have cached of ``old`` that ``new`` changes:
+        ``(parent inode, name)`` entries and ``(inode, None)`` attributes."""
+        items = []
+        if new.manifest_ver != old.manifest_ver:
+            items.append((ROOT_INODE, b"manifest.json"))
+        layers_ino = encode(Node(LAYERS))
+        if new.layers != old.layers:
+            items.append((layers_ino, None))
+            for l in set(old.layers) - set(new.layers):
+                items.append((layers_ino, old.layer_name(l)))
+        for l in old.layers:
+            li = new.load_layer(l) if l in new.layers else None
+            if li is old.load_layer(l):
+                continue
+            layer_ino = encode(Node(LAYER_DIR, layer=l))
+            clusters_ino = encode(Node(CLUSTERS, layer=l))
+            items.append((layer_ino, b"medoids.npy"))
+            items.append((clusters_ino, None))
+            Cold = old.num_clusters(l)
+            changed = np.ones(Cold, dtype=bool)
+            if li is not None and new.cluster_width(l) == old.cluster_width(l):
+                k = min(Cold, new.num_clusters(l))
+                changed[:k] = new.changed[l][:k]
+            for c in np.flatnonzero(changed & self.counts.known_clusters(l, Cold)).tolist():
+                name = old.cluster_name(l, c)
+                items.append((clusters_ino, name))
+                items.append((clusters_ino, name + b".npy"))
+        return items
 
     # -- everything that would change the tree ----------------------------------
     setattr = _erofs("setattr")
@@ -325,3 +575,21 @@ class SwarmFS(pyfuse3.Operations):
     create = _erofs("create")
     setxattr = _erofs("setxattr")
     removexattr = _erofs("removexattr")
+
+
+def _invalidate(items) -> int:
+    """Tell the kernel to drop cached entries and attributes (blocking: call
+    in a worker thread, never while handling a request).  Entries the kernel
+    does not hold are skipped.  Returns the number of calls that took effect."""
+    n = 0
+    for ino, name in items:
+        try:
+            if name is None:
+                pyfuse3.invalidate_inode(ino, attr_only=True)
+            else:
+                pyfuse3.invalidate_entry(ino, name)
+            n += 1
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                log.warning("invalidating %s %r failed: %s", ino, name, exc)
+    return n

@@ -91,16 +91,25 @@ class _Window:
 
 
 class Stream:
-    """Read state of one open cluster file: its read-ahead windows."""
+    """Read state of one open cluster file: the layer index of the generation
+    it was opened on (``li``; default: the store's current one, looked up per
+    read) and its read-ahead windows."""
 
-    def __init__(self, layer: int, cluster: int, nbytes: int):
+    def __init__(self, layer: int, cluster: int, nbytes: int, li=None):
         self.layer, self.cluster, self.nbytes = layer, cluster, int(nbytes)
+        self.li = li
         self.windows: collections.deque = collections.deque()
         self.next_off = 0
         self.sequential = 0
         self.window = 0
         self.closed = False
         self.lock = trio.Lock()
+
+    @property
+    def source(self):
+        """What ``KVReader.read_into`` reads from: the pinned layer index, or
+        the layer number."""
+        return self.layer if self.li is None else self.li
 
 
 class KVReader:
@@ -112,11 +121,25 @@ class KVReader:
         budget: bytes of buffers for reads and read-ahead.
         window_max: largest read-ahead window (bytes); 0 disables read-ahead.
         depth: read-ahead windows kept in flight ahead of the reader.
+        engines: stores (open on the same disks) whose engines serve reads in
+            parallel, ``store`` included (default: ``[store]``).  An engine
+            runs one batched submission at a time, so concurrent requests and
+            read-ahead windows overlap their I/O only on different engines;
+            each read takes an idle one.
+
+    Concurrency: ``read`` may run concurrently for any streams (trio tasks of
+    one thread); the blocking reads run in worker threads, at most one per
+    engine at a time.
     """
 
     def __init__(self, store, *, limiter, budget: int = 256 << 20,
-                 window_max: int = 4 << 20, depth: int = 2):
+                 window_max: int = 16 << 20, depth: int = 2, engines=None):
         self.store = store
+        self.engines = list(engines) if engines else [store]
+        self._idle = list(self.engines)
+        self._engine_sem = trio.Semaphore(len(self.engines))
+        # windows hold whole stripes: a multiple of N entries spans every disk
+        self.stripe_bytes = int(store.entry_bytes) * int(store.num_disks)
         self.entry_bytes = int(store.entry_bytes)
         self.limiter = limiter
         self.pool = BufferPool(budget)
@@ -128,21 +151,37 @@ class KVReader:
                              readahead_bytes=0, readahead_failed=0)
 
     # -- blocking part (worker threads) ----------------------------------------------
-    def read_into(self, layer: int, cid: int, start: int, end: int, buf: np.ndarray) -> int:
+    def read_into(self, layer, cid: int, start: int, end: int, buf: np.ndarray,
+                  store=None) -> int:
         """Read the entries covering bytes [start, end) of a cluster file into
-        ``buf``; returns the byte offset (in the file) of ``buf[0]``.
+        ``buf`` with ``store``'s engine (default: the main store); returns the
+        byte offset (in the file) of ``buf[0]``.  ``layer`` is a layer number
+        or a ``LayerIndex`` (a pinned generation).
 
         Raises:
             ChecksumError, IOFailedError, DiskTruncatedError: from the store.
         """
+        store = self.store if store is None else store
         Eb = self.entry_bytes
         j0, j1 = start // Eb, -(-end // Eb)
-        li = self.store.layer(layer)
+        li = self.store.layer(layer) if isinstance(layer, int) else layer
         copies = li.cluster_copies([cid])[j0:j1]
         k = j1 - j0
-        plan = self.store.plan_copies(li, copies, key=np.arange(k))
-        self.store.execute(li, plan, copies, out=buf[:k * Eb].reshape(k, Eb), cluster=cid)
+        plan = store.plan_copies(li, copies, key=np.arange(k))
+        store.execute(li, plan, copies, out=buf[:k * Eb].reshape(k, Eb), cluster=cid)
         return j0 * Eb
+
+    async def _read_into(self, stream: "Stream", start: int, end: int,
+                         buf: np.ndarray) -> int:
+        """:meth:`read_into` in a worker thread, on an idle engine."""
+        async with self._engine_sem:
+            store = self._idle.pop()
+            try:
+                return await trio.to_thread.run_sync(
+                    self.read_into, stream.source, stream.cluster, start, end, buf, store,
+                    limiter=self.limiter)
+            finally:
+                self._idle.append(store)
 
     # -- trio part ---------------------------------------------------------------------
     def _buffer(self, nbytes: int) -> np.ndarray:
@@ -194,9 +233,7 @@ class KVReader:
             if out is None:
                 self.counters["readahead_misses"] += 1
                 buf = self._buffer(end - off + 2 * Eb)
-                base = await trio.to_thread.run_sync(self.read_into, stream.layer,
-                                                     stream.cluster, off, end, buf,
-                                                     limiter=self.limiter)
+                base = await self._read_into(stream, off, end, buf)
                 out = memoryview(buf)[off - base:end - base]
                 self._recycle.append(buf)
             if off == stream.next_off or hit is not None:
@@ -216,7 +253,8 @@ class KVReader:
         while ahead < self.depth and nxt < stream.nbytes and self.nursery is not None:
             stream.window = min(self.window_max,
                                 max(2 * stream.window, 2 * req, _MIN_WINDOW))
-            wend = min(nxt + stream.window, stream.nbytes)
+            span = max(stream.window // self.stripe_bytes, 1) * self.stripe_bytes
+            wend = min(nxt + span, stream.nbytes)
             buf = self.pool.get(wend - nxt + 2 * self.entry_bytes)
             if buf is None:
                 return
@@ -230,9 +268,7 @@ class KVReader:
 
     async def _fill(self, stream: Stream, w: _Window) -> None:
         try:
-            w.base = await trio.to_thread.run_sync(self.read_into, stream.layer, stream.cluster,
-                                                   w.start, w.end, w.buf,
-                                                   limiter=self.limiter)
+            w.base = await self._read_into(stream, w.start, w.end, w.buf)
         except (E.SwarmError, OSError) as exc:
             # the reader re-reads the range itself and gets the error if it
             # covers the bad entries
@@ -259,5 +295,5 @@ class KVReader:
     def stats(self) -> dict:
         out = dict(self.counters)
         out.update(pool_budget=self.pool.budget, pool_allocated=self.pool.allocated,
-                   window_max=self.window_max, depth=self.depth)
+                   window_max=self.window_max, depth=self.depth, engines=len(self.engines))
         return out

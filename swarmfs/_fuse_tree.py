@@ -7,16 +7,34 @@ The tree mirrors the store's addressing and is read-only::
     stats.json                                 live counters (engine, disks, mount)
     disks/<i>/info.json                        one disk: path, size, block size, bytes read
     layers/<LL>/medoids.npy                    medoid keys [C, H_kv, d]
+    layers/<LL>/clusters/<CCCCCC>.npy          a cluster: npy header + entries [n, 2, H_kv, d]
     layers/<LL>/clusters/<CCCCCC>/kv.bin       the cluster file: entries in cluster order
-    layers/<LL>/clusters/<CCCCCC>/kv.npy       npy header + kv.bin: [n, 2, H_kv, d]
+    layers/<LL>/clusters/<CCCCCC>/kv.npy       the same file as <CCCCCC>.npy (a hard link)
     layers/<LL>/clusters/<CCCCCC>/tokens.txt   token positions, one per line
     layers/<LL>/clusters/<CCCCCC>/info.json    medoid, size, start disk, extents, replicas
 
-Inode numbers are arithmetic, so no table grows with the store: fixed nodes
-take small numbers, a layer's nodes take ``(layer + 1) << 44`` plus an offset
-(0 the layer directory, 1 ``medoids.npy``, 2 ``clusters/``, ``8 + 8 * c + f``
-the cluster directory (f = 0) and its four files).  Lookup counts, which the
-kernel raises and ``forget`` lowers, live in one small int32 array per layer.
+``clusters/`` lists one entry per cluster, ``<CCCCCC>.npy``, so that ``ls``,
+``find`` and ``du`` of a layer cost a few large READDIRPLUS requests instead
+of four requests per cluster directory.  The per-cluster directories
+``<CCCCCC>/`` still resolve by name (as ``/proc/<tid>`` does) but are not
+listed.
+
+A :class:`Tree` is one committed generation of the store.  A mount that
+follows the store builds a new Tree for every new generation; versions tell
+the generations apart in inode numbers, so an inode's contents never change
+and the kernel may cache them for ever.
+
+Inode numbers are arithmetic, so no table grows with the store:
+
+* fixed nodes take small numbers (root 1 .. layers 5, disks from 0x100);
+  ``manifest.json`` carries the generation's version in bits 12-51;
+* a layer's nodes take ``(layer + 1) << 52`` plus ``version << 35`` plus an
+  offset: 0 the layer directory, 1 ``medoids.npy`` (version: the layer's),
+  2 ``clusters/``, ``8 + 8 * c + f`` the cluster directory (f = 0) and its
+  files (version: the cluster's, which changes only when its entries do).
+
+Lookup counts, which the kernel raises and ``forget`` lowers, live in one
+small int32 array per layer (versions of one node share a counter).
 """
 
 from __future__ import annotations
@@ -24,6 +42,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import stat
 import struct
 import threading
@@ -42,47 +61,62 @@ CLUSTER_DIR, KV_BIN, KV_NPY, TOKENS, CLUSTER_INFO = 11, 12, 13, 14, 15
 ROOT_INODE = 1
 _DISK_BASE = 0x100              # disk i: 0x100 + 2i (dir), 0x101 + 2i (info.json)
 _MAX_DISKS = 256
-LAYER_SHIFT = 44
+_FIXED_BITS = 12                # fixed nodes below 1 << 12; manifest version above
+LAYER_SHIFT = 52
+VER_SHIFT = 35
+VER_BITS = LAYER_SHIFT - VER_SHIFT          # 17: versions wrap at 131072
+VER_MASK = (1 << VER_BITS) - 1
+MANIFEST_VER_MASK = (1 << (LAYER_SHIFT - _FIXED_BITS)) - 1
+_LOW_MASK = (1 << VER_SHIFT) - 1
 _REST_MASK = (1 << LAYER_SHIFT) - 1
 MAX_LAYERS = (1 << (63 - LAYER_SHIFT)) - 1    # keeps every inode below 2**63
-_CLUSTER_BASE = 8               # rest = 8 + 8 * cluster + file
-_CLUSTER_STRIDE = 8
+CLUSTER_BASE = _CLUSTER_BASE = 8          # low = 8 + 8 * cluster + file
+CLUSTER_STRIDE = _CLUSTER_STRIDE = 8
+MAX_CLUSTERS = (_LOW_MASK - _CLUSTER_BASE) // _CLUSTER_STRIDE
 _CLUSTER_FILES = (("kv.bin", KV_BIN), ("kv.npy", KV_NPY), ("tokens.txt", TOKENS),
                   ("info.json", CLUSTER_INFO))
 _CLUSTER_FILE_INDEX = {name.encode(): i + 1 for i, (name, _) in enumerate(_CLUSTER_FILES)}
 _FILE_KIND = {i + 1: kind for i, (_, kind) in enumerate(_CLUSTER_FILES)}
 _KIND_FILE = {kind: i + 1 for i, (_, kind) in enumerate(_CLUSTER_FILES)}
+KV_NPY_FILE = _KIND_FILE[KV_NPY]
 _ROOT_ENTRIES = ((b"manifest.json", MANIFEST), (b"stats.json", STATS), (b"disks", DISKS),
                  (b"layers", LAYERS))
+#: ``next_id`` of the first real entry: ``.`` is 1, ``..`` is 2.
+DOTS = 2
 
 DIR_KINDS = frozenset({ROOT, DISKS, LAYERS, DISK_DIR, LAYER_DIR, CLUSTERS, CLUSTER_DIR})
 #: Files whose contents change while mounted (snapshot per open, no caching).
 LIVE_KINDS = frozenset({STATS, DISK_INFO})
 #: Files whose bytes are KV data read through the engine.
 KV_KINDS = frozenset({KV_BIN, KV_NPY})
-#: Nodes whose attributes need the layer's index loaded.
-INDEX_KINDS = frozenset({KV_BIN, KV_NPY, TOKENS, CLUSTER_INFO})
+#: Cluster nodes whose inode number carries the cluster's version.
+CLUSTER_KINDS = frozenset({CLUSTER_DIR, KV_BIN, KV_NPY, TOKENS, CLUSTER_INFO})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Node:
-    """A decoded inode: its kind and the layer, cluster or disk it names."""
+    """A decoded inode: its kind, the layer, cluster or disk it names, and the
+    version of its contents (manifest: the generation's; medoids: the
+    layer's; cluster nodes: the cluster's; 0 otherwise)."""
     kind: int
     layer: int = -1
     cluster: int = -1
     disk: int = -1
+    ver: int = 0
 
 
 def encode(node: Node) -> int:
     """Inode number of a node (the inverse of :func:`decode`)."""
     k = node.kind
-    if k in (ROOT, MANIFEST, STATS, DISKS, LAYERS):
+    if k == MANIFEST:
+        return (node.ver << _FIXED_BITS) | MANIFEST
+    if k in (ROOT, STATS, DISKS, LAYERS):
         return k
     if k == DISK_DIR:
         return _DISK_BASE + 2 * node.disk
     if k == DISK_INFO:
         return _DISK_BASE + 2 * node.disk + 1
-    base = (node.layer + 1) << LAYER_SHIFT
+    base = ((node.layer + 1) << LAYER_SHIFT) | (node.ver << VER_SHIFT)
     if k == LAYER_DIR:
         return base
     if k == MEDOIDS:
@@ -95,9 +129,14 @@ def encode(node: Node) -> int:
 
 def decode(ino: int) -> Node | None:
     """The node an inode number names, or None when it names nothing
-    (bounds against the store are checked by :meth:`Tree.valid`)."""
+    (bounds and versions against the store are checked by :meth:`Tree.valid`)."""
     hi = ino >> LAYER_SHIFT
     if hi == 0:
+        low, ver = ino & ((1 << _FIXED_BITS) - 1), ino >> _FIXED_BITS
+        if low == MANIFEST:
+            return Node(MANIFEST, ver=ver)
+        if ver:
+            return None
         if ROOT <= ino <= LAYERS:
             return Node(ino)
         if _DISK_BASE <= ino < _DISK_BASE + 2 * _MAX_DISKS:
@@ -107,18 +146,22 @@ def decode(ino: int) -> Node | None:
     if hi > MAX_LAYERS:
         return None
     layer, rest = hi - 1, ino & _REST_MASK
-    if rest < _CLUSTER_BASE:
-        kind = {0: LAYER_DIR, 1: MEDOIDS, 2: CLUSTERS}.get(rest)
-        return Node(kind, layer=layer) if kind is not None else None
-    c, f = divmod(rest - _CLUSTER_BASE, _CLUSTER_STRIDE)
+    ver, low = rest >> VER_SHIFT, rest & _LOW_MASK
+    if low < _CLUSTER_BASE:
+        kind = {0: LAYER_DIR, 1: MEDOIDS, 2: CLUSTERS}.get(low)
+        if kind is None or (ver and kind != MEDOIDS):
+            return None
+        return Node(kind, layer=layer, ver=ver)
+    c, f = divmod(low - _CLUSTER_BASE, _CLUSTER_STRIDE)
     if f == 0:
-        return Node(CLUSTER_DIR, layer=layer, cluster=c)
+        return Node(CLUSTER_DIR, layer=layer, cluster=c, ver=ver)
     kind = _FILE_KIND.get(f)
-    return Node(kind, layer=layer, cluster=c) if kind is not None else None
+    return Node(kind, layer=layer, cluster=c, ver=ver) if kind is not None else None
 
 
 def parent_of(node: Node) -> Node:
-    """The directory holding ``node`` (the root is its own parent)."""
+    """The directory holding ``node`` (the root is its own parent; version
+    fields are not filled in)."""
     k = node.kind
     if k in (ROOT, MANIFEST, STATS, DISKS, LAYERS):
         return Node(ROOT)
@@ -162,6 +205,11 @@ def npy_header(descr: str, shape: tuple) -> bytes:
 _POW10 = 10 ** np.arange(1, 19, dtype=np.int64)
 
 
+def _digits(n: np.ndarray) -> np.ndarray:
+    """Decimal digits of non-negative integers, vectorised: int64 [n]."""
+    return np.searchsorted(_POW10, np.asarray(n, dtype=np.int64), side="right") + 1
+
+
 def tokens_text(tokens: np.ndarray) -> bytes:
     """``tokens.txt``: decimal token positions, one per line."""
     if tokens.shape[0] == 0:
@@ -172,8 +220,7 @@ def tokens_text(tokens: np.ndarray) -> bytes:
 def tokens_text_size(tokens: np.ndarray) -> int:
     """``len(tokens_text(tokens))`` without rendering (tokens are >= 0)."""
     t = np.asarray(tokens, dtype=np.int64)
-    digits = np.searchsorted(_POW10, t, side="right") + 1
-    return int(digits.sum()) + int(t.shape[0])
+    return int(_digits(t).sum()) + int(t.shape[0])
 
 
 def _json_bytes(obj) -> bytes:
@@ -184,14 +231,14 @@ class LookupCounts:
     """Kernel lookup counts of every inode, without a per-inode dict.
 
     Fixed nodes (root, disks) use a small array; each layer gets an int32
-    array of ``8 + 8 * C`` counters on first use.  Only the FUSE thread
-    touches it.  ``total`` is the sum of all counts (inodes the kernel holds
-    references to, with multiplicity).
+    array of ``8 + 8 * C`` counters on first use, grown when the layer grows.
+    Versions of one node share its counter.  Only the FUSE thread touches it.
+    ``total`` is the sum of all counts (inodes the kernel holds references
+    to, with multiplicity).
     """
 
-    def __init__(self, store):
-        self._store = store
-        self._fixed = np.zeros(_DISK_BASE + 2 * _MAX_DISKS, dtype=np.int64)
+    def __init__(self, store=None):
+        self._fixed = np.zeros(1 << _FIXED_BITS, dtype=np.int64)
         self._layers: dict[int, np.ndarray] = {}
         self.total = 0
         self.underflows = 0
@@ -199,21 +246,43 @@ class LookupCounts:
     def _slot(self, ino: int, create: bool):
         hi = ino >> LAYER_SHIFT
         if hi == 0:
-            return (self._fixed, ino) if ino < self._fixed.shape[0] else (None, 0)
+            return self._fixed, ino & ((1 << _FIXED_BITS) - 1)
+        if hi > MAX_LAYERS:
+            return None, 0
+        i = ino & _LOW_MASK
         arr = self._layers.get(hi - 1)
-        if arr is None:
+        if arr is None or i >= arr.shape[0]:
             if not create:
                 return None, 0
-            n = _CLUSTER_BASE + _CLUSTER_STRIDE * self._store.num_clusters(hi - 1)
-            arr = self._layers[hi - 1] = np.zeros(n, dtype=np.int32)
-        rest = ino & _REST_MASK
-        return (arr, rest) if rest < arr.shape[0] else (None, 0)
+            arr = self._grow(hi - 1, i + 1)
+        return arr, i
+
+    def _grow(self, layer: int, n: int) -> np.ndarray:
+        old = self._layers.get(layer)
+        have = 0 if old is None else old.shape[0]
+        arr = np.zeros(max(n, 2 * have, 64), dtype=np.int32)
+        if old is not None:
+            arr[:have] = old
+        self._layers[layer] = arr
+        return arr
 
     def add(self, ino: int, n: int = 1) -> None:
         arr, i = self._slot(ino, True)
         if arr is not None:
             arr[i] += n
             self.total += n
+
+    def add_clusters(self, layer: int, first: int, stop: int, f: int) -> None:
+        """Add one lookup to file ``f`` of clusters ``[first, stop)`` at once
+        (what a READDIRPLUS reply of ``clusters/`` does)."""
+        if stop <= first:
+            return
+        end = _CLUSTER_BASE + _CLUSTER_STRIDE * stop
+        arr = self._layers.get(layer)
+        if arr is None or arr.shape[0] < end:
+            arr = self._grow(layer, end)
+        arr[_CLUSTER_BASE + _CLUSTER_STRIDE * first + f:end:_CLUSTER_STRIDE] += 1
+        self.total += stop - first
 
     def forget(self, ino: int, n: int) -> None:
         """Lower a count by ``n`` (clamped at zero; an underflow is counted,
@@ -231,6 +300,18 @@ class LookupCounts:
         arr, i = self._slot(ino, False)
         return int(arr[i]) if arr is not None else 0
 
+    def known_clusters(self, layer: int, num_clusters: int) -> np.ndarray:
+        """bool [num_clusters]: clusters any of whose nodes the kernel holds."""
+        arr = self._layers.get(layer)
+        out = np.zeros(num_clusters, dtype=bool)
+        if arr is None:
+            return out
+        n = min(num_clusters, (arr.shape[0] - _CLUSTER_BASE) // _CLUSTER_STRIDE)
+        if n > 0:
+            block = arr[_CLUSTER_BASE:_CLUSTER_BASE + _CLUSTER_STRIDE * n]
+            out[:n] = block.reshape(n, _CLUSTER_STRIDE).any(axis=1)
+        return out
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Attr:
@@ -241,47 +322,117 @@ class Attr:
     blksize: int
 
 
-class Tree:
-    """The mount's namespace over an open :class:`Store`.
+def _cluster_signature(li) -> tuple:
+    """Per-cluster arrays whose equality means the cluster's entries are
+    unchanged: sizes, start disk, extent offsets and checksums, and a
+    checksum of its member tokens."""
+    ptr = li.members_ptr
+    mix = (li.members.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    mem = np.add.reduceat(mix, ptr[:-1]) if li.num_clusters else np.zeros(0, np.uint64)
+    return li.sizes, li.start_disk, li.extent_off, li.extent_xxh, mem
 
-    Methods that need a layer's index (sizes of cluster files, renderings)
-    call ``store.layer`` and may block on first use of a layer; the FUSE layer
-    calls :meth:`load_layer` in a worker thread before touching such nodes.
+
+def changed_clusters(old, new) -> np.ndarray:
+    """bool [new C]: clusters of layer index ``new`` whose entries differ from
+    ``old``'s (clusters beyond ``old``'s count are changed), vectorised."""
+    C = new.num_clusters
+    out = np.ones(C, dtype=bool)
+    k = min(old.num_clusters, C)
+    if k:
+        same = np.ones(k, dtype=bool)
+        for a, b in zip(_cluster_signature(old), _cluster_signature(new)):
+            eq = a[:k] == b[:k]
+            same &= eq if eq.ndim == 1 else eq.all(axis=1)
+        out[:k] = ~same
+    return out
+
+
+class Tree:
+    """One committed generation of a store as a namespace.
 
     Args:
-        store: the open store (read-only).
+        store: the open store that serves reads (its engine, disks, shape).
+        manifest: the generation's manifest (default ``store.manifest``).
+        indexes: ``{layer: LayerIndex}`` of the generation (default: loaded
+            from ``store`` now).
+        prev: the previous generation's Tree, whose versions this one
+            continues: nodes whose contents changed get new versions (and so
+            new inode numbers), the others keep theirs.
         kv_blksize: ``st_blksize`` of KV files (bytes): the read size tools
             such as ``cat`` and ``cp`` use.
         cache_entries: rendered small files (info.json, tokens.txt) kept.
         mount_stats: callable returning the file system's own counters (a
             JSON-ready dict) for stats.json.
+        store_stats: callable returning the store's counters
+            (:class:`StoreStats`; default ``store.stats``), e.g. summed over
+            the mount's engines.
+
+    Everything is computed when the Tree is built (vectorised per layer), so
+    its methods never block on I/O except live files and KV reads.  A Tree
+    is immutable once built; several may be in use at once (open files keep
+    the generation they were opened on).
     """
 
-    def __init__(self, store, *, kv_blksize: int = 1 << 20, cache_entries: int = 4096,
-                 mount_stats=None):
+    def __init__(self, store, manifest=None, indexes=None, *, prev: "Tree | None" = None,
+                 kv_blksize: int = 1 << 20, cache_entries: int = 4096, mount_stats=None,
+                 mtime_ns: int = 0, store_stats=None):
         self.store = store
-        self._mount_stats = mount_stats or dict
+        self._store_stats = store_stats or (prev._store_stats if prev else store.stats)
+        m = store.manifest if manifest is None else manifest
+        self._mount_stats = mount_stats or (prev._mount_stats if prev else dict)
         self.kv_blksize = int(kv_blksize)
         self.entry_bytes = int(store.entry_bytes)
         self.descr = npy_descr(store.dtype)
         self.num_disks = int(store.num_disks)
         if self.num_disks > _MAX_DISKS:
             raise ValueError(f"a mount serves at most {_MAX_DISKS} disks")
-        self.layers = list(store.layers)
+        self.generation = int(m.get("generation", 0))
+        self.layers = sorted(int(k) for k in m["layers"])
         if self.layers and max(self.layers) >= MAX_LAYERS:
             raise ValueError(f"a mount serves layers below {MAX_LAYERS}")
+        if indexes is None:
+            indexes = {l: store.layer(l) for l in self.layers}
+        self._li = {l: indexes[l] for l in self.layers}
         self._layer_set = set(self.layers)
-        self._num_clusters = {l: int(store.num_clusters(l)) for l in self.layers}
+        self._num_clusters = {l: int(self._li[l].num_clusters) for l in self.layers}
+        if any(c > MAX_CLUSTERS for c in self._num_clusters.values()):
+            raise ValueError(f"a mount serves at most {MAX_CLUSTERS} clusters per layer")
         self.layer_width = max(2, len(str(max(int(store.num_layers) - 1, 0))))
         self._cluster_width = {l: max(6, len(str(c - 1))) for l, c in self._num_clusters.items()}
-        m = store.manifest
+        self.mtime_ns = int(mtime_ns)
         self._disk_recs = m["disks"]
+        self.uuid = m.get("uuid")
+        #: the manifest's layer records (a new generation reuses the index of
+        #: a layer whose record did not change)
+        self.layer_records = {l: m["layers"][str(l)] for l in self.layers}
         self.manifest_bytes = json.dumps(m, indent=1, sort_keys=False).encode() + b"\n"
         self.total_kv_bytes = sum(int(r["num_copies"]) for r in m["layers"].values()) \
             * self.entry_bytes
-        self._loaded: dict[int, object] = {}
-        self._info_size: dict[int, np.ndarray] = {}   # info.json sizes, -1 = unknown
-        self._hdr_cache: dict[tuple, bytes] = {}
+        # versions: manifest, per layer (medoids.npy), per cluster
+        if prev is None:
+            self.manifest_ver = 1
+            self.layer_ver = {l: 0 for l in self.layers}
+            self.cluster_ver = {l: np.zeros(c, dtype=np.int64)
+                                for l, c in self._num_clusters.items()}
+            self.changed = {l: np.ones(c, dtype=bool) for l, c in self._num_clusters.items()}
+        else:
+            same_m = prev.manifest_bytes == self.manifest_bytes
+            self.manifest_ver = prev.manifest_ver if same_m else \
+                (prev.manifest_ver % MANIFEST_VER_MASK) + 1
+            self.layer_ver, self.cluster_ver, self.changed = {}, {}, {}
+            for l in self.layers:
+                self._continue_versions(l, prev)
+        # sizes of every cluster file, vectorised
+        Eb = self.entry_bytes
+        shape = tuple(store.entry_shape)
+        hdr_len = np.array([0] + [len(npy_header(self.descr, (10 ** (d - 1),) + shape))
+                                  for d in range(1, 20)], dtype=np.int64)
+        self._kv_size, self._npy_size = {}, {}
+        for l in self.layers:
+            n = self._li[l].sizes.astype(np.int64)
+            self._kv_size[l] = n * Eb
+            self._npy_size[l] = hdr_len[_digits(n)] + n * Eb
+        self._hdr_cache: dict[int, bytes] = {}
         self._medoid_hdr = {l: npy_header(self.descr, (c, store.num_kv_heads, store.head_dim))
                             for l, c in self._num_clusters.items()}
         self._cache: collections.OrderedDict = collections.OrderedDict()
@@ -290,19 +441,44 @@ class Tree:
         self.cache_hits = 0
         self.cache_misses = 0
 
+    def _continue_versions(self, l: int, prev: "Tree") -> None:
+        li, C = self._li[l], self._num_clusters[l]
+        old = prev._li.get(l)
+        if old is li:
+            self.layer_ver[l] = prev.layer_ver[l]
+            self.cluster_ver[l] = prev.cluster_ver[l]
+            self.changed[l] = np.zeros(C, dtype=bool)
+            return
+        was = prev.cluster_ver.get(l)
+        stamp = (prev.layer_ver.get(l, 0) + 1) & VER_MASK
+        changed = changed_clusters(old, li) if old is not None else np.ones(C, dtype=bool)
+        ver = np.full(C, stamp, dtype=np.int64)
+        if was is not None:
+            k = min(C, was.shape[0])
+            ver[:k] = np.where(changed[:k], stamp, was[:k])
+            # after a wrap, a changed cluster must not get back its old number
+            while np.any(changed[:k] & (was[:k] == stamp)):
+                stamp = (stamp + 1) & VER_MASK
+                ver[:k] = np.where(changed[:k], stamp, was[:k])
+                ver[k:] = stamp
+        self.layer_ver[l] = stamp
+        self.cluster_ver[l] = ver
+        self.changed[l] = changed
+
     # -- layers ---------------------------------------------------------------
     def num_clusters(self, layer: int) -> int:
         return self._num_clusters[layer]
 
-    def is_loaded(self, layer: int) -> bool:
-        return layer in self._loaded
-
     def load_layer(self, layer: int):
-        """The layer's index (blocking on first use: reads the index file)."""
-        li = self._loaded.get(layer)
-        if li is None:
-            li = self._loaded[layer] = self.store.layer(layer)
-        return li
+        """The layer's index (loaded when the Tree was built)."""
+        return self._li[layer]
+
+    def cluster_width(self, layer: int) -> int:
+        return self._cluster_width[layer]
+
+    def npy_sizes(self, layer: int) -> np.ndarray:
+        """int64 [C]: bytes of every cluster's ``.npy`` file."""
+        return self._npy_size[layer]
 
     # -- names ----------------------------------------------------------------
     def layer_name(self, layer: int) -> bytes:
@@ -318,17 +494,35 @@ class Tree:
             return -1
         return int(name)
 
+    def current(self, node: Node) -> Node:
+        """``node`` with this generation's version filled in."""
+        k = node.kind
+        if k == MANIFEST:
+            return dataclasses.replace(node, ver=self.manifest_ver)
+        if k == MEDOIDS:
+            return dataclasses.replace(node, ver=self.layer_ver[node.layer])
+        if k in CLUSTER_KINDS:
+            return dataclasses.replace(
+                node, ver=int(self.cluster_ver[node.layer][node.cluster]))
+        return node
+
     def valid(self, node: Node | None) -> bool:
-        """Whether a decoded node exists in this store."""
+        """Whether a decoded node exists in this generation (with its version)."""
         if node is None:
             return False
-        if node.kind in (DISK_DIR, DISK_INFO):
+        k = node.kind
+        if k == MANIFEST:
+            return node.ver == self.manifest_ver
+        if k in (DISK_DIR, DISK_INFO):
             return 0 <= node.disk < self.num_disks
         if node.layer >= 0:
             if node.layer not in self._layer_set:
                 return False
+            if k == MEDOIDS:
+                return node.ver == self.layer_ver[node.layer]
             if node.cluster >= 0:
-                return node.cluster < self._num_clusters[node.layer]
+                return node.cluster < self._num_clusters[node.layer] and \
+                    node.ver == int(self.cluster_ver[node.layer][node.cluster])
         return True
 
     def lookup(self, parent: Node, name: bytes) -> Node | None:
@@ -337,11 +531,11 @@ class Tree:
         if name == b".":
             return parent
         if name == b"..":
-            return parent_of(parent)
+            return self.current(parent_of(parent))
         if k == ROOT:
             for n, kind in _ROOT_ENTRIES:
                 if n == name:
-                    return Node(kind)
+                    return self.current(Node(kind))
             return None
         if k == DISKS:
             i = self._parse_number(name, 1)
@@ -354,63 +548,73 @@ class Tree:
             return Node(LAYER_DIR, layer=l) if l in self._layer_set else None
         if k == LAYER_DIR:
             if name == b"medoids.npy":
-                return Node(MEDOIDS, layer=parent.layer)
+                return self.current(Node(MEDOIDS, layer=parent.layer))
             if name == b"clusters":
                 return Node(CLUSTERS, layer=parent.layer)
             return None
         if k == CLUSTERS:
             l = parent.layer
+            kind = CLUSTER_DIR
+            if name.endswith(b".npy"):
+                name, kind = name[:-4], KV_NPY
             c = self._parse_number(name, self._cluster_width[l])
-            return Node(CLUSTER_DIR, layer=l, cluster=c) \
-                if 0 <= c < self._num_clusters[l] else None
+            if not 0 <= c < self._num_clusters[l]:
+                return None
+            return Node(kind, layer=l, cluster=c, ver=int(self.cluster_ver[l][c]))
         if k == CLUSTER_DIR:
             f = _CLUSTER_FILE_INDEX.get(name)
-            return Node(_FILE_KIND[f], layer=parent.layer, cluster=parent.cluster) \
-                if f is not None else None
+            return Node(_FILE_KIND[f], layer=parent.layer, cluster=parent.cluster,
+                        ver=parent.ver) if f is not None else None
         return None
 
     def entries(self, parent: Node, start_id: int):
         """Yield ``(name, node, next_id)`` of directory ``parent`` from the
-        position ``start_id`` (0 = first).  ``next_id`` values are stable: the
-        cluster id + 1 in ``clusters/``, the layer or disk number + 1, or the
-        entry's fixed position."""
+        position ``start_id`` (0 = first), ``.`` and ``..`` first.  ``next_id``
+        values are stable: 1 and 2 for the dots, then 2 + the cluster id + 1
+        in ``clusters/``, 2 + the layer or disk number + 1, or 2 + the entry's
+        fixed position.  (``_fuse_ops`` lists ``clusters/`` itself, in bulk.)"""
+        if start_id < 1:
+            yield b".", parent, 1
+        if start_id < 2:
+            yield b"..", self.current(parent_of(parent)), 2
+        start = max(start_id - DOTS, 0)
         k = parent.kind
         if k == ROOT:
-            for i in range(start_id, len(_ROOT_ENTRIES)):
+            for i in range(start, len(_ROOT_ENTRIES)):
                 name, kind = _ROOT_ENTRIES[i]
-                yield name, Node(kind), i + 1
+                yield name, self.current(Node(kind)), DOTS + i + 1
         elif k == DISKS:
-            for i in range(start_id, self.num_disks):
-                yield b"%d" % i, Node(DISK_DIR, disk=i), i + 1
+            for i in range(start, self.num_disks):
+                yield b"%d" % i, Node(DISK_DIR, disk=i), DOTS + i + 1
         elif k == DISK_DIR:
-            if start_id < 1:
-                yield b"info.json", Node(DISK_INFO, disk=parent.disk), 1
+            if start < 1:
+                yield b"info.json", Node(DISK_INFO, disk=parent.disk), DOTS + 1
         elif k == LAYERS:
             for l in self.layers:
-                if l + 1 > start_id:
-                    yield self.layer_name(l), Node(LAYER_DIR, layer=l), l + 1
+                if l + 1 > start:
+                    yield self.layer_name(l), Node(LAYER_DIR, layer=l), DOTS + l + 1
         elif k == LAYER_DIR:
-            if start_id < 1:
-                yield b"medoids.npy", Node(MEDOIDS, layer=parent.layer), 1
-            if start_id < 2:
-                yield b"clusters", Node(CLUSTERS, layer=parent.layer), 2
+            if start < 1:
+                yield b"medoids.npy", self.current(Node(MEDOIDS, layer=parent.layer)), DOTS + 1
+            if start < 2:
+                yield b"clusters", Node(CLUSTERS, layer=parent.layer), DOTS + 2
         elif k == CLUSTERS:
             l = parent.layer
             w = self._cluster_width[l]
-            for c in range(start_id, self._num_clusters[l]):
-                yield b"%0*d" % (w, c), Node(CLUSTER_DIR, layer=l, cluster=c), c + 1
+            ver = self.cluster_ver[l]
+            for c in range(start, self._num_clusters[l]):
+                yield (b"%0*d.npy" % (w, c), Node(KV_NPY, layer=l, cluster=c, ver=int(ver[c])),
+                       DOTS + c + 1)
         elif k == CLUSTER_DIR:
-            for f in range(start_id + 1, len(_CLUSTER_FILES) + 1):
+            for f in range(start + 1, len(_CLUSTER_FILES) + 1):
                 yield (_CLUSTER_FILES[f - 1][0].encode(),
-                       Node(_FILE_KIND[f], layer=parent.layer, cluster=parent.cluster), f)
+                       Node(_FILE_KIND[f], layer=parent.layer, cluster=parent.cluster,
+                            ver=parent.ver), DOTS + f)
 
     # -- attributes -------------------------------------------------------------
     def attr(self, node: Node) -> Attr:
         """Mode, link count, exact size and preferred I/O size of a node.
-
-        Live files (stats.json, disks/<i>/info.json) are rendered to size them;
-        cluster files need the layer loaded (:meth:`load_layer`).
-        """
+        Live files (stats.json, disks/<i>/info.json) are rendered to size them."""
         k = node.kind
         if k in DIR_KINDS:
             nlink = 2
@@ -422,14 +626,12 @@ class Tree:
                 nlink = 2 + len(self.layers)
             elif k == LAYER_DIR:
                 nlink = 3
-            elif k == CLUSTERS:
-                nlink = 2 + self._num_clusters[node.layer]
             return Attr(stat.S_IFDIR | 0o555, nlink, 0, 4096)
-        return Attr(stat.S_IFREG | 0o444, 1, self.size(node),
+        return Attr(stat.S_IFREG | 0o444, 2 if k == KV_NPY else 1, self.size(node),
                     self.kv_blksize if k in KV_KINDS or k == MEDOIDS else 4096)
 
     def kv_npy_header(self, layer: int, cid: int) -> bytes:
-        n = int(self.load_layer(layer).sizes[cid])
+        n = int(self._li[layer].sizes[cid])
         h = self._hdr_cache.get(n)
         if h is None:
             h = npy_header(self.descr, (n,) + tuple(self.store.entry_shape))
@@ -446,39 +648,33 @@ class Tree:
         if k == MEDOIDS:
             h = self._medoid_hdr[node.layer]
             return len(h) + self._num_clusters[node.layer] * (self.entry_bytes // 2)
-        li = self.load_layer(node.layer)
         c = node.cluster
         if k == KV_BIN:
-            return int(li.sizes[c]) * self.entry_bytes
+            return int(self._kv_size[node.layer][c])
         if k == KV_NPY:
-            return len(self.kv_npy_header(node.layer, c)) + int(li.sizes[c]) * self.entry_bytes
+            return int(self._npy_size[node.layer][c])
+        li = self._li[node.layer]
         if k == TOKENS:
             return tokens_text_size(li.members[li.members_ptr[c]:li.members_ptr[c + 1]])
         if k == CLUSTER_INFO:
-            sizes = self._info_size.get(node.layer)
-            if sizes is None:
-                sizes = self._info_size[node.layer] = np.full(
-                    self._num_clusters[node.layer], -1, dtype=np.int32)
-            if sizes[c] < 0:
-                sizes[c] = len(self.render_small(node))
-            return int(sizes[c])
+            return len(self.render_small(node))
         raise ValueError(f"size of a directory node {node}")
 
     # -- contents ---------------------------------------------------------------
     def cluster_info(self, layer: int, cid: int) -> dict:
         """``info.json`` of a cluster: ``LayerIndex.cluster_info`` plus the
         clusters that hold replicas of its entries and the sizes of its files."""
-        li = self.load_layer(layer)
+        li = self._li[layer]
         info = li.cluster_info(cid)
         toks = li.members[li.members_ptr[cid]:li.members_ptr[cid + 1]]
         others = np.unique(li.copy_cluster[li.token_copies(toks)])
         info["replica_clusters"] = [int(x) for x in others[others != cid]]
-        info["files"] = {"kv.bin": int(li.sizes[cid]) * self.entry_bytes,
-                         "kv.npy": len(self.kv_npy_header(layer, cid))
-                         + int(li.sizes[cid]) * self.entry_bytes,
+        info["files"] = {"kv.bin": int(self._kv_size[layer][cid]),
+                         "kv.npy": int(self._npy_size[layer][cid]),
                          "tokens.txt": tokens_text_size(toks)}
         info["entry_shape"] = list(self.store.entry_shape)
         info["dtype"] = self.store.dtype
+        info["generation"] = self.generation
         return info
 
     def render_small(self, node: Node) -> bytes:
@@ -492,7 +688,7 @@ class Tree:
                 return data
             self.cache_misses += 1
         if node.kind == TOKENS:
-            li = self.load_layer(node.layer)
+            li = self._li[node.layer]
             c = node.cluster
             data = tokens_text(li.members[li.members_ptr[c]:li.members_ptr[c + 1]])
         elif node.kind == CLUSTER_INFO:
@@ -506,7 +702,7 @@ class Tree:
         return data
 
     def disk_info(self, i: int) -> dict:
-        st = self.store.stats().engine.disks[i]
+        st = self._store_stats().engine.disks[i]
         rec = self._disk_recs[i]
         return {"index": i, "path": self.store.disk_paths[i],
                 "size": _device_size(self.store.disk_paths[i]),
@@ -520,8 +716,9 @@ class Tree:
         if node.kind == DISK_INFO:
             return _json_bytes(self.disk_info(node.disk))
         if node.kind == STATS:
-            st = dataclasses.asdict(self.store.stats())
-            out = {"store": self.store.path, "engine": st["engine"]["engine"],
+            st = dataclasses.asdict(self._store_stats())
+            out = {"store": self.store.path, "generation": self.generation,
+                   "engine": st["engine"]["engine"],
                    "verify_checksums": st["verify_checksums"],
                    "disks": [dict(index=i, **d) for i, d in
                              enumerate(st["engine"].pop("disks"))],
@@ -536,7 +733,7 @@ class Tree:
 
     def read_static(self, node: Node, off: int, size: int) -> bytes:
         """Bytes ``[off, off+size)`` of a file that is not KV data and not
-        live.  Blocking only on first use of a layer."""
+        live."""
         k = node.kind
         if k == MANIFEST:
             return self.manifest_bytes[off:off + size]
@@ -544,16 +741,32 @@ class Tree:
             h = self._medoid_hdr[node.layer]
             out = h[off:off + size]
             if off + size > len(h):
-                keys = self.load_layer(node.layer).medoid_keys
-                flat = keys.reshape(-1)
+                flat = self._li[node.layer].medoid_keys.reshape(-1)
                 a = max(off - len(h), 0)
                 out += flat[a:a + size - len(out)].tobytes()
             return out
         return self.render_small(node)[off:off + size]
 
 
+def sum_stats(items):
+    """Field-by-field sum of dataclass counters (numbers add up, nested
+    dataclasses and lists of them recursively, anything else is the first
+    item's): the statistics of several engines as one."""
+    first = items[0]
+    if len(items) == 1:
+        return first
+    if dataclasses.is_dataclass(first):
+        return dataclasses.replace(first, **{
+            f.name: sum_stats([getattr(x, f.name) for x in items])
+            for f in dataclasses.fields(first)})
+    if isinstance(first, (list, tuple)):
+        return type(first)(sum_stats(list(col)) for col in zip(*items))
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return sum(items)
+    return first
+
+
 def _device_size(path: str) -> int | None:
-    import os
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:

@@ -189,15 +189,18 @@ def _sha(b):
 # -- the tree without FUSE ---------------------------------------------------------
 
 node_st = st.one_of(
-    st.sampled_from([T.Node(k) for k in (T.ROOT, T.MANIFEST, T.STATS, T.DISKS, T.LAYERS)]),
+    st.sampled_from([T.Node(k) for k in (T.ROOT, T.STATS, T.DISKS, T.LAYERS)]),
+    st.builds(lambda v: T.Node(T.MANIFEST, ver=v), st.integers(0, T.MANIFEST_VER_MASK)),
     st.builds(lambda k, i: T.Node(k, disk=i), st.sampled_from([T.DISK_DIR, T.DISK_INFO]),
               st.integers(0, 255)),
-    st.builds(lambda k, l: T.Node(k, layer=l), st.sampled_from([T.LAYER_DIR, T.MEDOIDS,
-                                                                 T.CLUSTERS]),
+    st.builds(lambda k, l: T.Node(k, layer=l), st.sampled_from([T.LAYER_DIR, T.CLUSTERS]),
               st.integers(0, T.MAX_LAYERS - 1)),
-    st.builds(lambda k, l, c: T.Node(k, layer=l, cluster=c),
+    st.builds(lambda l, v: T.Node(T.MEDOIDS, layer=l, ver=v),
+              st.integers(0, T.MAX_LAYERS - 1), st.integers(0, T.VER_MASK)),
+    st.builds(lambda k, l, c, v: T.Node(k, layer=l, cluster=c, ver=v),
               st.sampled_from([T.CLUSTER_DIR, T.KV_BIN, T.KV_NPY, T.TOKENS, T.CLUSTER_INFO]),
-              st.integers(0, T.MAX_LAYERS - 1), st.integers(0, (1 << 40) - 1)))
+              st.integers(0, T.MAX_LAYERS - 1), st.integers(0, T.MAX_CLUSTERS),
+              st.integers(0, T.VER_MASK)))
 
 
 @given(node_st)
@@ -233,7 +236,7 @@ def test_npy_header_is_numpy_readable_and_aligned(n, H, d, dtype):
 
 
 def test_lookup_counts_forget_never_raises(store):
-    c = T.LookupCounts(store)
+    c = T.LookupCounts()
     ino = T.encode(T.Node(T.KV_BIN, layer=0, cluster=17))
     c.add(ino)
     c.add(ino)
@@ -243,14 +246,18 @@ def test_lookup_counts_forget_never_raises(store):
     c.forget(T.encode(T.Node(T.KV_BIN, layer=1, cluster=0)), 3)   # never looked up
     c.forget((1 << 62) + 12345, 1)                                # garbage inode
     assert c.get(ino) == 0 and c.total == 0 and c.underflows == 3
+    c.add_clusters(0, 100, 200, T.KV_NPY_FILE)             # a READDIRPLUS reply, in bulk
+    assert c.total == 100 and c.get(T.encode(T.Node(T.KV_NPY, layer=0, cluster=150, ver=7))) == 1
+    known = c.known_clusters(0, 300)
+    assert known.sum() == 100 and known[100:200].all()
 
 
 def test_readdir_resumes_from_any_next_id(store):
     tree = T.Tree(store)
     parent = T.Node(T.CLUSTERS, layer=0)
     full = list(tree.entries(parent, 0))
-    assert [n for n, _, _ in full] == [b"%06d" % c for c in range(C0)]
-    for start in (1, 2, 999, C0 - 1, C0):
+    assert [n for n, _, _ in full] == [b".", b".."] + [b"%06d.npy" % c for c in range(C0)]
+    for start in (1, 2, 999, C0 - 1, C0, C0 + 2):
         tail = list(tree.entries(parent, start))
         assert tail == full[start:]
     # every next_id resumes right after its entry, in every directory
@@ -260,17 +267,55 @@ def test_readdir_resumes_from_any_next_id(store):
         for i, (_, _, nid) in enumerate(ents):
             assert list(tree.entries(d, nid)) == ents[i + 1:]
         assert all(tree.lookup(d, name) == node for name, node, _ in ents)
+        assert [n for n, _, _ in ents[:2]] == [b".", b".."]
 
 
 def test_names_are_canonical(store):
     tree = T.Tree(store)
     cl = T.Node(T.CLUSTERS, layer=0)
     assert tree.lookup(cl, b"000042") == T.Node(T.CLUSTER_DIR, layer=0, cluster=42)
-    for bad in (b"42", b"0000042", b"-00001", b"00004a", b"%06d" % C0, b""):
+    assert tree.lookup(cl, b"000042.npy") == T.Node(T.KV_NPY, layer=0, cluster=42)
+    for bad in (b"42", b"0000042", b"-00001", b"00004a", b"%06d" % C0, b"", b".npy",
+                b"42.npy", b"000042.bin", b"000042.npy.npy"):
         assert tree.lookup(cl, bad) is None
     layers = T.Node(T.LAYERS)
     assert tree.lookup(layers, b"01") == T.Node(T.LAYER_DIR, layer=1)
     assert tree.lookup(layers, b"1") is None and tree.lookup(layers, b"02") is None
+
+
+def test_versions_change_only_with_contents(workdir, rng):
+    path = str(workdir / "versions")
+    s = Store.create(path, disks=3, num_layers=2, num_kv_heads=2, head_dim=16)
+    s.write_layer(0, random_kv(rng, 600, 2, 16, "float16"),
+                  [np.arange(i * 60, (i + 1) * 60) for i in range(10)])
+    s.write_layer(1, random_kv(rng, 100, 2, 16, "float16"), [np.arange(100)])
+    t0 = T.Tree(s)
+    before = {c: s.read_cluster(0, c).tobytes() for c in range(10)}
+    joins = [np.array([2]) if i < 5 else np.array([7]) if i < 8 else
+             np.array([], dtype=np.int64) for i in range(20)]
+    s.append(0, random_kv(rng, 20, 2, 16, "float16"), joins, group=64)
+    with Store.open(path) as r:
+        m = r.manifest
+        idx = {0: r.layer(0), 1: t0.load_layer(1)}     # layer 1 unchanged: same index
+        t1 = T.Tree(s, m, idx, prev=t0)
+        after = {c: r.read_cluster(0, c).tobytes() for c in range(r.num_clusters(0))}
+    assert t1.num_clusters(0) == 11
+    changed = [c for c in range(11) if c >= 10 or before[c] != after[c]]
+    assert changed == [2, 7, 10]
+    assert np.flatnonzero(t1.changed[0]).tolist() == changed
+    for c in range(10):
+        n0 = T.Node(T.KV_NPY, layer=0, cluster=c)
+        a0, a1 = t0.current(n0), t1.current(n0)
+        assert (a0 == a1) == (c not in changed), c
+        assert t0.valid(a0) and t1.valid(a1)
+        assert t1.valid(a0) == (c not in changed)      # an old changed inode is stale
+        assert t1.size(a1) == len(T.npy_header("<f2", (len(after[c]) // s.entry_bytes,
+                                                      2, 2, 16))) + len(after[c])
+    assert t1.layer_ver[1] == t0.layer_ver[1] and t1.layer_ver[0] != t0.layer_ver[0]
+    assert t1.manifest_ver != t0.manifest_ver
+    assert not t1.valid(t0.current(T.Node(T.MANIFEST)))
+    assert T.Tree(s, m, idx, prev=t1).manifest_ver == t1.manifest_ver   # nothing new
+    s.close()
 
 
 # -- the read path without FUSE (pytest-trio) -------------------------------------------
@@ -279,7 +324,9 @@ def test_names_are_canonical(store):
 async def test_kv_reader_ranges_and_readahead(store):
     want = store.read_cluster(1, 0).tobytes()
     nbytes = len(want)
-    reader = KVReader(store, limiter=trio.CapacityLimiter(4), window_max=1 << 20)
+    second = Store.open(store.path)            # a second engine serves reads in parallel
+    reader = KVReader(store, limiter=trio.CapacityLimiter(4), window_max=1 << 20,
+                      engines=[store, second])
     async with trio.open_nursery() as nursery:
         reader.nursery = nursery
         # a small read reads only the entries it covers: no read-ahead
@@ -313,6 +360,9 @@ async def test_kv_reader_ranges_and_readahead(store):
                 inner.start_soon(one, int(o), int(n))
         assert bytes(await reader.read(s, nbytes, 10)) == b""
         reader.close(s)
+    # both engines served reads, and every read was whole and right
+    assert second.stats().engine.bytes > 0 and store.stats().engine.bytes > 0
+    second.close()
     assert reader.pool.allocated <= reader.pool.budget
 
 
@@ -325,21 +375,42 @@ def test_tree_listing(mnt, store):
     assert sorted(os.listdir(os.path.join(mnt, "layers", "01"))) == ["clusters", "medoids.npy"]
     assert sorted(os.listdir(_cdir(mnt, 1, 2))) == ["info.json", "kv.bin", "kv.npy",
                                                     "tokens.txt"]
-    ls = subprocess.run(["ls", "-a", _cdir(mnt, 0, 7)], capture_output=True, text=True,
-                        check=True).stdout.split()
-    assert set(ls) - {".", ".."} == {"info.json", "kv.bin", "kv.npy", "tokens.txt"}
+    assert sorted(os.listdir(os.path.join(mnt, "layers", "01", "clusters"))) == \
+        ["000000.npy", "000001.npy", "000002.npy"]
+    for d in (mnt, _cdir(mnt, 0, 7), os.path.join(mnt, "layers", "00", "clusters")):
+        ls = subprocess.run(["ls", "-f", d], capture_output=True, text=True,
+                            check=True).stdout.split()
+        assert ls[:2] == [".", ".."], d          # ls -f: unsorted, as the directory lists
+        assert sorted(ls[2:]) == sorted(os.listdir(d))
+    # ".." resolves to the parent, "." to itself
+    assert os.stat(os.path.join(_cdir(mnt, 0, 7), "..")).st_ino == \
+        os.stat(os.path.join(mnt, "layers", "00", "clusters")).st_ino
+    # CCCCCC.npy and CCCCCC/kv.npy are one file (two links)
+    a, b = os.stat(_cdir(mnt, 0, 7) + ".npy"), os.stat(os.path.join(_cdir(mnt, 0, 7), "kv.npy"))
+    assert a.st_ino == b.st_ino and a.st_nlink == 2 and a.st_size == b.st_size
 
 
-def test_directory_of_5000_clusters_lists_exactly(mnt):
+def test_directory_of_5000_clusters_lists_exactly(mnt, store):
     d = os.path.join(mnt, "layers", "00", "clusters")
-    want = [f"{c:06d}" for c in range(C0)]
+    want = [f"{c:06d}.npy" for c in range(C0)]
     names = os.listdir(d)
     assert len(names) == C0 and sorted(names) == want
     out = subprocess.run(["ls", d], capture_output=True, text=True, check=True).stdout.split()
     assert out == want
     with os.scandir(d) as it:          # getdents in small steps: resumes by next_id
         assert sorted(e.name for e in it) == want
-    assert os.stat(d).st_nlink == C0 + 2
+    assert os.stat(d).st_nlink == 2     # no listed subdirectories
+    # READDIRPLUS carried every entry's attributes: no lookups, and sizes exact
+    def lookups():
+        with open(os.path.join(mnt, "stats.json")) as f:
+            return json.load(f)["mount"]["lookups"]
+    before = lookups()
+    ls = subprocess.run(["ls", "-l", d], capture_output=True, text=True, check=True).stdout
+    sizes = [int(line.split()[4]) for line in ls.splitlines()[1:]]
+    li = store.layer(0)
+    hdr = [len(T.npy_header("<f2", (int(n), 2, 2, 16))) for n in li.sizes]
+    assert sizes == (np.array(hdr) + li.sizes * store.entry_bytes).tolist()
+    assert lookups() - before <= 2      # stats.json itself
 
 
 def test_manifest_and_medoids(mnt, store):
@@ -370,9 +441,43 @@ def test_kv_files_match_the_fast_path(mnt, store):
             info = json.load(f)
         ref = store.layer(l).cluster_info(c)
         assert {k: info[k] for k in ref} == ref
-    # np.load with mmap (page cache mode allows it)
-    m = np.load(os.path.join(_cdir(mnt, 1, 0), "kv.npy"), mmap_mode="r")
-    assert same_bits(np.asarray(m), store.read_cluster(1, 0))
+    # the flat name is one path away
+    for l, c in picks[:20]:
+        got = np.load(_cdir(mnt, l, c) + ".npy")
+        assert same_bits(got, store.read_cluster(l, c)), (l, c)
+
+
+def _mmap_both_ways(mnt, store, *, shared_ok):
+    """np.load / np.memmap / mmap.mmap of cluster files: shared mappings work
+    in page cache mode and fail with ENODEV under --direct-io (the kernel's
+    rule without FUSE_DIRECT_IO_ALLOW_MMAP); private mappings work in both."""
+    import mmap
+    want = store.read_cluster(1, 0)
+    npy, kvbin = _cdir(mnt, 1, 0) + ".npy", os.path.join(_cdir(mnt, 1, 0), "kv.bin")
+    m = np.load(npy, mmap_mode="c")
+    assert same_bits(np.asarray(m), want)
+    del m
+    mm = np.memmap(kvbin, dtype=np.uint8, mode="c")
+    assert bytes(mm[:1 << 16]) == want.tobytes()[:1 << 16]
+    del mm
+    with open(kvbin, "rb") as f:
+        if shared_ok:
+            with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mp:
+                assert mp[:4096] == want.tobytes()[:4096]
+            m = np.load(npy, mmap_mode="r")
+            assert same_bits(np.asarray(m), want)
+            del m
+        else:
+            with pytest.raises(OSError) as ei:
+                mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            assert ei.value.errno == errno.ENODEV
+            with pytest.raises(OSError) as ei:
+                np.load(npy, mmap_mode="r")
+            assert ei.value.errno == errno.ENODEV
+
+
+def test_mmap_in_page_cache_mode(mnt, store):
+    _mmap_both_ways(mnt, store, shared_ok=True)
 
 
 def test_cat_dd_stat_du_agree(mnt, store):
@@ -458,6 +563,8 @@ def test_read_only_and_errors(mnt):
         assert err(os.stat, os.path.join(mnt, missing)) == errno.ENOENT, missing
     assert err(os.stat, os.path.join(mnt, "manifest.json", "x")) == errno.ENOTDIR
     assert err(lambda: open(d, "rb").read()) == errno.EISDIR
+    assert err(os.stat, os.path.join(mnt, "layers", "00", "clusters", "000001.npy",
+                                     "x")) == errno.ENOTDIR
     r = subprocess.run(["cat", d], capture_output=True, text=True)
     assert r.returncode != 0 and "Is a directory" in r.stderr
     r = subprocess.run(["sh", "-c", f"echo x > {f}"], capture_output=True, text=True)
@@ -651,3 +758,200 @@ def test_direct_io_mode(store, workdir):
             assert os.pread(fd, 10_000, 123_457) == want[123_457:133_457]
         finally:
             os.close(fd)
+        _mmap_both_ways(m.mnt, store, shared_ok=False)
+
+
+def test_refused_mount_names_dev_fuse_once(workdir, rng):
+    """Issue 9 item 8: --allow-other as a user who cannot open /dev/fuse gets
+    the /dev/fuse cause (not /etc/fuse.conf), with the context printed once."""
+    import tempfile
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run as another user")
+    if os.access("/dev/fuse", os.R_OK | os.W_OK, effective_ids=False) and \
+            os.stat("/dev/fuse").st_mode & 0o006:
+        pytest.skip("/dev/fuse is open to every user here")
+    top = tempfile.mkdtemp(prefix="swarmfs-nobody-")
+    try:
+        os.chmod(top, 0o755)
+        path = os.path.join(top, "store")
+        s = Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16)
+        s.write_layer(0, random_kv(rng, 64, 2, 16, "float16"), random_clusters(rng, 64, 4))
+        s.close()
+        for root, dirs, files in os.walk(top):
+            for n in dirs:
+                os.chmod(os.path.join(root, n), 0o755)
+            for n in files:
+                os.chmod(os.path.join(root, n), 0o644)
+        mnt = os.path.join(top, "mnt")
+        os.makedirs(mnt)
+        os.chown(mnt, 65534, 65534)
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            sys.executable, "-m", "swarmfs._fuse", path, mnt, "--foreground",
+                            "--allow-other"], capture_output=True, text=True, timeout=DEADLINE,
+                           cwd="/")
+        assert r.returncode == 1, r.stderr
+        err = [line for line in r.stderr.splitlines() if line.startswith("swarmfs: error:")]
+        assert len(err) == 1, r.stderr
+        assert "cannot open /dev/fuse" in err[0] and "fuse.conf" not in err[0]
+        assert err[0].count(f"store {path}") == 1 and err[0].count("[") == 1
+        assert not _in_mountinfo(mnt)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _cluster_bytes(path):
+    """{cluster: bytes} of layer 0 as the fast path reads it now, and the
+    generation."""
+    with Store.open(path) as s:
+        return {c: s.read_cluster(0, c).tobytes() for c in range(s.num_clusters(0))}, \
+            s.manifest["generation"]
+
+
+def test_follow_shows_appends_and_open_files_keep_their_generation(workdir, rng):
+    path = str(workdir / "follow")
+    H, d = 2, 16
+    s = Store.create(path, disks=3, num_layers=2, num_kv_heads=H, head_dim=d)
+    s.write_layer(0, random_kv(rng, 3000, H, d, "float16"),
+                  [np.arange(i * 100, (i + 1) * 100) for i in range(30)])
+    s.close()
+    gens = {}
+    g0, gen = _cluster_bytes(path)
+    gens[gen] = g0
+    with Mount(path, workdir / "mnt-follow", "--poll-interval", "0.05") as m:
+        cl = os.path.join(m.mnt, "layers", "00", "clusters")
+        assert len(os.listdir(cl)) == 30
+        assert not os.path.exists(os.path.join(cl, "000030.npy"))   # negative lookup
+        held = open(os.path.join(cl, "000000", "kv.bin"), "rb")      # cluster 0, gen 0
+        held_npy = open(os.path.join(cl, "000001.npy"), "rb")
+        first = held.read(4096)
+        stop = threading.Event()
+        bad, seen = [], []
+
+        def reader():          # whole files, each equal to one generation's bytes
+            r = np.random.default_rng(0)
+            while not stop.is_set():
+                c = int(r.integers(0, 30))
+                try:
+                    with open(os.path.join(cl, f"{c:06d}", "kv.bin"), "rb") as f:
+                        got = f.read()
+                except OSError as exc:      # ESTALE is a clean failure; nothing else is
+                    if exc.errno != errno.ESTALE:
+                        bad.append((c, repr(exc)))
+                    continue
+                seen.append((c, _sha(got)))  # checked against every generation below
+
+        t = threading.Thread(target=reader)
+        t.start()
+        try:
+            w = Store.open(path, writable=True)
+            try:
+                for step in range(3):
+                    n = 150
+                    joins = [np.array([0]) if i % 3 == 0 else np.array([], dtype=np.int64)
+                             for i in range(n)]
+                    w.append(0, random_kv(rng, n, H, d, "float16"), joins, group=64)
+                    t_commit = time.monotonic()
+                    cs, gen = _cluster_bytes(path)
+                    gens[gen] = cs
+                    C = len(cs)
+                    # new clusters appear, within a second of the commit
+                    _wait(lambda: os.path.exists(os.path.join(cl, f"{C - 1:06d}.npy")),
+                          timeout=1.0, what=f"cluster {C - 1} of generation {gen}")
+                    assert time.monotonic() - t_commit < 1.0
+                    names = os.listdir(cl)
+                    assert len(names) == C and f"{C - 1:06d}.npy" in names
+                    for c in (0, C - 1, C - 2):       # changed and new clusters, both paths
+                        # cluster 0 changed: its old names are invalidated right
+                        # after the new generation is shown
+                        def current(c=c):
+                            with open(os.path.join(cl, f"{c:06d}", "kv.bin"), "rb") as f:
+                                a = f.read()
+                            b = np.load(os.path.join(cl, f"{c:06d}.npy")).tobytes()
+                            return a == cs[c] and b == cs[c]
+                        _wait(current, timeout=max(0.05, 1.0 - (time.monotonic() - t_commit)),
+                              what=f"cluster {c} of generation {gen}")
+                        assert os.stat(os.path.join(cl, f"{c:06d}.npy")).st_size == \
+                            len(T.npy_header("<f2", (len(cs[c]) // w.entry_bytes, 2, H, d))) \
+                            + len(cs[c])
+                    with open(os.path.join(m.mnt, "manifest.json"), "rb") as f:
+                        assert json.loads(f.read())["generation"] == gen
+                # a layer written while mounted appears too
+                w.write_layer(1, random_kv(rng, 200, H, d, "float16"),
+                              [np.arange(0, 120), np.arange(120, 200)])
+                _wait(lambda: os.path.isdir(os.path.join(m.mnt, "layers", "01")),
+                      timeout=1.0, what="layer 1")
+                assert os.listdir(os.path.join(m.mnt, "layers", "01", "clusters")) == \
+                    ["000000.npy", "000001.npy"] or sorted(
+                        os.listdir(os.path.join(m.mnt, "layers", "01", "clusters"))) == \
+                    ["000000.npy", "000001.npy"]
+            finally:
+                w.close()
+        finally:
+            stop.set()
+            t.join(DEADLINE)
+        # the files held open across four commits read their own generation
+        rest = held.read()
+        held.close()
+        assert first + rest == g0[0] and len(g0[0]) != len(gens[gen][0])
+        got = np.load(held_npy)
+        held_npy.close()
+        assert got.tobytes() == g0[1]
+        assert not bad, bad[:5]
+        shas = {c: {_sha(cs[c]) for cs in gens.values() if c in cs} for c in range(30)}
+        mixed = [(c, h) for c, h in seen if h not in shas[c]]
+        assert not mixed and len(seen) > 0, (len(mixed), len(seen))
+        with open(os.path.join(m.mnt, "stats.json")) as f:
+            st_ = json.load(f)["mount"]
+        assert st_["generations_seen"] >= 5 and st_["follow"] is True
+
+
+def test_snapshot_keeps_the_mount_time_view(workdir, rng):
+    path = str(workdir / "snap")
+    s = Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16)
+    s.write_layer(0, random_kv(rng, 400, 2, 16, "float16"), random_clusters(rng, 400, 8))
+    s.close()
+    g0, gen0 = _cluster_bytes(path)
+    with Mount(path, workdir / "mnt-snap", "--snapshot") as m, \
+            Mount(path, workdir / "mnt-snap-follow", "--poll-interval", "0.05") as f:
+        cl = os.path.join(m.mnt, "layers", "00", "clusters")
+        with Store.open(path, writable=True) as w:
+            w.append(0, random_kv(rng, 100, 2, 16, "float16"), group=50)
+        # the following mount is the witness that the commit is visible
+        _wait(lambda: os.path.exists(os.path.join(f.mnt, "layers", "00", "clusters",
+                                                  "000009.npy")), what="the append")
+        assert len(os.listdir(cl)) == 8 and not os.path.exists(os.path.join(cl, "000008.npy"))
+        with open(os.path.join(m.mnt, "manifest.json")) as fh:
+            assert json.load(fh)["generation"] == gen0
+        assert np.load(os.path.join(cl, "000003.npy")).tobytes() == g0[3]
+
+
+def test_a_damaged_new_manifest_keeps_the_shown_generation(workdir, rng):
+    path = str(workdir / "damaged")
+    s = Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16)
+    s.write_layer(0, random_kv(rng, 300, 2, 16, "float16"), random_clusters(rng, 300, 6))
+    s.close()
+    g0, _ = _cluster_bytes(path)
+    mf = os.path.join(path, "manifest.json")
+    with open(mf, "rb") as f:
+        good = f.read()
+    with Mount(path, workdir / "mnt-damaged", "--poll-interval", "0.05") as m:
+        cl = os.path.join(m.mnt, "layers", "00", "clusters")
+        tmp = mf + ".bad"
+        with open(tmp, "wb") as f:
+            f.write(good[:len(good) // 2])          # a torn manifest, committed by rename
+        os.replace(tmp, mf)
+        _wait(lambda: "cannot show the store's new generation" in m.output(),
+              what="the refresh failure in the log")
+        assert sorted(os.listdir(cl)) == [f"{c:06d}.npy" for c in range(6)]
+        assert np.load(os.path.join(cl, "000002.npy")).tobytes() == g0[2]
+        with open(os.path.join(m.mnt, "stats.json")) as f:
+            st_ = json.load(f)["mount"]
+        assert st_["refresh_errors"] >= 1 and st_["generations_seen"] == 1
+        assert m.output().count("cannot show the store's new generation") == 1  # once per cause
+        with open(tmp, "wb") as f:
+            f.write(good)
+        os.replace(tmp, mf)
+        with Store.open(path, writable=True) as w:
+            w.append(0, random_kv(rng, 10, 2, 16, "float16"), group=10)
+        _wait(lambda: os.path.exists(os.path.join(cl, "000006.npy")), timeout=5.0,
+              what="the next good generation")

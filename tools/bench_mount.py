@@ -14,10 +14,15 @@ and measures, side by side in every run (median of --runs):
   mount does per FUSE request, without FUSE);
 * mount, page cache (default): ``dd if=.../kv.bin bs=1M of=/dev/null`` after
   ``posix_fadvise(DONTNEED)`` drops the file's cached pages; also ``cat``;
-* mount, ``--direct-io``: the same dd;
-* concurrent: --concurrent dd processes on different big clusters at once,
-  against the fast path reading the same clusters one after another;
-* ``ls -R`` of the wide layer's ``clusters/`` on a fresh mount (entries/s).
+* mount, ``--direct-io``: the same dd and cat;
+* concurrent: --concurrent dd processes on different big clusters at once
+  (both modes), against the fast path reading the same clusters one after
+  another;
+* listings of the whole wide mount: ``ls -R``, ``find | wc -l`` and
+  ``du -s``, each cold (first run on a fresh mount) and warm (second run);
+* following the store: seconds from an ``append`` commit until its new
+  cluster is visible on a following mount (``--follow-runs`` appends to a
+  copy-free small store).
 
 Writes everything to --out as JSON and prints a table.
 
@@ -123,10 +128,31 @@ def drop_file_cache(path):
         os.close(fd)
 
 
-def timed(cmd):
+def proc_cpu_s(pid):
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+CPU = {}        # name -> [(daemon CPU s, reader CPU s)] per run
+
+
+def timed(cmd, name=None, daemon=None):
+    """Wall seconds of ``cmd``; with ``name``, also records the CPU seconds
+    the mount daemon (pid ``daemon``) and the reader spent on it."""
+    import resource
+    c0 = proc_cpu_s(daemon) if daemon else 0.0
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - t
+    dt = time.perf_counter() - t
+    if name:
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        reader = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        CPU.setdefault(name, []).append(
+            ((proc_cpu_s(daemon) - c0) if daemon else None, reader))
+    return dt
 
 
 def timed_parallel(cmds):
@@ -139,6 +165,63 @@ def timed_parallel(cmds):
     return time.perf_counter() - t
 
 
+def measure_follow(path, mnt, runs):
+    """Seconds from an append's commit until its first new cluster is
+    visible on a mount that follows the store (``runs`` appends)."""
+    if runs <= 0:
+        return []
+    shutil.rmtree(path, ignore_errors=True)
+    rng = np.random.default_rng(2)
+    s = Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16,
+                     dtype="float16")
+    kv = lambda n: rng.standard_normal((n, 2, 2, 16), dtype=np.float32).astype(np.float16)
+    s.write_layer(0, kv(1000), [np.arange(i * 100, (i + 1) * 100) for i in range(10)])
+    out = []
+    try:
+        with Mount(path, mnt):
+            cl = os.path.join(mnt, "layers", "00", "clusters")
+            for _ in range(runs):
+                C = s.num_clusters(0)
+                s.append(0, kv(64), group=64)
+                t = time.perf_counter()
+                want = os.path.join(cl, f"{C:06d}.npy")
+                while not os.path.exists(want):
+                    if time.perf_counter() - t > 30:
+                        raise RuntimeError("an append never became visible")
+                    time.sleep(0.002)
+                out.append(time.perf_counter() - t)
+    finally:
+        s.close()
+    return out
+
+
+def readahead_sweep(big, mnt, sizes_kb, runs, store):
+    """Median seconds of one ``dd bs=1M`` and of four concurrent ones in page
+    cache mode for each kernel read-ahead (``read_ahead_kb`` of the mount's
+    bdi; needs root), interleaved, with the fast path alongside."""
+    res = {}
+    with Mount(big, mnt):
+        bdi = [ln.split()[2] for ln in open("/proc/self/mountinfo")
+               if ln.split()[4] == mnt][0]
+        kv = lambda c: os.path.join(mnt, "layers", "00", "clusters", f"{c:06d}", "kv.bin")
+        for r in range(runs):
+            t = time.perf_counter()
+            store.read_cluster(0, r % 4)
+            res.setdefault("fast path read_cluster", []).append(time.perf_counter() - t)
+            for kb in sizes_kb:
+                with open(f"/sys/class/bdi/{bdi}/read_ahead_kb", "w") as f:
+                    f.write(str(kb))
+                c = (r + kb) % 4
+                drop_file_cache(kv(c))
+                res.setdefault(f"dd, read_ahead_kb={kb}", []).append(
+                    timed(["dd", f"if={kv(c)}", "of=/dev/null", "bs=1M"]))
+                for cc in range(4):
+                    drop_file_cache(kv(cc))
+                res.setdefault(f"4 x dd, read_ahead_kb={kb}", []).append(timed_parallel(
+                    [["dd", f"if={kv(cc)}", "of=/dev/null", "bs=1M"] for cc in range(4)]))
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/tmp/swarmfs-bench")
@@ -148,6 +231,10 @@ def main(argv=None):
     ap.add_argument("--clusters", type=int, default=100_000)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--ls-runs", type=int, default=3)
+    ap.add_argument("--follow-runs", type=int, default=5)
+    ap.add_argument("--readahead-sweep", default="",
+                    help="comma-separated read_ahead_kb values to compare instead of the "
+                         "main benchmark (root only)")
     ap.add_argument("--concurrent", type=int, default=4)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--out", default="bench_mount.json")
@@ -161,14 +248,25 @@ def main(argv=None):
     print(f"stores ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     store = Store.open(big)
+    if a.readahead_sweep:
+        sweep = readahead_sweep(big, os.path.join(a.dir, "mnt"),
+                                [int(x) for x in a.readahead_sweep.split(",")], a.runs, store)
+        for k, v in sweep.items():
+            print(f"{k}: median {v:.4f} s")
+        with open(a.out, "w") as f:
+            json.dump({"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+                       "readahead_sweep_median_seconds": sweep}, f, indent=1)
+        store.close()
+        return
     nbytes = int(store.layer(0).sizes[0]) * store.entry_bytes
     conc = list(range(max(a.concurrent, 1)))
-    times = {k: [] for k in ("fast_read_cluster", "fast_range_1MiB", "mount_dd_1M",
-                             "mount_cat", "mount_direct_dd_1M", "fast_concurrent",
-                             "mount_concurrent_dd_1M")}
+    times = {k: [] for k in ("fast_read_cluster", "fast_read_cluster_cpu", "fast_range_1MiB",
+                             "mount_dd_1M", "mount_cat", "mount_direct_dd_1M",
+                             "mount_direct_cat", "fast_concurrent", "mount_concurrent_dd_1M",
+                             "mount_direct_concurrent_dd_1M")}
     m1, m2 = os.path.join(a.dir, "mnt"), os.path.join(a.dir, "mnt-direct")
     thr = ["--threads", str(a.threads)]
-    with Mount(big, m1, *thr), Mount(big, m2, "--direct-io", *thr):
+    with Mount(big, m1, *thr) as M1, Mount(big, m2, "--direct-io", *thr) as M2:
         kv = lambda m, c=0: os.path.join(m, "layers", "00", "clusters", f"{c:06d}", "kv.bin")
         # correctness once, and warm-up of the index on both mounts
         want = store.read_cluster(0, 0).tobytes()
@@ -180,16 +278,23 @@ def main(argv=None):
             t = time.perf_counter()
             store.read_cluster(0, 0)
             times["fast_read_cluster"].append(time.perf_counter() - t)
+            t0 = time.process_time()
+            store.read_cluster(0, 0)
+            times["fast_read_cluster_cpu"].append(time.process_time() - t0)
             t = time.perf_counter()
             for off in range(0, nbytes, MiB):
                 store.read_cluster_range(0, 0, off, MiB)
             times["fast_range_1MiB"].append(time.perf_counter() - t)
             drop_file_cache(kv(m1))
-            times["mount_dd_1M"].append(timed(["dd", f"if={kv(m1)}", "of=/dev/null", "bs=1M"]))
+            times["mount_dd_1M"].append(timed(["dd", f"if={kv(m1)}", "of=/dev/null", "bs=1M"],
+                                              "mount_dd_1M", M1.proc.pid))
             drop_file_cache(kv(m1))
             times["mount_cat"].append(timed(["sh", "-c", f"cat {kv(m1)} > /dev/null"]))
             times["mount_direct_dd_1M"].append(
-                timed(["dd", f"if={kv(m2)}", "of=/dev/null", "bs=1M"]))
+                timed(["dd", f"if={kv(m2)}", "of=/dev/null", "bs=1M"], "mount_direct_dd_1M",
+                      M2.proc.pid))
+            times["mount_direct_cat"].append(
+                timed(["sh", "-c", f"cat {kv(m2)} > /dev/null"]))
             if a.concurrent > 1:
                 t = time.perf_counter()
                 for c in conc:
@@ -199,17 +304,29 @@ def main(argv=None):
                     drop_file_cache(kv(m1, c))
                 times["mount_concurrent_dd_1M"].append(timed_parallel(
                     [["dd", f"if={kv(m1, c)}", "of=/dev/null", "bs=1M"] for c in conc]))
+                times["mount_direct_concurrent_dd_1M"].append(timed_parallel(
+                    [["dd", f"if={kv(m2, c)}", "of=/dev/null", "bs=1M"] for c in conc]))
     store.close()
 
-    ls_times, ls_entries = [], None
+    walks = {"ls -R": ["ls", "-R"], "find | wc -l": ["sh", "-c", "find \"$0\" | wc -l"],
+             "du -s": ["du", "-s"]}
+    listing = {name: {"cold": [], "warm": []} for name in walks}
+    ls_entries = None
     m3 = os.path.join(a.dir, "mnt-wide")
     for _ in range(a.ls_runs):
-        with Mount(wide, m3, *thr):
-            d = os.path.join(m3, "layers", "00", "clusters")
-            t = time.perf_counter()
-            out = subprocess.run(["ls", "-R", d], check=True, capture_output=True).stdout
-            ls_times.append(time.perf_counter() - t)
-            ls_entries = sum(1 for line in out.splitlines() if line and not line.endswith(b":"))
+        for name, cmd in walks.items():
+            with Mount(wide, m3, *thr):
+                for phase in ("cold", "warm"):
+                    t = time.perf_counter()
+                    out = subprocess.run(cmd + [m3], check=True, capture_output=True).stdout
+                    listing[name][phase].append(time.perf_counter() - t)
+                    if name == "ls -R":
+                        ls_entries = sum(1 for line in out.splitlines()
+                                         if line and not line.endswith(b":"))
+                    elif name == "find | wc -l":
+                        find_entries = int(out.split()[0])
+    follow = measure_follow(os.path.join(a.dir, "follow"), os.path.join(a.dir, "mnt-follow"),
+                            a.follow_runs)
 
     med = {k: statistics.median(v) for k, v in times.items() if v}
     mbps = lambda sec, n=nbytes: n / sec / 1e6
@@ -221,14 +338,19 @@ def main(argv=None):
             ("mount dd bs=1M (page cache)", med["mount_dd_1M"], mbps(med["mount_dd_1M"]), fast),
             ("mount cat (page cache)", med["mount_cat"], mbps(med["mount_cat"]), fast),
             ("mount dd bs=1M (--direct-io)", med["mount_direct_dd_1M"],
-             mbps(med["mount_direct_dd_1M"]), fast)]
+             mbps(med["mount_direct_dd_1M"]), fast),
+            ("mount cat (--direct-io)", med["mount_direct_cat"],
+             mbps(med["mount_direct_cat"]), fast)]
     if a.concurrent > 1:
         tot = nbytes * len(conc)
         cfast = mbps(med["fast_concurrent"], tot)
         rows += [(f"fast path read_cluster x{len(conc)} (one after another)",
                   med["fast_concurrent"], cfast, cfast),
                  (f"mount {len(conc)} concurrent dd bs=1M (page cache)",
-                  med["mount_concurrent_dd_1M"], mbps(med["mount_concurrent_dd_1M"], tot), cfast)]
+                  med["mount_concurrent_dd_1M"], mbps(med["mount_concurrent_dd_1M"], tot), cfast),
+                 (f"mount {len(conc)} concurrent dd bs=1M (--direct-io)",
+                  med["mount_direct_concurrent_dd_1M"],
+                  mbps(med["mount_direct_concurrent_dd_1M"], tot), cfast)]
     result = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "host": {"kernel": platform.release(), "cpus": os.cpu_count(),
@@ -238,10 +360,18 @@ def main(argv=None):
         "median_seconds": med,
         "throughput_MBps": {name: round(v, 1) for name, _, v, _ in rows},
         "ratio_to_fast_path": {name: round(v / base, 3) for name, _, v, base in rows},
-        "ls_R": {"entries": ls_entries, "clusters": a.clusters, "seconds": ls_times,
-                 "median_seconds": statistics.median(ls_times) if ls_times else None,
-                 "entries_per_s": round(ls_entries / statistics.median(ls_times))
-                 if ls_times else None},
+        "fast_read_cluster_cpu_s": med.get("fast_read_cluster_cpu"),
+        "cpu_seconds_daemon_reader": CPU,
+        "median_cpu_seconds": {k: {"daemon": statistics.median(d for d, _ in v),
+                                   "reader": statistics.median(r for _, r in v)}
+                               for k, v in CPU.items()},
+        "listing": {"clusters": a.clusters, "ls_R_entries": ls_entries,
+                    "find_entries": find_entries if a.ls_runs else None,
+                    "seconds": listing,
+                    "median_seconds": {n: {p: statistics.median(v) for p, v in d.items() if v}
+                                       for n, d in listing.items()}},
+        "follow_seconds": follow,
+        "follow_median_seconds": statistics.median(follow) if follow else None,
     }
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -249,10 +379,18 @@ def main(argv=None):
     print(f"{'':{w}}  {'median s':>9}  {'MB/s':>8}  {'vs fast':>7}")
     for name, sec, v, _ in rows:
         print(f"{name:{w}}  {sec:9.4f}  {v:8.1f}  {result['ratio_to_fast_path'][name]:7.3f}")
-    if ls_times:
-        print(f"ls -R of {a.clusters} clusters: {ls_entries} entries, median "
-              f"{result['ls_R']['median_seconds']:.2f} s "
-              f"({result['ls_R']['entries_per_s']} entries/s)")
+    print(f"CPU per cluster file read (median): fast path {med['fast_read_cluster_cpu']:.3f} s; "
+          + "; ".join(f"{k}: daemon {v['daemon']:.3f} s + dd {v['reader']:.3f} s"
+                      for k, v in result["median_cpu_seconds"].items()))
+    for name, d in result["listing"]["median_seconds"].items():
+        if d:
+            print(f"{name} of a mount of {a.clusters} clusters: cold {d['cold']:.2f} s, "
+                  f"warm {d['warm']:.2f} s")
+    if ls_entries is not None:
+        print(f"(ls -R: {ls_entries} names; find: {find_entries} paths)")
+    if follow:
+        print(f"append -> visible on a following mount: median "
+              f"{statistics.median(follow):.3f} s, max {max(follow):.3f} s")
     print(f"wrote {a.out}")
 
 
