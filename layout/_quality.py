@@ -1,19 +1,19 @@
 """Retrieval quality of a clustering: attention-mass recall vs the oracle top-k.
 
-Mirrors what decoding does with a SWARM layout (§5.2, §6): the local window
-(the last ``W`` context entries) is always in DRAM; clusters are then taken in
-descending medoid score until the selected entries reach the budget
-``ceil(r * S)`` (the local window counts against it; the last cluster is taken
-whole, so the selection may overshoot).  Replicas and window entries are
-counted once (eq. 8's union).
+Does what decoding does with a SWARM layout (§5.2, §6), with the same
+functions: the local window (:func:`swarmfs._selectors.window_size`) is always
+in DRAM; clusters are then taken in descending medoid score until the selection
+holds the budget ``ceil(r * S)`` of distinct entries
+(:func:`swarmfs._selectors.select_clusters`: the window counts against it,
+replicas and window entries count once, the last cluster is taken whole).
 
 For a held-out query (one never used for profiling) that sees all ``S``
 context entries, let ``p(j) = (1 / H_q) sum_h softmax_j(q_h . k_{g(h), j} *
 scale)`` be its head-averaged attention over the context.  The *attention-mass
-recall* of a selection ``E`` is ``sum_{j in E} p(j) / sum_{j in T} p(j)``
-where ``T`` is the oracle: the ``|E|`` entries with the largest ``p`` (the
-same number of entries, so recall <= 1 and an overshooting last cluster earns
-nothing).
+recall* of a selection ``E`` is :func:`swarmfs._report.attention_recall`:
+``sum_{j in E} p(j) / sum_{j in T} p(j)`` where ``T`` is the oracle, the
+``max(budget, |E|)`` entries with the largest ``p`` (recall <= 1 and an
+overshooting last cluster earns nothing).
 
 Medoid scores (what retrieval ranks clusters by): ``"logit"`` sums the scaled
 logits ``q_h . k_{g(h), m} * scale`` over all query heads (i.e. over the query
@@ -29,6 +29,8 @@ import math
 import numpy as np
 
 from .._errors import LayoutError, ShapeError
+from .._report import attention_recall
+from .._selectors import _select, window_size
 from ._profile import aggregate_scores, one_blas_thread
 
 __all__ = ["RecallReport", "block_clustering", "evaluate_recall"]
@@ -96,7 +98,8 @@ def evaluate_recall(clustering, q_eval, k, *, ratio: float = 0.10,
         q_eval: float [H_q, n, d] held-out queries; each sees all S keys.
         k: float [H_kv, S, d] the context's keys.
         ratio: sparsity ratio r in (0, 1]; budget = ceil(r * S) entries.
-        local_window: W, last context entries always selected.
+        local_window: W; the last ``window_size(W, budget, S)`` context
+            entries are always selected (the Retriever's rule).
         score: ``"logit"`` or ``"prob"`` medoid scoring.
         scaling: logit scale (default d**-0.5).
         batch: queries scored together.
@@ -128,7 +131,7 @@ def evaluate_recall(clustering, q_eval, k, *, ratio: float = 0.10,
         raise LayoutError(f"score must be 'logit' or 'prob', got {score!r}")
     scaling = d ** -0.5 if scaling is None else float(scaling)
     budget = max(1, math.ceil(ratio * S - 1e-9))
-    W = min(local_window, S)
+    W = window_size(local_window, budget, S)
     sizes = np.diff(ptr)
     kmed = k[:, medoids]                                    # [H_kv, C, d]
     in_win = np.zeros(S, bool)
@@ -158,30 +161,14 @@ def _evaluate(ptr, members, medoids, sizes, q_eval, k, kmed, in_win, budget, W, 
             for h in range(H_q):
                 ms += qb[h] @ kmed[h // g].T
         for r in range(qb.shape[1]):
-            order = np.argsort(-ms[r], kind="stable")
-            lens = sizes[order]
-            starts = ptr[order]
-            offs = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
-            flat = members[np.arange(int(lens.sum())) + offs]
-            new = ~in_win[flat]
-            _, first = np.unique(flat, return_index=True)
-            isfirst = np.zeros(flat.shape[0], bool)
-            isfirst[first] = True
-            new &= isfirst
-            cum = np.cumsum(new)
-            ends = np.cumsum(lens) - 1
-            need = budget - W
-            if need <= 0:
-                c = 0
-                sel = np.flatnonzero(in_win)
-            else:
-                c = int(np.searchsorted(cum[ends], need, side="left")) + 1
-                c = min(c, order.shape[0])
-                sel = np.union1d(flat[:ends[c - 1] + 1], np.flatnonzero(in_win))
+            sel = _select(ms[r], ptr, members, S, budget, W)
+            c = sel.clusters.shape[0]
+            n = sizes[sel.clusters]
+            idx = np.repeat(ptr[sel.clusters] - (np.cumsum(n) - n), n) + np.arange(n.sum())
+            toks = np.union1d(members[idx], np.flatnonzero(in_win))
             pr = p[r]
-            m = sel.shape[0]
-            top = np.partition(pr, S - m)[S - m:].sum(dtype=np.float64)
-            recall[a + r] = pr[sel].sum(dtype=np.float64) / top if top > 0 else 1.0
+            recall[a + r], _, top = attention_recall(pr, toks, budget)
+            m = toks.shape[0]
             selected[a + r] = m
             nread[a + r] = c
             omass[a + r] = np.partition(pr, S - budget)[S - budget:].sum(dtype=np.float64)

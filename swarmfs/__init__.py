@@ -13,6 +13,7 @@ from ._engine import DiskStats as DiskStats
 from ._engine import Engine as Engine
 from ._engine import EngineStats as EngineStats
 from ._errors import ChecksumError as ChecksumError
+from ._errors import ConcurrentUseError as ConcurrentUseError
 from ._errors import ConfigError as ConfigError
 from ._errors import DiskError as DiskError
 from ._errors import DiskFullError as DiskFullError

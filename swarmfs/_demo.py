@@ -28,6 +28,7 @@ import numpy as np
 from . import _errors as E
 from ._report import evaluate_query, summarize
 from ._retrieve import Retriever
+from ._selectors import window_size
 from ._store import Store
 
 __all__ = ["LayoutParams", "build_store", "evaluate_store", "run_demo"]
@@ -60,11 +61,12 @@ class LayoutParams:
 
 
 def local_window(params: LayoutParams, num_tokens: int) -> int:
-    """W for a context: the configured window, at most a quarter of the entry
-    budget ceil(r x S), so that on short contexts the clusters the query
-    selects, not the recency window, fill the budget (the paper's 256-token
-    window is under 1% of its 32K-1M contexts)."""
-    return int(min(params.local_window, math.ceil(params.ratio * num_tokens) // 4))
+    """W stored for a context: the retrieval rule
+    :func:`~swarmfs._selectors.window_size` at the layout's budget
+    ceil(r x S) (at most a quarter of it, so that on short contexts the
+    clusters the query selects, not the recency window, fill the budget; the
+    paper's 256-token window is under 1% of its 32K-1M contexts)."""
+    return window_size(params.local_window, math.ceil(params.ratio * num_tokens), num_tokens)
 
 
 def _layout_layer(q, k, *, params: LayoutParams, scaling: float, layer: int,

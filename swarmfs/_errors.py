@@ -31,6 +31,7 @@ __all__ = [
     "MountError",
     "ConfigError",
     "InvalidArgumentError",
+    "ConcurrentUseError",
     "InternalError",
 ]
 
@@ -174,6 +175,13 @@ class InvalidArgumentError(SwarmError, ValueError, TypeError):
     required, ...).  It is both a ``ValueError`` and a ``TypeError``, so
     callers catching either keep working.  Nothing was changed; fix the
     argument."""
+
+
+class ConcurrentUseError(SwarmError, RuntimeError):
+    """Raised when an object is used from more threads at once than its
+    concurrency contract allows (for example two threads calling
+    ``DecodeSession.step`` for one layer).  The call did nothing; serialise
+    the callers."""
 
 
 class InternalError(SwarmError, RuntimeError):

@@ -77,6 +77,19 @@ class DecodeSession:
         t_base_us, t_transfer_us: eq. 6 costs (µs).
         adapt_cache: run cache replacement (False: the hot set stays).
 
+    Concurrency:
+        One thread at a time may call :meth:`step` or :meth:`flush` for a
+        layer of a Retriever (whichever session it goes through); a second
+        concurrent call is detected and raises
+        :class:`~swarmfs.ConcurrentUseError` without changing anything.
+        Meanwhile any number of threads may :meth:`Retriever.retrieve` or
+        :meth:`Retriever.prefetch` the same layer (the SWARM §7 pipeline):
+        the hot set changes under the layer lock, and retrievals copy the DRAM
+        rows they use under that lock, so they always return the stored
+        entries.  The session's appends go through :meth:`Store.append`
+        (serialised with other writers by the store); a retrieval that started
+        before an append returns the layer as it was.
+
     Raises:
         LayoutError: tau outside (0, 1].
     """
@@ -112,14 +125,45 @@ class DecodeSession:
     def step(self, q, k_new=None, v_new=None) -> StepResult:
         """Serve one decode step and add this step's new entry.
 
+        Every argument is checked before any state changes: a rejected step
+        leaves the session (frequencies, pending entries, hot set) as it was.
+
         Args:
-            q: query [H_q, head_dim] of this step.
+            q: query [H_q, head_dim] of this step (numpy or torch, any float
+                dtype incl. bfloat16).
             k_new, v_new: [H_kv, head_dim] K and V of the token produced at
-                this step (store dtype), or None.
+                this step, in the store dtype (numpy, ml_dtypes bfloat16, or
+                torch), both or neither.
 
         Returns:
             A :class:`StepResult`.
+
+        Raises:
+            ShapeError: a query, K or V of the wrong shape or dtype, or K/V
+                holding NaN or inf.
+            ConcurrentUseError: another thread is stepping this layer of the
+                Retriever (this or another session); nothing was done.
+            SwarmError: the layer changed under the session (another writer).
         """
+        qf = self.r.queries(q)
+        if qf.shape[0] != 1:
+            raise E.ShapeError(f"a step takes one query [H_q, d], got {qf.shape[0]}",
+                               layer=self.layer)
+        row = None
+        if k_new is not None or v_new is not None:
+            row = self._new_row(k_new, v_new)
+        lock = self.r.step_lock(self.layer)
+        if not lock.acquire(blocking=False):
+            raise E.ConcurrentUseError("another thread is stepping this layer (one "
+                                       "DecodeSession.step per layer at a time)",
+                                       layer=self.layer)
+        try:
+            return self._step(qf[0], row)
+        finally:
+            lock.release()
+
+    def _step(self, q: np.ndarray, row) -> StepResult:
+        self._check_layer(self.r.layer_state(self.layer))
         ret = self.r.retrieve(self.layer, q, torch=False)
         st = self.r.layer_state(self.layer)
         self._check_layer(st)
@@ -134,8 +178,8 @@ class DecodeSession:
         self._count_coactivation(q, k, ret, n_pend)
         admitted, evicted = self._replace_cache(ret) if self.adapt_cache else \
             (np.empty(0, np.int64), np.empty(0, np.int64))
-        if k_new is not None:
-            self._add_pending(k_new, v_new)
+        if row is not None:
+            self._add_pending(row)
         flushed = self._flush_matured()
         return StepResult(k=k, v=v, positions=pos, retrieval=ret, admitted=admitted,
                           evicted=evicted, flushed=flushed)
@@ -148,7 +192,7 @@ class DecodeSession:
         if not n_pend or ret.clusters.size == 0:
             return
         scale = self.store.head_dim ** -0.5
-        qq = np.asarray(q, dtype=np.float32)[:, None, :]
+        qq = q[:, None, :]
         logits = attention_logits(qq, k, scale)[:, 0, :]           # [H_q, n]
         p = np.exp(logits - logits.max(axis=1, keepdims=True))
         p /= p.sum(axis=1, keepdims=True)
@@ -170,6 +214,10 @@ class DecodeSession:
     def _replace_cache(self, ret: Retrieval):
         """§6.2 cache replacement over the hot set and this step's clusters."""
         st = self.r.layer_state(self.layer)
+        with st.lock:       # the hot set changes as one, beside concurrent retrievals
+            return self._replace_locked(st, ret)
+
+    def _replace_locked(self, st, ret: Retrieval):
         sel = ret.clusters
         self.lookups += int(sel.size)
         self.hits += int(st.hot[sel].sum()) if sel.size else 0
@@ -199,14 +247,36 @@ class DecodeSession:
             raise E.SwarmError("the layer changed under this DecodeSession (another writer "
                                "appended to it); start a new session", layer=self.layer)
 
-    def _add_pending(self, k_new, v_new) -> None:
+    def _new_row(self, k_new, v_new) -> np.ndarray:
+        """One entry row (uint8 [1, entry_bytes]) from K and V [H_kv, d] in the
+        store dtype (numpy or torch), checked and converted, nothing stored."""
         H, d = self.store.num_kv_heads, self.store.head_dim
-        k_new, v_new = np.asarray(k_new), np.asarray(v_new)
-        if k_new.shape != (H, d) or v_new.shape != (H, d) or \
-                k_new.dtype != self.store.np_dtype or v_new.dtype != self.store.np_dtype:
-            raise E.ShapeError(f"new K/V must be [{H}, {d}] {self.store.dtype}, got "
-                               f"{k_new.shape} {k_new.dtype}", layer=self.layer)
-        row = np.ascontiguousarray(np.stack([k_new, v_new])).reshape(1, -1).view(np.uint8)
+        want = self.store.np_dtype
+        if k_new is None or v_new is None:
+            raise E.ShapeError("give both k_new and v_new, or neither", layer=self.layer)
+        arrs = []
+        for name, x in (("k_new", k_new), ("v_new", v_new)):
+            if hasattr(x, "detach"):                      # torch
+                tname = str(x.dtype).removeprefix("torch.")
+                if tname != self.store.dtype:
+                    raise E.ShapeError(f"{name} is torch {tname}; the store holds "
+                                       f"{self.store.dtype}", layer=self.layer)
+                x = x.detach().cpu().contiguous()
+                if tname == "bfloat16":
+                    import torch
+                    x = x.view(torch.int16).numpy().view(want)
+                else:
+                    x = x.numpy()
+            x = np.asarray(x)
+            if x.shape != (H, d) or x.dtype != want:
+                raise E.ShapeError(f"{name} must be [{H}, {d}] {self.store.dtype}, got "
+                                   f"{x.shape} {x.dtype}", layer=self.layer)
+            if not np.isfinite(x.astype(np.float32)).all():
+                raise E.ShapeError(f"{name} holds NaN or inf", layer=self.layer)
+            arrs.append(x)
+        return np.ascontiguousarray(np.stack(arrs)).reshape(1, -1).view(np.uint8)
+
+    def _add_pending(self, row: np.ndarray) -> None:
         self.pend_rows = np.concatenate([self.pend_rows, row])
         self.pend_age = np.append(self.pend_age, 0)
         self.pend_f = np.concatenate([self.pend_f,
@@ -260,8 +330,19 @@ class DecodeSession:
         return pos
 
     def flush(self) -> np.ndarray:
-        """Write every pending entry now (e.g. at the end of a request)."""
-        return self._flush_matured(force=True)
+        """Write every pending entry now (e.g. at the end of a request).
+
+        Raises:
+            ConcurrentUseError: another thread is stepping this layer.
+        """
+        lock = self.r.step_lock(self.layer)
+        if not lock.acquire(blocking=False):
+            raise E.ConcurrentUseError("another thread is stepping this layer",
+                                       layer=self.layer)
+        try:
+            return self._flush_matured(force=True)
+        finally:
+            lock.release()
 
     @property
     def hit_rate(self) -> float:

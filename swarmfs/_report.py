@@ -2,8 +2,12 @@
 
 Accuracy follows SWARM §8.1-8.2: for a query, the *oracle* takes the exact
 top-k entries (k = ceil(r x S)) by attention; a method's **attention-mass
-recall** is the attention mass its retrieved entries carry divided by the mass
-of the oracle's top-k; the **relative error** is
+recall** (:func:`attention_recall`, the one definition: the demo, the
+evaluation and ``layout._quality`` use it) is the attention mass of its
+distinct retrieved entries (a position counts once, however many copies were
+read) divided by the mass of the oracle's top max(k, n) entries, n the
+distinct entries retrieved (so recall <= 1 and an overshooting last cluster
+earns nothing it did not pay for); the **relative error** is
 ||o_sparse - o_full|| / ||o_full|| of the attention output over all query heads,
 where o_sparse is softmax attention restricted to the retrieved entries.
 
@@ -17,7 +21,8 @@ import math
 
 import numpy as np
 
-__all__ = ["attention_logits", "token_mass", "evaluate_query", "summarize"]
+__all__ = ["attention_logits", "token_mass", "attention_recall", "evaluate_query",
+           "summarize"]
 
 
 def _f32(x):
@@ -55,6 +60,28 @@ def token_mass(logits: np.ndarray) -> np.ndarray:
     return _softmax(logits, -1).mean(axis=0)
 
 
+def attention_recall(mass: np.ndarray, positions, budget: int) -> tuple[float, float, float]:
+    """Attention-mass recall of a selection (SWARM §8.2; see the module doc).
+
+    Args:
+        mass: float [S] attention mass per token (e.g. :func:`token_mass`).
+        positions: int [n] selected positions; duplicates count once.
+        budget: k = ceil(r x S), the oracle's size at least.
+
+    Returns:
+        (recall, selected mass, oracle mass) with the oracle the top
+        max(budget, distinct n) tokens by mass; recall is 1.0 when the
+        oracle's mass is 0.
+    """
+    mass = np.asarray(mass, dtype=np.float64)
+    S = mass.shape[0]
+    pos = np.unique(np.asarray(positions, dtype=np.int64))
+    m = min(max(int(budget), pos.shape[0]), S)
+    got = float(mass[pos].sum())
+    top = float(np.partition(mass, S - m)[S - m:].sum()) if m > 0 else 0.0
+    return (got / top if top > 0 else 1.0), got, top
+
+
 def _attend(logits, v, g):
     """softmax(logits) @ v per head: logits [H_q, n, S'], v [H_kv, S', d]."""
     p = _softmax(logits, -1)
@@ -77,9 +104,9 @@ def evaluate_query(q, k_ctx, v_ctx, positions, *, k_ret=None, v_ret=None,
         ratio: sparsity ratio r (oracle budget k = ceil(r x S)).
 
     Returns:
-        dict with ``recall`` (method mass / oracle mass), ``mass``,
-        ``oracle_mass``, ``rel_error``, ``oracle_rel_error``, ``entries``
-        and ``budget``.
+        dict with ``recall`` (:func:`attention_recall`), ``mass``,
+        ``oracle_mass`` (of the top ``budget``), ``rel_error``,
+        ``oracle_rel_error``, ``entries`` (distinct) and ``budget``.
     """
     q = _f32(q)[:, None, :]
     k_ctx, v_ctx = _f32(k_ctx), _f32(v_ctx)
@@ -96,13 +123,12 @@ def evaluate_query(q, k_ctx, v_ctx, positions, *, k_ret=None, v_ret=None,
     sparse = _attend(attention_logits(q, kr, scaling), vr, g)
     oracle = _attend(logits[:, :, top], v_ctx[:, top], g)
     nrm = float(np.linalg.norm(full))
-    m_ret = float(mass[pos].sum())
-    m_orc = float(mass[top].sum())
-    return {"recall": m_ret / m_orc if m_orc else 0.0, "mass": m_ret,
-            "oracle_mass": m_orc,
+    recall, m_ret, _ = attention_recall(mass, pos, budget)
+    return {"recall": recall, "mass": m_ret,
+            "oracle_mass": float(mass[top].sum(dtype=np.float64)),
             "rel_error": float(np.linalg.norm(sparse - full)) / nrm,
             "oracle_rel_error": float(np.linalg.norm(oracle - full)) / nrm,
-            "entries": int(pos.shape[0]), "budget": budget}
+            "entries": int(np.unique(pos).shape[0]), "budget": budget}
 
 
 def summarize(rows: list[dict]) -> dict:

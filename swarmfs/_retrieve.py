@@ -19,8 +19,9 @@ import time
 import numpy as np
 
 from . import _errors as E
-from ._engine import gemv_half
-from ._selectors import MedoidSelector
+from ._selectors import (MedoidSelector, group_queries, score_medoids,  # noqa: F401
+                         select_clusters, single_threaded_blas, window_size)
+from ._selectors import _select
 from ._store import Store, to_torch
 
 __all__ = ["Retriever", "Retrieval", "RetrievalStats", "group_queries", "select_clusters",
@@ -94,94 +95,6 @@ class Retrieval:
     rows: np.ndarray = None
 
 
-_BLAS = None
-
-
-def single_threaded_blas():
-    """Context in which numpy's BLAS runs on one thread.
-
-    The medoid GEMV is memory-bound; on a few shared cores a multi-threaded
-    BLAS spends more time synchronising its threads than computing (measured
-    here: 8 ms instead of 0.2 ms for a 16 MB index when another process is
-    busy).  ``threadpoolctl`` switches the pool for the call only (~6 µs).
-    """
-    global _BLAS
-    if _BLAS is None:
-        from threadpoolctl import ThreadpoolController
-        _BLAS = ThreadpoolController()
-    return _BLAS.limit(limits=1, user_api="blas")
-
-
-def score_medoids(medoids: np.ndarray, qg: np.ndarray) -> np.ndarray:
-    """Medoid scores: float32 [B, C] = qg [B, H_kv*d] @ medoids [C, H_kv*d].T.
-
-    fp16/bf16 medoids are scored by the C kernel ``gemv_half`` (fp32
-    accumulation), fp32 ones by single-threaded BLAS.
-    """
-    if medoids.dtype == np.float32:
-        with single_threaded_blas():
-            return qg @ medoids.T
-    return gemv_half(medoids, qg, bf16=medoids.dtype.name == "bfloat16")
-
-
-def group_queries(q, num_kv_heads: int) -> np.ndarray:
-    """Sum the query heads of each GQA group: [B, H_q, d] -> float32 [B, H_kv*d].
-
-    Query head h uses KV head h // (H_q / H_kv).  Because
-    sum_h q_h . k = (sum_h q_h) . k, scoring the summed query against a key
-    of KV head g equals summing the per-head scores of g's query heads (§6.1,
-    applied to the medoid index of §5.2).  ``q`` may be [H_q, d] (one query),
-    numpy or torch.
-
-    Raises:
-        ValueError: H_q is not a multiple of num_kv_heads.
-    """
-    if hasattr(q, "detach"):
-        q = q.detach().float().cpu().numpy()
-    q = np.asarray(q, dtype=np.float32)
-    if q.ndim == 2:
-        q = q[None]
-    H = int(num_kv_heads)
-    if q.ndim != 3 or q.shape[1] % H:
-        raise ValueError(f"query shape {q.shape} is not [B, H_q, d] with H_q a multiple "
-                         f"of {H}")
-    B, Hq, d = q.shape
-    return q.reshape(B, H, Hq // H, d).sum(axis=2).reshape(B, H * d)
-
-
-def select_clusters(scores: np.ndarray, sizes: np.ndarray, budget: int) -> np.ndarray:
-    """Clusters in descending score order until their sizes reach ``budget``.
-
-    SWARM §5.2: clusters are taken by medoid score until the entry budget is
-    met (the last cluster may overshoot it).  Only the top of the order is
-    sorted (argpartition), so the cost is O(C) plus a small sort.
-
-    Args:
-        scores: float [C] medoid scores of one query.
-        sizes: int [C] cluster sizes (entries).
-        budget: entries wanted.
-
-    Returns:
-        int64 [c] cluster ids, best first.
-    """
-    C = scores.shape[0]
-    if budget <= 0 or C == 0:
-        return np.empty(0, dtype=np.int64)
-    mean = max(float(sizes.mean()), 1.0)
-    k = min(C, int(budget / mean * 2) + 8)
-    while True:
-        if k < C:
-            top = np.argpartition(-scores, k - 1)[:k]
-            top = top[np.argsort(-scores[top], kind="stable")]
-        else:
-            top = np.argsort(-scores, kind="stable")
-        cum = np.cumsum(sizes[top])
-        n = int(np.searchsorted(cum, budget)) + 1
-        if n <= top.shape[0] or k >= C:
-            return top[:min(n, top.shape[0])].astype(np.int64)
-        k = min(C, 2 * k)
-
-
 class _LayerState:
     """DRAM partition of one layer (SWARM §5.2): the local window and the hot
     clusters, as a pool of entry rows with a slot per resident token.
@@ -190,6 +103,13 @@ class _LayerState:
     cluster that contains it (``refs`` counts the holders), so clusters can be
     admitted and evicted one by one (§6.2 cache replacement) without copying
     the rest of the pool.
+
+    Concurrency: every read and change of the residency (``refs``, ``slot``,
+    ``rows``, ``free``, ``hot``) happens under ``lock``.  A retrieval decides
+    which of its entries are resident and copies their rows out in one
+    critical section (:meth:`take_resident`), so an eviction that runs while
+    the retrieval reads the disks can neither free nor reuse a row the
+    retrieval still needs.
     """
 
     def __init__(self, store: Store, layer: int, local_window: int, hot, selector):
@@ -198,6 +118,7 @@ class _LayerState:
         S = li.num_tokens
         self.sizes = li.sizes
         self.entry_bytes = store.entry_bytes
+        self.lock = threading.RLock()
         self.hot = np.zeros(li.num_clusters, dtype=bool)
         W = min(int(local_window), S)
         self.window = np.arange(S - W, S, dtype=np.int64)
@@ -207,6 +128,9 @@ class _LayerState:
         self.free = np.empty(0, dtype=np.int64)
         self.selector_bytes = int(selector.dram_bytes(layer))
         want_hot = np.asarray(li.hot if hot is None else hot, dtype=bool)
+        if want_hot.shape != (li.num_clusters,):
+            raise E.InvalidArgumentError(f"hot-cluster mask of shape {want_hot.shape} for "
+                                         f"{li.num_clusters} clusters", layer=layer)
         hot_ids = np.flatnonzero(want_hot)
         toks = np.union1d(self.window, li.members[li.cluster_copies(hot_ids)])
         rows = store.read_entries(layer, toks).reshape(toks.shape[0], -1).view(np.uint8) \
@@ -216,13 +140,32 @@ class _LayerState:
 
     @property
     def resident(self) -> np.ndarray:
-        """bool [S]: tokens whose entries are in DRAM."""
-        return self.refs > 0
+        """bool [S]: tokens whose entries are in DRAM (a copy, taken under the lock)."""
+        with self.lock:
+            return self.refs > 0
 
     @property
     def dram_bytes(self) -> int:
         """Bytes in DRAM: resident entries plus the selector's index."""
-        return int((self.refs > 0).sum()) * self.entry_bytes + self.selector_bytes
+        with self.lock:
+            return int((self.refs > 0).sum()) * self.entry_bytes + self.selector_bytes
+
+    def take_resident(self, toks: np.ndarray, window: np.ndarray):
+        """Split ``toks`` into resident and not, and copy the resident rows,
+        atomically with respect to admission and eviction.
+
+        Returns:
+            (ssd mask bool [len(toks)], dram positions int64 ascending and
+            unique (window included), their rows uint8 [n, entry_bytes]).
+        """
+        with self.lock:
+            ssd = self.refs[toks] <= 0
+            dram = np.union1d(window, toks[~ssd])
+            slots = self.slot[dram]
+            if slots.size and slots.min() < 0:
+                raise E.InternalError("a resident token has no DRAM slot",
+                                      layer=self.li.layer)
+            return ssd, dram, self.rows[slots]
 
     def hold(self, toks: np.ndarray, src_toks: np.ndarray, src_rows: np.ndarray) -> None:
         """Take a reference on tokens; rows of newly resident ones are copied
@@ -230,46 +173,59 @@ class _LayerState:
         toks = np.asarray(toks, dtype=np.int64)
         if toks.size == 0:
             return
-        new = np.unique(toks[self.refs[toks] == 0])
-        np.add.at(self.refs, toks, 1)
-        if new.size:
-            need = new.shape[0] - self.free.shape[0]
-            if need > 0:
-                base = self.rows.shape[0]
-                grow = max(need, base // 2, 64)
-                self.rows = np.concatenate([self.rows,
-                                            np.empty((grow, self.entry_bytes), np.uint8)])
-                self.free = np.concatenate([self.free, np.arange(base, base + grow)])
-            slots, self.free = self.free[:new.shape[0]], self.free[new.shape[0]:]
-            self.slot[new] = slots
-            self.rows[slots] = src_rows[np.searchsorted(src_toks, new)]
+        with self.lock:
+            new = np.unique(toks[self.refs[toks] == 0])
+            if new.size:
+                at = np.minimum(np.searchsorted(src_toks, new), max(src_toks.shape[0] - 1, 0))
+                if src_toks.shape[0] == 0 or np.any(src_toks[at] != new):
+                    raise E.InternalError("rows of a newly resident token are missing",
+                                          layer=self.li.layer)
+            np.add.at(self.refs, toks, 1)
+            if new.size:
+                need = new.shape[0] - self.free.shape[0]
+                if need > 0:
+                    base = self.rows.shape[0]
+                    grow = max(need, base // 2, 64)
+                    self.rows = np.concatenate([self.rows,
+                                                np.empty((grow, self.entry_bytes), np.uint8)])
+                    self.free = np.concatenate([self.free, np.arange(base, base + grow)])
+                slots, self.free = self.free[:new.shape[0]], self.free[new.shape[0]:]
+                self.slot[new] = slots
+                self.rows[slots] = src_rows[at]
 
     def release(self, toks: np.ndarray) -> None:
         """Drop a reference on tokens; slots of tokens no longer held are freed."""
         toks = np.asarray(toks, dtype=np.int64)
         if toks.size == 0:
             return
-        np.add.at(self.refs, toks, -1)
-        gone = np.unique(toks[self.refs[toks] == 0])
-        if gone.size:
-            self.free = np.concatenate([self.free, self.slot[gone]])
-            self.slot[gone] = -1
+        with self.lock:
+            np.add.at(self.refs, toks, -1)
+            if self.refs[toks].min() < 0:
+                raise E.InternalError("a DRAM reference count went negative",
+                                      layer=self.li.layer)
+            gone = np.unique(toks[self.refs[toks] == 0])
+            if gone.size:
+                self.free = np.concatenate([self.free, self.slot[gone]])
+                self.slot[gone] = -1
 
     def admit(self, clusters, src_toks, src_rows) -> None:
         """Make clusters hot; their rows come from (src_toks, src_rows)."""
         clusters = np.asarray(clusters, dtype=np.int64)
-        clusters = clusters[~self.hot[clusters]]
-        if clusters.size:
-            self.hot[clusters] = True
-            self.hold(self.li.members[self.li.cluster_copies(clusters)], src_toks, src_rows)
+        with self.lock:
+            clusters = clusters[~self.hot[clusters]]
+            if clusters.size:
+                self.hold(self.li.members[self.li.cluster_copies(clusters)], src_toks,
+                          src_rows)
+                self.hot[clusters] = True
 
     def evict(self, clusters) -> None:
         """Make clusters cold again."""
         clusters = np.asarray(clusters, dtype=np.int64)
-        clusters = clusters[self.hot[clusters]]
-        if clusters.size:
-            self.hot[clusters] = False
-            self.release(self.li.members[self.li.cluster_copies(clusters)])
+        with self.lock:
+            clusters = clusters[self.hot[clusters]]
+            if clusters.size:
+                self.hot[clusters] = False
+                self.release(self.li.members[self.li.cluster_copies(clusters)])
 
 
 class Retriever:
@@ -292,8 +248,25 @@ class Retriever:
         score: the medoid score when ``selector`` is None: ``"prob"``
             (per-head softmax over the medoids, summed) or ``"logit"``.
 
+    Concurrency:
+        Any number of threads may call :meth:`retrieve`, :meth:`prefetch`,
+        :meth:`score`, :meth:`select`, :meth:`window`, :meth:`budget`,
+        :meth:`layer_state` and :meth:`dram_bytes` at the same time, also
+        while a :class:`~swarmfs.DecodeSession` steps a layer (admitting and
+        evicting hot clusters, appending to the store) and while
+        :meth:`refresh` runs.  Each retrieval works on the layer state it
+        started with: residency is decided and the DRAM rows are copied in one
+        critical section under the layer's lock, so every returned row is the
+        stored entry.  A retrieval that started before an append or a
+        :meth:`refresh` returns the layer as it was (the store appends
+        copy-on-write and never overwrites committed extents).
+        :meth:`close` may run while prefetches are queued (they finish
+        first).  Relies on :class:`Store` reads (``read_entries``,
+        ``plan_copies``, ``execute``, ``layer``) being safe from many threads.
+
     Raises:
         LayoutError: sparsity outside (0, 1].
+        ConfigError: unknown policy.
     """
 
     def __init__(self, store: Store, *, sparsity: float = 0.1,
@@ -312,10 +285,11 @@ class Retriever:
         self.sparsity = float(sparsity)
         self.local_window = local_window
         self.policy, self.dedup, self.max_gap = policy, dedup, max_gap
-        self._hot = hot or {}
+        self._hot = dict(hot or {})
         self.selector = selector if selector is not None else MedoidSelector(store, score)
         self._layers: dict[int, _LayerState] = {}
         self._lock = threading.Lock()
+        self._step_locks: dict[int, threading.Lock] = {}
         self._pool = None
         self.group = store.model.get("num_query_heads", store.num_kv_heads) // store.num_kv_heads
 
@@ -323,40 +297,43 @@ class Retriever:
         """Start :meth:`retrieve` in a background thread (SWARM §7's pipelined
         prefetch: score and fetch layer L+1 with the query predicted from layer
         L while layer L computes).  The engine releases the GIL while it waits
-        on the disks, so the caller's work overlaps the I/O.
+        on the disks, so the caller's work overlaps the I/O.  Safe beside
+        :class:`~swarmfs.DecodeSession` steps (see the class's concurrency
+        contract).
 
         Returns:
             a ``concurrent.futures.Future`` whose ``result()`` is the
             :class:`Retrieval` (or raises what ``retrieve`` raised).
         """
-        if self._pool is None:
-            with self._lock:
-                if self._pool is None:
-                    import concurrent.futures
-                    self._pool = concurrent.futures.ThreadPoolExecutor(
-                        max_workers=1, thread_name_prefix="swarmfs-prefetch")
-        return self._pool.submit(self.retrieve, layer, q, **kw)
+        with self._lock:
+            if self._pool is None:
+                import concurrent.futures
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="swarmfs-prefetch")
+            return self._pool.submit(self.retrieve, layer, q, **kw)
 
     def close(self) -> None:
-        """Stop the prefetch thread (the store stays open)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Stop the prefetch thread after the queued prefetches (the store
+        stays open; a later :meth:`prefetch` starts a new thread)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def refresh(self, layer: int, *, hot=None) -> None:
         """Forget a layer's DRAM state (after the layer changed on disk, e.g.
         :meth:`Store.append`); it is rebuilt on next use with ``hot`` as the
-        hot-cluster mask (default the store's)."""
+        hot-cluster mask (default the store's).  Retrievals already running
+        finish on the state they started with."""
         with self._lock:
             self._layers.pop(layer, None)
             if hot is not None:
                 self._hot[layer] = np.asarray(hot, dtype=bool)
             elif layer in self._hot:
                 del self._hot[layer]
-        for cache in ("_m", "_mt"):
-            sel = getattr(self.selector, cache, None)
-            if isinstance(sel, dict):
-                sel.pop(layer, None)
+        inv = getattr(self.selector, "invalidate", None)
+        if inv is not None:
+            inv(layer)
 
     def layer_state(self, layer: int) -> _LayerState:
         """The DRAM partition of a layer (loaded on first use: one batched read
@@ -374,11 +351,22 @@ class Retriever:
                     self._layers[layer] = st
         return st
 
+    def step_lock(self, layer: int) -> threading.Lock:
+        """The lock a :class:`~swarmfs.DecodeSession` holds while it steps
+        ``layer`` (one stepping session per layer at a time)."""
+        with self._lock:
+            lk = self._step_locks.get(layer)
+            if lk is None:
+                lk = self._step_locks[layer] = threading.Lock()
+            return lk
+
     def dram_bytes(self) -> int:
         """Bytes held in DRAM by the loaded layers (medoids, window, hot clusters)."""
-        return sum(st.dram_bytes for st in self._layers.values())
+        with self._lock:
+            states = list(self._layers.values())
+        return sum(st.dram_bytes for st in states)
 
-    # -- the three steps ----------------------------------------------------
+    # -- the stages ----------------------------------------------------------
     def score(self, layer: int, q) -> np.ndarray:
         """Selector scores of one or more queries: float32 [B, C] (medoid
         scores for SWARM; [B, S] for a token selector).
@@ -388,13 +376,22 @@ class Retriever:
         per-head scores q_h . k_m over the heads that share a KV head.
         """
         self.layer_state(layer)
-        return self.selector.scores(layer, self._queries(q))
+        return self.selector.scores(layer, self.queries(q))
 
-    def _queries(self, q) -> np.ndarray:
-        """float32 [B, H_q, d] from [H_q, d] or [B, H_q, d] (numpy or torch)."""
+    def queries(self, q) -> np.ndarray:
+        """float32 [B, H_q, d] from [H_q, d] or [B, H_q, d] (numpy or torch,
+        any float dtype incl. bfloat16).
+
+        Raises:
+            ShapeError: not a query of this store's shape, or not finite.
+        """
         if hasattr(q, "detach"):
             q = q.detach().float().cpu().numpy()
-        q = np.asarray(q, dtype=np.float32)
+        try:
+            q = np.asarray(q, dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            raise E.ShapeError(f"query is not a float array: {exc}",
+                               store=self.store.path) from None
         if q.ndim == 2:
             q = q[None]
         H, d = self.store.num_kv_heads, self.store.head_dim
@@ -406,45 +403,44 @@ class Retriever:
             raise E.ShapeError("query holds NaN or inf", store=self.store.path)
         return np.ascontiguousarray(q)
 
-    def select(self, layer: int, scores: np.ndarray, budget: int) -> np.ndarray:
-        """Cluster choice for one query's scores (see :func:`select_clusters`)."""
-        return select_clusters(scores, self.layer_state(layer).sizes, budget)
+    _queries = queries
 
-    @staticmethod
-    def _select_unique(st, scores, want, window):
-        """Clusters in score order until they add ``want`` distinct entries
-        outside the window (replicas and window overlap do not count twice)."""
-        li = st.li
-        lo = window[0] if window.size else li.num_tokens
-        extra = 0
-        for _ in range(8):
-            sel = select_clusters(scores, st.sizes, want + extra)
-            toks = li.members[li.cluster_copies(sel)]
-            got = np.unique(toks[toks < lo]).shape[0]
-            if got >= want or sel.shape[0] == li.num_clusters:
-                break
-            extra += want - got
-        return sel
-
-    # -- one decode step ------------------------------------------------------
     def window(self, layer: int, budget: int | None = None) -> np.ndarray:
         """Token positions of the local window a query uses: the last
-        min(W, budget // 4) tokens (int64, ascending).  W is the layer's
-        local window (256 by default, §5.2); the quarter-budget cap only acts
-        on short contexts, where a 256-token window would otherwise take the
-        whole budget and no cluster would be read."""
+        :func:`~swarmfs._selectors.window_size` (min(W, S, budget // 4))
+        tokens, int64 ascending."""
         st = self.layer_state(layer)
         b = self.budget(layer) if budget is None else int(budget)
-        w = min(st.window.shape[0], b // 4)
+        w = window_size(st.window.shape[0], b, st.li.num_tokens)
         return st.window[st.window.shape[0] - w:]
 
     def budget(self, layer: int) -> int:
         """Entry budget ceil(r x S) of a layer (local window included)."""
         return int(math.ceil(self.sparsity * self.layer_state(layer).li.num_tokens))
 
+    def select(self, layer: int, scores: np.ndarray, budget: int | None = None) -> np.ndarray:
+        """The clusters :meth:`retrieve` reads for scores [B, C] (or [C]): per
+        query, :func:`~swarmfs._selectors.select_clusters` with the layer's
+        window, united over the batch.  int64 [c], best first for one query."""
+        st = self.layer_state(layer)
+        b = self.budget(layer) if budget is None else int(budget)
+        return self._select(st, np.atleast_2d(scores), b, self.window(layer, b).shape[0])
+
+    @staticmethod
+    def _select(st, scores: np.ndarray, budget: int, w: int) -> np.ndarray:
+        li = st.li
+        sel = [_select(s, li.members_ptr, li.members, li.num_tokens, budget, w).clusters
+               for s in scores]
+        return np.unique(np.concatenate(sel)) if len(sel) > 1 else sel[0]
+
+    # -- one decode step ------------------------------------------------------
     def retrieve(self, layer: int, q, *, torch: bool = True, pinned: bool = False,
                  budget: int | None = None) -> Retrieval:
         """Fetch the KV entries a query (or a batch of queries) needs.
+
+        Stages: score, select (:func:`~swarmfs._selectors.select_clusters`),
+        split DRAM / SSD (under the layer lock), plan (eq. 8, §6.1), read
+        (one batched submission), assemble.
 
         Args:
             layer: layer number.
@@ -458,56 +454,38 @@ class Retriever:
             A :class:`Retrieval` with K and V [H_kv, n, head_dim].
 
         Raises:
-            ShapeError: bad query shape.  ChecksumError / IOFailedError when
-            the read fails: a retrieval that cannot be served is never
-            returned with garbage.
+            ShapeError: bad query shape.  LayoutError: budget outside [1, S].
+            ChecksumError / IOFailedError when the read fails: a retrieval
+            that cannot be served is never returned with garbage.
         """
         t0 = time.perf_counter()
         st = self.layer_state(layer)
         li = st.li
         S = li.num_tokens
-        total_budget = self.budget(layer) if budget is None else int(budget)
+        total_budget = self.budget(layer) if budget is None else \
+            E.as_index(budget, "entry budget", store=self.store.path, layer=layer)
         if not 0 < total_budget <= S:
             raise E.LayoutError(f"entry budget {total_budget} outside [1, {S}]",
                                 store=self.store.path, layer=layer)
-        scores = self.score(layer, q)
+        scores = self.selector.scores(layer, self.queries(q))
         t1 = time.perf_counter()
-        window = self.window(layer, total_budget)
-        want = total_budget - window.shape[0]
+        window = st.window[st.window.shape[0] -
+                           window_size(st.window.shape[0], total_budget, S):]
         if self.selector.kind == "tokens":
-            # exact top-k over all keys (outside the window); any copy may serve
-            sc = scores.copy()
-            sc[:, window] = -np.inf
-            top = np.argpartition(-sc, want - 1, axis=1)[:, :want] if want > 0 else \
-                np.empty((sc.shape[0], 0), np.int64)
-            clusters = np.empty(0, dtype=np.int64)
-            t2 = time.perf_counter()
-            copies = li.token_copies(np.unique(top))
+            copies, clusters = self._select_tokens(li, scores, window, total_budget)
         else:
-            sel = [self._select_unique(st, s, want, window) for s in scores]
-            clusters = np.unique(np.concatenate(sel)) if len(sel) > 1 else sel[0]
-            t2 = time.perf_counter()
+            clusters = self._select(st, scores, total_budget, window.shape[0])
             copies = li.cluster_copies(clusters)
+        t2 = time.perf_counter()
         toks = li.members[copies]
-        ssd = ~st.resident[toks]
+        ssd, dram_toks, dram_rows = st.take_resident(toks, window)
         cand = copies[ssd]
         plan = self.store.plan_copies(li, cand, policy=self.policy, dedup=self.dedup,
                                       max_gap=self.max_gap)
-        dram_toks = np.union1d(window, toks[~ssd])
         t3 = time.perf_counter()
         rows_ssd = self.store.execute(li, plan, cand)
         t4 = time.perf_counter()
-        pos = np.concatenate([dram_toks, plan.tokens])
-        rows = np.concatenate([st.rows[st.slot[dram_toks]], rows_ssd]) if dram_toks.size \
-            else rows_ssd
-        order = np.argsort(pos, kind="stable")
-        pos = pos[order]
-        rows = rows[order]
-        if pinned:
-            buf = self.store.engine.alloc(rows.nbytes, pinned=True, register=False)
-            arr = buf.array[:rows.nbytes].reshape(rows.shape)
-            arr[...] = rows
-            rows = arr
+        pos, rows = self._assemble(dram_toks, dram_rows, plan.tokens, rows_ssd, pinned)
         n = pos.shape[0]
         kv = rows.view(self.store.np_dtype).reshape(n, 2, self.store.num_kv_heads,
                                                     self.store.head_dim)
@@ -517,20 +495,53 @@ class Retriever:
             k = to_torch(np.ascontiguousarray(k), self.store.dtype)
             v = to_torch(np.ascontiguousarray(v), self.store.dtype)
         t5 = time.perf_counter()
+        hot_sel = 0
+        if clusters.size:
+            with st.lock:
+                hot_sel = int(st.hot[clusters].sum())
+        stats = self._stats(plan, t0, t1, t2, t3, t4, t5, budget=total_budget,
+                            clusters=int(clusters.shape[0]), hot=hot_sel, n=n,
+                            dram=int(dram_toks.shape[0]),
+                            dups=int(cand.shape[0] - plan.num_entries) if self.dedup else 0)
+        return Retrieval(k=k, v=v, positions=pos, clusters=clusters, stats=stats, rows=rows)
+
+    @staticmethod
+    def _select_tokens(li, scores, window, budget):
+        """Token selector: exact top-k over all keys outside the window; any
+        copy may serve."""
+        want = budget - window.shape[0]
+        sc = scores.copy()
+        sc[:, window] = -np.inf
+        top = np.argpartition(-sc, want - 1, axis=1)[:, :want] if want > 0 else \
+            np.empty((sc.shape[0], 0), np.int64)
+        return li.token_copies(np.unique(top)), np.empty(0, dtype=np.int64)
+
+    def _assemble(self, dram_toks, dram_rows, ssd_toks, ssd_rows, pinned):
+        """Rows of DRAM and SSD entries in ascending position order."""
+        pos = np.concatenate([dram_toks, ssd_toks])
+        order = np.argsort(pos, kind="stable")
+        pos = pos[order]
+        rows = np.concatenate([dram_rows, ssd_rows])[order] if dram_toks.size else ssd_rows
+        if pinned:
+            buf = self.store.engine.alloc(rows.nbytes, pinned=True, register=False)
+            arr = buf.array[:rows.nbytes].reshape(rows.shape)
+            arr[...] = rows
+            rows = arr
+        return pos, rows
+
+    def _stats(self, plan, t0, t1, t2, t3, t4, t5, *, budget, clusters, hot, n, dram,
+               dups) -> RetrievalStats:
         io_s = t4 - t3
         N = self.store.num_disks
-        stats = RetrievalStats(
+        return RetrievalStats(
             score_us=(t1 - t0) * 1e6, select_us=(t2 - t1) * 1e6, plan_us=(t3 - t2) * 1e6,
             io_us=io_s * 1e6, assemble_us=(t5 - t4) * 1e6, total_us=(t5 - t0) * 1e6,
-            budget=total_budget, clusters_selected=int(clusters.shape[0]),
-            hot_clusters_selected=int(st.hot[clusters].sum()) if clusters.size else 0,
-            entries=n, entries_dram=int(dram_toks.shape[0]),
-            entries_ssd=plan.num_entries,
-            duplicates_removed=int(cand.shape[0] - plan.num_entries) if self.dedup else 0,
+            budget=budget, clusters_selected=clusters, hot_clusters_selected=hot,
+            entries=n, entries_dram=dram, entries_ssd=plan.num_entries,
+            duplicates_removed=dups,
             bytes_read=plan.staging_bytes, requests=plan.num_requests,
             disk_bytes=tuple(int(x) for x in plan.disk_bytes),
             disk_requests=tuple(int(x) for x in np.bincount(plan.disk, minlength=N)),
             max_mean_load=plan.max_mean_load,
             effective_gbps=(plan.num_entries * self.store.entry_bytes / io_s / 1e9)
             if io_s > 0 and plan.num_entries else 0.0)
-        return Retrieval(k=k, v=v, positions=pos, clusters=clusters, stats=stats, rows=rows)

@@ -1,7 +1,8 @@
-"""What a query selects: the DRAM index that scores clusters (or tokens).
+"""What a query selects: scoring the DRAM index, and choosing clusters.
 
 SWARM scores a query against the medoid key of every cluster (§5.2, the index
-in DRAM).  The baselines of §8 differ only in this step, so the
+in DRAM), then takes clusters in score order until the entry budget is met.
+The baselines of §8 differ only in the scoring, so the
 :class:`~swarmfs.Retriever` takes any selector:
 
 * :class:`MedoidSelector` -- SWARM: the medoid keys stored with the clusters.
@@ -17,20 +18,223 @@ in DRAM).  The baselines of §8 differ only in this step, so the
 All take the queries ``q`` float32 [B, H_q, d] and return float32 scores
 [B, C] (tokens: [B, S]).  Selectors that score by a dot product sum the query
 heads of each GQA group first (``group_queries``), which is equivalent; they
-also accept such an already summed ``qg`` [B, H_kv*d].
+also accept such an already summed ``qg`` [B, H_kv*d].  A selector that caches
+per-layer state drops it in ``invalidate(layer)``.
+
+The choice itself is one pure function, :func:`select_clusters`, with one
+local-window rule (:func:`window_size`); the Retriever, the layout quality
+evaluation (``layout._quality``) and the demo all use these two.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from ._errors import InvalidArgumentError
+
 __all__ = ["MedoidSelector", "VectorSelector", "MultiVectorSelector", "BoundSelector",
-           "TokenSelector"]
+           "TokenSelector", "Selection", "select_clusters", "window_size", "group_queries",
+           "score_medoids"]
+
+_BLAS = None
+
+
+def single_threaded_blas():
+    """Context in which numpy's BLAS runs on one thread.
+
+    The medoid GEMV is memory-bound; on a few shared cores a multi-threaded
+    BLAS spends more time synchronising its threads than computing (measured
+    here: 8 ms instead of 0.2 ms for a 16 MB index when another process is
+    busy).  ``threadpoolctl`` switches the pool for the call only (~6 µs).
+    """
+    global _BLAS
+    if _BLAS is None:
+        from threadpoolctl import ThreadpoolController
+        _BLAS = ThreadpoolController()
+    return _BLAS.limit(limits=1, user_api="blas")
+
+
+def score_medoids(medoids: np.ndarray, qg: np.ndarray) -> np.ndarray:
+    """Medoid scores: float32 [B, C] = qg [B, H_kv*d] @ medoids [C, H_kv*d].T.
+
+    fp16/bf16 medoids are scored by the C kernel ``gemv_half`` (fp32
+    accumulation), fp32 ones by single-threaded BLAS.
+
+    Raises:
+        InvalidArgumentError: the shapes do not match.
+    """
+    qg = np.asarray(qg, dtype=np.float32)
+    if medoids.ndim != 2 or qg.ndim != 2 or qg.shape[1] != medoids.shape[1]:
+        raise InvalidArgumentError(f"queries {qg.shape} do not match the rows "
+                                   f"{medoids.shape}")
+    if medoids.dtype == np.float32:
+        with single_threaded_blas():
+            return qg @ medoids.T
+    from ._kernels import gemv_half
+    return gemv_half(medoids, qg, bf16=medoids.dtype.name == "bfloat16")
+
+
+def group_queries(q, num_kv_heads: int) -> np.ndarray:
+    """Sum the query heads of each GQA group: [B, H_q, d] -> float32 [B, H_kv*d].
+
+    Query head h uses KV head h // (H_q / H_kv).  Because
+    sum_h q_h . k = (sum_h q_h) . k, scoring the summed query against a key
+    of KV head g equals summing the per-head scores of g's query heads (§6.1,
+    applied to the medoid index of §5.2).  ``q`` may be [H_q, d] (one query),
+    numpy or torch.
+
+    Raises:
+        InvalidArgumentError: H_q is not a multiple of num_kv_heads.
+    """
+    if hasattr(q, "detach"):
+        q = q.detach().float().cpu().numpy()
+    try:
+        q = np.asarray(q, dtype=np.float32)
+        H = int(num_kv_heads)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"group_queries: {exc}") from None
+    if q.ndim == 2:
+        q = q[None]
+    if H <= 0 or q.ndim != 3 or q.shape[1] % H:
+        raise InvalidArgumentError(f"query shape {q.shape} is not [B, H_q, d] with H_q a "
+                                   f"multiple of {H}")
+    B, Hq, d = q.shape
+    return q.reshape(B, H, Hq // H, d).sum(axis=2).reshape(B, H * d)
+
+
+# -- the one selection rule ------------------------------------------------------
+
+def window_size(local_window: int, budget: int, num_tokens: int) -> int:
+    """Tokens of the local window a query uses: min(W, S, budget // 4).
+
+    W is the layer's local window (§5.2, 256 by default); the quarter-budget
+    cap only acts on short contexts, where a 256-token window would otherwise
+    take the whole budget and no cluster would be read.  The one window rule
+    of the Retriever, the demo's layout and the quality evaluation.
+    """
+    return int(max(0, min(int(local_window), int(num_tokens), int(budget) // 4)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What one query selects (:func:`select_clusters`).
+
+    Attributes:
+        clusters: int64 [c] chosen cluster ids, best score first.
+        entries: distinct entries of the window and the chosen clusters
+            (replicas and window overlap counted once).
+        window: tokens of the local window (the last ``window`` positions).
+    """
+    clusters: np.ndarray
+    entries: int
+    window: int
+
+
+def _rank(scores: np.ndarray, k: int) -> np.ndarray:
+    """The first k cluster ids in (score descending, id ascending) order; NaN
+    ranks last.  Partial: O(C) plus a sort of the k best (and their ties)."""
+    C = scores.shape[0]
+    if k >= C:
+        return np.lexsort((np.arange(C), -scores))
+    top = np.argpartition(-scores, k - 1)[:k]
+    cand = np.flatnonzero(scores >= scores[top].min())      # every tie of the k-th
+    return cand[np.lexsort((cand, -scores[cand]))][:k]
+
+
+def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: int,
+                    window: int = 0) -> Selection:
+    """Clusters in score order until the selection holds ``budget`` distinct entries.
+
+    SWARM §5.2 and eq. 8: the selection is the union of the local window (the
+    last ``window`` tokens, always in DRAM) and the chosen clusters' members;
+    clusters are taken in descending score (ties: lower id first) until that
+    union holds at least ``budget`` distinct entries, so the last cluster is the
+    only one that may overshoot, and replicas or window entries are never
+    counted twice.  With ``budget >= num_tokens`` and a clustering that covers
+    every token the result is the whole context.  A pure function.
+
+    Args:
+        scores: float [C] one query's cluster scores (NaN ranks last).
+        members_ptr: int [C+1] CSR pointers of the clusters' members.
+        members: int [M] token positions in [0, num_tokens).
+        num_tokens: S, tokens of the context.
+        budget: entries wanted (window included); capped at S.
+        window: tokens of the local window (see :func:`window_size`).
+
+    Returns:
+        A :class:`Selection`.
+
+    Raises:
+        InvalidArgumentError: shapes or values that do not fit together.
+    """
+    scores = np.asarray(scores)
+    ptr = np.asarray(members_ptr)
+    members = np.asarray(members)
+    if scores.ndim != 1 or ptr.ndim != 1 or ptr.shape[0] != scores.shape[0] + 1 or \
+            members.ndim != 1 or scores.dtype.kind not in "fiu" or \
+            ptr.dtype.kind not in "iu" or members.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"select_clusters: scores {scores.shape} {scores.dtype}, "
+                                   f"pointers {ptr.shape} and members {members.shape} do not "
+                                   "fit together")
+    S, budget, w = int(num_tokens), int(budget), int(window)
+    if S < 0 or w < 0 or budget < 0:
+        raise InvalidArgumentError(f"select_clusters: num_tokens {S}, budget {budget} and "
+                                   f"window {w} must be >= 0")
+    w = min(w, S)
+    budget = min(budget, S)
+    C = scores.shape[0]
+    if ptr.shape[0] and (ptr[0] != 0 or ptr[-1] != members.shape[0]):
+        raise InvalidArgumentError("select_clusters: pointers do not cover the members")
+    if members.size and (members.min() < 0 or members.max() >= S):
+        raise InvalidArgumentError(f"select_clusters: a member is outside [0, {S})")
+    return _select(scores, ptr.astype(np.int64, copy=False),
+                   members.astype(np.int64, copy=False), S, budget, w)
+
+
+def _select(scores, ptr, members, S: int, budget: int, w: int) -> Selection:
+    """:func:`select_clusters` on trusted arrays (the Retriever's own index):
+    int64 ``ptr``/``members``, 0 <= w <= S, 0 <= budget <= S."""
+    C = scores.shape[0]
+    sc = np.where(np.isnan(scores), -np.inf, scores.astype(np.float64, copy=False)) \
+        if scores.dtype.kind == "f" else scores.astype(np.float64)
+    sizes = np.diff(ptr)
+    have = w
+    empty = np.empty(0, np.int64)
+    if have >= budget or C == 0:
+        return Selection(empty, have, w)
+    seen = np.zeros(S, dtype=bool)
+    seen[S - w:] = True
+    mean = max(float(sizes.mean()), 1.0)
+    k = min(C, int((budget - have) / mean * 1.5) + 16)
+    done = 0
+    while True:
+        order = _rank(sc, k)
+        chunk = order[done:]
+        lens = sizes[chunk]
+        idx = np.repeat(ptr[chunk] - (np.cumsum(lens) - lens), lens) + \
+            np.arange(int(lens.sum()), dtype=np.int64)
+        flat = members[idx]
+        fresh = np.flatnonzero(~seen[flat])
+        new = np.zeros(flat.shape[0], dtype=np.int64)
+        if fresh.size:
+            _, first = np.unique(flat[fresh], return_index=True)
+            new[fresh[first]] = 1
+        got = np.cumsum(new)[np.cumsum(lens) - 1]            # distinct new, per cluster end
+        j = int(np.searchsorted(got, budget - have, side="left"))
+        if j < chunk.shape[0]:
+            return Selection(order[:done + j + 1].astype(np.int64), have + int(got[j]), w)
+        have += int(got[-1]) if got.size else 0
+        seen[flat] = True
+        done = k
+        if k >= C:
+            return Selection(order.astype(np.int64), have, w)
+        k = min(C, 2 * k)
 
 
 def _gemv(m: np.ndarray, q: np.ndarray) -> np.ndarray:
     """Dot-product scores with the GQA groups summed: [B, rows]."""
-    from ._retrieve import group_queries, score_medoids
     if q.ndim == 2:                          # already [B, H_kv*d]
         return score_medoids(m, np.asarray(q, np.float32))
     return score_medoids(m, group_queries(q, m.shape[-1] // q.shape[-1]))
@@ -40,8 +244,7 @@ def head_logits(m: np.ndarray, q: np.ndarray, num_kv_heads: int) -> np.ndarray:
     """Per-query-head logits q_h . k_{g(h)} of rows ``m`` [C, H_kv*d] (store
     dtype; fp32 may also come head-major as [H_kv, C, d]): float32
     [B, H_q, C]; query head h uses KV head h // (H_q / H_kv)."""
-    from ._engine import head_logits_half
-    from ._retrieve import single_threaded_blas
+    from ._kernels import head_logits_half
     B, Hq, d = q.shape
     H = int(num_kv_heads)
     if m.dtype != np.float32:       # one pass over the index, in C
@@ -76,7 +279,7 @@ class MedoidSelector:
 
     def __init__(self, store, score: str = "prob"):
         if score not in SCORES:
-            raise ValueError(f"unknown medoid score {score!r}; use one of {SCORES}")
+            raise InvalidArgumentError(f"unknown medoid score {score!r}; use one of {SCORES}")
         self.store = store
         self.score = score
         self.scale = float(store.head_dim) ** -0.5
@@ -95,7 +298,7 @@ class MedoidSelector:
         m = self._medoids(layer)
         if self.score == "logit":
             return _gemv(m, q)
-        from ._engine import softmax_sum
+        from ._kernels import softmax_sum
         if m.dtype == np.float32:        # fp32: a head-major copy, made once per layer
             mt = self._mt.get(layer)
             if mt is None:
@@ -105,6 +308,11 @@ class MedoidSelector:
             m = mt
         logits = head_logits(m, q, self.store.num_kv_heads)
         return np.stack([softmax_sum(x, self.scale) for x in logits])
+
+    def invalidate(self, layer: int) -> None:
+        """Drop the cached index of a layer (it changed on disk)."""
+        self._m.pop(layer, None)
+        self._mt.pop(layer, None)
 
     def dram_bytes(self, layer: int) -> int:
         mt = self._mt.get(layer)
@@ -159,7 +367,6 @@ class BoundSelector:
                        for k, (lo, hi) in bounds.items()}
 
     def scores(self, layer, q):
-        from ._retrieve import group_queries
         lo, hi = self.bounds[layer]
         qg = np.asarray(q, np.float32) if q.ndim == 2 else \
             group_queries(q, lo.shape[1] // q.shape[-1])

@@ -45,14 +45,17 @@ def test_budget_replicas_and_window(score):
     assert rep.budget == 5
     np.testing.assert_array_equal(rep.clusters_read, 2)
     np.testing.assert_array_equal(rep.selected, 5)
-    # the window (tokens 18, 19) counts against the budget: c0 alone is enough.
-    rep = evaluate_recall(layout, q, k, ratio=0.25, local_window=2, score=score)
-    np.testing.assert_array_equal(rep.clusters_read, 1)
-    np.testing.assert_array_equal(rep.selected, 6)
-    # a window as large as the budget needs no cluster
-    rep = evaluate_recall(layout, q, k, ratio=0.25, local_window=5, score=score)
-    np.testing.assert_array_equal(rep.clusters_read, 0)
-    np.testing.assert_array_equal(rep.selected, 5)
+    # the window counts against the budget; it is capped at a quarter of the
+    # budget (the Retriever's rule, window_size): W = 1 (token 19), c0 is enough.
+    for W in (2, 5):
+        rep = evaluate_recall(layout, q, k, ratio=0.25, local_window=W, score=score)
+        np.testing.assert_array_equal(rep.clusters_read, 1)
+        np.testing.assert_array_equal(rep.selected, 5)
+    # budget 8 allows W = 2 (tokens 18, 19): c0 gives 6, c1 one more (0 is a
+    # replica), so c2 is needed and brings the rest
+    rep = evaluate_recall(layout, q, k, ratio=0.4, local_window=2, score=score)
+    np.testing.assert_array_equal(rep.clusters_read, 3)
+    np.testing.assert_array_equal(rep.selected, 20)
     assert np.all(rep.recall <= rep.window_bound + 1e-12)
 
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from swarmfs import Retriever, Store
 from swarmfs import _errors as E
-from swarmfs._retrieve import group_queries, score_medoids, select_clusters
+from swarmfs._retrieve import group_queries, score_medoids
 from swarmfs._selectors import BoundSelector, MultiVectorSelector, TokenSelector
 
 S, H, HQ, D = 2000, 2, 8, 16
@@ -25,26 +25,6 @@ def store(tmp_path, rng):
     s.write_layer(0, kv, cl, hot=hot, local_window=64)
     yield s, kv, cl
     s.close()
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.floats(-10, 10), min_size=1, max_size=50), st.integers(1, 300),
-       st.integers(0, 2**31))
-def test_select_clusters_takes_best_first_until_budget(scores, budget, seed):
-    rng = np.random.default_rng(seed)
-    sc = np.array(scores, dtype=np.float32)
-    sizes = rng.integers(1, 20, size=sc.shape[0])
-    sel = select_clusters(sc, sizes, budget)
-    assert len(set(sel.tolist())) == len(sel)
-    assert (np.diff(sc[sel]) <= 0).all()                       # descending scores
-    if sizes.sum() >= budget:
-        assert sizes[sel].sum() >= budget                      # budget met
-        assert sizes[sel[:-1]].sum() < budget                  # ...by the last one only
-    else:
-        assert len(sel) == len(sc)
-    rest = np.setdiff1d(np.arange(len(sc)), sel)
-    if rest.size and sel.size:
-        assert sc[rest].max() <= sc[sel].min()                 # nothing better was left out
 
 
 def test_group_sum_equals_sum_of_head_scores(rng):

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from swarmfs import plan_reads
-from swarmfs._engine import softmax_sum
+from swarmfs._kernels import softmax_sum
 from swarmfs._retrieve import (group_queries, score_medoids, select_clusters,
                                single_threaded_blas)
 from swarmfs._selectors import head_logits
@@ -51,16 +51,21 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128):
     C = int(round(S / cluster_size))
     q = rng.standard_normal((1, Hq, d)).astype(np.float32)
     sizes = rng.integers(max(int(cluster_size) // 2, 1), int(cluster_size * 1.5) + 1, size=C)
+    ptr = np.zeros(C + 1, np.int64)
+    np.cumsum(sizes, out=ptr[1:])
+    members = rng.permutation(int(ptr[-1]))          # every token in one cluster
+    S_ = int(ptr[-1])
     medoids = rng.standard_normal((C, H * d)).astype(np.float16)   # the store dtype
     budget = int(np.ceil(r * S))
     scale = d ** -0.5
 
     def swarm_prob():      # the Retriever's default (MedoidSelector score="prob")
         sc = softmax_sum(head_logits(medoids, q, H)[0], scale)
-        select_clusters(sc, sizes, budget)
+        select_clusters(sc, ptr, members, num_tokens=S_, budget=budget)
 
     def swarm_logit():     # MedoidSelector score="logit": GQA-summed query, one GEMV
-        select_clusters(score_medoids(medoids, group_queries(q, H))[0], sizes, budget)
+        select_clusters(score_medoids(medoids, group_queries(q, H))[0], ptr, members,
+                        num_tokens=S_, budget=budget)
 
     t_prob = median_ms(swarm_prob, reps)
     t_logit = median_ms(swarm_logit, reps)

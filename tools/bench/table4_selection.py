@@ -61,8 +61,9 @@ def main(argv=None):
             def scan(qg=qg, keys=keys, k=budget):
                 return np.argpartition(-score_medoids(keys, qg)[0], k - 1)[:k]
 
-            def medoids(qg=qg, med=med, sizes=sizes_c, k=budget):
-                return select_clusters(score_medoids(med, qg)[0], sizes, k)
+            def medoids(qg=qg, med=med, k=budget, lay=lay, S=S):
+                return select_clusters(score_medoids(med, qg)[0], lay.ptr, lay.members,
+                                       num_tokens=S, budget=k)
 
             naive.append(_median_ms(scan, max(reps // 5, 3)))
             swarm.append(_median_ms(medoids, reps))

@@ -1,0 +1,131 @@
+"""The one selection rule (SWARM §5.2, eq. 8): clusters by score until the
+budget of distinct entries, with one local-window rule."""
+
+import numpy as np
+import pytest
+from conftest import random_clusters, random_kv, same_bits
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmfs import Retriever, Store
+from swarmfs._errors import InvalidArgumentError, SwarmError
+from swarmfs._selectors import (MedoidSelector, group_queries, score_medoids,
+                                select_clusters, window_size)
+
+
+def csr(clusters):
+    ptr = np.zeros(len(clusters) + 1, np.int64)
+    ptr[1:] = np.cumsum([len(c) for c in clusters])
+    return ptr, np.concatenate([np.asarray(c, np.int64) for c in clusters])
+
+
+def reference(scores, clusters, S, budget, w):
+    """The rule spelled out: score order (ties: lower id), a Python set."""
+    budget = min(budget, S)
+    seen = set(range(S - w, S))
+    order = sorted(range(len(scores)),
+                   key=lambda c: (-(scores[c] if not np.isnan(scores[c]) else -np.inf), c))
+    chosen = []
+    for c in order:
+        if len(seen) >= budget:
+            break
+        chosen.append(c)
+        seen |= set(np.asarray(clusters[c]).tolist())
+    return chosen, len(seen)
+
+
+def test_issue_example_whole_context_at_r_1():
+    # 64 tokens in clusters [48..63], [2..47], [0], [1]; r = 1 returns all 64
+    clusters = [np.arange(48, 64), np.arange(2, 48), [0], [1]]
+    ptr, members = csr(clusters)
+    for scores in ([4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]):
+        for w in (0, 16, 64):
+            sel = select_clusters(np.array(scores, np.float32), ptr, members, num_tokens=64,
+                                  budget=64, window=w)
+            got = set(range(64 - w, 64)).union(*[set(np.asarray(clusters[c]).tolist())
+                                                 for c in sel.clusters])
+            assert got == set(range(64)) and sel.entries == 64
+
+
+def test_replicas_and_window_are_not_counted_twice():
+    # c0 = [0..3], c1 = [4, 0] (0 replicated), c2 = [5..19]; window = {18, 19}
+    clusters = [[0, 1, 2, 3], [4, 0], list(range(5, 20))]
+    ptr, members = csr(clusters)
+    sc = np.array([3.0, 2.0, 1.0], np.float32)
+    sel = select_clusters(sc, ptr, members, num_tokens=20, budget=5, window=0)
+    assert sel.clusters.tolist() == [0, 1] and sel.entries == 5
+    sel = select_clusters(sc, ptr, members, num_tokens=20, budget=6, window=0)
+    assert sel.clusters.tolist() == [0, 1, 2] and sel.entries == 20
+    sel = select_clusters(sc, ptr, members, num_tokens=20, budget=6, window=2)
+    assert sel.clusters.tolist() == [0] and sel.entries == 6
+    sel = select_clusters(sc, ptr, members, num_tokens=20, budget=2, window=2)
+    assert sel.clusters.tolist() == [] and sel.entries == 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 40), st.integers(0, 400), st.integers(0, 80),
+       st.integers(0, 2**31), st.booleans())
+def test_selection_equals_the_rule(S, C, budget, w, seed, ties):
+    rng = np.random.default_rng(seed)
+    C = min(C, S)
+    clusters = random_clusters(rng, S, C, extra_copies=S // 3)
+    ptr, members = csr(clusters)
+    scores = rng.integers(0, 3, C).astype(np.float32) if ties else \
+        rng.standard_normal(C).astype(np.float32)
+    if C > 2 and seed % 5 == 0:
+        scores[seed % C] = np.nan
+    w = min(w, S)
+    sel = select_clusters(scores, ptr, members, num_tokens=S, budget=budget, window=w)
+    want, n = reference(scores, clusters, S, budget, w)
+    assert sel.clusters.tolist() == want
+    assert sel.entries == n
+    got = set(range(S - w, S)).union(*[set(clusters[c].tolist()) for c in sel.clusters])
+    assert len(got) == sel.entries
+    assert sel.entries >= min(budget, S)                       # the budget is met
+    if len(sel.clusters):                                      # ... by the last cluster
+        before = set(range(S - w, S)).union(*[set(clusters[c].tolist())
+                                              for c in sel.clusters[:-1]])
+        assert len(before) < min(budget, S)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**31))
+def test_r1_returns_every_token_8_kv_heads_4096(tmp_path_factory, seed):
+    rng = np.random.default_rng(seed)
+    S, H, HQ, D = 4096, 8, 16, 8
+    path = tmp_path_factory.mktemp("r1")
+    with Store.create(path / "st", disks=3, num_layers=1, num_kv_heads=H, head_dim=D,
+                      num_query_heads=HQ, dtype="float16") as s:
+        kv = random_kv(rng, S, H, D, "float16")
+        s.write_layer(0, kv, random_clusters(rng, S, 300, 900), local_window=64)
+        r = Retriever(s, sparsity=1.0)
+        for q in rng.standard_normal((3, HQ, D)):
+            out = r.retrieve(0, q, torch=False)
+            assert out.positions.tolist() == list(range(S))
+            assert same_bits(out.k, kv[:, 0].transpose(1, 0, 2))
+            assert same_bits(out.v, kv[:, 1].transpose(1, 0, 2))
+
+
+def test_window_rule():
+    assert window_size(256, 1000, 10_000) == 250       # a quarter of the budget
+    assert window_size(256, 4000, 10_000) == 256       # W
+    assert window_size(256, 4000, 100) == 100          # the context
+    assert window_size(0, 4000, 100) == 0
+
+
+def test_bad_arguments_raise_swarm_errors():
+    ptr, members = csr([[0, 1], [2]])
+    sc = np.zeros(2, np.float32)
+    for kw in (dict(scores=np.zeros(3, np.float32)), dict(members_ptr=np.array([0, 2])),
+               dict(members=np.array([0, 1, 5])), dict(budget=-1), dict(window=-1),
+               dict(scores=np.array(["a", "b"]))):
+        args = dict(scores=sc, members_ptr=ptr, members=members, num_tokens=3, budget=2)
+        args.update(kw)
+        with pytest.raises(InvalidArgumentError):
+            select_clusters(**args)
+    with pytest.raises(InvalidArgumentError):
+        group_queries(np.zeros((3, 4)), 2)
+    with pytest.raises(InvalidArgumentError):
+        score_medoids(np.zeros((4, 8), np.float16), np.zeros((1, 6), np.float32))
+    with pytest.raises(SwarmError):
+        MedoidSelector(None, score="max")
