@@ -133,7 +133,7 @@ def swarm_attention_forward(module, query, key, value, attention_mask, scaling=N
                     scaling=scaling, **kwargs)
         cache._lay_out(layer, query, key, value, scaling)
         return out
-    return cache._decode(layer, module, query, key, value, scaling)
+    return cache._decode(layer, module, query, key, value, scaling, attention_mask)
 
 
 _REGISTERED = False
@@ -185,8 +185,9 @@ class StepStats:
             replacement, appends (µs).
         attend_us: the attention product over the retrieved entries (µs).
         prefetched: the retrieval came from a §7 prefetch.
-        prefetch_hit: fraction of the exact query's clusters the prefetched
-            selection held (NaN without prefetch).
+        prefetch_hit: fraction of the entries the exact query selects
+            (its clusters and the window) that the prefetched retrieval
+            holds (NaN without prefetch).
         cache_hit_rate: the layer's running §6.2 cache hit rate.
     """
     step: int
@@ -541,22 +542,24 @@ class SwarmCache(Cache):
             self.sessions[layer] = s
         return s
 
-    def _exact_clusters(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """Clusters the exact query selects (for the prefetch hit rate)."""
+    def _exact_entries(self, layer: int, q: np.ndarray) -> np.ndarray:
+        """Entries the exact query selects (its clusters and the window), for
+        the §7 prefetch hit rate."""
         r = self.retriever
-        budget = r.budget(layer)
-        want = budget - r.window(layer, budget).shape[0]
-        return r.select(layer, r.score(layer, q)[0], want)
+        li = r.layer_state(layer).li
+        sel = r.select(layer, r.score(layer, q)[0])
+        return np.union1d(np.unique(li.members[li.cluster_copies(sel)]), r.window(layer))
 
-    def _decode(self, layer: int, module, query, key, value, scaling):
+    def _decode(self, layer: int, module, query, key, value, scaling, mask=None):
         torch = _torch()
         st = self.store
         sess = self._session(layer)
         r = self.retriever
         T = int(query.shape[2])
+        first = self.layers[layer].seen - T        # position of the first new token
         outs = []
         for t in range(T):
-            q = query[0, :, t, :].detach().float().cpu().numpy()      # [H_q, d]
+            q = query[0, :, t, :].detach().float().cpu().numpy().copy()   # [H_q, d]
             k_new = _to_numpy(key[0, :, t, :], st.dtype)              # [H_kv, d]
             v_new = _to_numpy(value[0, :, t, :], st.dtype)
             fut = self._futures.pop(layer, None)
@@ -565,8 +568,8 @@ class SwarmCache(Cache):
             if fut is not None:
                 ret = fut.result()
                 if T == 1:
-                    exact = self._exact_clusters(layer, q)
-                    hit = float(np.isin(exact, ret.clusters).mean()) if exact.size else 1.0
+                    exact = self._exact_entries(layer, q)
+                    hit = float(np.isin(exact, ret.positions).mean()) if exact.size else 1.0
                     prefetched = True
                     sess.r = _FixedRetriever(r, ret)
             try:
@@ -582,7 +585,13 @@ class SwarmCache(Cache):
                     self._futures[nxt] = r.prefetch(nxt, self._prev_q[nxt], torch=False)
             kk = torch.cat([to_torch(res.k, st.dtype), key[0, :, t:t + 1, :]], dim=1)[None]
             vv = torch.cat([to_torch(res.v, st.dtype), value[0, :, t:t + 1, :]], dim=1)[None]
-            out, _ = _sdpa(module, query[:, :, t:t + 1, :], kk, vv, None, scaling=scaling,
+            m = None
+            if mask is not None:      # e.g. padding in the prompt: the mask's columns
+                cols = torch.from_numpy(np.append(res.positions, first + t))
+                m = mask[:, :, t:t + 1, :].index_select(-1, cols.to(mask.device))
+                if m.dtype == torch.bool and bool(m.all()):
+                    m = None
+            out, _ = _sdpa(module, query[:, :, t:t + 1, :], kk, vv, m, scaling=scaling,
                            is_causal=False)
             outs.append(out)
             t2 = time.perf_counter()
