@@ -69,13 +69,39 @@ from ._online import DecodeSession
 from ._retrieve import Retriever
 from ._store import Store, to_torch
 
-__all__ = ["ATTENTION", "SwarmCache", "SwarmLayer", "StepStats", "enable", "register",
+__all__ = ["ATTENTION", "METHODS", "SwarmCache", "SwarmLayer", "StepStats", "enable", "register",
            "swarm_attention_forward"]
 
 #: name of the attention implementation registered with transformers
 ATTENTION = "swarm"
 
 _TORCH_DTYPES = ("float16", "bfloat16", "float32")
+
+#: layouts a SwarmCache can build at prefill (SWARM's and the §8 baselines')
+METHODS = ("swarm", "quest", "infllm", "pqcache")
+
+
+def _baseline_layout(method: str, q: np.ndarray, k: np.ndarray):
+    """A baseline's layout of one layer (``swarmfs.layout._baselines``)."""
+    from .layout import _baselines as B
+    if method == "quest":
+        return B.quest_pages(k)
+    if method == "infllm":
+        return B.infllm_blocks(q, k)
+    return B.kmeans_clusters(k)
+
+
+def _baseline_selector(method: str, index: dict):
+    """The Retriever's selector for a baseline's per-layer index (None: SWARM's
+    medoid index)."""
+    from . import _selectors as Sel
+    if method == "swarm":
+        return None
+    if method == "quest":
+        return Sel.BoundSelector({L: (x["lo"], x["hi"]) for L, x in index.items()})
+    if method == "infllm":
+        return Sel.MultiVectorSelector({L: x["reps"] for L, x in index.items()}, name=method)
+    return Sel.VectorSelector({L: x["vectors"] for L, x in index.items()}, name=method)
 
 
 def _torch():
@@ -300,6 +326,11 @@ class SwarmCache(Cache):
         layout: :class:`swarmfs._demo.LayoutParams` (tau, local window,
             hot fraction, eq. 6 costs); its ratio is replaced by ``ratio``.
         prefetch: ``"none"`` or ``"previous"`` (§7, see the module docstring).
+        method: ``"swarm"`` (co-activation clusters, medoid index), or one of
+            the evaluation's baselines laid out by ``swarmfs.layout._baselines``
+            on the same store and Retriever: ``"quest"`` (pages of 16, min/max
+            bounds), ``"infllm"`` (blocks of 64, 4 representative keys),
+            ``"pqcache"`` (k-means per 4,096-token chunk, centroids).
         append: new tokens join clusters and are appended to the store
             (§6.2, eq. 9); False keeps them in DRAM for the whole request.
         tau: eq. 9 radius of the DecodeSessions.
@@ -318,8 +349,16 @@ class SwarmCache(Cache):
     def __init__(self, store, config=None, *, ratio: float = 0.1, disks=4,
                  layout: LayoutParams | None = None, prefetch: str = "none",
                  append: bool = True, tau: float = 0.5, record: bool = False,
-                 force: bool = False, engine: str | None = None, _opened: Store | None = None):
+                 method: str = "swarm", force: bool = False, engine: str | None = None,
+                 _opened: Store | None = None):
         register()
+        if method not in METHODS:
+            raise E.InvalidArgumentError(f"method must be one of {METHODS}, got {method!r}")
+        if method != "swarm" and _opened is not None:
+            raise E.InvalidArgumentError("from_store serves swarm layouts only (the baselines' "
+                                         "indexes are not stored)")
+        self.method = method
+        self._index: dict[int, object] = {}
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise E.InvalidArgumentError(f"ratio must be a number in (0, 1], got {ratio!r}")
         if prefetch not in ("none", "previous"):
@@ -507,21 +546,33 @@ class SwarmCache(Cache):
         S = int(key.shape[2])
         q = query[0].detach().float().cpu().numpy()           # [H_q, S, d]
         k32 = key[0].detach().float().cpu().numpy()           # [H_kv, S, d]
-        cl, hot = _layout_layer(q, k32, params=self.params, scaling=float(scaling),
-                                layer=layer, entry_bytes=self.store.entry_bytes)
-        del q, k32
-        t1 = time.perf_counter()
         kv = torch.stack([key[0], value[0]], 0).permute(2, 0, 1, 3).contiguous()
-        self.store.write_layer(layer, kv, (cl.ptr, cl.members), cl.medoids, hot=hot,
-                               freq=cl.freq, local_window=_demo_local_window(self.params, S),
-                               extra={"layout": {"tau": cl.stats.tau,
-                                                 "metric": cl.stats.metric,
-                                                 "ratio": self.ratio}})
+        W = _demo_local_window(self.params, S)
+        if self.method == "swarm":
+            cl, hot = _layout_layer(q, k32, params=self.params, scaling=float(scaling),
+                                    layer=layer, entry_bytes=self.store.entry_bytes)
+            del q, k32
+            t1 = time.perf_counter()
+            self.store.write_layer(layer, kv, (cl.ptr, cl.members), cl.medoids, hot=hot,
+                                   freq=cl.freq, local_window=W,
+                                   extra={"layout": {"tau": cl.stats.tau,
+                                                     "metric": cl.stats.metric,
+                                                     "ratio": self.ratio}})
+            rep = {"clusters": cl.stats.num_clusters, "mean_size": cl.stats.size_mean,
+                   "replication": cl.stats.replication, "hot_clusters": int(hot.sum())}
+        else:
+            lay = _baseline_layout(self.method, q, k32)
+            del q, k32
+            t1 = time.perf_counter()
+            self.store.write_layer(layer, kv, (lay.ptr, lay.members), lay.medoids,
+                                   freq=lay.freq, local_window=W,
+                                   extra={"layout": {"method": self.method}})
+            self._index[layer] = lay.index
+            rep = {"clusters": lay.num_clusters, "mean_size": float(lay.sizes.mean()),
+                   "replication": float(lay.members.shape[0] / S), "hot_clusters": 0}
         del kv
-        self.layout_report[layer] = {
-            "clusters": cl.stats.num_clusters, "mean_size": cl.stats.size_mean,
-            "replication": cl.stats.replication, "hot_clusters": int(hot.sum()),
-            "layout_s": t1 - t0, "write_s": time.perf_counter() - t1}
+        self.layout_report[layer] = {**rep, "layout_s": t1 - t0,
+                                     "write_s": time.perf_counter() - t1}
         self.prefix_length = S
 
     # -- decode ----------------------------------------------------------------
@@ -530,7 +581,8 @@ class SwarmCache(Cache):
             if self.store is None:
                 raise E.InternalError("decode before prefill", store=self.path)
             self.prefix_length = self._stored_length()
-            self.retriever = Retriever(self.store, sparsity=self.ratio)
+            self.retriever = Retriever(self.store, sparsity=self.ratio,
+                                       selector=_baseline_selector(self.method, self._index))
         return self.retriever
 
     def _session(self, layer: int) -> DecodeSession:

@@ -237,3 +237,20 @@ def test_prefetch_previous_query_is_exact_at_full_budget(tmp_path):
     pre = [s for s in cache.stats if s.prefetched]
     assert len(pre) == 2 * 4           # every layer from the second decode step on
     assert summ["prefetch_hit"] == 1.0  # r = 1: the stale query selects everything too
+
+
+@pytest.mark.parametrize("method", ["quest", "infllm", "pqcache"])
+def test_baseline_layouts_decode_on_the_same_store(method, tmp_path):
+    """The §8 baselines' layouts (swarmfs.layout._baselines) decode through the
+    same store and Retriever: exact at r = 1, sparse below."""
+    model = make_model("llama")
+    ids = prompt(160)
+    seq_d, lg_d = dense_generate(model, ids, 4)
+    _, lg_s, summ, cache = swarm_generate(model, ids, tmp_path / "a", n=4, ratio=1.0,
+                                          method=method)
+    assert float((lg_d - lg_s).abs().max()) <= TOL["float32"]
+    assert cache.retriever.selector.name == method
+    _, lg_r, summ, _ = swarm_generate(model, ids, tmp_path / "b", n=4, ratio=0.2,
+                                      method=method)
+    assert summ["entries"] <= 2 * (32 + 64)
+    assert float((lg_d[1:] - lg_r[1:]).abs().max()) > 0

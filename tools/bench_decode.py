@@ -1,0 +1,343 @@
+#!/usr/bin/env python3
+"""Decoding with the KV cache on swarmfs (issue 11): quality, online phase, throughput.
+
+Runs our trained decoder (``swarmfs.models.DEFAULT_DECODER``; before it is
+committed, ``--checkpoint`` loads the training run's latest checkpoint with
+the training tokenizer) over held-out long inputs of two kinds, Python
+source and prose (``swarmfs.models.heldout_texts``, or ``--text-python`` /
+``--text-prose`` files), through :class:`swarmfs.hf.SwarmCache`.
+
+``quality``: the first ``--context`` tokens are prefilled (dense), laid out
+and written to ``--disks`` file disks; the next ``--continuation`` tokens
+are teacher-forced one decode step at a time.  Per method and r: perplexity
+of the continuation against dense attention (one causal SDPA forward), the
+attention-mass recall of every retrieval against the oracle top-k (per
+layer), and the median step time.  Methods: ``swarm`` (§5 layout, medoid
+index), ``quest``, ``infllm``, ``pqcache`` (``swarmfs.layout._baselines`` on
+the same store and Retriever), ``sinks`` (StreamingLLM: the first 4 tokens
+plus the most recent ones, the same budget; computed densely with an
+attention mask, no store), ``oracle`` (exact top-k per layer and step,
+densely with a mask: the ceiling at that budget).
+
+``throughput``: decode ``--steps`` greedy tokens after the context with the
+KV on the disks (``prefetch`` none and previous) against dense in-DRAM
+decoding (DynamicCache), medians per token, with the per-step breakdown (CPU
+µs of scoring/selection/planning/assembly/session/attention beside I/O µs),
+the §6.2 cache hit rate, the §7 prefetch hit rate, DRAM bytes and RSS.
+
+    /work/bench-exclusive tools/dev run python tools/bench_decode.py quality \\
+        --out docs/data/decode-quality.json
+    /work/bench-exclusive tools/dev run python tools/bench_decode.py throughput \\
+        --out docs/data/decode-throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+# -- model and text --------------------------------------------------------------
+
+def load_checkpoint(ckpt: str, tokenizer: str):
+    """A LlamaForCausalLM from the training run's ``last.pt`` (its recorded
+    arguments give the shape) and the training tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    st = torch.load(ckpt, map_location="cpu", weights_only=False)
+    a = st["args"]
+    tok = PreTrainedTokenizerFast(tokenizer_file=tokenizer, eos_token="<|endoftext|>",
+                                  bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    eos = tok.eos_token_id
+    cfg = LlamaConfig(vocab_size=a["vocab"], hidden_size=a["hidden"],
+                      intermediate_size=a["intermediate"], num_hidden_layers=a["layers"],
+                      num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"],
+                      head_dim=a["hidden"] // a["heads"], max_position_embeddings=32768,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=eos,
+                      eos_token_id=eos, pad_token_id=eos)
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(st["model"])
+    return model.eval(), tok, f"checkpoint {ckpt} (step {st['step']})"
+
+
+def load(args):
+    from swarmfs import _generate as G
+    from swarmfs import hf
+    if args.model or not args.checkpoint:
+        try:
+            d = args.model or G.default_model_dir()
+            model, tok = G.load_model(d)
+            return model, tok, str(d)
+        except Exception as exc:                     # noqa: BLE001 - fall back below
+            if args.model or not os.path.exists(args.fallback_checkpoint):
+                raise
+            print(f"[bench] {exc}; using the training checkpoint", flush=True)
+            args.checkpoint = args.fallback_checkpoint
+    model, tok, name = load_checkpoint(args.checkpoint, args.tokenizer)
+    hf.enable(model)
+    return model, tok, name
+
+
+def texts(args) -> dict:
+    out = {}
+    for kind in args.kinds:
+        f = getattr(args, f"text_{kind}")
+        if f:
+            out[kind] = pathlib.Path(f).read_text(encoding="utf-8")
+        else:
+            from swarmfs.models import heldout_texts
+            out[kind] = heldout_texts(kind)
+    return out
+
+
+def token_ids(tok, text, n):
+    import torch
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"][:, :n]
+    if ids.shape[1] < n:
+        raise SystemExit(f"the text has only {ids.shape[1]} tokens, {n} needed")
+    return ids.to(torch.long)
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+# -- dense baselines with an attention mask ------------------------------------------
+
+def nll(logits, targets) -> np.ndarray:
+    import torch
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return (-lp.gather(-1, targets[:, None])[:, 0]).numpy().astype(np.float64)
+
+
+def dense_nll(model, ctx, cont):
+    import torch
+    model.set_attn_implementation("sdpa")
+    S, n = ctx.shape[1], cont.shape[0]
+    with torch.no_grad():
+        lg = model(torch.cat([ctx, cont[None]], 1), use_cache=False).logits[0, S - 1:S - 1 + n]
+    return nll(lg, cont)
+
+
+def masked_nll(model, ctx, cont, budget: int, policy: str):
+    """Teacher-forced continuation where each decode query sees ``budget``
+    context tokens chosen by ``policy`` (``sinks``: first 4 + most recent;
+    ``oracle``: the exact top-k by attention mass of that query, per layer)
+    plus the continuation so far.  Dense SDPA over a DynamicCache, the
+    selection applied as a mask through the "swarm" attention name's hook."""
+    import torch
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    S, n = ctx.shape[1], cont.shape[0]
+
+    def attn(module, query, key, value, mask, **kw):
+        if query.shape[2] != 1:
+            return sdpa_attention_forward(module, query, key, value, mask, **kw)
+        L = key.shape[2]
+        keep = torch.zeros(L, dtype=torch.bool)
+        keep[S:] = True                                   # the continuation so far
+        if policy == "sinks":
+            keep[:4] = True
+            keep[max(4, S - (budget - 4)):S] = True
+        else:
+            g = query.shape[1] // key.shape[1]
+            kk = key[0, :, :S].float().repeat_interleave(g, 0)          # [H_q, S, d]
+            p = torch.softmax(query[0, :, 0:1].float() @ kk.transpose(1, 2)
+                              * kw.get("scaling", 1.0), -1)[:, 0]     # [H_q, S]
+            keep[p.mean(0).topk(budget).indices] = True
+        m = keep.view(1, 1, 1, L)
+        return sdpa_attention_forward(module, query, key, value, m, **kw)
+
+    AttentionInterface.register("bench-mask", attn)
+    model.set_attn_implementation("bench-mask")
+    try:
+        with torch.no_grad():
+            dc = DynamicCache()
+            out = model(ctx, cache=dc, use_cache=True)
+            lg = [out.logits[0, -1]]
+            for t in range(n - 1):
+                lg.append(model(cont[t:t + 1][None], cache=dc, use_cache=True).logits[0, -1])
+        return nll(torch.stack(lg), cont)
+    finally:
+        from swarmfs import hf
+        hf.enable(model)
+
+
+# -- swarmfs ------------------------------------------------------------------------
+
+def swarm_run(model, ctx, cont, *, ratio, method, disks, workdir, prefetch="none"):
+    """Prefill the context into a new store, teacher-force the continuation."""
+    import torch
+    from swarmfs import hf
+    from swarmfs._generate import recall_report
+    hf.enable(model)
+    path = pathlib.Path(workdir) / f"{method}-{ratio}"
+    n = cont.shape[0]
+    with torch.no_grad(), hf.SwarmCache(path, model.config, ratio=ratio, disks=disks,
+                                        method=method, record=True, append=True,
+                                        force=True, prefetch=prefetch) as cache:
+        t0 = time.perf_counter()
+        out = model(ctx, cache=cache, use_cache=True)
+        prefill_s = time.perf_counter() - t0
+        lg = [out.logits[0, -1]]
+        ms = []
+        for t in range(n - 1):
+            t0 = time.perf_counter()
+            lg.append(model(cont[t:t + 1][None], cache=cache, use_cache=True).logits[0, -1])
+            ms.append((time.perf_counter() - t0) * 1e3)
+        rec = recall_report(cache, ratio, ctx.shape[1])
+        summ = cache.summary()
+        layout = cache.layout_report
+    return {"nll": nll(torch.stack(lg), cont), "recall": rec["recall"],
+            "recall_per_layer": rec["per_layer"], "rel_error": rec["rel_error"],
+            "step_ms": statistics.median(ms), "prefill_layout_s": prefill_s,
+            "layout": {str(k): v for k, v in layout.items()}, "summary": summ}
+
+
+def quality(args, model, tok):
+    out = {"context": args.context, "continuation": args.continuation,
+           "ratios": args.ratios, "methods": args.methods, "kinds": {}}
+    for kind, text in texts(args).items():
+        ids = token_ids(tok, text, args.offset + args.context + args.continuation)
+        ids = ids[:, args.offset:]
+        ctx, cont = ids[:, :args.context], ids[0, args.context:]
+        t0 = time.perf_counter()
+        d = dense_nll(model, ctx, cont)
+        res = {"perplexity_dense": math.exp(d.mean()), "dense_s": time.perf_counter() - t0,
+               "runs": []}
+        print(f"[{kind}] dense ppl {res['perplexity_dense']:.3f}", flush=True)
+        with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+            for r in args.ratios:
+                budget = math.ceil(r * args.context)
+                for m in args.methods:
+                    t0 = time.perf_counter()
+                    if m in ("sinks", "oracle"):
+                        x = masked_nll(model, ctx, cont, budget, m)
+                        row = {"method": m, "ratio": r, "perplexity": math.exp(x.mean())}
+                    else:
+                        s = swarm_run(model, ctx, cont, ratio=r, method=m, disks=args.disks,
+                                      workdir=wd)
+                        row = {"method": m, "ratio": r,
+                               "perplexity": math.exp(s.pop("nll").mean()), **s}
+                    row["ppl_vs_dense"] = row["perplexity"] / res["perplexity_dense"] - 1
+                    row["seconds"] = time.perf_counter() - t0
+                    res["runs"].append(row)
+                    print(f"[{kind}] r={r} {m:8s} ppl {row['perplexity']:.3f} "
+                          f"({100 * row['ppl_vs_dense']:+.2f}%) recall "
+                          f"{row.get('recall', float('nan')):.3f} "
+                          f"{row['seconds']:.0f} s", flush=True)
+        out["kinds"][kind] = res
+    return out
+
+
+def throughput(args, model, tok):
+    import torch
+    from transformers import DynamicCache
+
+    from swarmfs import hf
+    text = texts(args)[args.kinds[0]]
+    ctx = token_ids(tok, text, args.offset + args.context)[:, args.offset:]
+    out = {"context": args.context, "steps": args.steps, "ratio": args.ratios[0],
+           "kind": args.kinds[0]}
+    # dense in DRAM: DynamicCache, greedy
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        dc = DynamicCache()
+        o = model(ctx, cache=dc, use_cache=True)
+        tok_ = o.logits[:, -1:].argmax(-1)
+        ms = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            o = model(tok_, cache=dc, use_cache=True)
+            ms.append((time.perf_counter() - t0) * 1e3)
+            tok_ = o.logits[:, -1:].argmax(-1)
+        kv_bytes = sum(x.keys.nbytes + x.values.nbytes for x in dc.layers)
+        out["dense"] = {"step_ms": statistics.median(ms), "tokens_per_s":
+                        1e3 / statistics.median(ms), "kv_bytes": kv_bytes,
+                        "rss_mb": rss_mb()}
+        del dc, o
+    print(f"dense: {out['dense']['step_ms']:.2f} ms/token", flush=True)
+    hf.enable(model)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+        for pf in ("none", "previous"):
+            with torch.no_grad(), hf.SwarmCache(pathlib.Path(wd) / pf, model.config,
+                                                ratio=args.ratios[0], disks=args.disks,
+                                                prefetch=pf) as cache:
+                o = model(ctx, cache=cache, use_cache=True)
+                del o
+                rss_after_prefill = rss_mb()
+                tok_ = torch.tensor([[int(ctx[0, -1])]])
+                ms = []
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    o = model(tok_, cache=cache, use_cache=True)
+                    ms.append((time.perf_counter() - t0) * 1e3)
+                    tok_ = o.logits[:, -1:].argmax(-1)
+                s = cache.summary()
+                cpu = sum(s[k] for k in ("score_us", "select_us", "plan_us", "assemble_us",
+                                         "session_us"))
+                out[f"swarm_prefetch_{pf}"] = {
+                    "step_ms": statistics.median(ms), "tokens_per_s": 1e3 / statistics.median(ms),
+                    "cpu_us_per_step": cpu, "io_us_per_step": s["io_us"],
+                    "attend_us_per_step": s["attend_us"], "summary": s,
+                    "rss_mb_after_prefill": rss_after_prefill, "rss_mb": rss_mb(),
+                    "steps": cache.step_table()}
+                x = out[f"swarm_prefetch_{pf}"]
+                print(f"swarm prefetch={pf}: {x['step_ms']:.2f} ms/token, CPU "
+                      f"{cpu:.0f} µs, I/O {s['io_us']:.0f} µs, attend {s['attend_us']:.0f} µs "
+                      f"per step; cache hit {s['cache_hit_rate']:.3f}, prefetch hit "
+                      f"{s['prefetch_hit']}", flush=True)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["quality", "throughput"])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--fallback-checkpoint", default="/work/train/ckpt/last.pt")
+    ap.add_argument("--tokenizer", default="/work/train/tokenizer.json")
+    ap.add_argument("--kinds", nargs="+", default=["python", "prose"])
+    ap.add_argument("--text-python", default=None)
+    ap.add_argument("--text-prose", default=None)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--offset", type=int, default=0, help="skip this many tokens first")
+    ap.add_argument("--continuation", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.1, 0.2])
+    ap.add_argument("--methods", nargs="+",
+                    default=["swarm", "quest", "infllm", "pqcache", "sinks", "oracle"])
+    ap.add_argument("--disks", type=int, default=4)
+    ap.add_argument("--workdir", default=None, help="where the stores go (default $TMPDIR)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import torch
+    torch.set_num_threads(2)
+    model, tok, name = load(args)
+    t0 = time.perf_counter()
+    res = quality(args, model, tok) if args.what == "quality" else throughput(args, model, tok)
+    res.update(model=name, seconds=time.perf_counter() - t0, cpu=platform.processor() or
+               platform.machine(), torch_threads=torch.get_num_threads(),
+               command=" ".join(sys.argv))
+    if args.out:
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(res, indent=1, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
