@@ -35,8 +35,10 @@ What happens (SWARM §5-§7):
   "previous"`` starts layer L+1's retrieval (in the Retriever's background
   thread) when layer L attends, with layer L+1's query of the previous decode
   step; layer L+1 then attends over what that retrieval returned (plus the
-  window and the pending tokens), and the cluster hit rate of the stale
-  selection against the exact one is recorded (:meth:`SwarmCache.summary`).
+  window and the pending tokens).  The exact query then scores the medoids
+  (CPU only, no I/O) so that the prefetch hit rate -- the fraction of the
+  entries the exact selection wants that the prefetched one holds -- is
+  recorded (:meth:`SwarmCache.summary`).  At r = 1 both select everything.
   ``prefetch="none"`` (default) retrieves with the exact query on the
   critical path.
 * **Reuse**: :meth:`SwarmCache.from_store` reopens a stored prefix; a later
