@@ -212,6 +212,11 @@ class StepStats:
         session_us: DecodeSession work besides retrieval: eq. 9 counts, cache
             replacement, appends (µs).
         attend_us: the attention product over the retrieved entries (µs).
+        wait_us: time this layer waited for its §7 prefetch to finish (µs;
+            the prefetch's own stage times are in score_us ... assemble_us,
+            spent in the background thread).
+        measure_us: scoring the exact query to measure the prefetch hit
+            rate (µs; measurement only, CPU).
         prefetched: the retrieval came from a §7 prefetch.
         prefetch_hit: fraction of the entries the exact query selects
             (its clusters and the window) that the prefetched retrieval
@@ -234,6 +239,8 @@ class StepStats:
     assemble_us: float
     session_us: float
     attend_us: float
+    wait_us: float
+    measure_us: float
     prefetched: bool
     prefetch_hit: float
     cache_hit_rate: float
@@ -617,15 +624,19 @@ class SwarmCache(Cache):
             k_new = _to_numpy(key[0, :, t, :], st.dtype)              # [H_kv, d]
             v_new = _to_numpy(value[0, :, t, :], st.dtype)
             fut = self._futures.pop(layer, None)
-            prefetched, hit = False, float("nan")
-            t0 = time.perf_counter()
+            prefetched, hit, wait_us, measure_us = False, float("nan"), 0.0, 0.0
             if fut is not None:
+                tw = time.perf_counter()
                 ret = fut.result()
+                tm = time.perf_counter()
                 if T == 1:
                     exact = self._exact_entries(layer, q)
                     hit = float(np.isin(exact, ret.positions).mean()) if exact.size else 1.0
                     prefetched = True
                     sess.r = _FixedRetriever(r, ret)
+                wait_us = (tm - tw) * 1e6
+                measure_us = (time.perf_counter() - tm) * 1e6
+            t0 = time.perf_counter()
             try:
                 res = sess.step(q, k_new, v_new)
             finally:
@@ -661,7 +672,8 @@ class SwarmCache(Cache):
                 select_us=rs.select_us, plan_us=rs.plan_us, io_us=rs.io_us,
                 assemble_us=rs.assemble_us,
                 session_us=max((t1 - t0) * 1e6 - retrieval_us, 0.0),
-                attend_us=(t2 - t1) * 1e6, prefetched=prefetched, prefetch_hit=hit,
+                attend_us=(t2 - t1) * 1e6, wait_us=wait_us, measure_us=measure_us,
+                prefetched=prefetched, prefetch_hit=hit,
                 cache_hit_rate=sess.hit_rate))
             if self.record:
                 self.records.setdefault(layer, []).append(
@@ -681,7 +693,7 @@ class SwarmCache(Cache):
             row = {"step": step}
             for f in ("clusters", "hot", "entries", "entries_ssd", "pending", "bytes_read",
                       "requests", "score_us", "select_us", "plan_us", "io_us", "assemble_us",
-                      "session_us", "attend_us"):
+                      "session_us", "attend_us", "wait_us", "measure_us"):
                 row[f] = sum(getattr(s, f) for s in ss)
             row["pending"] = ss[0].pending
             row["cache_hit_rate"] = float(np.mean([s.cache_hit_rate for s in ss]))
@@ -699,7 +711,7 @@ class SwarmCache(Cache):
         if rows:
             for f in ("clusters", "entries", "entries_ssd", "bytes_read", "requests",
                       "score_us", "select_us", "plan_us", "io_us", "assemble_us",
-                      "session_us", "attend_us"):
+                      "session_us", "attend_us", "wait_us", "measure_us"):
                 out[f] = float(np.median([r[f] for r in rows]))
             sess = list(self.sessions.values())
             lookups = sum(s.lookups for s in sess)

@@ -304,9 +304,125 @@ def throughput(args, model, tok):
     return out
 
 
+# -- online phase: Table 5 equivalent ------------------------------------------------
+
+def _activated(q, k, ratio, visible):
+    """bool [G, T]: probe g (query [H_q, d]) activates the top ceil(r x n_g)
+    of the first n_g = visible[g] keys by head-summed softmax probability
+    (the profile's rule, layout._profile)."""
+    G, T = q.shape[0], k.shape[1]
+    H, d = k.shape[0], k.shape[2]
+    g = q.shape[1] // H
+    act = np.zeros((G, T), bool)
+    for i in range(G):
+        n = int(visible[i])
+        lg = np.einsum("hgd,hsd->hgs", q[i].reshape(H, g, d), k[:, :n]) * d ** -0.5
+        p = np.exp(lg - lg.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        sc = p.sum((0, 1))
+        kk = math.ceil(ratio * n)
+        act[i, np.argpartition(-sc, kk - 1)[:kk]] = True
+    return act
+
+
+def _jaccard(act, a, b, probes):
+    """Co-activation (Jaccard) distance of entries a and b over probe rows."""
+    x, y = act[probes, a], act[probes, b]
+    u = int((x | y).sum())
+    return 1.0 - (int((x & y).sum()) / u) if u else 1.0
+
+
+def online(args, model, tok):
+    """Table 5 equivalent: after G greedy decode steps with eq. 9 upkeep, the
+    mean co-activation distance between each new entry and the medoid of the
+    cluster it joined, over held-out probes (the decode queries issued after
+    the entry matured), normalised by the same distance for the prefix's
+    clusters (offline value); against Min-Size (join the smallest cluster)
+    and Min-Diff (join the cluster whose medoid key is most similar)."""
+    import torch
+
+    from swarmfs import Store, hf
+    from swarmfs._demo import LayoutParams
+    text = texts(args)[args.kinds[0]]
+    ctx = token_ids(tok, text, args.offset + args.context)[:, args.offset:]
+    S, G, r, W = args.context, args.steps, args.ratios[0], args.online_window
+    out = {"context": S, "generated": G, "ratio": r, "window": W, "kind": args.kinds[0],
+           "layers": {}}
+    hf.enable(model)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+        path = pathlib.Path(wd) / "online"
+        with torch.no_grad(), hf.SwarmCache(path, model.config, ratio=r, disks=args.disks,
+                                            layout=LayoutParams(local_window=W),
+                                            record=True, append=True) as cache:
+            o = model(ctx, cache=cache, use_cache=True)
+            t_ = o.logits[:, -1:].argmax(-1)
+            for _ in range(G):
+                o = model(t_, cache=cache, use_cache=True)
+                t_ = o.logits[:, -1:].argmax(-1)
+            records = {L: [x[0] for x in v] for L, v in cache.records.items()}
+            init_clusters = {L: x["clusters"] for L, x in cache.layout_report.items()}
+            out["cache_hit_rate"] = cache.summary()["cache_hit_rate"]
+        with Store.open(path) as st:
+            for L in st.layers:
+                li = st.layer(L)
+                T = li.num_tokens
+                kv = st.read_entries(L, np.arange(T)).astype(np.float32)
+                k = np.ascontiguousarray(kv[:, 0].transpose(1, 0, 2))
+                q = np.stack(records[L])                          # [G, H_q, d]
+                act = _activated(q, k, r, S + np.arange(G) + 1)
+                C0 = init_clusters[L]
+                cl = np.repeat(np.arange(li.num_clusters), li.sizes)
+                med = li.medoid
+                rng = np.random.default_rng(0)
+                # offline: prefix members against their medoids, all probes
+                offl = []
+                for c in rng.choice(C0, size=min(C0, 400), replace=False):
+                    for e in li.members[li.members_ptr[c]:li.members_ptr[c + 1]][:8]:
+                        if e != med[c]:
+                            offl.append(_jaccard(act, e, med[c], np.arange(G)))
+                off = float(np.mean(offl))
+                new = np.arange(S, T)
+                sizes = li.sizes[:C0].astype(np.int64).copy()
+                mk = k[:, med[:C0]].transpose(1, 0, 2).reshape(C0, -1)
+                mk = mk / np.linalg.norm(mk, axis=1, keepdims=True)
+                rows = {"swarm": [], "min_size": [], "min_diff": []}
+                steps = []
+                for e in new:
+                    i = int(e - S)                   # the step that produced e
+                    probes = np.arange(i + W + 1, G)  # issued after e matured
+                    if probes.size < 8:
+                        continue
+                    sw = cl[li.tok_copy[li.tok_ptr[e]:li.tok_ptr[e + 1]]]
+                    d_sw = min(_jaccard(act, e, med[c], probes) for c in sw)
+                    c_ms = int(np.argmin(sizes))
+                    sizes[c_ms] += 1
+                    ke = k[:, e].reshape(-1)
+                    c_md = int(np.argmax(mk @ (ke / np.linalg.norm(ke))))
+                    rows["swarm"].append(d_sw)
+                    rows["min_size"].append(_jaccard(act, e, med[c_ms], probes))
+                    rows["min_diff"].append(_jaccard(act, e, med[c_md], probes))
+                    steps.append(i)
+                steps = np.asarray(steps)
+                res = {"offline_distance": off, "new_entries": int(new.size),
+                       "evaluated": int(steps.size),
+                       "joined_existing": int(sum(
+                           (cl[li.tok_copy[li.tok_ptr[e]:li.tok_ptr[e + 1]]] < C0).any()
+                           for e in new)), "by_tokens": {}}
+                for upto in (16, 32, 64, 128, 256, 512):
+                    m = steps < upto
+                    if m.any():
+                        res["by_tokens"][upto] = {
+                            n: float(np.mean(np.asarray(v)[m]) / off) for n, v in rows.items()}
+                out["layers"][L] = res
+                print(f"layer {L}: offline {off:.3f}, " + ", ".join(
+                    f"<{u}: " + " ".join(f"{n} {x:.3f}" for n, x in v.items())
+                    for u, v in res["by_tokens"].items()), flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["quality", "throughput"])
+    ap.add_argument("what", choices=["quality", "throughput", "online"])
     ap.add_argument("--model", default=None)
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--fallback-checkpoint", default="/work/train/ckpt/last.pt")
@@ -322,6 +438,8 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="+",
                     default=["swarm", "quest", "infllm", "pqcache", "sinks", "oracle"])
     ap.add_argument("--disks", type=int, default=4)
+    ap.add_argument("--online-window", type=int, default=32,
+                    help="W for the online run: steps before a new entry joins (eq. 9)")
     ap.add_argument("--workdir", default=None, help="where the stores go (default $TMPDIR)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -329,7 +447,8 @@ def main(argv=None):
     torch.set_num_threads(2)
     model, tok, name = load(args)
     t0 = time.perf_counter()
-    res = quality(args, model, tok) if args.what == "quality" else throughput(args, model, tok)
+    res = {"quality": quality, "throughput": throughput, "online": online}[args.what](
+        args, model, tok)
     res.update(model=name, seconds=time.perf_counter() - t0, cpu=platform.processor() or
                platform.machine(), torch_threads=torch.get_num_threads(),
                command=" ".join(sys.argv))
