@@ -340,6 +340,10 @@ class SwarmCache(Cache):
             on the same store and Retriever: ``"quest"`` (pages of 16, min/max
             bounds), ``"infllm"`` (blocks of 64, 4 representative keys),
             ``"pqcache"`` (k-means per 4,096-token chunk, centroids).
+        hot_budget: DRAM for hot clusters per layer, as a fraction of the
+            layer's stored KV bytes; §6.2 replacement fills it while decoding
+            (default: what the layout's eq. 6 choice takes,
+            ``LayoutParams.hot_fraction``).
         append: new tokens join clusters and are appended to the store
             (§6.2, eq. 9); False keeps them in DRAM for the whole request.
         tau: eq. 9 radius of the DecodeSessions.
@@ -355,11 +359,15 @@ class SwarmCache(Cache):
         False.
     """
 
+    #: the DecodeSession class each layer uses (a benchmark may substitute a
+    #: subclass with another cache-replacement policy)
+    session_class = DecodeSession
+
     def __init__(self, store, config=None, *, ratio: float = 0.1, disks=4,
                  layout: LayoutParams | None = None, prefetch: str = "none",
                  append: bool = True, tau: float = 0.5, record: bool = False,
-                 method: str = "swarm", force: bool = False, engine: str | None = None,
-                 _opened: Store | None = None):
+                 method: str = "swarm", hot_budget: float | None = None, force: bool = False,
+                 engine: str | None = None, _opened: Store | None = None):
         register()
         if method not in METHODS:
             raise E.InvalidArgumentError(f"method must be one of {METHODS}, got {method!r}")
@@ -367,6 +375,11 @@ class SwarmCache(Cache):
             raise E.InvalidArgumentError("from_store serves swarm layouts only (the baselines' "
                                          "indexes are not stored)")
         self.method = method
+        if hot_budget is not None and (isinstance(hot_budget, bool) or not isinstance(
+                hot_budget, (int, float)) or not 0 <= hot_budget <= 1):
+            raise E.InvalidArgumentError(f"hot_budget must be a fraction in [0, 1], got "
+                                         f"{hot_budget!r}")
+        self.hot_budget = hot_budget
         self._index: dict[int, object] = {}
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise E.InvalidArgumentError(f"ratio must be a number in (0, 1], got {ratio!r}")
@@ -599,7 +612,10 @@ class SwarmCache(Cache):
         if s is None:
             r = self._ensure_retriever()
             kw = {} if self.append else {"flush_batch": 1 << 62}
-            s = DecodeSession(r, layer, tau=self.tau, **kw)
+            if self.hot_budget is not None:
+                kw["hot_budget_bytes"] = int(self.hot_budget * self.store.num_tokens(layer) *
+                                             self.store.entry_bytes)
+            s = self.session_class(r, layer, tau=self.tau, **kw)
             self.sessions[layer] = s
         return s
 

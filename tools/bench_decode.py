@@ -25,6 +25,14 @@ decoding (DynamicCache), medians per token, with the per-step breakdown (CPU
 µs of scoring/selection/planning/assembly/session/attention beside I/O µs),
 the §6.2 cache hit rate, the §7 prefetch hit rate, DRAM bytes and RSS.
 
+``online`` (Table 5 equivalent): after ``--steps`` greedy tokens with eq. 9
+upkeep (W = ``--online-window``), the co-activation distance of each new
+entry to the medoid of the cluster it joined, over the decode queries issued
+after it matured, normalised by the prefix clusters' value, against Min-Size
+and Min-Diff assignment.  ``cache`` (Fig. 15 equivalent): §6.2 replacement
+against LRU at several DRAM budgets (``--dram-fractions`` of a layer's KV):
+cluster hit rate and per-layer retrieval latency.
+
     /work/bench-exclusive tools/dev run python tools/bench_decode.py quality \\
         --out docs/data/decode-quality.json
     /work/bench-exclusive tools/dev run python tools/bench_decode.py throughput \\
@@ -245,6 +253,11 @@ def quality(args, model, tok):
 
 
 def throughput(args, model, tok):
+    """Dense in-DRAM decoding (DynamicCache) and swarmfs decoding (prefetch
+    none / previous) step by step in turn, so that they share the machine's
+    noise; medians per token."""
+    import contextlib
+
     import torch
     from transformers import DynamicCache
 
@@ -253,54 +266,49 @@ def throughput(args, model, tok):
     ctx = token_ids(tok, text, args.offset + args.context)[:, args.offset:]
     out = {"context": args.context, "steps": args.steps, "ratio": args.ratios[0],
            "kind": args.kinds[0]}
-    # dense in DRAM: DynamicCache, greedy
-    model.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        dc = DynamicCache()
-        o = model(ctx, cache=dc, use_cache=True)
-        tok_ = o.logits[:, -1:].argmax(-1)
-        ms = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            o = model(tok_, cache=dc, use_cache=True)
-            ms.append((time.perf_counter() - t0) * 1e3)
-            tok_ = o.logits[:, -1:].argmax(-1)
-        kv_bytes = sum(x.keys.nbytes + x.values.nbytes for x in dc.layers)
-        out["dense"] = {"step_ms": statistics.median(ms), "tokens_per_s":
-                        1e3 / statistics.median(ms), "kv_bytes": kv_bytes,
-                        "rss_mb": rss_mb()}
-        del dc, o
-    print(f"dense: {out['dense']['step_ms']:.2f} ms/token", flush=True)
-    hf.enable(model)
-    with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+    names = ["dense", "swarm_prefetch_none", "swarm_prefetch_previous"]
+    with tempfile.TemporaryDirectory(dir=args.workdir) as wd, contextlib.ExitStack() as ex, \
+            torch.no_grad():
+        caches = {"dense": DynamicCache()}
         for pf in ("none", "previous"):
-            with torch.no_grad(), hf.SwarmCache(pathlib.Path(wd) / pf, model.config,
-                                                ratio=args.ratios[0], disks=args.disks,
-                                                prefetch=pf) as cache:
-                o = model(ctx, cache=cache, use_cache=True)
-                del o
-                rss_after_prefill = rss_mb()
-                tok_ = torch.tensor([[int(ctx[0, -1])]])
-                ms = []
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    o = model(tok_, cache=cache, use_cache=True)
-                    ms.append((time.perf_counter() - t0) * 1e3)
-                    tok_ = o.logits[:, -1:].argmax(-1)
-                s = cache.summary()
-                cpu = sum(s[k] for k in ("score_us", "select_us", "plan_us", "assemble_us",
-                                         "session_us"))
-                out[f"swarm_prefetch_{pf}"] = {
-                    "step_ms": statistics.median(ms), "tokens_per_s": 1e3 / statistics.median(ms),
-                    "cpu_us_per_step": cpu, "io_us_per_step": s["io_us"],
-                    "attend_us_per_step": s["attend_us"], "summary": s,
-                    "rss_mb_after_prefill": rss_after_prefill, "rss_mb": rss_mb(),
-                    "steps": cache.step_table()}
-                x = out[f"swarm_prefetch_{pf}"]
-                print(f"swarm prefetch={pf}: {x['step_ms']:.2f} ms/token, CPU "
-                      f"{cpu:.0f} µs, I/O {s['io_us']:.0f} µs, attend {s['attend_us']:.0f} µs "
-                      f"per step; cache hit {s['cache_hit_rate']:.3f}, prefetch hit "
-                      f"{s['prefetch_hit']}", flush=True)
+            caches[f"swarm_prefetch_{pf}"] = ex.enter_context(hf.SwarmCache(
+                pathlib.Path(wd) / pf, model.config, ratio=args.ratios[0], disks=args.disks,
+                prefetch=pf))
+        nxt, ms = {}, {n: [] for n in names}
+        for n in names:
+            model.set_attn_implementation("sdpa") if n == "dense" else hf.enable(model)
+            o = model(ctx, cache=caches[n], use_cache=True)
+            nxt[n] = o.logits[:, -1:].argmax(-1)
+            del o
+        out["rss_mb_after_prefills"] = rss_mb()
+        for _ in range(args.steps):
+            for n in names:
+                model.set_attn_implementation("sdpa") if n == "dense" else hf.enable(model)
+                t0 = time.perf_counter()
+                o = model(nxt[n], cache=caches[n], use_cache=True)
+                ms[n].append((time.perf_counter() - t0) * 1e3)
+                nxt[n] = o.logits[:, -1:].argmax(-1)
+        dc = caches["dense"]
+        out["dense"] = {"step_ms": statistics.median(ms["dense"]),
+                        "tokens_per_s": 1e3 / statistics.median(ms["dense"]),
+                        "kv_bytes": sum(x.keys.nbytes + x.values.nbytes for x in dc.layers)}
+        print(f"dense: {out['dense']['step_ms']:.2f} ms/token", flush=True)
+        for n in names[1:]:
+            c = caches[n]
+            s = c.summary()
+            cpu = sum(s[k] for k in ("score_us", "select_us", "plan_us", "assemble_us",
+                                     "session_us"))
+            med = statistics.median(ms[n])
+            out[n] = {"step_ms": med, "tokens_per_s": 1e3 / med,
+                      "vs_dense": med / out["dense"]["step_ms"],
+                      "cpu_us_per_step": cpu, "io_us_per_step": s["io_us"],
+                      "attend_us_per_step": s["attend_us"], "summary": s,
+                      "steps": c.step_table()}
+            print(f"{n}: {med:.2f} ms/token ({med / out['dense']['step_ms']:.2f}x dense), "
+                  f"CPU {cpu:.0f} µs, I/O {s['io_us']:.0f} µs, attend {s['attend_us']:.0f} µs, "
+                  f"wait {s['wait_us']:.0f} µs per step; cache hit {s['cache_hit_rate']:.3f}, "
+                  f"prefetch hit {s['prefetch_hit']}, DRAM {s['dram_bytes']} B", flush=True)
+        out["rss_mb"] = rss_mb()
     return out
 
 
@@ -420,9 +428,89 @@ def online(args, model, tok):
     return out
 
 
+# -- online phase: Fig. 15 equivalent ------------------------------------------------
+
+def _lru_session():
+    from swarmfs import DecodeSession
+
+    class LRUSession(DecodeSession):
+        """The Fig. 15 baseline: the hot set keeps the most recently
+        selected clusters that fit the DRAM budget (instead of eq. 6's
+        frequency/size score); hits counted as in DecodeSession."""
+
+        def _replace_locked(self, st, ret):
+            sel = ret.clusters
+            self.lookups += int(sel.size)
+            self.hits += int(st.hot[sel].sum()) if sel.size else 0
+            if not hasattr(self, "_last"):
+                self._last = np.zeros(st.hot.shape[0], np.int64)
+                self._clock = 0
+            self._clock += 1
+            self._last[sel] = self._clock
+            cand = np.union1d(np.flatnonzero(st.hot), sel)
+            order = cand[np.argsort(-self._last[cand], kind="stable")]
+            cum = np.cumsum(st.sizes[order] * self.store.entry_bytes)
+            want = np.zeros_like(st.hot)
+            want[order[cum <= self.hot_budget]] = True
+            admitted = np.flatnonzero(want & ~st.hot)
+            evicted = np.flatnonzero(st.hot & ~want)
+            st.evict(evicted)
+            st.admit(admitted, ret.positions, ret.rows)
+            return admitted, evicted
+
+    return LRUSession
+
+
+def cache_policy(args, model, tok):
+    """Fig. 15 equivalent: §6.2 replacement (eq. 6 score, +1/-1 frequency)
+    against LRU at several DRAM budgets for hot clusters: cache hit rate
+    (selected clusters found hot) and per-layer retrieval latency over
+    ``--steps`` greedy decode steps from one stored prefix."""
+    import torch
+
+    from swarmfs import hf
+    text = texts(args)[args.kinds[0]]
+    ctx = token_ids(tok, text, args.offset + args.context)[:, args.offset:]
+    r = args.ratios[0]
+    out = {"context": args.context, "steps": args.steps, "ratio": r, "kind": args.kinds[0],
+           "runs": []}
+    hf.enable(model)
+    LRU = _lru_session()
+    with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+        path = pathlib.Path(wd) / "doc"
+        with torch.no_grad(), hf.SwarmCache(path, model.config, ratio=r, disks=args.disks,
+                                            append=False) as c:
+            o = model(ctx, cache=c, use_cache=True)
+            first = o.logits[:, -1:].argmax(-1)
+        for frac in args.dram_fractions:
+            for policy in ("swarm", "lru"):
+                c = hf.SwarmCache.from_store(path, model.config, ratio=r, hot_budget=frac)
+                if policy == "lru":
+                    c.session_class = LRU
+                with torch.no_grad(), c:
+                    t_ = first
+                    for _ in range(args.steps):
+                        o = model(t_, cache=c, use_cache=True)
+                        t_ = o.logits[:, -1:].argmax(-1)
+                    tot = [s.score_us + s.select_us + s.plan_us + s.io_us + s.assemble_us
+                           for s in c.stats]
+                    io = [s.io_us for s in c.stats]
+                    summ = c.summary()
+                row = {"dram_fraction": frac, "policy": policy,
+                       "hit_rate": summ["cache_hit_rate"],
+                       "layer_latency_us": float(np.median(tot)),
+                       "layer_io_us": float(np.median(io)),
+                       "entries_ssd": summ["entries_ssd"], "dram_bytes": summ["dram_bytes"]}
+                out["runs"].append(row)
+                print(f"DRAM {frac:.3f} {policy:5s}: hit rate {row['hit_rate']:.3f}, per-layer "
+                      f"{row['layer_latency_us']:.0f} µs (I/O {row['layer_io_us']:.0f}), SSD "
+                      f"entries/step {row['entries_ssd']:.0f}", flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["quality", "throughput", "online"])
+    ap.add_argument("what", choices=["quality", "throughput", "online", "cache"])
     ap.add_argument("--model", default=None)
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--fallback-checkpoint", default="/work/train/ckpt/last.pt")
@@ -441,13 +529,15 @@ def main(argv=None):
     ap.add_argument("--online-window", type=int, default=32,
                     help="W for the online run: steps before a new entry joins (eq. 9)")
     ap.add_argument("--workdir", default=None, help="where the stores go (default $TMPDIR)")
+    ap.add_argument("--dram-fractions", type=float, nargs="+", default=[0.01, 0.02, 0.05, 0.1])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import torch
     torch.set_num_threads(2)
     model, tok, name = load(args)
     t0 = time.perf_counter()
-    res = {"quality": quality, "throughput": throughput, "online": online}[args.what](
+    res = {"quality": quality, "throughput": throughput, "online": online,
+            "cache": cache_policy}[args.what](
         args, model, tok)
     res.update(model=name, seconds=time.perf_counter() - t0, cpu=platform.processor() or
                platform.machine(), torch_threads=torch.get_num_threads(),
