@@ -530,10 +530,11 @@ def main(argv=None):
                     help="W for the online run: steps before a new entry joins (eq. 9)")
     ap.add_argument("--workdir", default=None, help="where the stores go (default $TMPDIR)")
     ap.add_argument("--dram-fractions", type=float, nargs="+", default=[0.01, 0.02, 0.05, 0.1])
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import torch
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     model, tok, name = load(args)
     t0 = time.perf_counter()
     res = {"quality": quality, "throughput": throughput, "online": online,
