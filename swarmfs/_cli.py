@@ -441,7 +441,7 @@ def generate(model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     from rich.console import Console
-    con = Console(width=max(Console().width, 160))
+    con = Console(width=max(Console().width, 200))
     if evaluate is not None:
         rep = G.run_evaluate(text, evaluate, model_dir=model, store=store, disks=dk,
                              ratio=ratio, force=force, engine=engine, prefetch=prefetch,

@@ -254,3 +254,19 @@ def test_baseline_layouts_decode_on_the_same_store(method, tmp_path):
                                       method=method)
     assert summ["entries"] <= 2 * (32 + 64)
     assert float((lg_d[1:] - lg_r[1:]).abs().max()) > 0
+
+
+def test_generate_with_past_key_values_keyword(tmp_path):
+    """The issue's spelling: model.generate(..., past_key_values=SwarmCache(...))."""
+    model = make_model("mistral", "bfloat16")
+    ids = prompt()
+    seq_d, lg_d = dense_generate(model, ids, 3)
+    H.enable(model)
+    with H.SwarmCache(tmp_path / "s", model.config, ratio=1.0, disks=2) as cache, \
+            torch.no_grad(), pytest.warns(FutureWarning):
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+        assert cache.get_seq_length() == PROMPT + 2
+    assert torch.equal(out.sequences, seq_d)
+    assert float((torch.stack(out.logits).float() - lg_d).abs().max()) <= TOL["bfloat16"]
