@@ -46,6 +46,10 @@ What happens (SWARM §5-§7):
   new prefill.  With ``append=False`` (the default for ``from_store``) the
   request's new tokens stay in DRAM and the stored document is unchanged.
 
+A model whose attention does not go through ``"swarm"`` would attend to the
+new tokens only; the SwarmCache detects that at the next call of the layer
+(before any decode output) and raises ConfigError.
+
 Limits: batch size 1; no beam search (``reorder_cache``), no ``crop``;
 sliding-window layers only while the context fits their window.
 
@@ -156,6 +160,7 @@ def swarm_attention_forward(module, query, key, value, attention_mask, scaling=N
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout,
                      scaling=scaling, **kwargs)
     cache, layer, mode = tag
+    cache.layers[layer].in_flight = False
     if mode == "prefill":
         out = _sdpa(module, query, key, value, attention_mask, dropout=dropout,
                     scaling=scaling, **kwargs)
@@ -280,6 +285,7 @@ class SwarmLayer(CacheLayerMixin):
     def __init__(self, cache: "SwarmCache", layer: int, seen: int = 0):
         super().__init__()
         self.cache, self.layer_idx, self.seen = cache, layer, int(seen)
+        self.in_flight = False       # updated, not yet attended (misuse detection)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device = key_states.device
@@ -538,10 +544,15 @@ class SwarmCache(Cache):
         T = int(k.shape[2])
         self._check_window(layer, lay.seen + T)
         mode = "decode" if lay.seen > 0 else "prefill"
-        if mode == "prefill" and layer > 0 and self.layers[layer - 1].seen == 0:
-            raise E.InternalError("layers were not called in order during prefill",
-                                  layer=layer, store=self.path)
+        if lay.in_flight or (mode == "decode" and (
+                self.store is None or layer not in self.store.layers)):
+            raise E.ConfigError(
+                "the previous call of this layer did not attend through swarmfs: load the "
+                "model with attn_implementation='swarm' (after import swarmfs.hf) or call "
+                "swarmfs.hf.enable(model); a SwarmCache also serves one thread at a time",
+                layer=layer, store=self.path)
         lay.seen += T
+        lay.in_flight = True
         k._swarm = (self, layer, mode)
         return k, v
 

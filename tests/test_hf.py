@@ -270,3 +270,12 @@ def test_generate_with_past_key_values_keyword(tmp_path):
         assert cache.get_seq_length() == PROMPT + 2
     assert torch.equal(out.sequences, seq_d)
     assert float((torch.stack(out.logits).float() - lg_d).abs().max()) <= TOL["bfloat16"]
+
+
+def test_model_without_swarm_attention_is_refused_before_decoding(tmp_path):
+    """A model left on SDPA would attend to the new token only: refused."""
+    model = make_model("qwen3")                 # sdpa, not "swarm"
+    with H.SwarmCache(tmp_path / "s", model.config, disks=2) as cache, torch.no_grad():
+        model(prompt(), cache=cache, use_cache=True)     # prefill is dense either way
+        with pytest.raises(swarmfs.ConfigError, match="did not attend through swarmfs"):
+            model(prompt(1), cache=cache, use_cache=True)
