@@ -31,7 +31,9 @@ entry to the medoid of the cluster it joined, over the decode queries issued
 after it matured, normalised by the prefix clusters' value, against Min-Size
 and Min-Diff assignment.  ``cache`` (Fig. 15 equivalent): §6.2 replacement
 against LRU at several DRAM budgets (``--dram-fractions`` of a layer's KV):
-cluster hit rate and per-layer retrieval latency.
+cluster hit rate and per-layer retrieval latency.  ``reuse``: time to the
+first new token from a stored document (``SwarmCache.from_store``) against a
+fresh prefill.
 
     /work/bench-exclusive tools/dev run python tools/bench_decode.py quality \\
         --out docs/data/decode-quality.json
@@ -508,9 +510,50 @@ def cache_policy(args, model, tok):
     return out
 
 
+# -- reuse: a stored prefix against a new prefill -----------------------------------
+
+def reuse(args, model, tok):
+    """Time to the first new token for a request that starts with a stored
+    document: a fresh prefill (dense forward + layout + write) against
+    ``SwarmCache.from_store`` (open the store, decode the next token from
+    the disks), and the dense prefill alone for scale; medians of
+    ``--steps`` repetitions (at least 1), in turn."""
+    import torch
+    from transformers import DynamicCache
+
+    from swarmfs import hf
+    text = texts(args)[args.kinds[0]]
+    ids = token_ids(tok, text, args.offset + args.context + 1)[:, args.offset:]
+    ctx, nxt = ids[:, :-1], ids[:, -1:]
+    r = args.ratios[0]
+    t = {"dense_prefill": [], "swarm_prefill": [], "from_store": []}
+    with tempfile.TemporaryDirectory(dir=args.workdir) as wd, torch.no_grad():
+        for i in range(max(1, args.reps)):
+            model.set_attn_implementation("sdpa")
+            t0 = time.perf_counter()
+            model(torch.cat([ctx, nxt], 1), cache=DynamicCache(), use_cache=True)
+            t["dense_prefill"].append(time.perf_counter() - t0)
+            hf.enable(model)
+            path = pathlib.Path(wd) / f"doc{i}"
+            t0 = time.perf_counter()
+            with hf.SwarmCache(path, model.config, ratio=r, disks=args.disks,
+                               append=False) as c:
+                model(ctx, cache=c, use_cache=True)
+                model(nxt, cache=c, use_cache=True)
+            t["swarm_prefill"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with hf.SwarmCache.from_store(path, model.config, ratio=r) as c:
+                model(nxt, cache=c, use_cache=True)
+            t["from_store"].append(time.perf_counter() - t0)
+    out = {"context": args.context, "ratio": r, "kind": args.kinds[0],
+           **{f"{k}_s": statistics.median(v) for k, v in t.items()}, "all": t}
+    print(", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in t.items()), flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["quality", "throughput", "online", "cache"])
+    ap.add_argument("what", choices=["quality", "throughput", "online", "cache", "reuse"])
     ap.add_argument("--model", default=None)
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--fallback-checkpoint", default="/work/train/ckpt/last.pt")
@@ -531,6 +574,7 @@ def main(argv=None):
     ap.add_argument("--workdir", default=None, help="where the stores go (default $TMPDIR)")
     ap.add_argument("--dram-fractions", type=float, nargs="+", default=[0.01, 0.02, 0.05, 0.1])
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions (reuse)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -538,7 +582,7 @@ def main(argv=None):
     model, tok, name = load(args)
     t0 = time.perf_counter()
     res = {"quality": quality, "throughput": throughput, "online": online,
-            "cache": cache_policy}[args.what](
+            "cache": cache_policy, "reuse": reuse}[args.what](
         args, model, tok)
     res.update(model=name, seconds=time.perf_counter() - t0, cpu=platform.processor() or
                platform.machine(), torch_threads=torch.get_num_threads(),
