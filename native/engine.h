@@ -130,4 +130,71 @@ int se_head_logits(const uint16_t *m, int64_t rows, int64_t num_kv_heads, int64_
  * AVX-512.  Returns 0 or -EINVAL. */
 int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *out);
 
+/* The read planner (SWARM 6.1, eq. 8) in one call, as swarmfs._planner
+ * documents it: m candidate copies (tok, cdisk, coff) -> with dedup, one copy
+ * per token (balanced: single-copy entries fill their buckets, the others in
+ * ascending copy count go to the smallest bucket among their copies, the first
+ * copy on a tie; else the first copy); per disk in offset order, runs of
+ * entries with gaps <= max_gap split every max_request bytes from the run's
+ * start, block aligned, overlapping ranges merged; requests in round-robin
+ * disk order laid out back to back.  Outputs (capacity m): utok/chosen/src
+ * per entry (ascending token), rdisk/roff/rlen/rdst per request; *n_entries,
+ * *staging; disk_entries/disk_bytes [ndisks].  Returns the request count or
+ * -EINVAL / -ENOMEM. */
+int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const uint64_t *coff,
+                      int ndisks, uint64_t E, uint64_t bs, uint64_t max_gap,
+                      uint64_t max_request, int balanced, int dedup,
+                      int64_t *utok, int64_t *chosen, uint64_t *src, int64_t *n_entries,
+                      int32_t *rdisk, uint64_t *roff, uint32_t *rlen, uint64_t *rdst,
+                      uint64_t *staging, int64_t *disk_entries, int64_t *disk_bytes);
+
+/* Assembly: entry i (K of H heads then V of H heads, dbytes per head, at
+ * src + src_off[i]) goes to column dst_idx[i] of k and v [H, n_total, dbytes]. */
+void se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
+                  uint64_t dbytes, const int64_t *dst_idx, int64_t n_total, char *k, char *v);
+
+/* Kernel paths of the scoring kernels (gemv, head logits, softmax sums, fused
+ * selection), chosen at run time from the CPU's features: */
+#define SE_PATH_AUTO 0
+#define SE_PATH_SCALAR 1
+#define SE_PATH_AVX2 2
+#define SE_PATH_AVX512 3
+#define SE_PATH_NEON 4
+/* The path the kernels use now. */
+int se_kernel_path(void);
+/* 1 when this CPU (and build) can run the path, else 0. */
+int se_kernel_path_supported(int path);
+/* Force a path (SE_PATH_AUTO: back to the best the CPU has), for benchmarks
+ * and tests; process-wide.  Returns the path now used, or -ENOTSUP when this
+ * CPU (or this build) lacks it. */
+int se_set_kernel_path(int path);
+
+/* Cluster choice (SWARM 5.2, eq. 8): clusters in descending score (ties: lower
+ * id; NaN lowest) until the union of the window (the last w of S tokens) and
+ * the chosen clusters' members (CSR ptr [C+1], members) holds budget distinct
+ * entries (capped at S).  Partial: a quickselect threshold and a radix sort of
+ * the clusters above it, a bitmap of seen tokens, no full sort.  Writes the
+ * chosen ids to out [C] in order and the distinct entries to *entries;
+ * returns how many were chosen, or -EINVAL / -ENOMEM. */
+int64_t se_choose_clusters(const float *scores, int64_t C, const int64_t *ptr,
+                           const int32_t *members, int64_t S, int64_t budget, int64_t w,
+                           int64_t *out, int64_t *entries);
+
+/* The medoid index m [C, H * d] (2-byte floats) repacked for the "prob" score:
+ * per KV head, blocks of 16 rows stored dimension-major, out [H, ceil(C/16), d, 16]
+ * (rows past C are zero). */
+void se_pack_medoids(const uint16_t *m, int64_t C, int64_t H, int64_t d, uint16_t *out);
+
+/* Medoid scoring and cluster choice in one call: m [C, H * d] (fp16 kind 1 /
+ * bf16 kind 2) and optionally its se_pack_medoids form (NULL: none; used by
+ * the AVX-512 and AVX2 "prob" paths), one query q float32 [Hq, d]; score 0 = "prob" (per-head
+ * softmax of scale * logits, summed over heads), 1 = "logit" (GQA-summed
+ * query, scaled).  work: float32 [C * (Hq + 1)] scratch (scores in its first
+ * C).  Then se_choose_clusters.  Returns as se_choose_clusters. */
+int64_t se_select_fused(const uint16_t *m, const uint16_t *packed, int64_t C, int64_t H,
+                        int64_t d, int kind, const float *q, int64_t Hq, float scale, int score,
+                        const int64_t *ptr, const int32_t *members, int64_t S,
+                        int64_t budget, int64_t w, float *work, int64_t *out,
+                        int64_t *entries);
+
 #endif

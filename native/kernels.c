@@ -12,13 +12,22 @@
 #include "engine.h"
 
 #include <errno.h>
-#include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define SE_X86 1
+#include <immintrin.h>
+#else
+#define SE_X86 0
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 /* ---- data kernels -------------------------------------------------------- */
 
@@ -132,6 +141,7 @@ static void gemv_scalar(const uint16_t *m, int64_t rows, int64_t cols, int64_t l
     }
 }
 
+#if SE_X86
 __attribute__((target("avx2,fma,f16c")))
 static void gemv_avx2(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
                       int kind, const float *q, int64_t nq, float *out)
@@ -315,60 +325,9 @@ static void head_logits_avx512(const uint16_t *m, int64_t rows, int64_t H, int64
     free(slot);
 }
 
-int se_head_logits(const uint16_t *m, int64_t rows, int64_t H, int64_t d, int kind,
-                   const float *q, int64_t nq, int64_t Hq, float *out)
-{
-    if (!m || !q || !out || rows < 0 || H <= 0 || d <= 0 || nq <= 0 || Hq <= 0 ||
-        Hq % H || (kind != 1 && kind != 2))
-        return -EINVAL;
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
-        head_logits_avx512(m, rows, H, d, kind, q, nq, Hq, out);
-        return 0;
-    }
-    /* other CPUs: one strided GEMV per KV head */
-    int64_t G = Hq / H;
-    float *tmp = malloc(sizeof(float) * (size_t)(nq * G * rows + 1));
-    float *qg = malloc(sizeof(float) * (size_t)(nq * G * d + 1));
-    if (!tmp || !qg) {
-        free(tmp);
-        free(qg);
-        return -ENOMEM;
-    }
-    for (int64_t g = 0; g < H; g++) {
-        for (int64_t b = 0; b < nq; b++)
-            memcpy(qg + b * G * d, q + (b * Hq + g * G) * d, sizeof(float) * (size_t)(G * d));
-        se_gemv_half(m + g * d, rows, d, H * d, kind, qg, nq * G, tmp);
-        for (int64_t b = 0; b < nq; b++)
-            for (int64_t j = 0; j < G; j++)
-                memcpy(out + (b * Hq + g * G + j) * rows, tmp + (b * G + j) * rows,
-                       sizeof(float) * (size_t)rows);
-    }
-    free(tmp);
-    free(qg);
-    return 0;
-}
+#endif /* SE_X86 */
 
-int se_gemv_half(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld, int kind,
-                 const float *q, int64_t nq, float *out)
-{
-    if (!m || !q || !out || rows < 0 || cols <= 0 || ld < cols || nq <= 0 ||
-        (kind != 1 && kind != 2))
-        return -EINVAL;
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) {
-        gemv_avx512(m, rows, cols, ld, kind, q, nq, out);
-        return 3;
-    }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c")) {
-        gemv_avx2(m, rows, cols, ld, kind, q, nq, out);
-        return 2;
-    }
-    gemv_scalar(m, rows, cols, ld, kind, q, nq, out);
-    return 1;
-}
-
+#if SE_X86
 /* exp(x) for x <= 0 (or any x > -87), AVX-512: 2^(x log2 e) split into an
  * integer power (scalef) and a degree-6 polynomial of the fraction; relative
  * error ~2e-7, which is below fp32 softmax noise. */
@@ -423,6 +382,8 @@ static void softmax_sum_avx512(const float *x, int64_t nh, int64_t n, float scal
     }
 }
 
+#endif /* SE_X86 */
+
 static void softmax_sum_scalar(const float *x, int64_t nh, int64_t n, float scale, float *out)
 {
     for (int64_t h = 0; h < nh; h++) {
@@ -438,14 +399,876 @@ static void softmax_sum_scalar(const float *x, int64_t nh, int64_t n, float scal
     }
 }
 
+
+/* ---- AVX2 + FMA + F16C: per-head logits and softmax sums -------------------- */
+#if SE_X86
+#define LOAD8(kind, p)                                                               \
+    ((kind) == 2 ? _mm256_castsi256_ps(_mm256_slli_epi32(                             \
+                       _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16)) \
+                 : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
+
+/* The 8 horizontal sums of a0..a7 (8 lanes each), as one 8-lane vector. */
+__attribute__((target("avx2,fma,f16c")))
+static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
+                             __m256 a5, __m256 a6, __m256 a7)
+{
+    __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    __m256 b2 = _mm256_hadd_ps(a4, a5), b3 = _mm256_hadd_ps(a6, a7);
+    __m256 c0 = _mm256_hadd_ps(b0, b1), c1 = _mm256_hadd_ps(b2, b3);
+    /* c0 = [s0 s1 s2 s3 | s0' s1' s2' s3'] halves of a0..a3, c1 likewise */
+    __m256 lo = _mm256_permute2f128_ps(c0, c1, 0x20), hi = _mm256_permute2f128_ps(c0, c1, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void head_logits_avx2(const uint16_t *m, int64_t rows, int64_t H, int64_t d,
+                             int kind, const float *q, int64_t nq, int64_t Hq, float *out)
+{
+    /* as head_logits_avx512, with 8-lane accumulators */
+    int64_t G = Hq / H, dv = d & ~(int64_t)7, P = nq * G, nblk = (P + 7) / 8;
+    int64_t *slot = malloc(sizeof(int64_t) * (size_t)(H * nblk * 8));
+    if (!slot)
+        return;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t k = 0; k < nblk * 8; k++) {
+            int64_t pk = k < P ? k : (k / 8) * 8;
+            slot[g * nblk * 8 + k] = (pk / G) * Hq + g * G + pk % G;
+        }
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = m + r * H * d;
+        for (int64_t g = 0; g < H; g++) {
+            const uint16_t *seg = row + g * d;
+            for (int64_t p0 = 0; p0 < P; p0 += 8) {
+                const int64_t *sl = slot + g * nblk * 8 + p0;
+                const float *qp[8];
+                for (int k = 0; k < 8; k++)
+                    qp[k] = q + sl[k] * d;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+                __m256 a4 = _mm256_setzero_ps(), a5 = _mm256_setzero_ps();
+                __m256 a6 = _mm256_setzero_ps(), a7 = _mm256_setzero_ps();
+                int64_t c = 0;
+                for (; c < dv; c += 8) {
+                    __m256 x = LOAD8(kind, seg + c);
+                    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(qp[0] + c), a0);
+                    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(qp[1] + c), a1);
+                    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(qp[2] + c), a2);
+                    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(qp[3] + c), a3);
+                    a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(qp[4] + c), a4);
+                    a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(qp[5] + c), a5);
+                    a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(qp[6] + c), a6);
+                    a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(qp[7] + c), a7);
+                }
+                float sum[8];
+                _mm256_storeu_ps(sum, hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7));
+                int64_t np_ = P - p0 < 8 ? P - p0 : 8;
+                for (int k = 0; k < np_; k++) {
+                    for (int64_t cc = c; cc < d; cc++)
+                        sum[k] += half_to_float(seg[cc], kind) * qp[k][cc];
+                    out[sl[k] * rows + r] = sum[k];
+                }
+            }
+        }
+    }
+    free(slot);
+}
+
+/* exp(x) for x > -87, AVX2: as exp512, with 2^i built in the exponent bits */
+__attribute__((target("avx2,fma,f16c")))
+static inline __m256 exp256(__m256 x)
+{
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 t = _mm256_mul_ps(x, log2e);
+    __m256 i = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, i);
+    __m256 p = _mm256_set1_ps(1.5353362e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6184503e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503339e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022652e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void softmax_sum_avx2(const float *x, int64_t nh, int64_t n, float scale, float *out)
+{
+    int64_t nv = n & ~(int64_t)7;
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t h = 0; h < nh; h++) {
+        const float *row = x + h * n;
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        int64_t c = 0;
+        for (; c < nv; c += 8)
+            mx = _mm256_max_ps(mx, _mm256_loadu_ps(row + c));
+        float mm[8];
+        _mm256_storeu_ps(mm, mx);
+        float m = -INFINITY;
+        for (int k = 0; k < 8; k++)
+            m = mm[k] > m ? mm[k] : m;
+        for (; c < n; c++)
+            m = row[c] > m ? row[c] : m;
+        m *= scale;
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 acc = _mm256_setzero_ps();
+        for (c = 0; c < nv; c += 8)
+            acc = _mm256_add_ps(acc, exp256(_mm256_fmsub_ps(_mm256_loadu_ps(row + c), sc, mv)));
+        float aa[8], sum = 0.f;
+        _mm256_storeu_ps(aa, acc);
+        for (int k = 0; k < 8; k++)
+            sum += aa[k];
+        for (c = nv; c < n; c++)
+            sum += expf(row[c] * scale - m);
+        const __m256 inv = _mm256_set1_ps(1.0f / sum);
+        for (c = 0; c < nv; c += 8) {
+            __m256 e = exp256(_mm256_fmsub_ps(_mm256_loadu_ps(row + c), sc, mv));
+            __m256 o = h ? _mm256_loadu_ps(out + c) : _mm256_setzero_ps();
+            _mm256_storeu_ps(out + c, _mm256_fmadd_ps(e, inv, o));
+        }
+        for (c = nv; c < n; c++)
+            out[c] = (h ? out[c] : 0.0f) + expf(row[c] * scale - m) / sum;
+    }
+}
+#endif /* SE_X86 */
+
+/* ---- packed medoid index: per KV head, blocks of 16 rows, dimension-major ------ */
+
+void se_pack_medoids(const uint16_t *m, int64_t C, int64_t H, int64_t d, uint16_t *out)
+{
+    int64_t nblk = (C + 15) / 16;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t b = 0; b < nblk; b++) {
+            uint16_t *o = out + ((g * nblk + b) * d) * 16;
+            for (int64_t j = 0; j < d; j++)
+                for (int64_t i = 0; i < 16; i++) {
+                    int64_t r = b * 16 + i;
+                    o[j * 16 + i] = r < C ? m[r * H * d + g * d + j] : 0;
+                }
+        }
+}
+
+#if SE_X86
+/* Logits of one query's Hq heads against the packed index: lg [Hq, C].  Each
+ * 16-row block of KV head g is converted once per dimension and feeds the G
+ * query heads of g (no horizontal sums, contiguous stores). */
+__attribute__((target("avx512f")))
+static void packed_logits_avx512(const uint16_t *P, int64_t C, int64_t H, int64_t d, int kind,
+                                 const float *q, int64_t Hq, float *lg)
+{
+    int64_t G = Hq / H, nblk = (C + 15) / 16;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t h0 = 0; h0 < G; h0 += 8) {
+            int64_t nh = G - h0 < 8 ? G - h0 : 8;
+            const float *qh = q + (g * G + h0) * d;
+            for (int64_t b = 0; b < nblk; b++) {
+                const uint16_t *p = P + ((g * nblk + b) * d) * 16;
+                __m512 acc[8];
+                for (int k = 0; k < 8; k++)
+                    acc[k] = _mm512_setzero_ps();
+                for (int64_t j = 0; j < d; j++) {
+                    __m512 x = LOAD16(kind, p + j * 16);
+#pragma GCC unroll 8
+                    for (int k = 0; k < 8; k++)
+                        if (k < nh)
+                            acc[k] = _mm512_fmadd_ps(x, _mm512_set1_ps(qh[k * d + j]), acc[k]);
+                }
+                int64_t r0 = b * 16, nr = C - r0 < 16 ? C - r0 : 16;
+                __mmask16 mk = (__mmask16)((1u << nr) - 1);
+                for (int k = 0; k < nh; k++)
+                    _mm512_mask_storeu_ps(lg + (g * G + h0 + k) * C + r0, mk, acc[k]);
+            }
+        }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void packed_logits_avx2(const uint16_t *P, int64_t C, int64_t H, int64_t d, int kind,
+                               const float *q, int64_t Hq, float *lg)
+{
+    int64_t G = Hq / H, nblk = (C + 15) / 16;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t h0 = 0; h0 < G; h0 += 8) {
+            int64_t nh = G - h0 < 8 ? G - h0 : 8;
+            const float *qh = q + (g * G + h0) * d;
+            for (int64_t b = 0; b < nblk; b++)
+                for (int half = 0; half < 2; half++) {
+                    const uint16_t *p = P + ((g * nblk + b) * d) * 16 + half * 8;
+                    __m256 acc[8];
+                    for (int k = 0; k < 8; k++)
+                        acc[k] = _mm256_setzero_ps();
+                    for (int64_t j = 0; j < d; j++) {
+                        __m256 x = LOAD8(kind, p + j * 16);
+#pragma GCC unroll 8
+                        for (int k = 0; k < 8; k++)
+                            if (k < nh)
+                                acc[k] = _mm256_fmadd_ps(x, _mm256_set1_ps(qh[k * d + j]),
+                                                         acc[k]);
+                    }
+                    int64_t r0 = b * 16 + half * 8, nr = C - r0 < 8 ? C - r0 : 8;
+                    if (nr <= 0)
+                        continue;
+                    for (int k = 0; k < nh; k++) {
+                        if (nr == 8) {
+                            _mm256_storeu_ps(lg + (g * G + h0 + k) * C + r0, acc[k]);
+                        } else {
+                            float t[8];
+                            _mm256_storeu_ps(t, acc[k]);
+                            memcpy(lg + (g * G + h0 + k) * C + r0, t, sizeof(float) * (size_t)nr);
+                        }
+                    }
+                }
+        }
+}
+#endif /* SE_X86 */
+
+/* ---- NEON (aarch64): fp16/bf16 GEMV -------------------------------------------- */
+#if defined(__aarch64__)
+static void gemv_neon(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
+                      int kind, const float *q, int64_t nq, float *out)
+{
+    int64_t cv = cols & ~(int64_t)3;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = m + r * ld;
+        for (int64_t b = 0; b < nq; b++) {
+            const float *qb = q + b * cols;
+            float32x4_t acc = vdupq_n_f32(0.f);
+            for (int64_t c = 0; c < cv; c += 4) {
+                uint16x4_t h = vld1_u16(row + c);
+                float32x4_t x = kind == 2
+                    ? vreinterpretq_f32_u32(vshll_n_u16(h, 16))
+                    : vcvt_f32_f16(vreinterpret_f16_u16(h));
+                acc = vfmaq_f32(acc, x, vld1q_f32(qb + c));
+            }
+            float s = vaddvq_f32(acc);
+            for (int64_t c = cv; c < cols; c++)
+                s += half_to_float(row[c], kind) * qb[c];
+            out[b * rows + r] = s;
+        }
+    }
+}
+#endif
+
+/* ---- run-time dispatch ---------------------------------------------------------- */
+
+static int g_forced = SE_PATH_AUTO;
+
+static int path_supported(int path)
+{
+    switch (path) {
+    case SE_PATH_SCALAR:
+        return 1;
+#if SE_X86
+    case SE_PATH_AVX2:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    case SE_PATH_AVX512:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+#endif
+#if defined(__aarch64__)
+    case SE_PATH_NEON:
+        return 1;
+#endif
+    default:
+        return 0;
+    }
+}
+
+int se_kernel_path_supported(int path)
+{
+    return path_supported(path);
+}
+
+int se_kernel_path(void)
+{
+    int forced = __atomic_load_n(&g_forced, __ATOMIC_RELAXED);
+    if (forced != SE_PATH_AUTO)
+        return forced;
+    if (path_supported(SE_PATH_AVX512))
+        return SE_PATH_AVX512;
+    if (path_supported(SE_PATH_AVX2))
+        return SE_PATH_AVX2;
+    if (path_supported(SE_PATH_NEON))
+        return SE_PATH_NEON;
+    return SE_PATH_SCALAR;
+}
+
+int se_set_kernel_path(int path)
+{
+    if (path != SE_PATH_AUTO && !path_supported(path))
+        return -ENOTSUP;
+    __atomic_store_n(&g_forced, path, __ATOMIC_RELAXED);
+    return se_kernel_path();
+}
+
+static void gemv_dispatch(int path, const uint16_t *m, int64_t rows, int64_t cols, int64_t ld,
+                          int kind, const float *q, int64_t nq, float *out)
+{
+    switch (path) {
+#if SE_X86
+    case SE_PATH_AVX512:
+        gemv_avx512(m, rows, cols, ld, kind, q, nq, out);
+        return;
+    case SE_PATH_AVX2:
+        gemv_avx2(m, rows, cols, ld, kind, q, nq, out);
+        return;
+#endif
+#if defined(__aarch64__)
+    case SE_PATH_NEON:
+        gemv_neon(m, rows, cols, ld, kind, q, nq, out);
+        return;
+#endif
+    default:
+        gemv_scalar(m, rows, cols, ld, kind, q, nq, out);
+    }
+}
+
+int se_gemv_half(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld, int kind,
+                 const float *q, int64_t nq, float *out)
+{
+    if (!m || !q || !out || rows < 0 || cols <= 0 || ld < cols || nq <= 0 ||
+        (kind != 1 && kind != 2))
+        return -EINVAL;
+    int path = se_kernel_path();
+    gemv_dispatch(path, m, rows, cols, ld, kind, q, nq, out);
+    return path;
+}
+
+/* per KV head, one strided GEMV of its query heads (paths without a fused kernel) */
+static int head_logits_by_gemv(int path, const uint16_t *m, int64_t rows, int64_t H, int64_t d,
+                               int kind, const float *q, int64_t nq, int64_t Hq, float *out)
+{
+    int64_t G = Hq / H;
+    float *tmp = malloc(sizeof(float) * (size_t)(nq * G * rows + 1));
+    float *qg = malloc(sizeof(float) * (size_t)(nq * G * d + 1));
+    if (!tmp || !qg) {
+        free(tmp);
+        free(qg);
+        return -ENOMEM;
+    }
+    for (int64_t g = 0; g < H; g++) {
+        for (int64_t b = 0; b < nq; b++)
+            memcpy(qg + b * G * d, q + (b * Hq + g * G) * d, sizeof(float) * (size_t)(G * d));
+        gemv_dispatch(path, m + g * d, rows, d, H * d, kind, qg, nq * G, tmp);
+        for (int64_t b = 0; b < nq; b++)
+            for (int64_t j = 0; j < G; j++)
+                memcpy(out + (b * Hq + g * G + j) * rows, tmp + (b * G + j) * rows,
+                       sizeof(float) * (size_t)rows);
+    }
+    free(tmp);
+    free(qg);
+    return 0;
+}
+
+int se_head_logits(const uint16_t *m, int64_t rows, int64_t H, int64_t d, int kind,
+                   const float *q, int64_t nq, int64_t Hq, float *out)
+{
+    if (!m || !q || !out || rows < 0 || H <= 0 || d <= 0 || nq <= 0 || Hq <= 0 ||
+        Hq % H || (kind != 1 && kind != 2))
+        return -EINVAL;
+    int path = se_kernel_path();
+#if SE_X86
+    if (path == SE_PATH_AVX512) {
+        head_logits_avx512(m, rows, H, d, kind, q, nq, Hq, out);
+        return 0;
+    }
+    if (path == SE_PATH_AVX2) {
+        head_logits_avx2(m, rows, H, d, kind, q, nq, Hq, out);
+        return 0;
+    }
+#endif
+    return head_logits_by_gemv(path, m, rows, H, d, kind, q, nq, Hq, out);
+}
+
+static void softmax_sum_dispatch(int path, const float *x, int64_t nh, int64_t n, float scale,
+                                 float *out)
+{
+#if SE_X86
+    if (path == SE_PATH_AVX512) {
+        softmax_sum_avx512(x, nh, n, scale, out);
+        return;
+    }
+    if (path == SE_PATH_AVX2) {
+        softmax_sum_avx2(x, nh, n, scale, out);
+        return;
+    }
+#endif
+    softmax_sum_scalar(x, nh, n, scale, out);
+}
+
 int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *out)
 {
     if (!x || !out || nh <= 0 || n <= 0 || !(scale > 0))
         return -EINVAL;
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f"))
-        softmax_sum_avx512(x, nh, n, scale, out);
-    else
-        softmax_sum_scalar(x, nh, n, scale, out);
+    softmax_sum_dispatch(se_kernel_path(), x, nh, n, scale, out);
     return 0;
+}
+
+/* ---- cluster choice (SWARM 5.2, eq. 8) ------------------------------------------- */
+
+/* A key whose ascending order is descending score (NaN lowest, -0 == +0). */
+static inline uint32_t desc_key(float s)
+{
+    if (s != s)
+        s = -INFINITY;
+    if (s == 0.0f)
+        s = 0.0f;
+    uint32_t u;
+    memcpy(&u, &s, 4);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ~u;
+}
+
+/* k-th smallest (0-based) of a[0..n) by quickselect; a is reordered. */
+static uint32_t nth_u32(uint32_t *a, int64_t n, int64_t k)
+{
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        uint32_t x = a[lo + (hi - lo) / 2], y = a[lo], z = a[hi], p;
+        p = (x < y) ? ((y < z) ? y : (x < z ? z : x)) : ((x < z) ? x : (y < z ? z : y));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] < p)
+                i++;
+            while (a[j] > p)
+                j--;
+            if (i <= j) {
+                uint32_t t = a[i];
+                a[i] = a[j];
+                a[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (k <= j)
+            hi = j;
+        else if (k >= i)
+            lo = i;
+        else
+            return a[k];
+    }
+    return a[k];
+}
+
+/* Stable LSD radix sort of (key << 32 | id) by the upper 32 bits, 3 passes of
+ * 11 bits; ids come in ascending order, so ties stay in id order. */
+static void radix_sort_keys(uint64_t *a, uint64_t *tmp, int64_t n)
+{
+    size_t cnt[2048];
+    for (int pass = 0; pass < 3; pass++) {
+        int shift = 32 + 11 * pass;
+        memset(cnt, 0, sizeof cnt);
+        for (int64_t i = 0; i < n; i++)
+            cnt[(a[i] >> shift) & 2047]++;
+        size_t sum = 0;
+        for (int b = 0; b < 2048; b++) {
+            size_t c = cnt[b];
+            cnt[b] = sum;
+            sum += c;
+        }
+        for (int64_t i = 0; i < n; i++)
+            tmp[cnt[(a[i] >> shift) & 2047]++] = a[i];
+        memcpy(a, tmp, sizeof(uint64_t) * (size_t)n);
+    }
+}
+
+int64_t se_choose_clusters(const float *scores, int64_t C, const int64_t *ptr,
+                           const int32_t *members, int64_t S, int64_t budget, int64_t w,
+                           int64_t *out, int64_t *entries)
+{
+    if (!scores || !ptr || !members || !out || !entries || C < 0 || S < 0 || budget < 0 ||
+        w < 0 || C >= ((int64_t)1 << 32))
+        return -EINVAL;
+    if (budget > S)
+        budget = S;
+    if (w > S)
+        w = S;
+    int64_t have = w, nout = 0;
+    if (have >= budget || C == 0) {
+        *entries = have;
+        return 0;
+    }
+    uint64_t *seen = calloc((size_t)(S + 63) / 64 + 1, 8);
+    uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)C);
+    uint32_t *sel = malloc(sizeof(uint32_t) * (size_t)C);
+    uint64_t *cand = malloc(sizeof(uint64_t) * (size_t)C);
+    uint64_t *tmp = malloc(sizeof(uint64_t) * (size_t)C);
+    if (!seen || !keys || !sel || !cand || !tmp) {
+        free(seen); free(keys); free(sel); free(cand); free(tmp);
+        return -ENOMEM;
+    }
+    for (int64_t t = S - w; t < S; t++)
+        seen[t >> 6] |= (uint64_t)1 << (t & 63);
+    for (int64_t c = 0; c < C; c++)
+        keys[c] = desc_key(scores[c]);
+    double mean = (double)ptr[C] / (double)C;
+    if (mean < 1.0)
+        mean = 1.0;
+    int64_t k = (int64_t)((double)(budget - have) / mean * 1.5) + 16, done = 0;
+    for (;;) {
+        if (k > C)
+            k = C;
+        /* the first k of the order are the clusters whose key is <= the k-th
+         * smallest key (with every tie of it): collect them in id order */
+        int64_t m = 0;
+        if (k < C) {
+            memcpy(sel, keys, sizeof(uint32_t) * (size_t)C);
+            uint32_t t = nth_u32(sel, C, k - 1);
+            for (int64_t c = 0; c < C; c++)
+                if (keys[c] <= t)
+                    cand[m++] = ((uint64_t)keys[c] << 32) | (uint64_t)c;
+        } else {
+            for (int64_t c = 0; c < C; c++)
+                cand[m++] = ((uint64_t)keys[c] << 32) | (uint64_t)c;
+        }
+        radix_sort_keys(cand, tmp, m);
+        for (int64_t j = done; j < m; j++) {
+            int64_t c = (int64_t)(cand[j] & 0xffffffffu);
+            for (int64_t i = ptr[c]; i < ptr[c + 1]; i++) {
+                int64_t t = members[i];
+                uint64_t bit = (uint64_t)1 << (t & 63);
+                if (!(seen[t >> 6] & bit)) {
+                    seen[t >> 6] |= bit;
+                    have++;
+                }
+            }
+            out[nout++] = c;
+            if (have >= budget)
+                goto finish;
+        }
+        done = m;
+        if (m >= C)
+            break;
+        k = 2 * k > m + 1 ? 2 * k : m + 1;
+    }
+finish:
+    free(seen); free(keys); free(sel); free(cand); free(tmp);
+    *entries = have;
+    return nout;
+}
+
+int64_t se_select_fused(const uint16_t *m, const uint16_t *packed, int64_t C, int64_t H,
+                        int64_t d, int kind, const float *q, int64_t Hq, float scale, int score,
+                        const int64_t *ptr, const int32_t *members, int64_t S,
+                        int64_t budget, int64_t w, float *work, int64_t *out,
+                        int64_t *entries)
+{
+    if (!m || !q || !work || C < 0 || H <= 0 || d <= 0 || Hq <= 0 || Hq % H ||
+        (kind != 1 && kind != 2) || !(scale > 0) || (score != 0 && score != 1))
+        return -EINVAL;
+    int path = se_kernel_path();
+    float *sc = work;                         /* [C] scores */
+    if (C > 0) {
+        if (score == 1) {
+            /* logit: GQA-summed, scaled query [H * d] against each row */
+            float *qg = malloc(sizeof(float) * (size_t)(H * d));
+            if (!qg)
+                return -ENOMEM;
+            int64_t G = Hq / H;
+            for (int64_t g = 0; g < H; g++)
+                for (int64_t j = 0; j < d; j++) {
+                    float s = 0.f;
+                    for (int64_t i = 0; i < G; i++)
+                        s += q[(g * G + i) * d + j];
+                    qg[g * d + j] = s * scale;
+                }
+            gemv_dispatch(path, m, C, H * d, H * d, kind, qg, 1, sc);
+            free(qg);
+        } else {
+            /* prob: per-head logits [Hq, C] in work + C, softmax-summed over heads */
+            float *lg = work + C;
+            int rc = 0;
+#if SE_X86
+            if (packed && path == SE_PATH_AVX512)
+                packed_logits_avx512(packed, C, H, d, kind, q, Hq, lg);
+            else if (packed && path == SE_PATH_AVX2)
+                packed_logits_avx2(packed, C, H, d, kind, q, Hq, lg);
+            else if (path == SE_PATH_AVX512)
+                head_logits_avx512(m, C, H, d, kind, q, 1, Hq, lg);
+            else if (path == SE_PATH_AVX2)
+                head_logits_avx2(m, C, H, d, kind, q, 1, Hq, lg);
+            else
+#endif
+                rc = head_logits_by_gemv(path, m, C, H, d, kind, q, 1, Hq, lg);
+            if (rc < 0)
+                return rc;
+            softmax_sum_dispatch(path, lg, Hq, C, scale, sc);
+        }
+    }
+    return se_choose_clusters(sc, C, ptr, members, S, budget, w, out, entries);
+}
+
+/* ---- the read planner (SWARM 6.1, eq. 8) ------------------------------------------ */
+
+typedef struct {
+    uint64_t key;
+    int64_t idx;
+} kv_rec;
+
+/* Stable LSD radix sort of records by key, 11-bit digits up to `bits`
+ * bits, skipping digits that are equal in every key; tmp: scratch of n. */
+static kv_rec *radix_sort_rec(kv_rec *a, kv_rec *tmp, int64_t n, int bits)
+{
+    size_t cnt[2048];
+    for (int shift = 0; shift < bits; shift += 11) {
+        memset(cnt, 0, sizeof cnt);
+        for (int64_t i = 0; i < n; i++)
+            cnt[(a[i].key >> shift) & 2047]++;
+        if (n && cnt[(a[0].key >> shift) & 2047] == (size_t)n)
+            continue;
+        size_t sum = 0;
+        for (int b = 0; b < 2048; b++) {
+            size_t c = cnt[b];
+            cnt[b] = sum;
+            sum += c;
+        }
+        for (int64_t i = 0; i < n; i++)
+            tmp[cnt[(a[i].key >> shift) & 2047]++] = a[i];
+        kv_rec *t = a;
+        a = tmp;
+        tmp = t;
+    }
+    return a;
+}
+
+int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const uint64_t *coff,
+                      int ndisks, uint64_t E, uint64_t bs, uint64_t max_gap,
+                      uint64_t max_request, int balanced, int dedup,
+                      int64_t *utok, int64_t *chosen, uint64_t *src, int64_t *n_entries,
+                      int32_t *rdisk, uint64_t *roff, uint32_t *rlen, uint64_t *rdst,
+                      uint64_t *staging, int64_t *disk_entries, int64_t *disk_bytes)
+{
+    if (m < 0 || ndisks <= 0 || E == 0 || bs == 0 || (bs & (bs - 1)))
+        return -EINVAL;
+    for (int d = 0; d < ndisks; d++)
+        disk_entries[d] = disk_bytes[d] = 0;
+    *n_entries = 0;
+    *staging = 0;
+    if (m == 0)
+        return 0;
+    /* one per-thread scratch area, kept between calls: a fresh malloc of these
+     * sizes is an mmap whose page faults cost more than the planning */
+    static __thread char *scratch;
+    static __thread size_t scratch_cap;
+    size_t need = (size_t)m * (8 * 11 + 4) + (size_t)(m + 1) * 8 + (size_t)ndisks * 24 + 256;
+    if (need > scratch_cap) {
+        free(scratch);
+        scratch = malloc(need);
+        scratch_cap = scratch ? need : 0;
+    }
+    int64_t ret = -ENOMEM;
+    if (!scratch)
+        return ret;
+    char *sp = scratch;
+#define TAKE(T, cnt) ((T *)(void *)(sp += ((sizeof(T) * (size_t)(cnt) + 7) & ~(size_t)7), \
+                                    sp - ((sizeof(T) * (size_t)(cnt) + 7) & ~(size_t)7)))
+    int64_t *load = TAKE(int64_t, ndisks);
+    int64_t *first = TAKE(int64_t, ndisks + 1);
+    int64_t *nreq_d = TAKE(int64_t, ndisks);
+    memset(load, 0, sizeof(int64_t) * (size_t)(3 * ndisks + 1));
+    int64_t *order = TAKE(int64_t, m);
+    int64_t *tmp = TAKE(int64_t, m);
+    uint64_t *key = TAKE(uint64_t, m);
+    int64_t *ustart = TAKE(int64_t, m + 1);
+    int64_t *req = TAKE(int64_t, m);                  /* request of sorted entry */
+    uint64_t *rs = TAKE(uint64_t, m);
+    uint64_t *re = TAKE(uint64_t, m);
+    int64_t *rpos = TAKE(int64_t, m);
+    kv_rec *recs = TAKE(kv_rec, m);
+    kv_rec *rtmp = TAKE(kv_rec, m);
+    int32_t *rd = TAKE(int32_t, m);
+#undef TAKE
+
+    /* 1. candidates by token (stable: candidate order within a token), as
+     * (token << 32 | candidate) values: no indirection */
+    for (int64_t i = 0; i < m; i++)
+        key[i] = ((uint64_t)tok[i] << 32) | (uint64_t)i;
+    {
+        size_t cnt[2048];
+        uint64_t *a = key, *b = (uint64_t *)(void *)tmp;
+        for (int shift = 32; shift < 64; shift += 11) {
+            memset(cnt, 0, sizeof cnt);
+            for (int64_t i = 0; i < m; i++)
+                cnt[(a[i] >> shift) & 2047]++;
+            if (cnt[(a[0] >> shift) & 2047] == (size_t)m)
+                continue;
+            size_t sum = 0;
+            for (int bb = 0; bb < 2048; bb++) {
+                size_t c = cnt[bb];
+                cnt[bb] = sum;
+                sum += c;
+            }
+            for (int64_t i = 0; i < m; i++)
+                b[cnt[(a[i] >> shift) & 2047]++] = a[i];
+            uint64_t *t = a;
+            a = b;
+            b = t;
+        }
+        for (int64_t i = 0; i < m; i++)
+            order[i] = (int64_t)(a[i] & 0xffffffffu);
+    }
+    int64_t n = 0;
+    if (!dedup) {
+        for (int64_t i = 0; i < m; i++) {
+            chosen[i] = order[i];
+            utok[i] = tok[order[i]];
+        }
+        n = m;
+    } else {
+        /* 2. dedup (eq. 8) and entry buckets (6.1) */
+        int64_t U = 0, multi = 0, maxc = 1;
+        for (int64_t i = 0; i < m; i++)
+            if (i == 0 || tok[order[i]] != tok[order[i - 1]])
+                ustart[U++] = i;
+        ustart[U] = m;
+        for (int64_t u = 0; u < U; u++) {
+            int64_t c = ustart[u + 1] - ustart[u];
+            chosen[u] = order[ustart[u]];
+            utok[u] = tok[order[ustart[u]]];
+            if (c == 1)
+                load[cdisk[chosen[u]]]++;
+            else {
+                multi++;
+                if (c > maxc)
+                    maxc = c;
+            }
+        }
+        if (balanced && multi) {
+            /* multi-copy entries in ascending copy count (stable), each to the
+             * smallest bucket among its copies, the first copy on a tie */
+            int64_t *cc = calloc((size_t)maxc + 2, sizeof(int64_t));
+            if (!cc)
+                goto out;
+            for (int64_t u = 0; u < U; u++) {
+                int64_t c = ustart[u + 1] - ustart[u];
+                if (c > 1)
+                    cc[c + 1]++;
+            }
+            for (int64_t c = 1; c <= maxc + 1; c++)
+                cc[c] += cc[c - 1];
+            for (int64_t u = 0; u < U; u++) {
+                int64_t c = ustart[u + 1] - ustart[u];
+                if (c > 1)
+                    tmp[cc[c]++] = u;
+            }
+            free(cc);
+            for (int64_t k = 0; k < multi; k++) {
+                int64_t u = tmp[k], best = order[ustart[u]];
+                int64_t bl = load[cdisk[best]];
+                for (int64_t i = ustart[u] + 1; i < ustart[u + 1]; i++) {
+                    int64_t c = order[i];
+                    if (load[cdisk[c]] < bl) {
+                        bl = load[cdisk[c]];
+                        best = c;
+                    }
+                }
+                load[cdisk[best]]++;
+                chosen[u] = best;
+            }
+        }
+        n = U;
+    }
+    *n_entries = n;
+
+    /* 3. per disk, in offset order */
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t d = (uint64_t)cdisk[chosen[i]];
+        recs[i].key = (d << 52) | coff[chosen[i]];
+        recs[i].idx = i;
+        disk_entries[d]++;
+    }
+    kv_rec *sr = radix_sort_rec(recs, rtmp, n, 66);
+    for (int64_t i = 0; i < n; i++) {
+        order[i] = sr[i].idx;
+        key[i] = sr[i].key;               /* key in sorted order from here on */
+    }
+
+    /* 4. runs (gap <= max_gap), split at max_request from the run's start,
+     * aligned to blocks, merged where aligned ranges overlap */
+    uint64_t chunk_bytes = max_request > E ? max_request : E;
+    int64_t R = 0;
+    uint64_t run_base = 0, prev_chunk = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint64_t k = key[j], d = k >> 52, o = k & (((uint64_t)1 << 52) - 1);
+        int newrun = 1;
+        if (j > 0) {
+            uint64_t kp = key[j - 1], dp = kp >> 52, op = kp & (((uint64_t)1 << 52) - 1);
+            newrun = d != dp || o > op + E + max_gap;
+        }
+        uint64_t ch = 0;
+        if (newrun)
+            run_base = o;
+        else if (max_request > 0)
+            ch = (o - run_base) / chunk_bytes;
+        int newreq = newrun || (max_request > 0 && ch != prev_chunk);
+        prev_chunk = newrun ? 0 : ch;
+        uint64_t a0 = o / bs * bs, a1 = (o + E + bs - 1) / bs * bs;
+        if (newreq && R > 0 && rd[R - 1] == (int32_t)d && a0 < re[R - 1])
+            newreq = 0;                          /* aligned ranges overlap: one request */
+        if (newreq) {
+            rs[R] = a0;
+            re[R] = a1;
+            rd[R] = (int32_t)d;
+            R++;
+        } else if (a1 > re[R - 1]) {
+            re[R - 1] = a1;
+        }
+        req[j] = R - 1;
+    }
+
+    /* 5. submission order: round robin over the disks, request r of each in turn */
+    for (int64_t r = 0; r < R; r++)
+        nreq_d[rd[r]]++;
+    int64_t maxr = 0;
+    for (int d = 0; d < ndisks; d++) {
+        first[d + 1] = first[d] + nreq_d[d];
+        if (nreq_d[d] > maxr)
+            maxr = nreq_d[d];
+    }
+    int64_t kq = 0;
+    uint64_t dst = 0;
+    for (int64_t r = 0; r < maxr; r++)
+        for (int d = 0; d < ndisks; d++)
+            if (r < nreq_d[d]) {
+                int64_t q = first[d] + r;
+                rpos[q] = kq;
+                rdisk[kq] = rd[q];
+                roff[kq] = rs[q];
+                rlen[kq] = (uint32_t)(re[q] - rs[q]);
+                rdst[kq] = dst;
+                dst += re[q] - rs[q];
+                disk_bytes[d] += (int64_t)(re[q] - rs[q]);
+                kq++;
+            }
+    *staging = dst;
+    /* 6. where each entry lands in the staging buffer */
+    for (int64_t j = 0; j < n; j++) {
+        int64_t i = order[j], q = req[j];
+        uint64_t o = key[j] & (((uint64_t)1 << 52) - 1);
+        src[i] = rdst[rpos[q]] + (o - rs[q]);
+    }
+    ret = R;
+out:
+    return ret;
+}
+
+/* ---- assembly: entries straight into K and V [H, n_total, d] ------------------ */
+
+void se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
+                  uint64_t dbytes, const int64_t *dst_idx, int64_t n_total, char *k, char *v)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const char *row = src + src_off[i];
+        uint64_t at = (uint64_t)dst_idx[i] * dbytes;
+        for (int64_t h = 0; h < H; h++) {
+            memcpy(k + (uint64_t)h * (uint64_t)n_total * dbytes + at, row + (uint64_t)h * dbytes,
+                   dbytes);
+            memcpy(v + (uint64_t)h * (uint64_t)n_total * dbytes + at,
+                   row + (uint64_t)(H + h) * dbytes, dbytes);
+        }
+    }
 }

@@ -36,6 +36,8 @@ from ._errors import StoreNotFoundError as StoreNotFoundError
 from ._errors import SwarmError as SwarmError
 from ._index import LayerIndex as LayerIndex
 from ._online import DecodeSession as DecodeSession
+from ._online import PipelinedStep as PipelinedStep
+from ._online import pipelined_step as pipelined_step
 from ._online import StepResult as StepResult
 from ._planner import Plan as Plan
 from ._planner import plan_reads as plan_reads

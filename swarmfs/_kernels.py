@@ -1,6 +1,9 @@
 """Native data kernels (``native/kernels.c``): gather/scatter of entry rows,
-XXH3-64 checksums, the §6.1 entry-bucket assignment, and the medoid-scoring
-kernels (fp16/bf16 GEMV, per-head logits, softmax sums).
+XXH3-64 checksums, the §6.1 entry-bucket assignment, the medoid-scoring
+kernels (fp16/bf16 GEMV, per-head logits, softmax sums) and the cluster choice,
+alone or fused with the scoring.  The scoring kernels have AVX-512, AVX2 + FMA +
+F16C, NEON (aarch64) and scalar paths, chosen at run time from the CPU's
+features; :func:`set_kernel_path` (or ``SWARMFS_KERNEL_PATH``) forces one.
 
 Each wrapper checks its arguments before C touches memory and raises only
 :class:`~swarmfs.InvalidArgumentError` for bad ones.
@@ -16,7 +19,67 @@ from ._errors import InvalidArgumentError
 from ._native import ffi, lib
 
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
-           "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum"]
+           "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum",
+           "choose_clusters", "select_fused", "pack_medoids", "gather_kv", "kernel_path",
+           "set_kernel_path", "supported_paths", "cpu_flags", "KERNEL_PATHS"]
+
+
+# -- argument checks (before C touches memory) ---------------------------------
+
+def _fail(msg: str):
+    raise InvalidArgumentError(msg)
+
+
+def _arr(x, what: str, *, writable: bool = False) -> np.ndarray:
+    """A C-contiguous numpy array (``writable`` when C writes into it)."""
+    if not isinstance(x, np.ndarray):
+        try:
+            x = np.asarray(x)
+        except (TypeError, ValueError) as exc:
+            _fail(f"{what} is not an array: {exc}")
+    if not x.flags.c_contiguous:
+        if writable:
+            _fail(f"{what} must be C-contiguous")
+        x = np.ascontiguousarray(x)
+    if writable and not x.flags.writeable:
+        _fail(f"{what} is read-only")
+    return x
+
+
+def _vec(x, dtype, what: str) -> np.ndarray:
+    """A 1-D integer array as ``dtype`` (refusing floats, bools and negatives
+    for unsigned types)."""
+    a = np.asarray(x)
+    if a.size == 0:
+        return np.empty(0, dtype=dtype)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        _fail(f"{what} must be a 1-D integer array, got {a.dtype} {a.shape}")
+    if np.dtype(dtype).kind == "u" and a.dtype.kind == "i" and a.min() < 0:
+        _fail(f"{what} holds a negative value")
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _floats(x, what: str) -> np.ndarray:
+    """A C-contiguous float32 array."""
+    try:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        _fail(f"{what} is not a float array: {exc}")
+
+
+def _native_failure(what: str, ret: int):
+    import errno
+    if -ret == errno.EINVAL:
+        _fail(f"{what}: {os.strerror(-ret)}")
+    from ._errors import InternalError
+    raise InternalError(f"{what} failed: {os.strerror(-ret)}")
+
+
+def _pos(x, what: str) -> int:
+    import numbers
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or int(x) <= 0:
+        _fail(f"{what} must be a positive integer, got {x!r}")
+    return int(x)
 
 
 # -- data kernels (vectorised, in C) --------------------------------------
@@ -24,14 +87,25 @@ __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_ro
 def gather_rows(src: np.ndarray, src_off: np.ndarray, row: int,
                 out: np.ndarray | None = None) -> np.ndarray:
     """Copy ``n`` rows of ``row`` bytes from byte offsets ``src_off`` of the
-    uint8 buffer ``src`` into a new (or given) uint8 [n, row] array."""
-    src_off = np.ascontiguousarray(src_off, dtype=np.uint64)
+    uint8 buffer ``src`` into a new (or given) uint8 [n, row] array.
+
+    Raises:
+        InvalidArgumentError: a row outside ``src`` or an ``out`` that does
+            not hold n rows.
+    """
+    row = _pos(row, "row")
+    src = _arr(src, "src")
+    src_off = _vec(src_off, np.uint64, "src_off")
     n = src_off.shape[0]
     if out is None:
         out = np.empty((n, row), dtype=np.uint8)
+    else:
+        out = _arr(out, "out", writable=True)
+        if out.nbytes != n * row:
+            _fail(f"out holds {out.nbytes} bytes, not {n} rows of {row}")
     if n:
         if int(src_off.max()) + row > src.nbytes:
-            raise InvalidArgumentError("gather outside the source buffer")
+            _fail("gather outside the source buffer")
         lib.se_gather_rows(ffi.from_buffer("char[]", out, require_writable=True),
                            ffi.from_buffer("char[]", src),
                            ffi.from_buffer("uint64_t[]", src_off), n, row)
@@ -41,23 +115,75 @@ def gather_rows(src: np.ndarray, src_off: np.ndarray, row: int,
 def scatter_rows(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray,
                  src_row: np.ndarray, row: int) -> None:
     """``dst[dst_off[i]:+row] = src_rows[src_row[i]]`` for the uint8 buffer
-    ``dst`` and the C-contiguous row array ``src`` (rows of ``row`` bytes)."""
-    dst_off = np.ascontiguousarray(dst_off, dtype=np.uint64)
-    src_row = np.ascontiguousarray(src_row, dtype=np.int64)
+    ``dst`` and the C-contiguous row array ``src`` (rows of ``row`` bytes).
+
+    Raises:
+        InvalidArgumentError: a row outside a buffer, or arrays of different
+            lengths.
+    """
+    row = _pos(row, "row")
+    dst = _arr(dst, "dst", writable=True)
+    src = _arr(src, "src")
+    dst_off = _vec(dst_off, np.uint64, "dst_off")
+    src_row = _vec(src_row, np.int64, "src_row")
     n = dst_off.shape[0]
+    if src_row.shape[0] != n:
+        _fail(f"{n} destinations but {src_row.shape[0]} source rows")
     if not n:
         return
-    if int(dst_off.max()) + row > dst.nbytes or int(src_row.max()) * row + row > src.nbytes:
-        raise InvalidArgumentError("scatter outside a buffer")
+    if int(dst_off.max()) + row > dst.nbytes or src_row.min() < 0 or \
+            int(src_row.max()) * row + row > src.nbytes:
+        _fail("scatter outside a buffer")
     lib.se_scatter_rows(ffi.from_buffer("char[]", dst, require_writable=True),
                         ffi.from_buffer("uint64_t[]", dst_off),
-                        ffi.from_buffer("char[]", np.ascontiguousarray(src)),
+                        ffi.from_buffer("char[]", src),
                         ffi.from_buffer("int64_t[]", src_row), n, row)
+
+
+def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.ndarray,
+              v: np.ndarray) -> None:
+    """Write entries straight into K and V: entry i (its K heads then its V
+    heads, as stored) at byte ``src_off[i]`` of ``src`` goes to
+    ``k[:, dst_idx[i]]`` and ``v[:, dst_idx[i]]`` (in C, no intermediate copy).
+
+    Args:
+        src: uint8 buffer (staging buffer or DRAM pool).
+        src_off: uint64 [n] byte offsets of the entries.
+        dst_idx: int64 [n] output columns in [0, n_total).
+        k, v: C-contiguous writable [H, n_total, d] arrays of one 2- or 4-byte
+            dtype (entry bytes = 2 * H * d * itemsize).
+
+    Raises:
+        InvalidArgumentError: shapes, bounds or dtypes that do not fit.
+    """
+    k = _arr(k, "k", writable=True)
+    v = _arr(v, "v", writable=True)
+    src = _arr(src, "src")
+    if k.ndim != 3 or k.shape != v.shape or k.dtype != v.dtype:
+        _fail(f"gather_kv: k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must be one "
+              "[H, n, d] shape and dtype")
+    H, nt, d = k.shape
+    db = d * k.itemsize
+    src_off = _vec(src_off, np.uint64, "src_off")
+    dst_idx = _vec(dst_idx, np.int64, "dst_idx")
+    n = src_off.shape[0]
+    if dst_idx.shape[0] != n:
+        _fail(f"gather_kv: {n} entries but {dst_idx.shape[0]} destinations")
+    if not n:
+        return
+    if int(src_off.max()) + 2 * H * db > src.nbytes or dst_idx.min() < 0 or \
+            dst_idx.max() >= nt:
+        _fail("gather_kv: an entry outside the source or the output")
+    lib.se_gather_kv(ffi.from_buffer("char[]", src), ffi.from_buffer("uint64_t[]", src_off), n,
+                     H, db, ffi.from_buffer("int64_t[]", dst_idx), nt,
+                     ffi.from_buffer("char[]", k, require_writable=True),
+                     ffi.from_buffer("char[]", v, require_writable=True))
 
 
 def xxh3_rows(buf: np.ndarray, row: int) -> np.ndarray:
     """XXH3-64 of each ``row``-byte row of a C-contiguous buffer: uint64 [n]."""
-    buf = np.ascontiguousarray(buf)
+    row = _pos(row, "row")
+    buf = _arr(buf, "buf")
     n = buf.nbytes // row
     out = np.empty(n, dtype=np.uint64)
     if n:
@@ -68,13 +194,16 @@ def xxh3_rows(buf: np.ndarray, row: int) -> np.ndarray:
 
 def xxh3_ranges(buf: np.ndarray, off: np.ndarray, length: np.ndarray) -> np.ndarray:
     """XXH3-64 of each byte range ``buf[off[i]:off[i]+length[i]]``: uint64 [n]."""
-    off = np.ascontiguousarray(off, dtype=np.uint64)
-    length = np.ascontiguousarray(length, dtype=np.uint64)
+    buf = _arr(buf, "buf")
+    off = _vec(off, np.uint64, "off")
+    length = _vec(length, np.uint64, "length")
     n = off.shape[0]
+    if length.shape[0] != n:
+        _fail(f"{n} offsets but {length.shape[0]} lengths")
     out = np.empty(n, dtype=np.uint64)
     if n:
-        if int((off + length).max()) > buf.nbytes:
-            raise InvalidArgumentError("checksum range outside the buffer")
+        if int((off + length).max()) > buf.nbytes or (off + length < off).any():
+            _fail("checksum range outside the buffer")
         lib.se_xxh3_ranges(ffi.from_buffer("char[]", buf),
                            ffi.from_buffer("uint64_t[]", off),
                            ffi.from_buffer("uint64_t[]", length), n,
@@ -84,12 +213,24 @@ def xxh3_ranges(buf: np.ndarray, off: np.ndarray, length: np.ndarray) -> np.ndar
 
 def verify_rows(buf: np.ndarray, off: np.ndarray, row: int,
                 expected: np.ndarray) -> np.ndarray:
-    """Indices i where XXH3-64(buf[off[i]:+row]) != expected[i] (int64 array)."""
-    off = np.ascontiguousarray(off, dtype=np.uint64)
-    expected = np.ascontiguousarray(expected, dtype=np.uint64)
+    """Indices i where XXH3-64(buf[off[i]:+row]) != expected[i] (int64 array).
+
+    Raises:
+        InvalidArgumentError: a row outside ``buf`` or ``expected`` of
+            another length.
+    """
+    row = _pos(row, "row")
+    buf = _arr(buf, "buf")
+    off = _vec(off, np.uint64, "off")
+    expected = _vec(expected, np.uint64, "expected") if np.asarray(expected).dtype.kind != "u" \
+        else np.ascontiguousarray(expected, dtype=np.uint64).reshape(-1)
     n = off.shape[0]
+    if expected.shape[0] != n:
+        _fail(f"{n} rows but {expected.shape[0]} checksums")
     if not n:
         return np.empty(0, dtype=np.int64)
+    if int(off.max()) + row > buf.nbytes:
+        _fail("verify outside the buffer")
     bad = np.empty(min(n, 1024), dtype=np.int64)
     nbad = lib.se_verify_rows(ffi.from_buffer("char[]", buf),
                               ffi.from_buffer("uint64_t[]", off), n, row,
@@ -112,11 +253,19 @@ def assign_buckets(ptr: np.ndarray, cdisk: np.ndarray, ndisks: int,
     Returns:
         (choice int64 [n] chosen copy per entry, load int64 [ndisks]).
     """
-    ptr = np.ascontiguousarray(ptr, dtype=np.int64)
-    cdisk = np.ascontiguousarray(cdisk, dtype=np.int32)
+    ndisks = _pos(ndisks, "ndisks")
+    ptr = _vec(ptr, np.int64, "ptr")
+    cdisk = _vec(cdisk, np.int32, "cdisk")
     if load is None:
         load = np.zeros(ndisks, dtype=np.int64)
+    elif not isinstance(load, np.ndarray) or load.dtype != np.int64 or \
+            load.shape != (ndisks,) or not load.flags.c_contiguous or not load.flags.writeable:
+        _fail(f"load must be a writable int64 [{ndisks}] array")
     n = ptr.shape[0] - 1
+    if n < 0 or ptr[0] != 0 or ptr[-1] != cdisk.shape[0] or (np.diff(ptr) < 1).any():
+        _fail("ptr must start at 0, grow by at least 1 and end at len(cdisk)")
+    if cdisk.size and (cdisk.min() < 0 or cdisk.max() >= ndisks):
+        _fail(f"a copy's disk is outside [0, {ndisks})")
     choice = np.empty(n, dtype=np.int64)
     if n > 0:
         lib.se_assign_buckets(n, ffi.from_buffer("int64_t[]", ptr),
@@ -143,15 +292,14 @@ def gemv_half(m: np.ndarray, q: np.ndarray, *, bf16: bool, col0: int = 0,
         float32 [B, rows]: ``q @ m[:, col0:col0+cols].T`` accumulated in fp32
         (AVX-512 or AVX2+F16C when the CPU has them).
     """
-    if not m.flags.c_contiguous:
-        m = np.ascontiguousarray(m)
-    q = np.ascontiguousarray(q, dtype=np.float32)
+    m = _arr(m, "m")
+    q = _floats(q, "q")
+    if m.ndim != 2 or m.itemsize != 2:
+        _fail(f"gemv_half: rows must be 2-D 2-byte floats, got {m.shape} {m.dtype}")
     rows, width = m.shape
     cols = width - col0 if cols is None else int(cols)
-    if m.itemsize != 2 or q.ndim != 2 or q.shape[1] != cols or col0 < 0 or \
-            col0 + cols > width:
-        raise InvalidArgumentError(f"gemv_half: rows {m.shape} {m.dtype} and queries {q.shape} "
-                         "do not match")
+    if q.ndim != 2 or q.shape[1] != cols or col0 < 0 or col0 + cols > width:
+        _fail(f"gemv_half: rows {m.shape} {m.dtype} and queries {q.shape} do not match")
     out = np.empty((q.shape[0], rows), dtype=np.float32)
     if rows:
         base = ffi.cast("uint16_t *", ffi.from_buffer("uint16_t[]", m.view(np.uint16))) + col0
@@ -159,7 +307,7 @@ def gemv_half(m: np.ndarray, q: np.ndarray, *, bf16: bool, col0: int = 0,
                                ffi.from_buffer("float[]", q), q.shape[0],
                                ffi.from_buffer("float[]", out, require_writable=True))
         if ret < 0:
-            raise InvalidArgumentError(f"gemv_half failed: {os.strerror(-ret)}")
+            _native_failure("gemv_half", ret)
     return out
 
 
@@ -174,14 +322,15 @@ def head_logits_half(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *,
     Returns:
         float32 [B, H_q, rows] of q_h . m[:, g(h)] (fp32 accumulation).
     """
-    if not m.flags.c_contiguous:
-        m = np.ascontiguousarray(m)
-    q = np.ascontiguousarray(q, dtype=np.float32)
+    m = _arr(m, "m")
+    q = _floats(q, "q")
+    num_kv_heads = _pos(num_kv_heads, "num_kv_heads")
+    if m.ndim != 2 or m.itemsize != 2 or q.ndim != 3 or \
+            m.shape[1] != num_kv_heads * q.shape[2] or q.shape[1] % num_kv_heads:
+        _fail(f"head_logits: rows {m.shape} {m.dtype} and queries {q.shape} do not match "
+              f"{num_kv_heads} KV heads")
     B, Hq, d = q.shape
     rows = m.shape[0]
-    if m.itemsize != 2 or m.shape[1] != num_kv_heads * d or Hq % num_kv_heads:
-        raise InvalidArgumentError(f"head_logits: rows {m.shape} and queries {q.shape} do not match "
-                         f"{num_kv_heads} KV heads")
     out = np.empty((B, Hq, rows), dtype=np.float32)
     if rows:
         ret = lib.se_head_logits(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), rows,
@@ -189,19 +338,199 @@ def head_logits_half(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *,
                                  ffi.from_buffer("float[]", q), B, Hq,
                                  ffi.from_buffer("float[]", out, require_writable=True))
         if ret < 0:
-            raise InvalidArgumentError(f"head_logits failed: {os.strerror(-ret)}")
+            _native_failure("head_logits", ret)
     return out
 
 
 def softmax_sum(x: np.ndarray, scale: float) -> np.ndarray:
     """Sum over rows of softmax(scale * row): float32 [n] for x float32 [nh, n]
     (C, vectorised exp)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = _floats(x, "x")
+    if x.ndim != 2:
+        _fail(f"softmax_sum: x must be 2-D, got {x.shape}")
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        _fail(f"softmax_sum: scale {scale!r} is not a number")
     nh, n = x.shape
     out = np.zeros(n, dtype=np.float32)
     if nh and n:
-        ret = lib.se_softmax_sum(ffi.from_buffer("float[]", x), nh, n, float(scale),
+        ret = lib.se_softmax_sum(ffi.from_buffer("float[]", x), nh, n, scale,
                                  ffi.from_buffer("float[]", out, require_writable=True))
         if ret < 0:
-            raise InvalidArgumentError(f"softmax_sum failed: {os.strerror(-ret)}")
+            _native_failure("softmax_sum", ret)
     return out
+
+
+# -- kernel paths (run-time CPU dispatch) ------------------------------------------
+
+#: Scoring-kernel paths by name (``native/engine.h`` SE_PATH_*).
+KERNEL_PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "neon": 4}
+_PATH_NAMES = {v: k for k, v in KERNEL_PATHS.items()}
+
+
+def kernel_path() -> str:
+    """The path the scoring kernels use now: ``"avx512"`` (AVX-512F/DQ),
+    ``"avx2"`` (AVX2 + FMA + F16C), ``"neon"`` (aarch64) or ``"scalar"``."""
+    return _PATH_NAMES[int(lib.se_kernel_path())]
+
+
+def supported_paths() -> list[str]:
+    """Every path this CPU and build can run (the scalar reference first)."""
+    return [name for name in ("scalar", "avx2", "avx512", "neon")
+            if lib.se_kernel_path_supported(KERNEL_PATHS[name])]
+
+
+def set_kernel_path(name: str) -> str:
+    """Force a scoring-kernel path (process-wide, for benchmarks and tests:
+    calls already running keep the path they started with), or ``"auto"``
+    for the best this CPU has.  ``SWARMFS_KERNEL_PATH=avx2``
+    (etc.) does the same at import.
+
+    Returns:
+        The path now used.
+
+    Raises:
+        InvalidArgumentError: an unknown name, or a path this CPU lacks.
+    """
+    code = KERNEL_PATHS.get(name) if isinstance(name, str) else None
+    if code is None:
+        _fail(f"unknown kernel path {name!r}; use one of {sorted(KERNEL_PATHS)}")
+    ret = lib.se_set_kernel_path(code)
+    if ret < 0:
+        _fail(f"this CPU cannot run the {name} kernel path (supported: "
+              f"{', '.join(supported_paths())})")
+    return _PATH_NAMES[int(ret)]
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD features of this CPU that the kernels care about (from
+    /proc/cpuinfo; empty where it is unreadable)."""
+    want = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
+            "avx2", "fma", "f16c", "asimd", "fphp", "asimdhp", "sve")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return [x for x in want if x in have]
+    except OSError:
+        pass
+    return []
+
+
+if os.environ.get("SWARMFS_KERNEL_PATH"):
+    set_kernel_path(os.environ["SWARMFS_KERNEL_PATH"])
+
+
+# -- cluster choice (SWARM §5.2, eq. 8) --------------------------------------------
+
+def _check_csr(C: int, ptr: np.ndarray, members: np.ndarray, num_tokens: int,
+               full: bool) -> None:
+    """The cluster table fits the scores (and, with ``full``, every member
+    is a token of the context: O(M))."""
+    if ptr.shape != (C + 1,) or (C >= 0 and ptr.shape[0] and
+                                 (ptr[0] != 0 or ptr[-1] != members.shape[0])):
+        _fail(f"{ptr.shape[0]} cluster pointers covering {members.shape[0]} members do "
+              f"not fit {C} clusters")
+    if int(num_tokens) < 0 or int(num_tokens) >= 2**31:
+        _fail(f"num_tokens {num_tokens} outside [0, 2**31)")
+    if full and (np.any(np.diff(ptr) < 0) or
+                 (members.size and (members.min() < 0 or members.max() >= num_tokens))):
+        _fail("cluster pointers decrease or a member is outside the context")
+
+
+def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
+                    num_tokens: int, budget: int, window: int,
+                    check: bool = True) -> tuple[np.ndarray, int]:
+    """Clusters by descending score until window + clusters hold ``budget``
+    distinct entries, in C (``se_choose_clusters``; the rule is documented at
+    :func:`swarmfs._selectors.select_clusters`, which checks the arguments).
+    Scores are compared as float32.  ``check=False`` skips the O(M) check
+    of the members (for an index that was checked when it was loaded).
+
+    Returns:
+        (int64 [c] cluster ids best first, distinct entries).
+    """
+    sc = np.ascontiguousarray(scores, dtype=np.float32)
+    ptr = np.ascontiguousarray(ptr, dtype=np.int64)
+    members = np.ascontiguousarray(members, dtype=np.int32)
+    C = sc.shape[0]
+    _check_csr(C, ptr, members, num_tokens, check)
+    out = np.empty(max(C, 1), dtype=np.int64)
+    ent = ffi.new("int64_t *")
+    n = lib.se_choose_clusters(ffi.from_buffer("float[]", sc), C,
+                               ffi.from_buffer("int64_t[]", ptr),
+                               ffi.from_buffer("int32_t[]", members), int(num_tokens),
+                               int(budget), int(window),
+                               ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
+    if n < 0:
+        _native_failure("choose_clusters", n)
+    return out[:n].copy(), int(ent[0])
+
+
+def pack_medoids(m: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """The medoid index [C, H_kv*d] (2-byte floats) in the layout the
+    AVX-512/AVX2 "prob" scoring reads: uint16 [H_kv, ceil(C/16), d, 16]
+    (per KV head, blocks of 16 medoids, dimension-major; same bytes, padded)."""
+    m = _arr(m, "m")
+    H = _pos(num_kv_heads, "num_kv_heads")
+    if m.ndim != 2 or m.itemsize != 2 or m.shape[1] % H:
+        _fail(f"pack_medoids: rows {m.shape} {m.dtype} do not split into {H} heads")
+    C, d = m.shape[0], m.shape[1] // H
+    out = np.empty((H, (C + 15) // 16, d, 16), dtype=np.uint16)
+    if C:
+        lib.se_pack_medoids(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), C, H, d,
+                            ffi.from_buffer("uint16_t[]", out, require_writable=True))
+    return out
+
+
+def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: float,
+                 score: str, bf16: bool, ptr: np.ndarray, members: np.ndarray,
+                 num_tokens: int, budget: int, window: int,
+                 packed: np.ndarray | None = None, check: bool = True
+                 ) -> tuple[np.ndarray, int]:
+    """Score one query against the fp16/bf16 medoid index and choose clusters,
+    in one native call (``se_select_fused``): per-head logits (or the
+    GQA-summed logit), softmax sums, then :func:`choose_clusters`'s rule.
+
+    Args:
+        m: C-contiguous [C, H_kv * d] 2-byte floats (the medoid keys).
+        q: float32 [H_q, d] one query.
+        score: ``"prob"`` or ``"logit"`` (see ``MedoidSelector``).
+        packed: ``pack_medoids(m, num_kv_heads)`` (faster "prob" scoring on
+            the AVX-512 and AVX2 paths), or None.
+
+    Returns:
+        (int64 [c] cluster ids best first, distinct entries).
+    """
+    if m.ndim != 2 or m.itemsize != 2 or not m.flags.c_contiguous:
+        _fail(f"select_fused: medoids must be C-contiguous 2-byte [C, H*d], got {m.shape}")
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    H = int(num_kv_heads)
+    if q.ndim != 2 or m.shape[1] != H * q.shape[1] or q.shape[0] % H:
+        _fail(f"select_fused: query {q.shape} does not match medoids {m.shape} "
+              f"with {H} KV heads")
+    Hq, d = q.shape
+    C = m.shape[0]
+    ptr = np.ascontiguousarray(ptr, dtype=np.int64)
+    members = np.ascontiguousarray(members, dtype=np.int32)
+    _check_csr(C, ptr, members, num_tokens, check)
+    work = np.empty(C * (Hq + 1) + 1, dtype=np.float32)
+    out = np.empty(max(C, 1), dtype=np.int64)
+    ent = ffi.new("int64_t *")
+    if packed is not None and (packed.dtype != np.uint16 or not packed.flags.c_contiguous or
+                               packed.shape != (H, (C + 15) // 16, d, 16)):
+        _fail(f"select_fused: packed index {packed.shape} does not match {m.shape}")
+    pk = ffi.from_buffer("uint16_t[]", packed) if packed is not None and C else ffi.NULL
+    n = lib.se_select_fused(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), pk, C, H, d,
+                            2 if bf16 else 1, ffi.from_buffer("float[]", q), Hq, float(scale),
+                            0 if score == "prob" else 1,
+                            ffi.from_buffer("int64_t[]", ptr),
+                            ffi.from_buffer("int32_t[]", members),
+                            int(num_tokens), int(budget), int(window),
+                            ffi.from_buffer("float[]", work, require_writable=True),
+                            ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
+    if n < 0:
+        _native_failure("select_fused", n)
+    return out[:n].copy(), int(ent[0])

@@ -34,7 +34,7 @@ from . import _errors as E
 from ._report import attention_logits
 from ._retrieve import Retrieval, Retriever
 
-__all__ = ["DecodeSession", "StepResult"]
+__all__ = ["DecodeSession", "StepResult", "PipelinedStep", "pipelined_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +122,8 @@ class DecodeSession:
         self.lookups = 0
 
     # -- one step ------------------------------------------------------------
-    def step(self, q, k_new=None, v_new=None) -> StepResult:
+    def step(self, q, k_new=None, v_new=None, *, retrieval: Retrieval | None = None
+             ) -> StepResult:
         """Serve one decode step and add this step's new entry.
 
         Every argument is checked before any state changes: a rejected step
@@ -134,6 +135,10 @@ class DecodeSession:
             k_new, v_new: [H_kv, head_dim] K and V of the token produced at
                 this step, in the store dtype (numpy, ml_dtypes bfloat16, or
                 torch), both or neither.
+            retrieval: this step's retrieval made ahead of time (SWARM §7:
+                ``Retriever.prefetch(layer, q, torch=False)`` started while the
+                previous layer computed); default: retrieve now.  It must be of
+                this layer's current index (else ``SwarmError``).
 
         Returns:
             A :class:`StepResult`.
@@ -158,23 +163,32 @@ class DecodeSession:
                                        "DecodeSession.step per layer at a time)",
                                        layer=self.layer)
         try:
-            return self._step(qf[0], row)
+            return self._step(qf[0], row, retrieval)
         finally:
             lock.release()
 
-    def _step(self, q: np.ndarray, row) -> StepResult:
+    def _step(self, q: np.ndarray, row, retrieval) -> StepResult:
         self._check_layer(self.r.layer_state(self.layer))
-        ret = self.r.retrieve(self.layer, q, torch=False)
+        if retrieval is None:
+            ret = self.r.retrieve(self.layer, q, torch=False)
+        else:
+            ret = retrieval
+            if ret.layer != self.layer or ret.index is not self.r.layer_state(self.layer).li \
+                    or hasattr(ret.k, "detach"):
+                raise E.SwarmError("the given retrieval is not a numpy retrieval of this "
+                                   "layer's current index (retrieve with torch=False after "
+                                   "the previous step)", layer=self.layer)
         st = self.r.layer_state(self.layer)
         self._check_layer(st)
         S = st.li.num_tokens
         n_pend = self.pend_rows.shape[0]
-        rows = np.concatenate([ret.rows, self.pend_rows]) if n_pend else ret.rows
         pos = np.concatenate([ret.positions, S + np.arange(n_pend)])
-        kv = rows.view(self.store.np_dtype).reshape(rows.shape[0], 2, self.store.num_kv_heads,
-                                                    self.store.head_dim)
-        k = np.ascontiguousarray(kv[:, 0].transpose(1, 0, 2))
-        v = np.ascontiguousarray(kv[:, 1].transpose(1, 0, 2))
+        k, v = ret.k, ret.v
+        if n_pend:
+            pk = self.pend_rows.view(self.store.np_dtype).reshape(
+                n_pend, 2, self.store.num_kv_heads, self.store.head_dim)
+            k = np.concatenate([k, pk[:, 0].transpose(1, 0, 2)], axis=1)
+            v = np.concatenate([v, pk[:, 1].transpose(1, 0, 2)], axis=1)
         self._count_coactivation(q, k, ret, n_pend)
         admitted, evicted = self._replace_cache(ret) if self.adapt_cache else \
             (np.empty(0, np.int64), np.empty(0, np.int64))
@@ -214,7 +228,7 @@ class DecodeSession:
     def _replace_cache(self, ret: Retrieval):
         """§6.2 cache replacement over the hot set and this step's clusters."""
         st = self.r.layer_state(self.layer)
-        with st.lock:       # the hot set changes as one, beside concurrent retrievals
+        with st.lock:       # the hot set is read and changed as one
             return self._replace_locked(st, ret)
 
     def _replace_locked(self, st, ret: Retrieval):
@@ -235,11 +249,7 @@ class DecodeSession:
         keep = order[cum <= self.hot_budget]
         want = np.zeros_like(st.hot)
         want[keep] = True
-        admitted = np.flatnonzero(want & ~st.hot)
-        evicted = np.flatnonzero(st.hot & ~want)
-        st.evict(evicted)
-        st.admit(admitted, ret.positions, ret.rows)   # admitted clusters were just read
-        return admitted, evicted
+        return self.r.set_hot(self.layer, want, ret)
 
     def _check_layer(self, st) -> None:
         if st.li.num_clusters != self.freq.shape[0] or \
@@ -358,3 +368,91 @@ class DecodeSession:
     def budget_for(retriever: Retriever, layer: int) -> int:
         """Entry budget ceil(r x S) of a layer at its current length."""
         return int(math.ceil(retriever.sparsity * retriever.store.num_tokens(layer)))
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinedStep:
+    """One decode step over all layers (:func:`pipelined_step`).
+
+    Attributes:
+        results: per layer, what the caller's ``attend`` returned.
+        steps: per layer, the :class:`StepResult`.
+        step_us: wall time of the whole step (µs).
+        retrieval_us: per layer, the retrieval's own time (select + plan +
+            I/O + assembly, µs), run in the prefetch thread.
+        compute_us: per layer, the session step plus ``attend`` (µs), in the
+            caller's thread.
+        wait_us: per layer, time the caller waited for the layer's retrieval.
+    """
+    results: list
+    steps: list
+    step_us: float
+    retrieval_us: list
+    compute_us: list
+    wait_us: list
+
+    @property
+    def sum_us(self) -> float:
+        """Retrieval plus compute of every layer: the step without overlap."""
+        return float(sum(self.retrieval_us) + sum(self.compute_us))
+
+    @property
+    def max_us(self) -> float:
+        """The larger of all retrieval and all compute: the step with perfect
+        overlap."""
+        return float(max(sum(self.retrieval_us), sum(self.compute_us)))
+
+
+def pipelined_step(sessions: list, queries, attend, new_kv=None) -> PipelinedStep:
+    """One decode step over all layers with SWARM §7's pipeline: layer L+1's
+    selection and reads (``Retriever.prefetch``) run while layer L's
+    :meth:`DecodeSession.step` and attention run in the caller's thread.
+
+    Args:
+        sessions: one :class:`DecodeSession` per layer, in layer order (one
+            thread at a time per session: this function's caller).
+        queries: per layer, the query [H_q, d] used to select that layer's
+            entries (in a model, layer L+1's query is not known before layer L
+            finishes; SWARM predicts it, e.g. from layer L's input, and the
+            caller passes what it predicts).
+        attend: ``attend(i, step_result)`` -> anything: the layer's attention
+            over ``step_result.k``/``v`` (numpy [H_kv, n, d]).
+        new_kv: per layer ``(k_new, v_new)`` of the token this step produces,
+            or None.
+
+    Returns:
+        A :class:`PipelinedStep` (step time against the sum and the max of
+        its parts).
+
+    Raises:
+        whatever the retrievals, the session steps or ``attend`` raise; a
+        prefetched retrieval whose layer was not stepped is waited for first.
+    """
+    import time
+    n = len(sessions)
+    if n == 0 or len(queries) != n or (new_kv is not None and len(new_kv) != n):
+        raise E.InvalidArgumentError("sessions, queries (and new_kv) must be non-empty "
+                                     "lists of one length")
+    t0 = time.perf_counter()
+    fut = sessions[0].r.prefetch(sessions[0].layer, queries[0], torch=False)
+    results, steps, ret_us, comp_us, wait_us = [], [], [], [], []
+    try:
+        for i, sess in enumerate(sessions):
+            tw = time.perf_counter()
+            ret = fut.result()
+            wait_us.append((time.perf_counter() - tw) * 1e6)
+            fut = sessions[i + 1].r.prefetch(sessions[i + 1].layer, queries[i + 1],
+                                             torch=False) if i + 1 < n else None
+            tc = time.perf_counter()
+            kn, vn = new_kv[i] if new_kv is not None else (None, None)
+            res = sess.step(queries[i], kn, vn, retrieval=ret)
+            results.append(attend(i, res))
+            comp_us.append((time.perf_counter() - tc) * 1e6)
+            steps.append(res)
+            ret_us.append(ret.stats.total_us)
+    finally:
+        if fut is not None:
+            fut.exception()           # never leave a read running behind an error
+    return PipelinedStep(results=results, steps=steps,
+                         step_us=(time.perf_counter() - t0) * 1e6, retrieval_us=ret_us,
+                         compute_us=comp_us, wait_us=wait_us)

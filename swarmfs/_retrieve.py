@@ -12,6 +12,7 @@ submission.  Nothing loops in Python per entry or per request.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -21,6 +22,7 @@ import numpy as np
 from . import _errors as E
 from ._selectors import (MedoidSelector, group_queries, score_medoids,  # noqa: F401
                          select_clusters, single_threaded_blas, window_size)
+from ._kernels import gather_kv
 from ._selectors import _select
 from ._store import Store, to_torch
 
@@ -33,7 +35,8 @@ class RetrievalStats:
     """What one :meth:`Retriever.retrieve` call cost.
 
     Attributes:
-        score_us: medoid scoring (µs).
+        score_us: scoring (µs); 0 when scoring and choice run fused in one
+            native pass (SWARM's fp16/bf16 medoid index), counted in select_us.
         select_us: cluster choice in score order until the budget (µs).
         plan_us: union, dedup (eq. 8), DRAM filter, entry buckets, coalescing (µs).
         io_us: the batched read, incl. checksum verification (µs).
@@ -79,20 +82,48 @@ class Retrieval:
     """Result of one retrieval.
 
     Attributes:
-        k: keys [H_kv, n, head_dim] (torch, store dtype).
+        k: keys [H_kv, n, head_dim] (torch or numpy, store dtype), written in
+            place by the engine's gather (no intermediate copy).
         v: values [H_kv, n, head_dim].
         positions: int64 [n] token positions of the entries (ascending).
         clusters: int64 [c] selected cluster ids, in score order.
         stats: :class:`RetrievalStats`.
-        rows: uint8 [n, entry_bytes] the same entries as raw rows (what K and
-            V view), in ``positions`` order.
+        layer: the layer.
+        index: the :class:`~swarmfs.LayerIndex` the retrieval read (a
+            :class:`~swarmfs.DecodeSession` refuses a retrieval of an older one).
     """
     k: object
     v: object
     positions: np.ndarray
     clusters: np.ndarray
     stats: RetrievalStats
-    rows: np.ndarray = None
+    layer: int = -1
+    index: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    def _kv_numpy(self):
+        k, v = self.k, self.v
+        if hasattr(k, "detach"):
+            import torch as _torch
+            if k.dtype == _torch.bfloat16:
+                import ml_dtypes
+                return (k.view(_torch.int16).numpy().view(ml_dtypes.bfloat16),
+                        v.view(_torch.int16).numpy().view(ml_dtypes.bfloat16))
+            return k.numpy(), v.numpy()
+        return k, v
+
+    def rows_of(self, idx) -> np.ndarray:
+        """The entries at indices ``idx`` (into ``positions``) as stored rows:
+        uint8 [len(idx), entry_bytes] (K heads then V heads); a copy."""
+        k, v = self._kv_numpy()
+        idx = np.asarray(idx, dtype=np.int64)
+        kv = np.stack([k[:, idx], v[:, idx]], axis=0).transpose(2, 0, 1, 3)   # [n, 2, H, d]
+        return np.ascontiguousarray(kv).reshape(idx.shape[0], -1).view(np.uint8)
+
+    @functools.cached_property
+    def rows(self) -> np.ndarray:
+        """All entries as stored rows, uint8 [n, entry_bytes] (a copy, made on
+        first use)."""
+        return self.rows_of(np.arange(self.positions.shape[0]))
 
 
 class _LayerState:
@@ -150,13 +181,16 @@ class _LayerState:
         with self.lock:
             return int((self.refs > 0).sum()) * self.entry_bytes + self.selector_bytes
 
-    def take_resident(self, toks: np.ndarray, window: np.ndarray):
-        """Split ``toks`` into resident and not, and copy the resident rows,
-        atomically with respect to admission and eviction.
+    def pin(self, toks: np.ndarray, window: np.ndarray):
+        """Split ``toks`` into resident and not, and pin the resident ones,
+        atomically with respect to admission and eviction: a pinned token
+        keeps its slot (and the slot its row) until :meth:`unpin`, even if its
+        cluster is evicted meanwhile.
 
         Returns:
             (ssd mask bool [len(toks)], dram positions int64 ascending and
-            unique (window included), their rows uint8 [n, entry_bytes]).
+            unique (window included), their slots int64, the row pool
+            uint8 [*, entry_bytes] those slots index).
         """
         with self.lock:
             ssd = self.refs[toks] <= 0
@@ -165,7 +199,12 @@ class _LayerState:
             if slots.size and slots.min() < 0:
                 raise E.InternalError("a resident token has no DRAM slot",
                                       layer=self.li.layer)
-            return ssd, dram, self.rows[slots]
+            self.refs[dram] += 1
+            return ssd, dram, slots, self.rows
+
+    def unpin(self, dram: np.ndarray) -> None:
+        """Release what :meth:`pin` pinned."""
+        self.release(dram)
 
     def hold(self, toks: np.ndarray, src_toks: np.ndarray, src_rows: np.ndarray) -> None:
         """Take a reference on tokens; rows of newly resident ones are copied
@@ -360,6 +399,39 @@ class Retriever:
                 lk = self._step_locks[layer] = threading.Lock()
             return lk
 
+    def set_hot(self, layer: int, want, retrieval: Retrieval) -> tuple[np.ndarray, np.ndarray]:
+        """Make the hot set of a layer ``want`` (bool [C]) in one change under
+        the layer lock (§6.2 cache replacement): clusters leaving it are
+        evicted, clusters entering it are filled from ``retrieval`` (which
+        must have read them whole).
+
+        Returns:
+            (admitted, evicted) cluster ids, int64.
+
+        Raises:
+            InvalidArgumentError: a mask of the wrong shape, or an admitted
+                cluster the retrieval did not read.
+        """
+        st = self.layer_state(layer)
+        want = np.asarray(want, dtype=bool)
+        if want.shape != st.hot.shape:
+            raise E.InvalidArgumentError(f"hot mask of shape {want.shape} for "
+                                         f"{st.hot.shape[0]} clusters", layer=layer)
+        with st.lock:
+            admitted = np.flatnonzero(want & ~st.hot)
+            evicted = np.flatnonzero(st.hot & ~want)
+            toks = np.unique(st.li.members[st.li.cluster_copies(admitted)]) \
+                if admitted.size else np.empty(0, np.int64)
+            at = np.searchsorted(retrieval.positions, toks)
+            if toks.size and (at.max() >= retrieval.positions.shape[0] or
+                              np.any(retrieval.positions[at] != toks)):
+                raise E.InvalidArgumentError("an admitted cluster was not read by the given "
+                                             "retrieval", layer=layer)
+            st.evict(evicted)
+            if admitted.size:
+                st.admit(admitted, toks, retrieval.rows_of(at))
+        return admitted, evicted
+
     def dram_bytes(self) -> int:
         """Bytes held in DRAM by the loaded layers (medoids, window, hot clusters)."""
         with self._lock:
@@ -435,20 +507,28 @@ class Retriever:
 
     # -- one decode step ------------------------------------------------------
     def retrieve(self, layer: int, q, *, torch: bool = True, pinned: bool = False,
-                 budget: int | None = None) -> Retrieval:
+                 budget: int | None = None, out=None) -> Retrieval:
         """Fetch the KV entries a query (or a batch of queries) needs.
 
         Stages: score, select (:func:`~swarmfs._selectors.select_clusters`),
-        split DRAM / SSD (under the layer lock), plan (eq. 8, §6.1), read
-        (one batched submission), assemble.
+        split DRAM / SSD and pin the DRAM rows (under the layer lock), plan
+        (eq. 8, §6.1), read (one batched submission), assemble: the C kernel
+        ``gather_kv`` writes each entry straight into the K and V outputs, from
+        the staging buffer and from the DRAM pool (no per-entry Python, no
+        intermediate copy).
 
         Args:
             layer: layer number.
             q: query [H_q, head_dim] or a batch [B, H_q, head_dim]; with a batch
                 the clusters of all queries are united into one read.
             torch: return torch tensors (else numpy).
-            pinned: place the SSD rows in pinned host memory first.
+            pinned: K and V in pinned (page-locked) host memory.
             budget: entry budget per query (default ceil(r x S)).
+            out: ``(k, v)`` buffers to write into instead of new arrays: numpy
+                arrays or torch CPU tensors [H_kv, cap, head_dim] of the store
+                dtype with cap >= n, C-contiguous, reused across steps as a
+                serving engine would (no page faults on fresh memory); the
+                returned K and V are the views ``k[:, :n]``, ``v[:, :n]``.
 
         Returns:
             A :class:`Retrieval` with K and V [H_kv, n, head_dim].
@@ -467,43 +547,126 @@ class Retriever:
         if not 0 < total_budget <= S:
             raise E.LayoutError(f"entry budget {total_budget} outside [1, {S}]",
                                 store=self.store.path, layer=layer)
-        scores = self.selector.scores(layer, self.queries(q))
-        t1 = time.perf_counter()
+        qf = self.queries(q)
         window = st.window[st.window.shape[0] -
                            window_size(st.window.shape[0], total_budget, S):]
-        if self.selector.kind == "tokens":
-            copies, clusters = self._select_tokens(li, scores, window, total_budget)
-        else:
-            clusters = self._select(st, scores, total_budget, window.shape[0])
+        fused = getattr(self.selector, "select", None)
+        if fused is not None and self.selector.kind == "clusters":
+            t1 = time.perf_counter()           # scoring and choice in one native pass
+            sel = [x.clusters for x in fused(layer, qf, budget=total_budget,
+                                             window=window.shape[0], li=li)]
+            clusters = np.unique(np.concatenate(sel)) if len(sel) > 1 else sel[0]
             copies = li.cluster_copies(clusters)
+        else:
+            scores = self.selector.scores(layer, qf, li) \
+                if isinstance(self.selector, MedoidSelector) else self.selector.scores(layer, qf)
+            t1 = time.perf_counter()
+            if self.selector.kind == "tokens":
+                copies, clusters = self._select_tokens(li, scores, window, total_budget)
+            else:
+                clusters = self._select(st, scores, total_budget, window.shape[0])
+                copies = li.cluster_copies(clusters)
         t2 = time.perf_counter()
         toks = li.members[copies]
-        ssd, dram_toks, dram_rows = st.take_resident(toks, window)
-        cand = copies[ssd]
-        plan = self.store.plan_copies(li, cand, policy=self.policy, dedup=self.dedup,
-                                      max_gap=self.max_gap)
-        t3 = time.perf_counter()
-        rows_ssd = self.store.execute(li, plan, cand)
-        t4 = time.perf_counter()
-        pos, rows = self._assemble(dram_toks, dram_rows, plan.tokens, rows_ssd, pinned)
-        n = pos.shape[0]
-        kv = rows.view(self.store.np_dtype).reshape(n, 2, self.store.num_kv_heads,
-                                                    self.store.head_dim)
-        k = kv[:, 0].transpose(1, 0, 2)
-        v = kv[:, 1].transpose(1, 0, 2)
-        if torch:
-            k = to_torch(np.ascontiguousarray(k), self.store.dtype)
-            v = to_torch(np.ascontiguousarray(v), self.store.dtype)
+        ssd, dram_toks, slots, pool = st.pin(toks, window)
+        try:
+            cand = copies[ssd]
+            plan = self.store.plan_copies(li, cand, policy=self.policy, dedup=self.dedup,
+                                          max_gap=self.max_gap)
+            t3 = time.perf_counter()
+            ssd_toks = plan.tokens
+            nd, ns = dram_toks.shape[0], ssd_toks.shape[0]
+            n = nd + ns
+            k, v, kw, vw = self._outputs(n, torch, pinned) if out is None else \
+                self._given_outputs(out, n)
+            # both lists are ascending and disjoint: merged places by counting
+            d_idx = np.arange(nd) + np.searchsorted(ssd_toks, dram_toks)
+            s_idx = np.arange(ns) + np.searchsorted(dram_toks, ssd_toks, side="right")
+            pos = np.empty(n, dtype=np.int64)
+            pos[d_idx] = dram_toks
+            pos[s_idx] = ssd_toks
+            placed = [0.0]
+
+            def place(buf, src):
+                t = time.perf_counter()
+                gather_kv(buf, src, s_idx, kw, vw)
+                placed[0] = time.perf_counter() - t
+            self.store.execute(li, plan, cand, consume=place)
+            t4 = time.perf_counter()
+            eb = np.uint64(self.store.entry_bytes)
+            gather_kv(pool.reshape(-1), slots.astype(np.uint64) * eb, d_idx, kw, vw)
+        finally:
+            st.unpin(dram_toks)
         t5 = time.perf_counter()
+        t4 -= placed[0]                 # placing the SSD entries is assembly, not I/O
         hot_sel = 0
         if clusters.size:
             with st.lock:
                 hot_sel = int(st.hot[clusters].sum())
         stats = self._stats(plan, t0, t1, t2, t3, t4, t5, budget=total_budget,
                             clusters=int(clusters.shape[0]), hot=hot_sel, n=n,
-                            dram=int(dram_toks.shape[0]),
+                            dram=int(nd),
                             dups=int(cand.shape[0] - plan.num_entries) if self.dedup else 0)
-        return Retrieval(k=k, v=v, positions=pos, clusters=clusters, stats=stats, rows=rows)
+        return Retrieval(k=k, v=v, positions=pos, clusters=clusters, stats=stats,
+                         layer=int(layer), index=li)
+
+    def _given_outputs(self, out, n: int):
+        """Caller buffers [H_kv, cap, d] -> (k view, v view, k array, v array)."""
+        H, d = self.store.num_kv_heads, self.store.head_dim
+        try:
+            kb, vb = out
+        except (TypeError, ValueError):
+            raise E.InvalidArgumentError("out must be a (k, v) pair") from None
+        arrs = []
+        for name, x in (("k", kb), ("v", vb)):
+            if hasattr(x, "detach"):
+                import torch as _torch
+                if str(x.dtype) != f"torch.{self.store.dtype}" or x.device.type != "cpu":
+                    raise E.InvalidArgumentError(f"out {name} is {x.dtype} on {x.device}; "
+                                                 f"need {self.store.dtype} on the CPU")
+                a = x.view(_torch.int16).numpy().view(self.store.np_dtype) \
+                    if self.store.dtype == "bfloat16" else x.numpy()
+            else:
+                a = x
+            if not isinstance(a, np.ndarray) or a.dtype != self.store.np_dtype or \
+                    a.ndim != 3 or a.shape[0] != H or a.shape[2] != d or \
+                    not a.flags.c_contiguous or not a.flags.writeable:
+                raise E.InvalidArgumentError(
+                    f"out {name} must be a writable C-contiguous [{H}, cap, {d}] "
+                    f"{self.store.dtype} array, got {getattr(a, 'shape', None)} "
+                    f"{getattr(a, 'dtype', type(a))}")
+            if a.shape[1] < n:
+                raise E.InvalidArgumentError(f"out {name} holds {a.shape[1]} entries; this "
+                                             f"retrieval returns {n}")
+            arrs.append(a)
+        if arrs[0].shape != arrs[1].shape:
+            raise E.InvalidArgumentError("out k and v differ in shape")
+        return kb[:, :n], vb[:, :n], arrs[0], arrs[1]
+
+    def _outputs(self, n: int, torch: bool, pinned: bool):
+        """K and V [H_kv, n, d] to return, and numpy views of them to write
+        into (the same memory)."""
+        H, d = self.store.num_kv_heads, self.store.head_dim
+        dt = self.store.np_dtype
+        shape = (H, n, d)
+        nb = H * n * d * dt.itemsize
+        if pinned:
+            buf = self.store.engine.alloc(max(2 * nb, 1), pinned=True, register=False)
+            kw = buf.array[:nb].view(dt).reshape(shape)
+            vw = buf.array[nb:2 * nb].view(dt).reshape(shape)
+            if torch:
+                return to_torch(kw, self.store.dtype), to_torch(vw, self.store.dtype), kw, vw
+            return kw, vw, kw, vw
+        if torch:
+            import torch as _torch
+            tdt = getattr(_torch, self.store.dtype)
+            kt, vt = _torch.empty(shape, dtype=tdt), _torch.empty(shape, dtype=tdt)
+            if self.store.dtype == "bfloat16":
+                return kt, vt, kt.view(_torch.int16).numpy().view(dt), \
+                    vt.view(_torch.int16).numpy().view(dt)
+            return kt, vt, kt.numpy(), vt.numpy()
+        kw, vw = np.empty(shape, dt), np.empty(shape, dt)
+        return kw, vw, kw, vw
 
     @staticmethod
     def _select_tokens(li, scores, window, budget):
@@ -515,19 +678,6 @@ class Retriever:
         top = np.argpartition(-sc, want - 1, axis=1)[:, :want] if want > 0 else \
             np.empty((sc.shape[0], 0), np.int64)
         return li.token_copies(np.unique(top)), np.empty(0, dtype=np.int64)
-
-    def _assemble(self, dram_toks, dram_rows, ssd_toks, ssd_rows, pinned):
-        """Rows of DRAM and SSD entries in ascending position order."""
-        pos = np.concatenate([dram_toks, ssd_toks])
-        order = np.argsort(pos, kind="stable")
-        pos = pos[order]
-        rows = np.concatenate([dram_rows, ssd_rows])[order] if dram_toks.size else ssd_rows
-        if pinned:
-            buf = self.store.engine.alloc(rows.nbytes, pinned=True, register=False)
-            arr = buf.array[:rows.nbytes].reshape(rows.shape)
-            arr[...] = rows
-            rows = arr
-        return pos, rows
 
     def _stats(self, plan, t0, t1, t2, t3, t4, t5, *, budget, clusters, hot, n, dram,
                dups) -> RetrievalStats:

@@ -32,7 +32,7 @@ import dataclasses
 
 import numpy as np
 
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, NotFoundError
 
 __all__ = ["MedoidSelector", "VectorSelector", "MultiVectorSelector", "BoundSelector",
            "TokenSelector", "Selection", "select_clusters", "window_size", "group_queries",
@@ -132,17 +132,6 @@ class Selection:
     window: int
 
 
-def _rank(scores: np.ndarray, k: int) -> np.ndarray:
-    """The first k cluster ids in (score descending, id ascending) order; NaN
-    ranks last.  Partial: O(C) plus a sort of the k best (and their ties)."""
-    C = scores.shape[0]
-    if k >= C:
-        return np.lexsort((np.arange(C), -scores))
-    top = np.argpartition(-scores, k - 1)[:k]
-    cand = np.flatnonzero(scores >= scores[top].min())      # every tie of the k-th
-    return cand[np.lexsort((cand, -scores[cand]))][:k]
-
-
 def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: int,
                     window: int = 0) -> Selection:
     """Clusters in score order until the selection holds ``budget`` distinct entries.
@@ -153,7 +142,9 @@ def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: in
     union holds at least ``budget`` distinct entries, so the last cluster is the
     only one that may overshoot, and replicas or window entries are never
     counted twice.  With ``budget >= num_tokens`` and a clustering that covers
-    every token the result is the whole context.  A pure function.
+    every token the result is the whole context.  A pure function; scores
+    are compared as float32; the work runs in C (partial selection, no full
+    sort).
 
     Args:
         scores: float [C] one query's cluster scores (NaN ranks last).
@@ -189,48 +180,30 @@ def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: in
         raise InvalidArgumentError("select_clusters: pointers do not cover the members")
     if members.size and (members.min() < 0 or members.max() >= S):
         raise InvalidArgumentError(f"select_clusters: a member is outside [0, {S})")
+    if S >= 2**31:
+        raise InvalidArgumentError(f"select_clusters: at most 2**31 - 1 tokens, got {S}")
     return _select(scores, ptr.astype(np.int64, copy=False),
-                   members.astype(np.int64, copy=False), S, budget, w)
+                   members.astype(np.int32, copy=False), S, budget, w)
 
 
 def _select(scores, ptr, members, S: int, budget: int, w: int) -> Selection:
     """:func:`select_clusters` on trusted arrays (the Retriever's own index):
-    int64 ``ptr``/``members``, 0 <= w <= S, 0 <= budget <= S."""
-    C = scores.shape[0]
-    sc = np.where(np.isnan(scores), -np.inf, scores.astype(np.float64, copy=False)) \
-        if scores.dtype.kind == "f" else scores.astype(np.float64)
-    sizes = np.diff(ptr)
-    have = w
-    empty = np.empty(0, np.int64)
-    if have >= budget or C == 0:
-        return Selection(empty, have, w)
-    seen = np.zeros(S, dtype=bool)
-    seen[S - w:] = True
-    mean = max(float(sizes.mean()), 1.0)
-    k = min(C, int((budget - have) / mean * 1.5) + 16)
-    done = 0
-    while True:
-        order = _rank(sc, k)
-        chunk = order[done:]
-        lens = sizes[chunk]
-        idx = np.repeat(ptr[chunk] - (np.cumsum(lens) - lens), lens) + \
-            np.arange(int(lens.sum()), dtype=np.int64)
-        flat = members[idx]
-        fresh = np.flatnonzero(~seen[flat])
-        new = np.zeros(flat.shape[0], dtype=np.int64)
-        if fresh.size:
-            _, first = np.unique(flat[fresh], return_index=True)
-            new[fresh[first]] = 1
-        got = np.cumsum(new)[np.cumsum(lens) - 1]            # distinct new, per cluster end
-        j = int(np.searchsorted(got, budget - have, side="left"))
-        if j < chunk.shape[0]:
-            return Selection(order[:done + j + 1].astype(np.int64), have + int(got[j]), w)
-        have += int(got[-1]) if got.size else 0
-        seen[flat] = True
-        done = k
-        if k >= C:
-            return Selection(order.astype(np.int64), have, w)
-        k = min(C, 2 * k)
+    int64 ``ptr``, int32 (or int64) ``members``, 0 <= w <= S, 0 <= budget <= S.  In C
+    (``se_choose_clusters``: a quickselect threshold, a radix sort of the
+    clusters above it, a bitmap of seen tokens)."""
+    from ._kernels import choose_clusters
+    clusters, entries = choose_clusters(scores, ptr, members, num_tokens=S, budget=budget,
+                                        window=w, check=False)
+    return Selection(clusters, entries, min(w, S))
+
+
+def _of_layer(table: dict, layer, what: str):
+    """``table[layer]``, or NotFoundError naming the layer."""
+    try:
+        return table[layer]
+    except (KeyError, TypeError):
+        raise NotFoundError(f"the {what} has no index for layer {layer!r}",
+                            layer=layer) from None
 
 
 def _gemv(m: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -285,38 +258,83 @@ class MedoidSelector:
         self.scale = float(store.head_dim) ** -0.5
         self._m = {}
         self._mt = {}
+        self._pk = {}
 
-    def _medoids(self, layer):
-        m = self._m.get(layer)
-        if m is None:
-            li = self.store.layer(layer)
-            m = np.ascontiguousarray(self.store.medoid_keys(layer)).reshape(li.num_clusters, -1)
-            self._m[layer] = m
+    def _medoids(self, layer, li=None):
+        """The medoid keys [C, H_kv*d] of a layer index ``li`` (default the
+        store's current one).  Cached per layer and index object, so a
+        retrieval that started on an older index keeps using that index."""
+        li = self.store.layer(layer) if li is None else li
+        hit = self._m.get(layer)
+        if hit is not None and hit[0] is li:
+            return hit[1]
+        m = np.ascontiguousarray(li.medoid_keys.view(self.store.np_dtype)).reshape(
+            li.num_clusters, -1)
+        self._m[layer] = (li, m)
         return m
 
-    def scores(self, layer: int, q: np.ndarray) -> np.ndarray:
-        m = self._medoids(layer)
+    def _head_major(self, layer, li, m):
+        hit = self._mt.get(layer)
+        if hit is not None and hit[0] is li:
+            return hit[1]
+        H = self.store.num_kv_heads
+        mt = np.ascontiguousarray(m.reshape(m.shape[0], H, -1).transpose(1, 0, 2))
+        self._mt[layer] = (li, mt)
+        return mt
+
+    def _packed(self, layer, li, m):
+        """The index in ``pack_medoids`` layout, made once per layer index."""
+        hit = self._pk.get(layer)
+        if hit is not None and hit[0] is li:
+            return hit[1]
+        from ._kernels import pack_medoids
+        pk = pack_medoids(m, self.store.num_kv_heads)
+        self._pk[layer] = (li, pk)
+        return pk
+
+    def scores(self, layer: int, q: np.ndarray, li=None) -> np.ndarray:
+        li = self.store.layer(layer) if li is None else li
+        m = self._medoids(layer, li)
         if self.score == "logit":
             return _gemv(m, q)
         from ._kernels import softmax_sum
-        if m.dtype == np.float32:        # fp32: a head-major copy, made once per layer
-            mt = self._mt.get(layer)
-            if mt is None:
-                H = self.store.num_kv_heads
-                mt = np.ascontiguousarray(m.reshape(m.shape[0], H, -1).transpose(1, 0, 2))
-                self._mt[layer] = mt
-            m = mt
+        if m.dtype == np.float32:        # fp32: a head-major copy, made once per index
+            m = self._head_major(layer, li, m)
         logits = head_logits(m, q, self.store.num_kv_heads)
         return np.stack([softmax_sum(x, self.scale) for x in logits])
+
+    def select(self, layer: int, q: np.ndarray, *, budget: int, window: int,
+               li=None) -> list[Selection]:
+        """Score and choose in one native pass per query (fp16/bf16 index;
+        ``_kernels.select_fused``); the same clusters as :meth:`scores` then
+        :func:`select_clusters`.  ``q`` float32 [B, H_q, d]; ``li`` the
+        layer index the caller works on (default the store's current one)."""
+        li = self.store.layer(layer) if li is None else li
+        m = self._medoids(layer, li)
+        if m.dtype == np.float32:
+            return [_select(s, li.members_ptr, li.members, li.num_tokens, budget, window)
+                    for s in self.scores(layer, q, li)]
+        from ._kernels import select_fused
+        packed = self._packed(layer, li, m) if self.score == "prob" else None
+        out = []
+        for qq in q:
+            cl, n = select_fused(m, qq, self.store.num_kv_heads, scale=self.scale,
+                                 score=self.score, bf16=m.dtype.name == "bfloat16",
+                                 ptr=li.members_ptr, members=li.members,
+                                 num_tokens=li.num_tokens, budget=budget, window=window,
+                                 packed=packed, check=False)
+            out.append(Selection(cl, n, window))
+        return out
 
     def invalidate(self, layer: int) -> None:
         """Drop the cached index of a layer (it changed on disk)."""
         self._m.pop(layer, None)
         self._mt.pop(layer, None)
+        self._pk.pop(layer, None)
 
     def dram_bytes(self, layer: int) -> int:
-        mt = self._mt.get(layer)
-        return int(self._medoids(layer).nbytes + (mt.nbytes if mt is not None else 0))
+        extra = sum(c[layer][1].nbytes for c in (self._mt, self._pk) if layer in c)
+        return int(self._medoids(layer).nbytes + extra)
 
 
 class VectorSelector:
@@ -329,10 +347,10 @@ class VectorSelector:
         self.name = name
 
     def scores(self, layer, q):
-        return _gemv(self.vectors[layer], q)
+        return _gemv(_of_layer(self.vectors, layer, self.name), q)
 
     def dram_bytes(self, layer):
-        return int(self.vectors[layer].nbytes)
+        return int(_of_layer(self.vectors, layer, self.name).nbytes)
 
 
 class MultiVectorSelector:
@@ -346,12 +364,12 @@ class MultiVectorSelector:
         self.name = name
 
     def scores(self, layer, q):
-        r = self.reps[layer]
+        r = _of_layer(self.reps, layer, self.name)
         C, R, D = r.shape
         return _gemv(r.reshape(C * R, D), q).reshape(q.shape[0], C, R).max(axis=2)
 
     def dram_bytes(self, layer):
-        return int(self.reps[layer].nbytes)
+        return int(_of_layer(self.reps, layer, self.name).nbytes)
 
 
 class BoundSelector:
@@ -367,7 +385,7 @@ class BoundSelector:
                        for k, (lo, hi) in bounds.items()}
 
     def scores(self, layer, q):
-        lo, hi = self.bounds[layer]
+        lo, hi = _of_layer(self.bounds, layer, self.name)
         qg = np.asarray(q, np.float32) if q.ndim == 2 else \
             group_queries(q, lo.shape[1] // q.shape[-1])
         pos = np.maximum(qg, 0)
@@ -376,7 +394,7 @@ class BoundSelector:
         return (pos @ hi.T + neg @ lo.T).astype(np.float32)
 
     def dram_bytes(self, layer):
-        lo, hi = self.bounds[layer]
+        lo, hi = _of_layer(self.bounds, layer, self.name)
         return int(lo.nbytes + hi.nbytes)
 
 
@@ -391,7 +409,7 @@ class TokenSelector:
         self.keys = {k: np.ascontiguousarray(v) for k, v in keys.items()}
 
     def scores(self, layer, q):
-        return _gemv(self.keys[layer], q)
+        return _gemv(_of_layer(self.keys, layer, self.name), q)
 
     def dram_bytes(self, layer):
-        return int(self.keys[layer].nbytes)
+        return int(_of_layer(self.keys, layer, self.name).nbytes)

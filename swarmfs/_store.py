@@ -690,7 +690,7 @@ class Store:
 
     def execute(self, li: LayerIndex, plan: Plan, copies: np.ndarray, *,
                 order=None, out: np.ndarray | None = None,
-                verify: bool | None = None, cluster=None) -> np.ndarray:
+                verify: bool | None = None, cluster=None, consume=None) -> np.ndarray:
         """Execute a plan in one batched submission and return entry rows.
 
         Args:
@@ -701,6 +701,11 @@ class Store:
                 order (default: ``plan.tokens`` order).
             out: optional uint8 [k, entry_bytes] destination.
             verify: check per-entry XXH3-64 (default: the store setting).
+            consume: instead of returning rows, call ``consume(staging, src)``
+                with the staging buffer (uint8) and each entry's byte offset in
+                it (uint64 [k], ``order`` applied), after verification and while
+                the buffer is valid; returns None then (the Retriever writes K
+                and V straight into its output this way).
 
         Returns:
             uint8 [k, entry_bytes] rows.
@@ -730,6 +735,12 @@ class Store:
                         path=self.disk_paths[int(li.copy_disk[c])], layer=li.layer,
                         cluster=int(li.copy_cluster[c]))
             src = plan.src if order is None else plan.src[order]
+            if consume is not None:     # the caller places the entries itself
+                consume(buf.array, src)
+                self._count(bytes_read=int(plan.staging_bytes),
+                            entries_returned=int(src.shape[0]),
+                            bytes_returned=int(src.shape[0]) * Eb)
+                return None
             rows = gather_rows(buf.array, src, Eb, out)
         self._count(bytes_read=int(plan.staging_bytes), entries_returned=rows.shape[0],
                     bytes_returned=rows.nbytes)

@@ -251,21 +251,6 @@ class StepStats:
     cache_hit_rate: float
 
 
-class _FixedRetriever:
-    """Forwards to a Retriever, except that the next ``retrieve`` returns a
-    given Retrieval (the §7 prefetch result) instead of retrieving again."""
-
-    def __init__(self, inner, retrieval):
-        self._inner, self._ret = inner, retrieval
-
-    def retrieve(self, layer, q, **kw):
-        ret, self._ret = self._ret, None
-        return ret if ret is not None else self._inner.retrieve(layer, q, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 def _cache_base():
     from transformers.cache_utils import Cache, CacheLayerMixin
     return Cache, CacheLayerMixin
@@ -652,22 +637,19 @@ class SwarmCache(Cache):
             v_new = _to_numpy(value[0, :, t, :], st.dtype)
             fut = self._futures.pop(layer, None)
             prefetched, hit, wait_us, measure_us = False, float("nan"), 0.0, 0.0
+            ret = None
             if fut is not None:
                 tw = time.perf_counter()
-                ret = fut.result()
+                pre = fut.result()
                 tm = time.perf_counter()
                 if T == 1:
                     exact = self._exact_entries(layer, q)
-                    hit = float(np.isin(exact, ret.positions).mean()) if exact.size else 1.0
-                    prefetched = True
-                    sess.r = _FixedRetriever(r, ret)
+                    hit = float(np.isin(exact, pre.positions).mean()) if exact.size else 1.0
+                    prefetched, ret = True, pre
                 wait_us = (tm - tw) * 1e6
                 measure_us = (time.perf_counter() - tm) * 1e6
             t0 = time.perf_counter()
-            try:
-                res = sess.step(q, k_new, v_new)
-            finally:
-                sess.r = r
+            res = sess.step(q, k_new, v_new, retrieval=ret)
             t1 = time.perf_counter()
             if self.prefetch_mode == "previous" and T == 1:
                 # §7: start layer L+1's retrieval now, with its previous query

@@ -147,3 +147,174 @@ def test_bad_arguments():
         plan_reads([0], [0, 1], [0], ndisks=1, entry_bytes=512, block_size=512)
     empty = plan_reads([], [], [], ndisks=2, entry_bytes=512, block_size=512)
     assert empty.num_requests == 0 and empty.staging_bytes == 0
+
+
+def test_bad_plan_arguments_are_invalid_argument_errors():
+    from swarmfs._errors import InvalidArgumentError
+    ok = dict(ndisks=2, entry_bytes=64, block_size=512)
+    tok, disk, off = np.array([0, 1]), np.array([0, 1]), np.array([0, 64], np.uint64)
+    for args, kw in (((tok, disk, off[:1]), {}),                            # lengths
+                     ((tok, np.array([0, 2]), off), {}),                     # disk 2 of 2
+                     ((tok, np.array([0, -1]), off), {}),
+                     ((tok, disk, np.array([0, -64])), {}),                  # negative offset
+                     ((np.array([0.0, 1.0]), disk, off), {}),                # float tokens
+                     ((tok, disk, off), {"block_size": 300}),
+                     ((tok, disk, off), {"ndisks": 0}),
+                     ((tok, disk, off), {"entry_bytes": 1.5}),
+                     ((tok, disk, off), {"max_request": 0}),
+                     ((tok, disk, off), {"max_gap": -1})):
+        with pytest.raises(InvalidArgumentError):
+            plan_reads(*args, **{**ok, **kw})
+
+
+# -- the numpy planner the C one replaced: the executable specification ----------
+
+from swarmfs._kernels import assign_buckets  # noqa: E402
+from swarmfs._planner import MAX_REQUEST, Plan  # noqa: E402
+
+
+def _ref_choose_copies(tok: np.ndarray, cdisk: np.ndarray, ndisks: int, policy: str):
+    """Dedup + bucket assignment.  Returns (unique sorted tokens, chosen copy idx)."""
+    m = tok.shape[0]
+    # sort (token, candidate index) pairs packed in one int64: a value sort is
+    # several times faster than a stable argsort and keeps candidate order
+    key = (tok << np.int64(32)) | np.arange(m, dtype=np.int64)
+    key.sort()
+    order = key & np.int64(0xFFFFFFFF)
+    tok_s = key >> np.int64(32)
+    first = np.empty(m, dtype=bool)
+    first[0] = True
+    np.not_equal(tok_s[1:], tok_s[:-1], out=first[1:])
+    u_start = np.flatnonzero(first)
+    utok = tok_s[u_start]
+    if u_start.shape[0] == m or policy == "first":
+        # every token has one candidate (or static routing): take the first
+        return utok, order[u_start]
+    ucount = np.diff(np.append(u_start, m))
+    chosen = order[u_start]                 # single-copy entries: their only copy
+    multi = np.flatnonzero(ucount > 1)
+    # single-copy entries fill their buckets first; the rest, in ascending copy
+    # count, go to the smallest bucket among their copies (C, sequential greedy)
+    first_disk = cdisk[chosen]
+    load = np.bincount(first_disk, weights=ucount == 1, minlength=ndisks).astype(np.int64)
+    mc = ucount[multi]
+    porder = multi[np.argsort(mc.astype(np.uint8 if mc.max() < 256 else np.int64),
+                              kind="stable")]     # radix sort on small counts
+    cnt_p = ucount[porder]
+    ptr = np.zeros(porder.shape[0] + 1, dtype=np.int64)
+    np.cumsum(cnt_p, out=ptr[1:])
+    rep = np.repeat(u_start[porder] - ptr[:-1], cnt_p) + np.arange(int(ptr[-1]))
+    cand = order[rep]                       # candidate copies, in processing order
+    choice, _ = assign_buckets(ptr, cdisk[cand], ndisks, load)
+    chosen[porder] = cand[choice]
+    return utok, chosen
+
+
+
+def reference_plan(tok, cdisk, coff, *, ndisks, entry_bytes, block_size, max_gap=0,
+                   max_request=MAX_REQUEST, policy="balanced", dedup=True):
+    tok = np.asarray(tok, np.int64)
+    cdisk = np.asarray(cdisk, np.int32)
+    coff = np.asarray(coff, np.uint64)
+    E = int(entry_bytes)
+    zeros = np.zeros(ndisks, dtype=np.int64)
+    if tok.shape[0] == 0:
+        e64, eu = np.empty(0, np.int64), np.empty(0, np.uint64)
+        return Plan(np.empty(0, np.int32), eu, np.empty(0, np.uint32), eu, 0,
+                    e64, eu, e64, zeros, zeros.copy(), E)
+
+    if dedup:
+        utok, chosen = _ref_choose_copies(tok, cdisk, ndisks, policy)
+    else:
+        chosen = np.argsort(tok, kind="stable")
+        utok = tok[chosen]
+    d = cdisk[chosen]
+    o = coff[chosen]
+    n = chosen.shape[0]
+
+    # coalesce per disk, in offset order
+    key = (d.astype(np.uint64) << np.uint64(52)) | o
+    srt = np.argsort(key)   # equal keys are the same copy: order among them is moot
+    ds, os_ = d[srt], o[srt]
+    newrun = np.empty(n, dtype=bool)
+    newrun[0] = True
+    gap_ok = os_[1:] <= os_[:-1] + np.uint64(E + max_gap)
+    np.logical_or(ds[1:] != ds[:-1], ~gap_ok, out=newrun[1:])
+    run = np.cumsum(newrun) - 1
+    rs = np.flatnonzero(newrun)
+    re = np.append(rs[1:], n) - 1
+    if max_request > 0 and (os_[re] - os_[rs]).max() + np.uint64(E) > np.uint64(max_request):
+        # split runs longer than max_request (only runs that need it pay)
+        run_base = os_[rs][run]
+        chunk = (os_ - run_base) // np.uint64(max(max_request, E))
+        split = np.empty(n, dtype=bool)
+        split[0] = False
+        split[1:] = (chunk[1:] != chunk[:-1]) & ~newrun[1:]
+        newrun |= split
+        run = np.cumsum(newrun) - 1
+        rs = np.flatnonzero(newrun)
+        re = np.append(rs[1:], n) - 1
+    bs = np.uint64(block_size)
+    rstart = os_[rs] // bs * bs
+    rend = (os_[re] + np.uint64(E) + bs - np.uint64(1)) // bs * bs
+    rdisk = ds[rs]
+    # merge runs whose aligned ranges now overlap or touch across a shared block
+    if rs.shape[0] > 1:
+        newreq = np.empty(rs.shape[0], dtype=bool)
+        newreq[0] = True
+        np.logical_or(rdisk[1:] != rdisk[:-1], rstart[1:] >= rend[:-1], out=newreq[1:])
+        if not newreq.all():
+            grp = np.cumsum(newreq) - 1
+            qs = np.flatnonzero(newreq)
+            qe = np.append(qs[1:], rs.shape[0]) - 1
+            rstart, rend, rdisk = rstart[qs], rend[qe], rdisk[qs]
+            run = grp[run]
+    nreq = rstart.shape[0]
+    length = rend - rstart
+
+    # round-robin submission order: rank within disk, then disk
+    per_disk = np.bincount(rdisk, minlength=ndisks)
+    rank = np.arange(nreq) - np.repeat(np.cumsum(per_disk) - per_disk, per_disk)
+    sub = np.argsort(rank * ndisks + rdisk)
+    pos = np.empty(nreq, dtype=np.int64)
+    pos[sub] = np.arange(nreq)
+    lens_sub = length[sub]
+    dst_sub = np.zeros(nreq, dtype=np.uint64)
+    if nreq > 1:
+        np.cumsum(lens_sub[:-1], out=dst_sub[1:])
+    dst = dst_sub[pos]                       # per request, in sorted order
+    src_sorted = dst[run] + (os_ - rstart[run])
+    src = np.empty(n, dtype=np.uint64)
+    src[srt] = src_sorted
+
+    disk_entries = np.bincount(d, minlength=ndisks).astype(np.int64)
+    disk_bytes = np.bincount(rdisk, weights=length.astype(np.float64),
+                             minlength=ndisks).astype(np.int64)
+    return Plan(disk=rdisk[sub].astype(np.int32), offset=rstart[sub],
+                length=lens_sub.astype(np.uint32), dst=dst_sub,
+                staging_bytes=int(lens_sub.sum()), tokens=utok, src=src,
+                copy=chosen, disk_entries=disk_entries, disk_bytes=disk_bytes,
+                entry_bytes=E)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 400), st.integers(1, 8), st.integers(0, 2**31), st.booleans(),
+       st.sampled_from(["balanced", "first"]), st.sampled_from([0, 64, 5000]),
+       st.sampled_from([4096, 8192, 1 << 19]), st.sampled_from([64, 100, 4096]))
+def test_native_planner_equals_the_numpy_specification(n, ndisks, seed, dedup, policy,
+                                                       max_gap, max_request, E):
+    rng = np.random.default_rng(seed)
+    S = int(rng.integers(n, 3 * n + 1))
+    tok = rng.integers(0, S, n)
+    cdisk = rng.integers(0, ndisks, n).astype(np.int32)
+    slot = rng.integers(0, 4 * n, n).astype(np.uint64)
+    coff = slot * np.uint64(E) + np.uint64(4096)
+    kw = dict(ndisks=ndisks, entry_bytes=E, block_size=512, max_gap=max_gap,
+              max_request=max_request, policy=policy, dedup=dedup)
+    got = plan_reads(tok, cdisk, coff, **kw)
+    want = reference_plan(tok, cdisk, coff, **kw)
+    for f in ("disk", "offset", "length", "dst", "tokens", "src", "copy", "disk_entries",
+              "disk_bytes"):
+        a, b = getattr(got, f), getattr(want, f)
+        assert a.tolist() == b.tolist(), f
+    assert got.staging_bytes == want.staging_bytes

@@ -454,11 +454,7 @@ def _lru_session():
             cum = np.cumsum(st.sizes[order] * self.store.entry_bytes)
             want = np.zeros_like(st.hot)
             want[order[cum <= self.hot_budget]] = True
-            admitted = np.flatnonzero(want & ~st.hot)
-            evicted = np.flatnonzero(st.hot & ~want)
-            st.evict(evicted)
-            st.admit(admitted, ret.positions, ret.rows)
-            return admitted, evicted
+            return self.r.set_hot(self.layer, want, ret)
 
     return LRUSession
 

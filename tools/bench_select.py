@@ -5,10 +5,17 @@ Selection: a Qwen3-32B-shaped layer (8 KV heads, 64 query heads, head_dim
 128, fp16 keys) at 128K, 256K, 512K and 1M tokens.  "naive" scores the query
 against every key (the full-key scan) and takes the top r x S; "swarm" scores
 it against the medoid index (one medoid per cluster; C = S / mean cluster
-size, --cluster-size) and takes clusters in score order until r x S entries
-(``swarmfs._retrieve.select_clusters``).  Both use a single-threaded GEMV
-on the GQA-summed query (fp32 keys for the naive scan, so it gets BLAS; the fp16
-medoid index is scored by swarmfs's C GEMV, as the Retriever does); medians.
+size, --cluster-size) and takes clusters in score order until r x S distinct
+entries, in one native call as the Retriever does
+(``swarmfs._kernels.select_fused``: per-head logits, softmax sums, partial
+selection; the default "prob" score, and "logit").  "split" is the same work
+as separate kernel calls from Python (``head_logits`` + ``softmax_sum`` +
+``select_clusters``).  The naive scan is a single-threaded BLAS GEMV on the
+GQA-summed query over fp32 keys; medians, one core.
+
+The scoring kernels dispatch at run time (AVX-512, AVX2+FMA+F16C, NEON,
+scalar); ``--paths avx512,avx2`` measures each named path (forced with
+``swarmfs._kernels.set_kernel_path``), and the CPU flags are printed.
 
 Planning: ``plan_reads`` for 100K selected entries (30% with a second copy)
 over 4 disks: dedup (eq. 8), entry buckets (§6.1), coalescing.
@@ -28,10 +35,10 @@ import time
 import numpy as np
 
 from swarmfs import plan_reads
-from swarmfs._kernels import softmax_sum
-from swarmfs._retrieve import (group_queries, score_medoids, select_clusters,
-                               single_threaded_blas)
-from swarmfs._selectors import head_logits
+from swarmfs._kernels import (cpu_flags, kernel_path, pack_medoids, select_fused,
+                              set_kernel_path, softmax_sum, supported_paths)
+from swarmfs._selectors import (group_queries, head_logits, select_clusters,
+                                single_threaded_blas)
 
 PAPER = {131072: (1.635, 0.236), 262144: (3.136, 0.374), 524288: (6.176, 0.554),
          1048576: (12.15, 0.999)}
@@ -47,7 +54,7 @@ def median_ms(f, reps):
     return statistics.median(ts) * 1e3
 
 
-def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128):
+def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=None):
     C = int(round(S / cluster_size))
     q = rng.standard_normal((1, Hq, d)).astype(np.float32)
     sizes = rng.integers(max(int(cluster_size) // 2, 1), int(cluster_size * 1.5) + 1, size=C)
@@ -59,17 +66,30 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128):
     budget = int(np.ceil(r * S))
     scale = d ** -0.5
 
-    def swarm_prob():      # the Retriever's default (MedoidSelector score="prob")
+    packed = pack_medoids(medoids, H)      # made once per layer, as MedoidSelector does
+
+    def fused(score):
+        return lambda: select_fused(medoids, q[0], H, scale=scale, score=score, bf16=False,
+                                    ptr=ptr, members=members, num_tokens=S_,
+                                    budget=budget, window=0,
+                                    packed=packed if score == "prob" else None,
+                                    check=False)
+
+    def split():           # the same as separate calls from Python
         sc = softmax_sum(head_logits(medoids, q, H)[0], scale)
         select_clusters(sc, ptr, members, num_tokens=S_, budget=budget)
 
-    def swarm_logit():     # MedoidSelector score="logit": GQA-summed query, one GEMV
-        select_clusters(score_medoids(medoids, group_queries(q, H))[0], ptr, members,
-                        num_tokens=S_, budget=budget)
-
-    t_prob = median_ms(swarm_prob, reps)
-    t_logit = median_ms(swarm_logit, reps)
-    medoids = None                     # free the index before the naive scan allocates keys
+    per_path = {}
+    paths = paths or [kernel_path()]
+    for path in paths:
+        set_kernel_path(path)
+        per_path[path] = {"prob_ms": median_ms(fused("prob"), reps),
+                          "logit_ms": median_ms(fused("logit"), reps)}
+    set_kernel_path("auto")
+    t_split = median_ms(split, max(reps // 4, 5))
+    t_prob = per_path[paths[0]]["prob_ms"]
+    t_logit = per_path[paths[0]]["logit_ms"]
+    medoids = packed = None            # free the index before the naive scan allocates keys
     keys = rng.standard_normal((S, H * d), dtype=np.float32)
 
     def naive():
@@ -81,6 +101,7 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128):
     t_naive = median_ms(naive, max(reps // 10, 5))
     return {"tokens": S, "medoids": C, "mean_cluster_size": cluster_size,
             "naive_ms": t_naive, "swarm_ms": t_prob, "swarm_logit_ms": t_logit,
+            "split_ms": t_split, "paths": per_path,
             "speedup": t_naive / t_prob,
             "swarm_index_bytes": C * H * d * 2,
             "paper_naive_ms": PAPER.get(S, (None, None))[0],
@@ -104,6 +125,116 @@ def bench_planning(reps, rng, n=100_000, replicated=0.3, ndisks=4, S=1 << 20, E=
             "requests": p.num_requests, "bucket_entries": p.disk_entries.tolist()}
 
 
+def bench_assembly(reps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, batches=(1, 4, 8),
+                   root=None):
+    """Retrieve at batch 1, 4 and 8 from a store on tmpfs (Qwen3-32B-shaped
+    entries, 4 KiB fp16) into reused K/V buffers (``retrieve(out=...)``): GB/s
+    of returned entry bytes over the retrieval's wall time, and assembly alone
+    (entries written into K/V by gather_kv)."""
+    import tempfile
+
+    from swarmfs import Retriever, Store
+    base = root or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    with tempfile.TemporaryDirectory(dir=base) as tmp:
+        s = Store.create(os.path.join(tmp, "st"), disks=4, num_layers=1, num_kv_heads=H,
+                         head_dim=d, num_query_heads=Hq, dtype="float16")
+        kv = rng.standard_normal((S, 2, H, d)).astype(np.float16)
+        perm = rng.permutation(S)
+        clusters = np.array_split(perm, S // 16)
+        hot = np.zeros(len(clusters), bool)
+        hot[rng.choice(len(clusters), len(clusters) // 50, replace=False)] = True
+        s.write_layer(0, kv, clusters, hot=hot, local_window=256)
+        del kv
+        ret = Retriever(s, sparsity=r)
+        qs = rng.standard_normal((max(batches), Hq, d)).astype(np.float32)
+        out = {}
+        cap = S                            # output buffers reused across steps
+        kb = np.zeros((H, cap, d), np.float16)
+        vb = np.zeros((H, cap, d), np.float16)
+        for b in batches:
+            q = qs[:b] if b > 1 else qs[0]
+            ret.retrieve(0, q, torch=False, out=(kb, vb))
+            res = [ret.retrieve(0, q, torch=False, out=(kb, vb)) for _ in range(reps)]
+            tot = [x.stats.total_us for x in res]
+            asm = [x.stats.assemble_us for x in res]
+            nbytes = res[0].stats.entries * s.entry_bytes
+            out[b] = {"entries": res[0].stats.entries, "bytes": nbytes,
+                      "total_us": statistics.median(tot), "assemble_us": statistics.median(asm),
+                      "gbps": nbytes / statistics.median(tot) / 1e3,
+                      "assemble_gbps": nbytes / statistics.median(asm) / 1e3,
+                      "io_us": statistics.median([x.stats.io_us for x in res]),
+                      "select_us": statistics.median([x.stats.score_us + x.stats.select_us
+                                                      for x in res]),
+                      "plan_us": statistics.median([x.stats.plan_us for x in res])}
+        s.close()
+    for b in batches:
+        out[b]["gbps_vs_batch1"] = out[b]["gbps"] / out[batches[0]]["gbps"]
+        out[b]["assemble_gbps_vs_batch1"] = out[b]["assemble_gbps"] / \
+            out[batches[0]]["assemble_gbps"]
+    return out
+
+
+def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None):
+    """A decode step over L layers from a tmpfs store, with numpy attention of
+    the Hq query heads over each layer's retrieved K/V: sequential (each
+    layer retrieves, then attends) against ``pipelined_step`` (layer L+1's
+    retrieval prefetched while layer L steps and attends).  Medians."""
+    import tempfile
+
+    from swarmfs import DecodeSession, Retriever, Store, pipelined_step
+    from swarmfs._report import attention_logits
+    base = root or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    scale = d ** -0.5
+    qs = rng.standard_normal((steps + 2, L, Hq, d)).astype(np.float32)
+
+    def attend(i, res, q):
+        lg = attention_logits(q[:, None, :], res.k, scale)[:, 0]      # [Hq, n]
+        p = np.exp(lg - lg.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        g = Hq // H
+        return np.einsum("hgn,hnd->hgd", p.reshape(H, g, -1), res.v.astype(np.float32))
+
+    with tempfile.TemporaryDirectory(dir=base) as tmp:
+        s = Store.create(os.path.join(tmp, "st"), disks=4, num_layers=L, num_kv_heads=H,
+                         head_dim=d, num_query_heads=Hq, dtype="float16")
+        for layer in range(L):
+            kv = rng.standard_normal((S, 2, H, d)).astype(np.float16)
+            cl = np.array_split(rng.permutation(S), S // 16)
+            hot = np.zeros(len(cl), bool)
+            hot[: len(cl) // 50] = True
+            s.write_layer(layer, kv, cl, hot=hot, local_window=256)
+        out = {}
+        for mode in ("sequential", "pipelined"):
+            r_obj = Retriever(s, sparsity=r)
+            sess = [DecodeSession(r_obj, layer, adapt_cache=True) for layer in range(L)]
+            rows = []
+            for t in range(steps + 2):
+                q = qs[t]
+                if mode == "pipelined":
+                    res = pipelined_step(sess, list(q), lambda i, x: attend(i, x, q[i]))
+                    rows.append((res.step_us, res.sum_us, res.max_us, sum(res.retrieval_us),
+                                 sum(res.compute_us)))
+                else:
+                    t0 = time.perf_counter()
+                    ret_us = comp_us = 0.0
+                    for i in range(L):
+                        x = sess[i].step(q[i])
+                        tc = time.perf_counter()
+                        attend(i, x, q[i])
+                        comp_us += (time.perf_counter() - tc) * 1e6
+                        ret_us += x.retrieval.stats.total_us
+                    step = (time.perf_counter() - t0) * 1e6
+                    rows.append((step, step, step, ret_us, step - ret_us))
+            r_obj.close()
+            rows = rows[2:]                    # warm-up: layer states, packed index
+            med = [statistics.median(c) for c in zip(*rows)]
+            out[mode] = {"step_us": med[0], "sum_us": med[1], "max_us": med[2],
+                         "retrieval_us": med[3], "compute_us": med[4]}
+        s.close()
+    out["speedup"] = out["sequential"]["step_us"] / out["pipelined"]["step_us"]
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="131072,262144,524288,1048576")
@@ -113,28 +244,66 @@ def main(argv=None):
                          "14.9 at 128K, bench_layout.py) grown as S^0.377 as measured "
                          "from 16K to 128K")
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--paths", default="auto",
+                    help="kernel paths to measure, comma-separated (scalar, avx2, avx512, "
+                         "neon; 'all' = every path this CPU runs; default: the auto path)")
+    ap.add_argument("--assembly", action="store_true",
+                    help="also retrieve at batch 1/4/8 from a tmpfs store (GB/s, assembly)")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="also time a decode step over 8 layers, sequential vs pipelined")
     ap.add_argument("--out", default="bench-out/select")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = []
-    print(f"{'tokens':>8} {'medoids':>8} {'naive ms':>9} {'swarm ms':>9} {'logit ms':>9} "
-          f"{'paper':>7} {'speedup':>8}")
+    auto = kernel_path()
+    paths = supported_paths()[::-1] if a.paths == "all" else \
+        [auto if p == "auto" else p for p in a.paths.split(",")]
+    print(f"CPU flags: {' '.join(cpu_flags())}; auto path: {auto}; measured: "
+          f"{', '.join(paths)}; one thread")
+    print(f"{'tokens':>8} {'medoids':>8} {'naive ms':>9} " +
+          " ".join(f"{p + ' prob':>12} {p + ' logit':>12}" for p in paths) +
+          f" {'split ms':>9} {'paper':>7}")
     sizes = [float(x) for x in a.cluster_sizes.split(",")]
     toks = [int(x) for x in a.tokens.split(",")]
     if len(sizes) == 1:
         sizes = sizes * len(toks)
     for S, cs in zip(toks, sizes):
-        r = bench_selection(S, cs, a.reps, rng)
+        r = bench_selection(S, cs, a.reps, rng, paths=paths)
         rows.append(r)
-        print(f"{S:8d} {r['medoids']:8d} {r['naive_ms']:9.3f} {r['swarm_ms']:9.3f} "
-              f"{r['swarm_logit_ms']:9.3f} {r['paper_swarm_ms'] or 0:7.3f} "
-              f"{r['speedup']:8.1f}", flush=True)
+        print(f"{S:8d} {r['medoids']:8d} {r['naive_ms']:9.3f} " +
+              " ".join(f"{r['paths'][p]['prob_ms']:12.3f} {r['paths'][p]['logit_ms']:12.3f}"
+                       for p in paths) +
+              f" {r['split_ms']:9.3f} {r['paper_swarm_ms'] or 0:7.3f}", flush=True)
     plan = bench_planning(max(a.reps // 4, 20), rng)
     print(f"planning {plan['entries']} entries ({plan['candidates']} candidate copies, "
           f"{plan['disks']} disks): {plan['plan_ms']:.2f} ms, {plan['requests']} requests")
+    step = bench_planning(max(a.reps // 4, 20), rng, n=13108, ndisks=8, S=131072)
+    print(f"planning a 128K-token step at r = 0.1: {step['entries']} entries "
+          f"({step['candidates']} candidate copies, {step['disks']} disks): "
+          f"{step['plan_ms']:.3f} ms, {step['requests']} requests")
+    plan["step_128k"] = step
+    if a.assembly:
+        asm = bench_assembly(max(a.reps // 4, 20), rng)
+        plan["assembly"] = asm
+        for b, x in asm.items():
+            print(f"batch {b}: {x['entries']} entries, retrieve {x['total_us']:.0f} µs "
+                  f"(select {x['select_us']:.0f}, plan {x['plan_us']:.0f}, I/O {x['io_us']:.0f}, "
+                  f"assemble {x['assemble_us']:.0f}) = {x['gbps']:.2f} GB/s "
+                  f"({x['gbps_vs_batch1']:.2f}x batch 1); assembly {x['assemble_gbps']:.1f} GB/s "
+                  f"({x['assemble_gbps_vs_batch1']:.2f}x)")
+    if a.pipeline:
+        pipe = bench_pipeline(max(a.reps // 10, 8), rng)
+        plan["pipeline"] = pipe
+        for mode in ("sequential", "pipelined"):
+            x = pipe[mode]
+            print(f"decode step, 8 layers, {mode}: {x['step_us'] / 1e3:.2f} ms (retrieval "
+                  f"{x['retrieval_us'] / 1e3:.2f} ms + compute {x['compute_us'] / 1e3:.2f} ms; "
+                  f"sum {x['sum_us'] / 1e3:.2f}, max {x['max_us'] / 1e3:.2f})")
+        print(f"pipelined / sequential step: {1 / pipe['speedup']:.2f}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"selection": rows, "planning": plan, "cluster_sizes": sizes,
+                   "cpu_flags": cpu_flags(), "auto_path": auto, "paths": paths,
                    "command": "tools/bench_select.py " + " ".join(argv or sys.argv[1:])},
                   f, indent=1)
     print(f"wrote {a.out}.json")

@@ -1,0 +1,182 @@
+"""The C data kernels' wrappers (``swarmfs._kernels``): results, and bad
+arguments refused with InvalidArgumentError before C touches memory."""
+
+import numpy as np
+import pytest
+
+from swarmfs._errors import InvalidArgumentError
+from swarmfs._kernels import (assign_buckets, gather_rows, gemv_half, head_logits_half,
+                              scatter_rows, softmax_sum, verify_rows, xxh3_ranges, xxh3_rows)
+
+
+def test_bad_arguments_are_invalid_argument_errors(rng):
+    buf = rng.integers(0, 255, 4096, dtype=np.uint8)
+    off = np.arange(0, 4096, 64, dtype=np.uint64)
+    bad = [
+        lambda: gather_rows(buf, off, 0),                                    # row 0
+        lambda: gather_rows(buf, off + np.uint64(4000), 64),                 # outside src
+        lambda: gather_rows(buf, off, 64, out=np.empty((3, 64), np.uint8)),  # short out
+        lambda: gather_rows(buf, [0.5, 1.0], 64),                           # float offsets
+        lambda: gather_rows(buf, off, 64, out=np.empty((64, 64), np.uint8)[:, ::2]),
+        lambda: scatter_rows(buf, [0], np.zeros((2, 8), np.uint8), [-1], 8),  # negative row
+        lambda: scatter_rows(buf, [0, 8], np.zeros((2, 8), np.uint8), [0], 8),
+        lambda: scatter_rows(buf.copy().setflags(write=False) or buf[::2], [0], buf, [0], 8),
+        lambda: xxh3_rows(buf, -1),
+        lambda: xxh3_ranges(buf, [0, 1], [8]),
+        lambda: verify_rows(buf, off, 64, np.zeros(3, np.uint64)),          # wrong length
+        lambda: verify_rows(buf, [4090], 64, np.zeros(1, np.uint64)),
+        lambda: assign_buckets([0, 1, 2], np.array([0, 5], np.int32), 2),   # disk 5 of 2
+        lambda: assign_buckets([0, 3], np.array([0, 1], np.int32), 2),      # ptr past cdisk
+        lambda: assign_buckets([0, 1], np.array([0], np.int32), 2, np.zeros(3, np.int64)),
+        lambda: gemv_half(np.zeros((4, 8), np.float32), np.zeros((1, 8)), bf16=False),
+        lambda: gemv_half(np.zeros((4, 8), np.float16), np.zeros((1, 7)), bf16=False),
+        lambda: head_logits_half(np.zeros((4, 8), np.float16), np.zeros((1, 4, 3)), 2,
+                                 bf16=False),
+        lambda: head_logits_half(np.zeros((4, 8), np.float16), np.zeros((1, 4, 4)), 0,
+                                 bf16=False),
+        lambda: softmax_sum(np.zeros(5, np.float32), 1.0),
+        lambda: softmax_sum(np.zeros((2, 5), np.float32), "x"),
+    ]
+    for i, f in enumerate(bad):
+        with pytest.raises(InvalidArgumentError):
+            f()
+            pytest.fail(f"case {i} was accepted")
+
+
+def test_kernels_compute_what_they_say(rng):
+    src = rng.integers(0, 255, (30, 64), dtype=np.uint8)
+    off = np.arange(30, dtype=np.uint64)[::-1] * np.uint64(64)
+    rows = gather_rows(src, off, 48)
+    assert np.array_equal(rows, src[::-1, :48])
+    m = rng.standard_normal((10, 16)).astype(np.float16)
+    q = rng.standard_normal((2, 16)).astype(np.float32)
+    assert np.allclose(gemv_half(m, q, bf16=False), q @ m.astype(np.float32).T, atol=1e-3)
+    qh = rng.standard_normal((1, 4, 8)).astype(np.float32)
+    lg = head_logits_half(m, qh, 2, bf16=False)
+    want = np.stack([m[:, (h // 2) * 8:(h // 2 + 1) * 8].astype(np.float32) @ qh[0, h]
+                     for h in range(4)])
+    assert np.allclose(lg[0], want, atol=1e-3)
+    x = rng.standard_normal((3, 7)).astype(np.float32)
+    e = np.exp(2 * x - (2 * x).max(axis=1, keepdims=True))
+    assert np.allclose(softmax_sum(x, 2.0), (e / e.sum(axis=1, keepdims=True)).sum(0),
+                       atol=1e-5)
+
+
+# -- every kernel path against the scalar reference --------------------------------
+
+@pytest.fixture
+def each_path():
+    from swarmfs._kernels import set_kernel_path, supported_paths
+    paths = supported_paths()
+    assert paths[0] == "scalar"
+    yield paths
+    set_kernel_path("auto")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_every_path_matches_the_scalar_reference(each_path, rng, bf16):
+    import ml_dtypes
+
+    from swarmfs._kernels import choose_clusters, kernel_path, select_fused, set_kernel_path
+    H, Hq, d, C = 4, 16, 40, 301                 # d not a multiple of 16: tails too
+    dt = ml_dtypes.bfloat16 if bf16 else np.float16
+    m = rng.standard_normal((C, H * d)).astype(np.float32).astype(dt)
+    q = rng.standard_normal((Hq, d)).astype(np.float32)
+    sizes = rng.integers(1, 9, C)
+    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    S = int(ptr[-1])
+    members = rng.permutation(S).astype(np.int32)
+    results = {}
+    for path in each_path:
+        assert set_kernel_path(path) == path == kernel_path()
+        lg = head_logits_half(m, q[None], H, bf16=bf16)[0]
+        g = gemv_half(m, q.reshape(H, Hq // H, d).sum(1).reshape(1, -1), bf16=bf16)
+        sm = softmax_sum(lg, d ** -0.5)
+        fused = {s: select_fused(m, q, H, scale=d ** -0.5, score=s, bf16=bf16, ptr=ptr,
+                                 members=members, num_tokens=S, budget=S // 5, window=7)
+                 for s in ("prob", "logit")}
+        # the fused pass chooses what the separate kernels' scores choose
+        assert fused["prob"][0].tolist() == choose_clusters(
+            sm, ptr, members, num_tokens=S, budget=S // 5, window=7)[0].tolist()
+        results[path] = (lg, g, sm, fused)
+    ref = results["scalar"]
+    exact = m.astype(np.float32)
+    want_lg = np.stack([exact[:, (h // (Hq // H)) * d:(h // (Hq // H) + 1) * d] @ q[h]
+                        for h in range(Hq)])
+    for path, (lg, g, sm, fused) in results.items():
+        assert np.allclose(lg, want_lg, rtol=1e-4, atol=1e-3), path
+        assert np.allclose(lg, ref[0], rtol=1e-5, atol=1e-4), path
+        assert np.allclose(g, ref[1], rtol=1e-5, atol=1e-3), path
+        assert np.allclose(sm, ref[2], rtol=1e-5, atol=1e-6), path
+        for s in ("prob", "logit"):
+            a, b = fused[s][0], ref[3][s][0]
+            # near-equal scores may swap places between paths; the sets agree
+            assert len(set(a.tolist()) ^ set(b.tolist())) <= 2, (path, s)
+
+
+def test_forcing_an_unknown_or_missing_path_is_refused(each_path):
+    from swarmfs._kernels import set_kernel_path
+    with pytest.raises(InvalidArgumentError):
+        set_kernel_path("sse9")
+    missing = [p for p in ("avx2", "avx512", "neon") if p not in each_path]
+    for p in missing:
+        with pytest.raises(InvalidArgumentError):
+            set_kernel_path(p)
+
+
+@pytest.mark.parametrize("G", [1, 4, 8, 12])
+def test_packed_index_scores_like_the_plain_one(each_path, rng, G):
+    from swarmfs._kernels import pack_medoids, select_fused, set_kernel_path
+    H, d, C = 2, 24, 37                     # C not a multiple of 16: a padded block
+    m = rng.standard_normal((C, H * d)).astype(np.float16)
+    q = rng.standard_normal((H * G, d)).astype(np.float32)
+    pk = pack_medoids(m, H)
+    assert pk.shape == (H, 3, d, 16)
+    assert np.array_equal(pk[1, 0, :, 5], m[5, d:].view(np.uint16))
+    ptr = np.arange(C + 1, dtype=np.int64)
+    members = np.arange(C, dtype=np.int32)
+    for path in each_path:
+        set_kernel_path(path)
+        kw = dict(scale=0.2, score="prob", bf16=False, ptr=ptr, members=members,
+                  num_tokens=C, budget=C, window=0)
+        a, na = select_fused(m, q, H, **kw)
+        b, nb = select_fused(m, q, H, packed=pk, **kw)
+        assert na == nb == C
+        assert a.tolist() == b.tolist(), path       # every cluster, in the same score order
+
+
+def test_gather_kv_writes_entries_into_head_major_k_and_v(rng):
+    from swarmfs._kernels import gather_kv
+    H, d, n = 3, 4, 10
+    rows = rng.standard_normal((n, 2, H, d)).astype(np.float16)
+    buf = np.zeros(64 + rows.nbytes, np.uint8)
+    buf[64:] = rows.reshape(-1).view(np.uint8)
+    k = np.full((H, n + 2, d), -1, np.float16)
+    v = np.full((H, n + 2, d), -1, np.float16)
+    dst = rng.permutation(n + 2)[:n]
+    gather_kv(buf, 64 + np.arange(n, dtype=np.uint64) * np.uint64(rows[0].nbytes), dst, k, v)
+    assert np.array_equal(k[:, dst], rows[:, 0].transpose(1, 0, 2))
+    assert np.array_equal(v[:, dst], rows[:, 1].transpose(1, 0, 2))
+    rest = np.setdiff1d(np.arange(n + 2), dst)
+    assert (k[:, rest] == -1).all() and (v[:, rest] == -1).all()
+    with pytest.raises(InvalidArgumentError):
+        gather_kv(buf, [buf.nbytes - 8], [0], k, v)              # outside the source
+    with pytest.raises(InvalidArgumentError):
+        gather_kv(buf, [64], [n + 2], k, v)                      # outside the output
+    with pytest.raises(InvalidArgumentError):
+        gather_kv(buf, [64], [0], k, v[:, :, :2])                # shapes differ
+
+
+def test_choice_kernels_refuse_a_table_that_does_not_fit(rng):
+    from swarmfs._kernels import choose_clusters, select_fused
+    sc = np.zeros(3, np.float32)
+    ptr = np.array([0, 2, 3, 5])
+    members = np.array([0, 1, 2, 3, 4], np.int32)
+    for p, mm in ((ptr[:3], members), (ptr, members[:4]), (ptr, np.array([0, 1, 2, 3, 9]))):
+        with pytest.raises(InvalidArgumentError):
+            choose_clusters(sc, p, mm, num_tokens=5, budget=5, window=0)
+        with pytest.raises(InvalidArgumentError):
+            select_fused(np.zeros((3, 8), np.float16), np.zeros((4, 4), np.float32), 2,
+                         scale=0.5, score="prob", bf16=False, ptr=p, members=mm,
+                         num_tokens=5, budget=5, window=0)
+    assert choose_clusters(sc, ptr, members, num_tokens=5, budget=5, window=0)[1] == 5
