@@ -461,3 +461,116 @@ def umount(mountpoint, lazy):
 
 if __name__ == "__main__":
     main()
+
+
+# -- generate (swarmfs.hf): decode a causal LM with its KV on the store ------------
+
+_STEP_COLS = (("step", "step", "{}"), ("clusters", "clusters", "{:.0f}"),
+              ("hot", "hot", "{:.0f}"), ("SSD entries", "entries_ssd", "{:.0f}"),
+              ("DRAM new", "pending", "{:.0f}"), ("bytes", "bytes_read", None),
+              ("requests", "requests", "{:.0f}"), ("score µs", "score_us", "{:.0f}"),
+              ("select µs", "select_us", "{:.0f}"), ("plan µs", "plan_us", "{:.0f}"),
+              ("I/O µs", "io_us", "{:.0f}"), ("assemble µs", "assemble_us", "{:.0f}"),
+              ("session µs", "session_us", "{:.0f}"), ("attend µs", "attend_us", "{:.0f}"),
+              ("cache hit", "cache_hit_rate", "{:.2f}"), ("prefetch hit", "prefetch_hit",
+                                                          "{:.2f}"))
+
+
+def _step_table(rows, title, max_rows=24):
+    from rich.table import Table
+    t = Table(*(c for c, _, _ in _STEP_COLS), title=title)
+    show = rows if len(rows) <= max_rows else rows[:max_rows // 2] + rows[-max_rows // 2:]
+    for i, r in enumerate(show):
+        if len(rows) > max_rows and i == max_rows // 2:
+            t.add_row("…", *[""] * (len(_STEP_COLS) - 1))
+        t.add_row(*(("-" if r.get(k) is None else _human(r[k]) if fmt is None
+                     else fmt.format(r[k])) for _, k, fmt in _STEP_COLS))
+    return t
+
+
+@main.command()
+@click.option("--model", type=click.Path(), default=None,
+              help="Local transformers causal LM (Llama/Qwen2/Qwen3/Mistral; default: the "
+                   "decoder trained for swarmfs, swarmfs.models.DEFAULT_DECODER).")
+@click.option("--prompt-file", type=click.Path(), required=True, help="Prompt text file.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Tokens to generate (greedy).")
+@click.option("--ratio", type=float, default=0.10, show_default=True,
+              help="Sparsity ratio r: profile top-k and per-step entry budget (§8.1).")
+@click.option("--disks", type=int, default=None,
+              help="Number of file disks under STORE/disks (default 4; not with --disk).")
+@click.option("--disk", "disk_paths", multiple=True, type=click.Path(),
+              help="A disk path (file or block device); repeat for each disk.")
+@click.option("--store", type=click.Path(), default=None,
+              help="Store directory (default: a temporary one, removed afterwards).")
+@click.option("--force", is_flag=True, help="Replace an existing store / foreign disks.")
+@click.option("--prefetch", type=click.Choice(["none", "previous"]), default="none",
+              show_default=True,
+              help="§7 layer-pipelined prefetch with the previous step's query.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
+              default="float32", show_default=True, help="Model and KV dtype.")
+@click.option("--evaluate", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Hold out the last N tokens of the prompt file and compare perplexity "
+                   "and attention-mass recall, dense against swarmfs (teacher-forced).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@ENGINE_OPT
+def generate(model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store, force,
+             prefetch, dtype, evaluate, as_json, engine):
+    """Decode with the KV cache on swarmfs (swarmfs.hf.SwarmCache).
+
+    The prompt is prefilled densely, laid out by co-activation of its own
+    queries and written to the disks; each decode step retrieves per layer
+    (window + hot clusters + one batched SSD read).  Streams the text, then
+    prints a per-step table (sums over layers).
+    """
+    from . import _generate as G
+    if disks is not None and disk_paths:
+        raise click.UsageError("give either --disks N (disk files under STORE/disks) or "
+                               "--disk PATH ..., not both")
+    if not 0 < ratio <= 1:
+        raise E.LayoutError(f"--ratio must be in (0, 1], got {ratio}")
+    try:
+        with open(prompt_file, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise E.InvalidArgumentError(f"cannot read --prompt-file {prompt_file}: {exc}") from None
+    dk = list(disk_paths) or disks or 4
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    from rich.console import Console
+    con = Console(width=max(Console().width, 200))
+    if evaluate is not None:
+        rep = G.run_evaluate(text, evaluate, model_dir=model, store=store, disks=dk,
+                             ratio=ratio, force=force, engine=engine, prefetch=prefetch,
+                             dtype=dtype)
+        if as_json:
+            click.echo(json.dumps(rep, indent=1, default=float))
+            return
+        con.print(f"context {rep['context_tokens']} tokens, continuation "
+                  f"{rep['continuation_tokens']} tokens, r = {ratio}")
+        from rich.table import Table
+        t = Table("", "dense", "swarmfs")
+        t.add_row("perplexity", f"{rep['perplexity_dense']:.3f}",
+                  f"{rep['perplexity_swarm']:.3f}")
+        t.add_row("attention-mass recall", "1.000", f"{rep['recall']:.3f}")
+        t.add_row("step time (ms, median)", f"{rep['dense_step_ms']:.1f}",
+                  "-" if rep["swarm_step_ms"] is None else f"{rep['swarm_step_ms']:.1f}")
+        con.print(t)
+        con.print("recall per layer: " + ", ".join(
+            f"{k}: {v:.3f}" for k, v in rep["recall_per_layer"].items()))
+        con.print(_step_table(rep["steps"], "teacher-forced decode steps (sums over layers)"))
+        return
+    stream = None if as_json else (lambda s: click.echo(s, nl=False))
+    rep = G.run_generate(text, model_dir=model, store=store, disks=dk, ratio=ratio,
+                         max_new_tokens=max_new_tokens, force=force, engine=engine,
+                         prefetch=prefetch, dtype=dtype, on_text=stream)
+    if as_json:
+        click.echo(json.dumps(rep, indent=1, default=float))
+        return
+    click.echo()
+    s = rep["summary"]
+    con.print(f"prompt {rep['prompt_tokens']} tokens on {rep['disks']} disks, r = {ratio}; "
+              f"{len(rep['tokens'])} tokens in {rep['wall_s']:.2f} s (layout + write "
+              f"{rep['layout_write_s']:.2f} s); DRAM {_human(s['dram_bytes'])}; cache hit "
+              f"rate {s.get('cache_hit_rate', 0):.2f}")
+    con.print(_step_table(rep["steps"], "decode steps (sums over layers)"))

@@ -1,0 +1,305 @@
+"""``swarmfs generate``: decode a causal LM with its KV cache on swarmfs.
+
+Two pipelines over :class:`swarmfs.hf.SwarmCache`:
+
+* :func:`run_generate` prefills a prompt densely, lays its KV out on N disks
+  and decodes greedily, streaming the text; the report holds per-step
+  retrieval figures (clusters, SSD entries, bytes, µs per stage, hit rates).
+* :func:`run_evaluate` holds out the last N tokens of a text as the
+  continuation and teacher-forces them through dense attention (one causal
+  forward, transformers' SDPA) and through swarmfs (prefill of the context,
+  then one decode step per continuation token), and reports both
+  perplexities and the attention-mass recall of every swarmfs retrieval
+  against the oracle top-k over the stored context (SWARM §8.1-8.2).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from . import _errors as E
+
+__all__ = ["default_model_dir", "load_model", "run_evaluate", "run_generate", "recall_report"]
+
+
+def default_model_dir() -> pathlib.Path:
+    """The decoder trained for swarmfs (``swarmfs.models.DEFAULT_DECODER``).
+
+    Raises:
+        ModelError: it is not installed.
+    """
+    try:
+        from .models import DEFAULT_DECODER
+    except ImportError:
+        DEFAULT_DECODER = None
+    if DEFAULT_DECODER is None or not pathlib.Path(DEFAULT_DECODER, "config.json").exists():
+        raise E.ModelError("no default decoder is installed (swarmfs.models.DEFAULT_DECODER); "
+                           "pass --model DIR (a local transformers causal LM)")
+    return pathlib.Path(DEFAULT_DECODER)
+
+
+def load_model(model_dir=None, dtype: str | None = None):
+    """Load a local causal LM and its tokenizer, with the ``"swarm"`` attention.
+
+    Args:
+        model_dir: directory (default :func:`default_model_dir`).
+        dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` (default: float32).
+
+    Returns:
+        (model in eval mode, tokenizer).
+
+    Raises:
+        ModelError: the directory does not hold a loadable causal LM.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import hf
+    path = pathlib.Path(model_dir) if model_dir is not None else default_model_dir()
+    if not (path / "config.json").exists():
+        raise E.ModelError(f"{path} is not a model directory (no config.json)")
+    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           None: torch.float32}[dtype]
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=tdt)
+    except (OSError, ValueError, KeyError) as exc:
+        raise E.ModelError(f"cannot load a causal LM from {path}: {exc}") from None
+    hf.enable(model)
+    return model.eval(), tok
+
+
+def _tokens(tok, text: str):
+    import torch
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    if ids.shape[1] == 0:
+        raise E.InvalidArgumentError("the prompt has no tokens")
+    return ids.to(torch.long)
+
+
+class _Streamer:
+    """A transformers streamer that hands decoded text pieces to a callback."""
+
+    def __init__(self, tok, on_text, skip: int):
+        self.tok, self.on_text, self.skip = tok, on_text, skip
+        self.ids: list[int] = []
+        self.printed = 0
+        self.first = True
+
+    def put(self, value):
+        if self.first:            # generate() passes the prompt first
+            self.first = False
+            return
+        self.ids.extend(int(x) for x in value.reshape(-1))
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self.on_text(text[self.printed:])
+            self.printed = len(text)
+
+    def end(self):
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if len(text) > self.printed:
+            self.on_text(text[self.printed:])
+
+
+def _open_cache(model, store, *, ratio, disks, force, engine, prefetch, record, append=True):
+    from . import hf
+    return hf.SwarmCache(store, model.config, ratio=ratio, disks=disks, force=force,
+                         engine=engine, prefetch=prefetch, record=record, append=append)
+
+
+class _StoreDir:
+    """The store directory: the given one, or a temporary one removed at exit."""
+
+    def __init__(self, store):
+        self.tmp = None if store else tempfile.mkdtemp(prefix="swarmfs-generate-")
+        self.path = os.path.abspath(store) if store else os.path.join(self.tmp, "store")
+
+    def __enter__(self):
+        return self.path
+
+    def __exit__(self, *exc):
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def run_generate(prompt: str, *, model_dir=None, store=None, disks=4, ratio: float = 0.1,
+                 max_new_tokens: int = 64, force: bool = False, engine=None,
+                 prefetch: str = "none", dtype=None, on_text=None) -> dict:
+    """Prefill ``prompt`` onto a new store and decode greedily.
+
+    Args:
+        prompt: the prompt text.
+        model_dir: model directory (default: the trained decoder).
+        store: store directory (default: a temporary one, removed after).
+        disks: number of file disks or a list of disk paths.
+        ratio: sparsity ratio r.
+        max_new_tokens: tokens to generate (>= 1).
+        on_text: called with each decoded text piece as it is generated.
+
+    Returns:
+        dict: model, prompt_tokens, text, tokens, ratio, prefill_s, decode_s,
+        tokens_per_s, layout (per layer), steps (per-step rows), summary.
+
+    Raises:
+        ModelError, InvalidArgumentError, StoreExistsError, SwarmError.
+    """
+    import torch
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
+            max_new_tokens < 1:
+        raise E.InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
+    model, tok = load_model(model_dir, dtype)
+    ids = _tokens(tok, prompt)
+    with _StoreDir(store) as path:
+        cache = _open_cache(model, path, ratio=ratio, disks=disks, force=force, engine=engine,
+                            prefetch=prefetch, record=False)
+        with cache:
+            streamer = _Streamer(tok, on_text, ids.shape[1]) if on_text else None
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(ids, cache=cache, max_new_tokens=max_new_tokens,
+                                     do_sample=False, streamer=streamer,
+                                     pad_token_id=tok.pad_token_id or tok.eos_token_id or 0)
+            t1 = time.perf_counter()
+            new = out[0, ids.shape[1]:].tolist()
+            steps = cache.step_table()
+            decode_s = sum(r["score_us"] + r["select_us"] + r["plan_us"] + r["io_us"] +
+                           r["assemble_us"] + r["session_us"] + r["attend_us"]
+                           for r in steps) / 1e6
+            prefill_s = sum(x["layout_s"] + x["write_s"] for x in cache.layout_report.values())
+            return {"model": str(model_dir or default_model_dir()),
+                    "prompt_tokens": int(ids.shape[1]), "tokens": new,
+                    "text": tok.decode(new, skip_special_tokens=True), "ratio": ratio,
+                    "store": None if store is None else path, "disks": cache.store.num_disks,
+                    "wall_s": t1 - t0, "layout_write_s": prefill_s,
+                    "swarm_attention_s": decode_s,
+                    "layout": {str(k): v for k, v in cache.layout_report.items()},
+                    "steps": steps, "summary": cache.summary()}
+
+
+def _nll(logits, targets) -> np.ndarray:
+    import torch
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return (-lp.gather(-1, targets[:, None])[:, 0]).numpy().astype(np.float64)
+
+
+def recall_report(cache, ratio: float, context: int) -> dict:
+    """Attention-mass recall of every recorded retrieval against the oracle.
+
+    For each layer the stored context's K and V (the first ``context``
+    tokens) are read back from the store; for each decode step, the step's
+    query scores all of them; recall = mass of the retrieved context entries
+    / mass of the exact top-k, k = ceil(r x context) (``_report.evaluate_query``).
+
+    Returns:
+        {"recall": mean over layers and steps, "per_layer": {layer: mean},
+        "rel_error": mean attention-output error, "oracle_rel_error": ...}.
+    """
+    from ._report import evaluate_query
+    st = cache.store
+    per_layer, err, oerr = {}, [], []
+    for layer, recs in sorted(cache.records.items()):
+        kv = st.read_entries(layer, np.arange(context)).astype(np.float32)
+        k_ctx = np.ascontiguousarray(kv[:, 0].transpose(1, 0, 2))
+        v_ctx = np.ascontiguousarray(kv[:, 1].transpose(1, 0, 2))
+        rec = []
+        for q, pos, scaling in recs:
+            r = evaluate_query(q, k_ctx, v_ctx, pos[pos < context], scaling=scaling,
+                               ratio=ratio)
+            rec.append(r["recall"])
+            err.append(r["rel_error"])
+            oerr.append(r["oracle_rel_error"])
+        per_layer[layer] = float(np.mean(rec))
+        del kv, k_ctx, v_ctx
+    return {"recall": float(np.mean(list(per_layer.values()))) if per_layer else float("nan"),
+            "per_layer": per_layer, "rel_error": float(np.mean(err)) if err else float("nan"),
+            "oracle_rel_error": float(np.mean(oerr)) if oerr else float("nan")}
+
+
+def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=4,
+                 ratio: float = 0.1, force: bool = False, engine=None, prefetch: str = "none",
+                 dtype=None, model=None, tok=None, max_context: int | None = None) -> dict:
+    """Teacher-force the last ``evaluate`` tokens of ``text`` densely and
+    through swarmfs; compare perplexities and attention-mass recall.
+
+    Args:
+        text: the whole input; its last ``evaluate`` tokens are the continuation.
+        evaluate: N, continuation tokens (>= 1; the context keeps >= 2 tokens).
+        max_context: keep only the last this many context tokens.
+        model, tok: an already loaded model and tokenizer (else ``load_model``).
+
+    Returns:
+        dict: context_tokens, continuation_tokens, ratio, perplexity_dense,
+        perplexity_swarm, recall, recall_per_layer, rel_error,
+        dense_step_ms / swarm_step_ms (median per-token decode time),
+        summary (retrieval medians), steps.
+
+    Raises:
+        InvalidArgumentError: N out of range.  ModelError, SwarmError.
+    """
+    import torch
+    from transformers import DynamicCache
+    if model is None:
+        model, tok = load_model(model_dir, dtype)
+    ids = _tokens(tok, text)
+    n = int(evaluate)
+    if isinstance(evaluate, bool) or n < 1 or n > ids.shape[1] - 2:
+        raise E.InvalidArgumentError(f"--evaluate {evaluate} must be in [1, "
+                                     f"{ids.shape[1] - 2}] for a text of {ids.shape[1]} tokens")
+    ctx, cont = ids[:, :-n], ids[0, -n:]
+    if max_context is not None and ctx.shape[1] > max_context:
+        ctx = ctx[:, -max_context:]
+    S = int(ctx.shape[1])
+    full = torch.cat([ctx, cont[None]], 1)
+    with torch.no_grad():
+        # dense: one causal forward over context + continuation (SDPA)
+        model.set_attn_implementation("sdpa")
+        logits = model(full, use_cache=False).logits[0, S - 1:S - 1 + n]
+        nll_dense = _nll(logits, cont)
+        del logits
+        # dense per-token decode time (DynamicCache, in DRAM), for the step-time ratio
+        dc = DynamicCache()
+        model(ctx, cache=dc, use_cache=True)
+        dense_ms = []
+        for t in range(min(n, 16)):
+            t0 = time.perf_counter()
+            model(cont[t:t + 1][None], cache=dc, use_cache=True)
+            dense_ms.append((time.perf_counter() - t0) * 1e3)
+        del dc
+        from . import hf
+        hf.enable(model)
+        with _StoreDir(store) as path:
+            cache = _open_cache(model, path, ratio=ratio, disks=disks, force=force,
+                                engine=engine, prefetch=prefetch, record=True)
+            with cache:
+                t0 = time.perf_counter()
+                out = model(ctx, cache=cache, use_cache=True)
+                prefill_s = time.perf_counter() - t0
+                step_logits = [out.logits[0, -1]]
+                swarm_ms = []
+                for t in range(n - 1):
+                    t0 = time.perf_counter()
+                    out = model(cont[t:t + 1][None], cache=cache, use_cache=True)
+                    swarm_ms.append((time.perf_counter() - t0) * 1e3)
+                    step_logits.append(out.logits[0, -1])
+                nll_swarm = _nll(torch.stack(step_logits), cont)
+                rec = recall_report(cache, ratio, S)
+                summ = cache.summary()
+                steps = cache.step_table()
+                layout = {str(k): v for k, v in cache.layout_report.items()}
+    return {"context_tokens": S, "continuation_tokens": n, "ratio": ratio,
+            "perplexity_dense": float(math.exp(nll_dense.mean())),
+            "perplexity_swarm": float(math.exp(nll_swarm.mean())),
+            "recall": rec["recall"], "recall_per_layer": rec["per_layer"],
+            "rel_error": rec["rel_error"], "oracle_rel_error": rec["oracle_rel_error"],
+            "dense_step_ms": float(np.median(dense_ms)),
+            "swarm_step_ms": float(np.median(swarm_ms)) if swarm_ms else None,
+            "prefill_layout_s": prefill_s, "layout": layout, "summary": summ,
+            "steps": steps}
