@@ -374,32 +374,94 @@ def build(kv_file, store, disks, disk_paths, context, profile_queries, force, ra
                    "replaced.")
 @click.option("--disks", type=int, default=4, show_default=True, help="Number of disk files.")
 @click.option("--model", type=click.Path(), default=None,
-              help="Local HF model directory (default all-MiniLM-L6-v2, offline).")
+              help="Local HF model directory (default: the decoder trained for swarmfs, "
+                   "swarm-llama; with --minilm: all-MiniLM-L6-v2).")
+@click.option("--kind", type=click.Choice(["python", "prose", "both"]), default="both",
+              show_default=True, help="Held-out text to decode over (decoder demo).")
+@click.option("--context", type=click.IntRange(min=2), default=None,
+              help="Tokens of context to store (default 8192; with --minilm 16384).")
+@click.option("--evaluate", type=click.IntRange(min=1), default=128, show_default=True,
+              metavar="N", help="Continuation tokens decoded, one step each (decoder demo).")
+@click.option("--minilm", is_flag=True,
+              help="The capture example instead: MiniLM (an encoder) over 512-token "
+                   "windows side by side, retrieval for held-out queries (no decoding).")
 @click.option("--text", "text_file", type=click.Path(), default=None,
-              help="Text file (default: the Python standard library's docstrings).")
-@click.option("--context", type=int, default=16384, show_default=True,
-              help="Tokens of context to store.")
+              help="--minilm: text file (default: the Python standard library's docstrings).")
 @click.option("--eval-queries", type=int, default=64, show_default=True,
-              help="Held-out queries (the tokens after the context).")
+              help="--minilm: held-out queries (the tokens after the context).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_layout_options
 @ENGINE_OPT
-def demo(workdir, disks, model, text_file, context, eval_queries, as_json, ratio, tau,
-         metric, local_window, hot_fraction, engine):
-    """The main job: capture a real model's KV cache over real text, lay it out
-    by co-activation, store it on N disk files, retrieve for held-out queries
-    and report recall and error against the oracle."""
+def demo(workdir, disks, model, kind, context, evaluate, minilm, text_file, eval_queries,
+         as_json, ratio, tau, metric, local_window, hot_fraction, engine):
+    """The main job: decode long held-out inputs with the KV cache on N disk files.
+
+    The decoder trained for swarmfs reads a held-out context (8192 tokens of
+    Python source and of prose), its KV is laid out by co-activation of the
+    prompt's own queries and written to the disks, and the next N tokens are
+    teacher-forced through dense attention and through swarmfs.  Prints
+    perplexity, attention-mass recall against the oracle and the per-token
+    step time of both.  --minilm runs the earlier capture example instead.
+    (--tau, --metric, --local-window and --hot-fraction apply to --minilm.)
+    """
+    params = _params(ratio, tau, metric, local_window, hot_fraction)
+    if not minilm:
+        _demo_decode(workdir, disks, model, kind, context or 8192, evaluate, ratio, engine,
+                     as_json)
+        return
     from ._demo import render, run_demo
     from .layout import _capture as C
-    params = _params(ratio, tau, metric, local_window, hot_fraction)
     text = C.read_text(text_file) if text_file else None
     rep = run_demo(workdir, model=model, text=text, text_source=text_file, disks=disks,
-                   context=context, eval_queries=eval_queries, params=params, engine=engine,
-                   progress=not as_json)
+                   context=context or 16384, eval_queries=eval_queries, params=params,
+                   engine=engine, progress=not as_json)
     if as_json:
         click.echo(json.dumps(rep, indent=1, default=float))
     else:
         render(rep)
+
+
+def _demo_decode(workdir, disks, model, kind, context, evaluate, ratio, engine, as_json):
+    from . import _generate as G
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    kinds = ("python", "prose") if kind == "both" else (kind,)
+
+    def progress(k):
+        if not as_json:
+            click.echo(f"decoding held-out {k}: {context} tokens of context on {disks} "
+                       f"disks, {evaluate} continuation tokens, r = {ratio} ...", err=True)
+    rep = G.run_demo(kinds, context=context, evaluate=evaluate, model_dir=model,
+                     store=workdir, disks=disks, ratio=ratio, engine=engine,
+                     on_progress=progress)
+    if as_json:
+        click.echo(json.dumps(rep, indent=1, default=float))
+        return
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"dense attention vs swarmfs ({rep['model']}, r = {ratio}, "
+                    f"{rep['disks']} disks)")
+    for c in ("text", "context", "steps", "ppl dense", "ppl swarmfs", "Δ ppl",
+              "recall", "dense ms/token", "swarmfs ms/token", "CPU µs/step", "I/O µs/step",
+              "SSD MB/step", "DRAM MB"):
+        t.add_column(c, justify="left" if c == "text" else "right")
+    for k, r in rep["runs"].items():
+        s = r["summary"]
+        cpu = sum(s.get(f, 0.0) or 0.0 for f in ("score_us", "select_us", "plan_us",
+                                                 "assemble_us"))
+        t.add_row(k, str(r["context_tokens"]), str(r["continuation_tokens"]),
+                  f"{r['perplexity_dense']:.2f}", f"{r['perplexity_swarm']:.2f}",
+                  f"{100 * (r['perplexity_swarm'] / r['perplexity_dense'] - 1):+.1f}%",
+                  f"{r['recall']:.3f}", f"{r['dense_step_ms']:.1f}",
+                  "-" if r["swarm_step_ms"] is None else f"{r['swarm_step_ms']:.1f}",
+                  f"{cpu:.0f}", f"{s.get('io_us', 0.0):.0f}",
+                  f"{s.get('bytes_read', 0.0) / 1e6:.2f}", f"{s['dram_bytes'] / 1e6:.1f}")
+    Console(width=max(Console().width, 160)).print(t)
+    click.echo("recall: attention mass of the retrieved entries / mass of the oracle's "
+               "exact top-k (k = ceil(r x context)), mean over layers and steps.  Step "
+               "times are medians per token over all layers (attention, MLP, retrieval); "
+               "CPU µs (score + select + plan + assemble) and I/O µs are medians per "
+               "step summed over layers.")
 
 
 @main.command()
@@ -458,9 +520,6 @@ def umount(mountpoint, lazy):
     from ._fuse import umount as do_umount
     do_umount(mountpoint, lazy=lazy)
 
-
-if __name__ == "__main__":
-    main()
 
 
 # -- generate (swarmfs.hf): decode a causal LM with its KV on the store ------------
@@ -574,3 +633,7 @@ def generate(model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store
               f"{rep['layout_write_s']:.2f} s); DRAM {_human(s['dram_bytes'])}; cache hit "
               f"rate {s.get('cache_hit_rate', 0):.2f}")
     con.print(_step_table(rep["steps"], "decode steps (sums over layers)"))
+
+
+if __name__ == "__main__":
+    main()

@@ -26,7 +26,8 @@ import numpy as np
 
 from . import _errors as E
 
-__all__ = ["default_model_dir", "load_model", "run_evaluate", "run_generate", "recall_report"]
+__all__ = ["default_model_dir", "heldout_input", "load_model", "recall_report", "run_demo",
+           "run_evaluate", "run_generate"]
 
 
 def default_model_dir() -> pathlib.Path:
@@ -303,3 +304,69 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
             "swarm_step_ms": float(np.median(swarm_ms)) if swarm_ms else None,
             "prefill_layout_s": prefill_s, "layout": layout, "summary": summ,
             "steps": steps}
+
+
+def heldout_input(tok, kind: str, tokens: int) -> str:
+    """The first ``tokens`` tokens of the decoder's held-out text of one kind.
+
+    The text comes from :func:`swarmfs.models.heldout_texts` (files and
+    passages the shipped decoder never trained on), so a long context built
+    from it is one continuous document stream, not unrelated windows.
+
+    Args:
+        tok: the model's tokenizer.
+        kind: ``"python"`` (held-out standard-library modules) or ``"prose"``
+            (held-out WikiText-2, Tiny Shakespeare, GSM8K).
+        tokens: how many tokens of text to return (>= 3).
+
+    Returns:
+        str: the decoded text of those tokens.
+
+    Raises:
+        InvalidArgumentError: ``tokens`` out of range or more than the held-out
+            text holds.  NotFoundError: the shared datasets are missing.
+    """
+    from .models import heldout_texts
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 3:
+        raise E.InvalidArgumentError(f"tokens must be an integer >= 3, got {tokens!r}")
+    ids = tok(heldout_texts(kind), add_special_tokens=False)["input_ids"]
+    if len(ids) < tokens:
+        raise E.InvalidArgumentError(f"the held-out {kind} text has {len(ids)} tokens, "
+                                     f"fewer than the {tokens} asked for")
+    return tok.decode(ids[:tokens])
+
+
+def run_demo(kinds=("python", "prose"), *, context: int = 8192, evaluate: int = 128,
+             model_dir=None, store=None, disks=4, ratio: float = 0.1, engine=None,
+             on_progress=None) -> dict:
+    """The main job: decode held-out long inputs with the KV on N disks.
+
+    For each kind of held-out text, :func:`run_evaluate` teacher-forces the
+    ``evaluate`` tokens after a ``context``-token prefix through dense
+    attention and through swarmfs (prefill, co-activation layout, write to
+    ``disks`` file disks, one retrieval per layer and step).
+
+    Args:
+        kinds: kinds of held-out text (``"python"``, ``"prose"``).
+        context: prefix tokens stored on the disks.
+        evaluate: continuation tokens, each one decode step.
+        store: store directory (replaced); default a temporary one.
+        on_progress: called with the kind before each run.
+
+    Returns:
+        {"model": path, "ratio": r, "disks": N, "runs": {kind: run_evaluate's dict}}.
+
+    Raises:
+        InvalidArgumentError, ModelError, NotFoundError, SwarmError.
+    """
+    model, tok = load_model(model_dir)
+    runs = {}
+    for kind in kinds:
+        if on_progress is not None:
+            on_progress(kind)
+        text = heldout_input(tok, kind, context + evaluate)
+        runs[kind] = run_evaluate(text, evaluate, model=model, tok=tok, store=store,
+                                  disks=disks, ratio=ratio, force=True, engine=engine,
+                                  max_context=context)
+    return {"model": str(model_dir or default_model_dir()), "ratio": ratio,
+            "disks": disks if isinstance(disks, int) else len(disks), "runs": runs}
