@@ -1,0 +1,23 @@
+"""Models shipped with swarmfs and the corpus they were trained on.
+
+* :data:`DEFAULT_DECODER` -- directory of ``swarm-llama``, the small Llama
+  decoder trained here (``tools/train_decoder.py``, docs/model.md); load it
+  with ``AutoModelForCausalLM.from_pretrained(DEFAULT_DECODER)`` and
+  ``AutoTokenizer.from_pretrained(DEFAULT_DECODER)``.
+* :func:`heldout_texts` / :func:`heldout_documents` -- the text it was never
+  trained on, for held-out perplexity and long-context inputs.
+"""
+
+import pathlib
+
+from ._corpus import KINDS as KINDS
+from ._corpus import Document as Document
+from ._corpus import data_dir as data_dir
+from ._corpus import documents as documents
+from ._corpus import heldout_documents as heldout_documents
+from ._corpus import heldout_texts as heldout_texts
+from ._corpus import stdlib_dir as stdlib_dir
+from ._corpus import training_texts as training_texts
+
+#: Directory of the trained decoder (config, safetensors, tokenizer).
+DEFAULT_DECODER: pathlib.Path = pathlib.Path(__file__).resolve().parent / "swarm-llama"

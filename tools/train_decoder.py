@@ -1,0 +1,365 @@
+#!/usr/bin/env python3
+"""Train swarm-llama, the small Llama decoder swarmfs ships (issue 11, part 1).
+
+The recipe (docs/model.md):
+
+1. ``prepare``: a byte-level BPE tokenizer (``tokenizers``, vocab 8192) is
+   trained on the training documents only (:func:`swarmfs.models.training_texts`:
+   the Python standard library minus the held-out files, and the first 90%
+   of WikiText-2, Tiny Shakespeare and GSM8K); the training documents are
+   tokenized into two uint16 token streams (Python source, prose), each
+   document followed by ``<|endoftext|>``.
+2. ``train``: a LlamaForCausalLM (RoPE theta 500000, GQA 8 query / 2 KV heads,
+   head_dim 32, tied embeddings, SDPA attention) trained with AdamW
+   (betas 0.9/0.95, weight decay 0.1 on matrices), a warm-up / stable / decay
+   schedule (linear warm-up, the peak, then linear decay to 10% over the last
+   20% of the steps), gradient clipping 1.0, in phases by sequence length
+   (short first, then 2048, then 8192 tokens).  Each step's batch is drawn from random windows of the
+   streams by a generator seeded with (seed, step), so a resumed run sees the
+   same data as an uninterrupted one.  A checkpoint (model, optimizer, step,
+   loss history) is written to ``OUT/ckpt/last.pt`` every ``--ckpt-every``
+   seconds and at the end of each phase; a new run resumes from it.
+3. ``export``: the trained weights, config, generation config and tokenizer
+   go to ``--export DIR`` (loadable offline by AutoModelForCausalLM /
+   AutoTokenizer), with the loss curve (PNG + JSON).
+
+Usage (the command that produced the committed model is in docs/model.md)::
+
+    setsid nice -n 19 .venv/bin/python tools/train_decoder.py --out /work/train \\
+        --phases 512x16:N1,2048x4:N2,8192x1:N3 > /work/train/log.txt 2>&1 &
+
+    .venv/bin/python tools/train_decoder.py --out /work/train --bench   # tokens/s per phase
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+EOS = "<|endoftext|>"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def parse_phases(spec: str) -> list[tuple[int, int, int]]:
+    """``"512x16:300,2048x4:100"`` -> [(seq_len, batch, steps), ...]."""
+    phases = []
+    for part in spec.split(","):
+        shape, steps = part.split(":")
+        seq, batch = shape.split("x")
+        phases.append((int(seq), int(batch), int(steps)))
+    return phases
+
+
+# --------------------------------------------------------------------------- prepare
+def train_tokenizer(docs, vocab_size: int, path: pathlib.Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
+    tok.save(str(path))
+    return tok
+
+
+def prepare(out: pathlib.Path, vocab_size: int) -> dict[str, np.ndarray]:
+    """Train the tokenizer and tokenize the training streams (cached in OUT)."""
+    from tokenizers import Tokenizer
+    from swarmfs.models import training_texts
+    tok_path = out / "tokenizer.json"
+    streams = {k: out / f"train_{k}.u16" for k in ("python", "prose")}
+    if tok_path.exists() and all(p.exists() for p in streams.values()):
+        return {k: np.fromfile(p, dtype=np.uint16) for k, p in streams.items()}
+    t0 = time.time()
+    docs = training_texts()
+    tok = train_tokenizer(docs, vocab_size, tok_path) if not tok_path.exists() \
+        else Tokenizer.from_file(str(tok_path))
+    eos = tok.token_to_id(EOS)
+    print(f"[prepare] tokenizer: vocab {tok.get_vocab_size()}, {time.time() - t0:.0f} s", flush=True)
+    result = {}
+    for kind, path in streams.items():
+        texts = [d.text for d in docs if d.kind == kind]
+        ids = []
+        for enc in tok.encode_batch(texts):
+            ids.extend(enc.ids)
+            ids.append(eos)
+        arr = np.asarray(ids, dtype=np.uint16)
+        arr.tofile(path)
+        result[kind] = arr
+        print(f"[prepare] {kind}: {len(texts)} documents, {sum(map(len, texts)) / 1e6:.1f} M chars, "
+              f"{arr.size / 1e6:.2f} M tokens", flush=True)
+    return result
+
+
+# --------------------------------------------------------------------------- model
+def make_config(args, vocab_size: int, eos_id: int):
+    from transformers import LlamaConfig
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+        max_position_embeddings=32768, rope_theta=500000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        initializer_range=0.02, use_cache=True, torch_dtype="float32")
+
+
+def make_model(config):
+    from transformers import LlamaForCausalLM
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fraction: float):
+    """The (batch, seq + 1) int64 windows of step ``step`` (deterministic)."""
+    rng = np.random.default_rng([seed, step])
+    rows = []
+    for _ in range(batch):
+        s = streams["prose"] if rng.random() < prose_fraction else streams["python"]
+        start = int(rng.integers(0, s.size - seq - 1))
+        rows.append(s[start:start + seq + 1].astype(np.int64))
+    return np.stack(rows)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, floor: float, decay: float) -> float:
+    """Warm-up, stable, decay: linear warm-up over ``warmup`` steps, the peak
+    until the last ``decay`` fraction of the steps, then a linear decay to
+    ``floor * peak``.  Shortening a later phase on resume (a smaller step
+    budget) moves the decay earlier without a jump while still at the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    start = int(total * (1.0 - decay))
+    if step < start:
+        return peak
+    t = min(1.0, (step - start) / max(1, total - start))
+    return peak * (1.0 - (1.0 - floor) * t)
+
+
+def save_ckpt(path: pathlib.Path, model, opt, step: int, history: list, args) -> None:
+    import torch
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                "history": history, "args": vars(args)}, tmp)
+    os.replace(tmp, path)
+
+
+def plot_curve(history: list, png: pathlib.Path, phases) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    if not history:
+        return
+    steps = np.array([h["step"] for h in history])
+    loss = np.array([h["loss"] for h in history])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, loss, lw=0.6, alpha=0.4, color="C0", label="train loss (per step)")
+    k = min(25, len(loss))
+    if k > 1:
+        smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
+        ax.plot(steps[k - 1:], smooth, color="C0", label=f"mean of {k} steps")
+    start = 0
+    for seq, batch, n in phases:
+        ax.axvline(start, color="gray", lw=0.5, ls="--")
+        ax.text(start, float(loss.max()), f" seq {seq}", fontsize=8, va="top")
+        start += n
+    ax.set_xlabel("step (8192 tokens each)")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title("swarm-llama training loss (phases by sequence length)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def train(args, streams, tok_path: pathlib.Path) -> None:
+    import torch
+    from tokenizers import Tokenizer
+    from tqdm import tqdm
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tok = Tokenizer.from_file(str(tok_path))
+    config = make_config(args, tok.get_vocab_size(), tok.token_to_id(EOS))
+    model = make_model(config)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    ckpt = args.out / "ckpt" / "last.pt"
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    phases = parse_phases(args.phases)
+    total = sum(n for _, _, n in phases)
+    step, history = 0, []
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, history = state["step"], state["history"]
+        print(f"[train] resumed from {ckpt} at step {step}", flush=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[train] {n_params / 1e6:.2f} M parameters, phases {phases}, {total} steps", flush=True)
+    model.train()
+    last_save = time.time()
+    cpu0, wall0 = time.process_time(), time.time()
+    bar = tqdm(total=total, initial=min(step, total), mininterval=15, dynamic_ncols=False, ncols=110)
+    ends = np.cumsum([n for _, _, n in phases])
+    while step < total:
+        phase = int(np.searchsorted(ends, step, side="right"))
+        seq, batch, _ = phases[phase]
+        lr = lr_at(step, total, args.lr, args.warmup, args.lr_floor, args.decay)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x = torch.from_numpy(batch_for(streams, args.seed, step, seq, batch, args.prose_fraction))
+        t0 = time.time()
+        logits = model(input_ids=x[:, :-1], use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
+                                                 x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
+        opt.step()
+        dt = time.time() - t0
+        step += 1
+        history.append({"step": step, "seq": seq, "loss": loss.item(), "lr": lr,
+                        "grad_norm": gnorm, "sec": dt, "tokens": seq * batch})
+        bar.update(1)
+        bar.set_postfix(seq=seq, loss=f"{float(loss):.3f}", tok_s=f"{seq * batch / dt:.0f}")
+        boundary = step in set(ends.tolist())
+        if boundary or time.time() - last_save > args.ckpt_every or step == total:
+            save_ckpt(ckpt, model, opt, step, history, args)
+            last_save = time.time()
+            (args.out / "history.json").write_text(json.dumps(history))
+            plot_curve(history, args.out / "loss.png", phases)
+            print(f"\n[train] step {step}/{total} seq {seq} loss {float(loss):.3f} "
+                  f"(ckpt; {time.time() - wall0:.0f} s wall, {time.process_time() - cpu0:.0f} s CPU "
+                  f"this run)", flush=True)
+    bar.close()
+
+
+# --------------------------------------------------------------------------- export
+def export(args, tok_path: pathlib.Path, dest: pathlib.Path) -> None:
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+    tok = Tokenizer.from_file(str(tok_path))
+    eos = tok.token_to_id(EOS)
+    state = torch.load(args.out / "ckpt" / "last.pt", map_location="cpu", weights_only=False)
+    # the model's shape and the phase plan are the checkpoint's, not this command line's
+    for key in ("hidden", "intermediate", "layers", "heads", "kv_heads", "phases"):
+        setattr(args, key, state["args"][key])
+    model = make_model(make_config(args, tok.get_vocab_size(), eos))
+    model.load_state_dict(state["model"])
+    dest.mkdir(parents=True, exist_ok=True)
+    n_bytes = sum(p.numel() * 4 for p in model.parameters())
+    if n_bytes > 24 * 2**20:
+        model = model.to(torch.bfloat16)
+        model.config.torch_dtype = "bfloat16"
+    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                                               do_sample=False, max_new_tokens=64)
+    model.save_pretrained(dest, safe_serialization=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS,
+                                   pad_token=EOS, unk_token=EOS, model_max_length=32768)
+    fast.save_pretrained(dest)
+    history = state["history"]
+    summary = {
+        "steps": state["step"],
+        "phases": [{"seq_len": s, "batch": b, "steps": n} for s, b, n in parse_phases(args.phases)],
+        "tokens_per_phase": {str(s): sum(h["tokens"] for h in history if h["seq"] == s)
+                             for s, _, _ in parse_phases(args.phases)},
+        "compute_seconds_per_phase": {str(s): round(sum(h["sec"] for h in history if h["seq"] == s), 1)
+                                      for s, _, _ in parse_phases(args.phases)},
+        "final_loss_mean_last_20": float(np.mean([h["loss"] for h in history[-20:]])),
+        "args": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in state["args"].items()},
+        "history": history,
+    }
+    print(f"[export] {dest}: {json.dumps({k: v for k, v in summary.items() if k != 'history'})}")
+    if args.curve_dir:
+        args.curve_dir.mkdir(parents=True, exist_ok=True)
+        (args.curve_dir / "training.json").write_text(json.dumps(summary, indent=1))
+        plot_curve(history, args.curve_dir / "loss_curve.png", parse_phases(args.phases))
+
+
+# --------------------------------------------------------------------------- bench
+def bench(args, streams, tok_path: pathlib.Path) -> None:
+    import torch
+    from tokenizers import Tokenizer
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tok = Tokenizer.from_file(str(tok_path))
+    model = make_model(make_config(args, tok.get_vocab_size(), tok.token_to_id(EOS)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    print(f"[bench] {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
+    for seq, batch, n in parse_phases(args.phases):
+        times = []
+        for i in range(n):
+            x = torch.from_numpy(batch_for(streams, args.seed, i, seq, batch, args.prose_fraction))
+            t0 = time.time()
+            logits = model(input_ids=x[:, :-1], use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            times.append(time.time() - t0)
+        med = float(np.median(times))
+        print(f"[bench] seq {seq} batch {batch}: {med:.2f} s/step, {seq * batch / med:.0f} tokens/s "
+              f"(median of {n})", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/work/train"),
+                   help="work directory (tokenizer, token streams, ckpt/, loss curve); outside the repo")
+    p.add_argument("--phases", default="512x16:1200,2048x4:300,8192x1:60",
+                   help="comma-separated SEQxBATCH:STEPS, trained in order")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr-floor", type=float, default=0.1, help="final LR as a fraction of the peak")
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--decay", type=float, default=0.2, help="fraction of the steps in the final LR decay")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--prose-fraction", type=float, default=0.35,
+                   help="probability that a sequence is drawn from the prose stream")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ckpt-every", type=float, default=180.0, help="seconds between checkpoints")
+    p.add_argument("--export", type=pathlib.Path, default=None,
+                   help="after training, write the HF model directory here")
+    p.add_argument("--curve-dir", type=pathlib.Path, default=None,
+                   help="also write loss_curve.png and training.json here")
+    p.add_argument("--export-only", action="store_true", help="skip training, export the checkpoint")
+    p.add_argument("--bench", action="store_true", help="time STEPS steps of each phase, then stop")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO))
+    streams = prepare(args.out, args.vocab)
+    tok_path = args.out / "tokenizer.json"
+    if args.bench:
+        bench(args, streams, tok_path)
+        return 0
+    if not args.export_only:
+        train(args, streams, tok_path)
+    if args.export:
+        export(args, tok_path, args.export)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
