@@ -329,7 +329,13 @@ def heldout_input(tok, kind: str, tokens: int) -> str:
     from .models import heldout_texts
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 3:
         raise E.InvalidArgumentError(f"tokens must be an integer >= 3, got {tokens!r}")
-    ids = tok(heldout_texts(kind), add_special_tokens=False)["input_ids"]
+    text = heldout_texts(kind)
+    chars = 8 * tokens                      # BPE tokens run 3-5 characters here
+    while True:                             # tokenize only what is needed
+        ids = tok(text[:chars], add_special_tokens=False)["input_ids"]
+        if len(ids) > tokens or chars >= len(text):
+            break
+        chars *= 2
     if len(ids) < tokens:
         raise E.InvalidArgumentError(f"the held-out {kind} text has {len(ids)} tokens, "
                                      f"fewer than the {tokens} asked for")
