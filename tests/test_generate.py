@@ -119,3 +119,56 @@ def test_generate_errors(model_dir, prompt_file, tmp_path, monkeypatch):
                         lambda: (_ for _ in ()).throw(swarmfs.ModelError("no default decoder")))
     r = run(main, ["generate", "--prompt-file", str(prompt_file)])
     assert r.exit_code == 1 and "no default decoder" in r.output
+
+
+# -- swarmfs demo: the main job, on the shipped decoder and held-out text -----------
+
+def _shipped_decoder():
+    from swarmfs.models import DEFAULT_DECODER
+    if not (DEFAULT_DECODER / "model.safetensors").exists():
+        pytest.fail(f"the trained decoder is not installed at {DEFAULT_DECODER}")
+    return DEFAULT_DECODER
+
+
+@pytest.mark.model
+def test_demo_decodes_heldout_text_exactly_at_full_budget(tmp_path):
+    """With r = 1 every stored entry is retrieved, so swarmfs's perplexity of
+    the held-out continuation equals dense attention's, and recall is 1."""
+    from conftest import DATA
+    if not (DATA / "wikitext2_raw_test.raw").exists():
+        pytest.skip("shared data not found")
+    _shipped_decoder()
+    r = CliRunner().invoke(main, ["demo", "--dir", str(tmp_path / "st"), "--kind", "python",
+                                  "--context", "384", "--evaluate", "6", "--ratio", "1",
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    run = json.loads(r.output)["runs"]["python"]
+    assert run["context_tokens"] == 384 and run["continuation_tokens"] == 6
+    assert math.isclose(run["perplexity_swarm"], run["perplexity_dense"], rel_tol=1e-3)
+    assert run["recall"] == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.model
+def test_demo_sparse_budget_reports_both_paths(tmp_path):
+    from conftest import DATA
+    if not (DATA / "wikitext2_raw_test.raw").exists():
+        pytest.skip("shared data not found")
+    _shipped_decoder()
+    r = CliRunner().invoke(main, ["demo", "--dir", str(tmp_path / "st"), "--kind", "prose",
+                                  "--context", "512", "--evaluate", "4", "--ratio", "0.1"])
+    assert r.exit_code == 0, r.output
+    for col in ("ppl dense", "ppl swarmfs", "recall", "CPU µs/step", "I/O µs/step"):
+        assert col in r.output
+    assert "prose" in r.output and "512" in r.output
+
+
+def test_heldout_input_refuses_bad_lengths():
+    from swarmfs._errors import InvalidArgumentError
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(_shipped_decoder())
+    with pytest.raises(InvalidArgumentError):
+        G.heldout_input(tok, "python", 2)
+    with pytest.raises(InvalidArgumentError):
+        G.heldout_input(tok, "python", 10 ** 9)
+    with pytest.raises(InvalidArgumentError):
+        G.heldout_input(tok, "poetry", 100)
