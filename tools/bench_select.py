@@ -254,7 +254,7 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1):
     from swarmfs._demo import LayoutParams, build_store, local_window
     from swarmfs._report import attention_recall, token_mass
     from swarmfs._selectors import MedoidSelector, window_size
-    from layout import capture
+    from swarmfs.layout import capture
 
     params = LayoutParams()
     cap = capture(None, None, max_tokens=context + queries, progress=False,
