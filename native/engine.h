@@ -266,7 +266,9 @@ void se_pack_medoids_i8(const uint16_t *m, int64_t C, int64_t H, int64_t d, int 
 int se_head_logits_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
                       int64_t H, int64_t d, const float *q, int64_t Hq, float *lg);
 
-/* se_select_fused's "prob" score from the int8 index; work float [C * (Hq + 1)]. */
+/* se_select_fused's "prob" score from the int8 index, per KV head (logits of its
+ * Hq / H query heads, then their softmax added into the scores); work float
+ * [C * (Hq / H + 1)] scratch (scores in its first C). */
 int64_t se_select_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
                      int64_t H, int64_t d, const float *q, int64_t Hq, float scale,
                      const int64_t *ptr, const int32_t *members, int64_t S, int64_t budget,

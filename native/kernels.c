@@ -1002,6 +1002,123 @@ int64_t se_select_fused(const uint16_t *m, const uint16_t *packed, int64_t C, in
     return se_choose_clusters(sc, C, ptr, members, S, budget, w, out, entries);
 }
 
+/* softmax_sum on a writable x, one exp per element (kept in x between the
+ * sum and the output pass; the same floats as softmax_sum), adding into out
+ * (init: the first head overwrites it). */
+#if SE_X86
+__attribute__((target("avx512f")))
+static void softmax_acc_avx512(float *x, int64_t nh, int64_t n, float scale, float *out,
+                               int init)
+{
+    int64_t nv = n & ~(int64_t)15;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t h = 0; h < nh; h++) {
+        float *row = x + h * n;
+        int first = init && h == 0;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        int64_t c = 0;
+        for (; c < nv; c += 16)
+            mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + c));
+        float m = _mm512_reduce_max_ps(mx);
+        for (; c < n; c++)
+            m = row[c] > m ? row[c] : m;
+        m *= scale;
+        const __m512 mv = _mm512_set1_ps(m);
+        __m512 acc = _mm512_setzero_ps();
+        for (c = 0; c < nv; c += 16) {
+            __m512 e = exp512(_mm512_fmsub_ps(_mm512_loadu_ps(row + c), sc, mv));
+            _mm512_storeu_ps(row + c, e);
+            acc = _mm512_add_ps(acc, e);
+        }
+        float sum = _mm512_reduce_add_ps(acc);
+        for (c = nv; c < n; c++) {
+            row[c] = expf(row[c] * scale - m);
+            sum += row[c];
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / sum);
+        for (c = 0; c < nv; c += 16) {
+            __m512 o = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + c);
+            _mm512_storeu_ps(out + c, _mm512_fmadd_ps(_mm512_loadu_ps(row + c), inv, o));
+        }
+        for (c = nv; c < n; c++)
+            out[c] = (first ? 0.0f : out[c]) + row[c] / sum;
+    }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void softmax_acc_avx2(float *x, int64_t nh, int64_t n, float scale, float *out,
+                             int init)
+{
+    int64_t nv = n & ~(int64_t)7;
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t h = 0; h < nh; h++) {
+        float *row = x + h * n;
+        int first = init && h == 0;
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        int64_t c = 0;
+        for (; c < nv; c += 8)
+            mx = _mm256_max_ps(mx, _mm256_loadu_ps(row + c));
+        float mm[8];
+        _mm256_storeu_ps(mm, mx);
+        float m = -INFINITY;
+        for (int k = 0; k < 8; k++)
+            m = mm[k] > m ? mm[k] : m;
+        for (; c < n; c++)
+            m = row[c] > m ? row[c] : m;
+        m *= scale;
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 acc = _mm256_setzero_ps();
+        for (c = 0; c < nv; c += 8) {
+            __m256 e = exp256(_mm256_fmsub_ps(_mm256_loadu_ps(row + c), sc, mv));
+            _mm256_storeu_ps(row + c, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        float aa[8], sum = 0.f;
+        _mm256_storeu_ps(aa, acc);
+        for (int k = 0; k < 8; k++)
+            sum += aa[k];
+        for (c = nv; c < n; c++) {
+            row[c] = expf(row[c] * scale - m);
+            sum += row[c];
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / sum);
+        for (c = 0; c < nv; c += 8) {
+            __m256 o = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + c);
+            _mm256_storeu_ps(out + c, _mm256_fmadd_ps(_mm256_loadu_ps(row + c), inv, o));
+        }
+        for (c = nv; c < n; c++)
+            out[c] = (first ? 0.0f : out[c]) + row[c] / sum;
+    }
+}
+#endif
+
+static void softmax_acc(int path, float *x, int64_t nh, int64_t n, float scale, float *out,
+                        int init)
+{
+#if SE_X86
+    if (path == SE_PATH_AVX512) {
+        softmax_acc_avx512(x, nh, n, scale, out, init);
+        return;
+    }
+    if (path == SE_PATH_AVX2) {
+        softmax_acc_avx2(x, nh, n, scale, out, init);
+        return;
+    }
+#endif
+    for (int64_t h = 0; h < nh; h++) {
+        float *row = x + h * n;
+        int first = init && h == 0;
+        float m = -INFINITY, sum = 0.f;
+        for (int64_t c = 0; c < n; c++)
+            m = row[c] > m ? row[c] : m;
+        m *= scale;
+        for (int64_t c = 0; c < n; c++)
+            sum += expf(row[c] * scale - m);
+        for (int64_t c = 0; c < n; c++)
+            out[c] = (first ? 0.0f : out[c]) + expf(row[c] * scale - m) / sum;
+    }
+}
+
 /* ---- int8 medoid index: per-row scales, exact integer dots ----------------------
  * Layout: per KV head g, blocks of 16 medoids, groups of 4 dimensions: byte
  * ((g * nblk + b) * d/4 + j4) * 64 + i * 4 + t holds medoid b*16+i, dimension
@@ -1061,10 +1178,10 @@ static void quant_query(const float *q, int64_t Hq, int64_t d, int8_t *q8, float
 
 static void i8_logits_scalar(const int8_t *P, const float *sm, int64_t C, int64_t H,
                              int64_t d, const int8_t *q8, const float *sq, int64_t Hq,
-                             float *lg)
+                             int64_t g0, int64_t g1, float *lg)
 {
     int64_t G = Hq / H, nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
-    for (int64_t g = 0; g < H; g++)
+    for (int64_t g = g0; g < g1; g++)
         for (int64_t r = 0; r < C; r++) {
             const int8_t *p = P + (g * nblk + r / 16) * D4 * 64 + (r % 16) * 4;
             for (int64_t k = 0; k < G; k++) {
@@ -1072,7 +1189,7 @@ static void i8_logits_scalar(const int8_t *P, const float *sm, int64_t C, int64_
                 int32_t dot = 0;
                 for (int64_t j = 0; j < d; j++)
                     dot += (int32_t)p[(j / 4) * 64 + (j % 4)] * q8[h * d + j];
-                lg[h * C + r] = (float)dot * (sm[g * Cp + r] * sq[h]);
+                lg[(h - g0 * G) * C + r] = (float)dot * (sm[g * Cp + r] * sq[h]);
             }
         }
 }
@@ -1094,10 +1211,10 @@ static void query_words(const int8_t *q8, int64_t Hq, int64_t d, int bias, uint3
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void i8_logits_vnni(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
                            int64_t H, int64_t d, const uint32_t *qw, const float *sq,
-                           int64_t Hq, float *lg)
+                           int64_t Hq, int64_t g0, int64_t g1, float *lg)
 {
     int64_t G = Hq / H, nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
-    for (int64_t g = 0; g < H; g++)
+    for (int64_t g = g0; g < g1; g++)
         for (int64_t h0 = 0; h0 < G; h0 += 8) {
             int64_t nh = G - h0 < 8 ? G - h0 : 8, hb = g * G + h0;
             for (int64_t b = 0; b < nblk; b++) {
@@ -1120,7 +1237,7 @@ static void i8_logits_vnni(const int8_t *P, const float *sm, const int32_t *ms, 
                 int64_t r0 = b * 16, nr = C - r0 < 16 ? C - r0 : 16;
                 __mmask16 mk = (__mmask16)((1u << nr) - 1);
                 for (int k = 0; k < nh; k++)
-                    _mm512_mask_storeu_ps(lg + (hb + k) * C + r0, mk,
+                    _mm512_mask_storeu_ps(lg + (hb - g0 * G + k) * C + r0, mk,
                         _mm512_mul_ps(_mm512_cvtepi32_ps(acc[k]),
                                       _mm512_mul_ps(f, _mm512_set1_ps(sq[hb + k]))));
             }
@@ -1131,11 +1248,12 @@ static void i8_logits_vnni(const int8_t *P, const float *sm, const int32_t *ms, 
  * no saturation), pairs summed by vpmaddwd. */
 __attribute__((target("avx2")))
 static void i8_logits_avx2(const int8_t *P, const float *sm, int64_t C, int64_t H, int64_t d,
-                           const uint32_t *qw, const float *sq, int64_t Hq, float *lg)
+                           const uint32_t *qw, const float *sq, int64_t Hq, int64_t g0,
+                           int64_t g1, float *lg)
 {
     int64_t G = Hq / H, nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t g = 0; g < H; g++)
+    for (int64_t g = g0; g < g1; g++)
         for (int64_t h0 = 0; h0 < G; h0 += 8) {
             int64_t nh = G - h0 < 8 ? G - h0 : 8, hb = g * G + h0;
             for (int64_t b = 0; b < nblk; b++)
@@ -1164,7 +1282,7 @@ static void i8_logits_avx2(const int8_t *P, const float *sm, int64_t C, int64_t 
                                                  _mm256_mul_ps(f, _mm256_set1_ps(sq[hb + k])));
                         float t[8];
                         _mm256_storeu_ps(t, v);
-                        memcpy(lg + (hb + k) * C + r0, t, sizeof(float) * (size_t)nr);
+                        memcpy(lg + (hb - g0 * G + k) * C + r0, t, sizeof(float) * (size_t)nr);
                     }
                 }
         }
@@ -1181,32 +1299,55 @@ static int have_vnni(void)
 #endif
 }
 
-/* Logits lg [Hq, C] of one query q [Hq, d] against the int8 index, on the
- * current path (AVX-512: VNNI where the CPU has it, else the AVX2 kernel). */
-static int i8_logits(int path, const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
-                     int64_t H, int64_t d, const float *q, int64_t Hq, float *lg)
+/* The quantised query of i8_logits: q8 [Hq, d], sq [Hq], qw [Hq, d/4]. */
+typedef struct {
+    int8_t *q8;
+    float *sq;
+    uint32_t *qw;
+} i8_query;
+
+static void i8_query_free(i8_query *t)
 {
-    int8_t *q8 = malloc((size_t)(Hq * d));
-    float *sq = malloc(sizeof(float) * (size_t)Hq);
-    uint32_t *qw = malloc(sizeof(uint32_t) * (size_t)(Hq * (d / 4)));
-    if (!q8 || !sq || !qw) {
-        free(q8); free(sq); free(qw);
+    free(t->q8); free(t->sq); free(t->qw);
+}
+
+static int i8_query_make(int path, const float *q, int64_t Hq, int64_t d, i8_query *t)
+{
+    t->q8 = malloc((size_t)(Hq * d));
+    t->sq = malloc(sizeof(float) * (size_t)Hq);
+    t->qw = malloc(sizeof(uint32_t) * (size_t)(Hq * (d / 4)));
+    if (!t->q8 || !t->sq || !t->qw) {
+        i8_query_free(t);
         return -ENOMEM;
     }
-    quant_query(q, Hq, d, q8, sq);
+    quant_query(q, Hq, d, t->q8, t->sq);
+#if SE_X86
+    if (path == SE_PATH_AVX512 || path == SE_PATH_AVX2)
+        query_words(t->q8, Hq, d, path == SE_PATH_AVX512 && have_vnni(), t->qw);
+#endif
+    (void)path;
+    return 0;
+}
+
+/* Logits of the query heads of KV heads [g0, g1) against the int8 index:
+ * lg [(g1 - g0) * Hq / H, C], on the given path (AVX-512: VNNI where the CPU
+ * has it, else the AVX2 kernel). */
+static void i8_logits(int path, const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
+                      int64_t H, int64_t d, const i8_query *t, int64_t Hq, int64_t g0,
+                      int64_t g1, float *lg)
+{
 #if SE_X86
     if (path == SE_PATH_AVX512 && have_vnni()) {
-        query_words(q8, Hq, d, 1, qw);
-        i8_logits_vnni(P, sm, ms, C, H, d, qw, sq, Hq, lg);
-    } else if (path == SE_PATH_AVX512 || path == SE_PATH_AVX2) {
-        query_words(q8, Hq, d, 0, qw);
-        i8_logits_avx2(P, sm, C, H, d, qw, sq, Hq, lg);
-    } else
+        i8_logits_vnni(P, sm, ms, C, H, d, t->qw, t->sq, Hq, g0, g1, lg);
+        return;
+    }
+    if (path == SE_PATH_AVX512 || path == SE_PATH_AVX2) {
+        i8_logits_avx2(P, sm, C, H, d, t->qw, t->sq, Hq, g0, g1, lg);
+        return;
+    }
 #endif
-        i8_logits_scalar(P, sm, C, H, d, q8, sq, Hq, lg);
     (void)ms;
-    free(q8); free(sq); free(qw);
-    return 0;
+    i8_logits_scalar(P, sm, C, H, d, t->q8, t->sq, Hq, g0, g1, lg);
 }
 
 int se_head_logits_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
@@ -1215,9 +1356,17 @@ int se_head_logits_i8(const int8_t *P, const float *sm, const int32_t *ms, int64
     if (!P || !sm || !ms || !q || !lg || C < 0 || H <= 0 || d <= 0 || d % 4 || Hq <= 0 ||
         Hq % H)
         return -EINVAL;
-    return i8_logits(se_kernel_path(), P, sm, ms, C, H, d, q, Hq, lg);
+    int path = se_kernel_path();
+    i8_query t;
+    if (i8_query_make(path, q, Hq, d, &t) < 0)
+        return -ENOMEM;
+    i8_logits(path, P, sm, ms, C, H, d, &t, Hq, 0, H, lg);
+    i8_query_free(&t);
+    return 0;
 }
 
+/* Per KV head: its G heads' logits [G, C] (in L2), then their softmax added
+ * into the scores; the same floats as se_head_logits_i8 + se_softmax_sum. */
 int64_t se_select_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
                      int64_t H, int64_t d, const float *q, int64_t Hq, float scale,
                      const int64_t *ptr, const int32_t *members, int64_t S, int64_t budget,
@@ -1228,10 +1377,15 @@ int64_t se_select_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_
         return -EINVAL;
     int path = se_kernel_path();
     if (C > 0) {
-        int rc = i8_logits(path, P, sm, ms, C, H, d, q, Hq, work + C);
-        if (rc < 0)
-            return rc;
-        softmax_sum_dispatch(path, work + C, Hq, C, scale, work);
+        i8_query t;
+        if (i8_query_make(path, q, Hq, d, &t) < 0)
+            return -ENOMEM;
+        int64_t G = Hq / H;
+        for (int64_t g = 0; g < H; g++) {
+            i8_logits(path, P, sm, ms, C, H, d, &t, Hq, g, g + 1, work + C);
+            softmax_acc(path, work + C, G, C, scale, work, g == 0);
+        }
+        i8_query_free(&t);
     }
     return se_choose_clusters(work, C, ptr, members, S, budget, w, out, entries);
 }

@@ -647,7 +647,7 @@ def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
     ptr = np.ascontiguousarray(ptr, dtype=np.int64)
     members = np.ascontiguousarray(members, dtype=np.int32)
     _check_csr(C, ptr, members, num_tokens, check)
-    work = np.empty(C * (Hq + 1) + 1, dtype=np.float32)
+    work = np.empty(C * (Hq // H + 1) + 1, dtype=np.float32)
     out = np.empty(max(C, 1), dtype=np.int64)
     ent = ffi.new("int64_t *")
     n = lib.se_select_i8(ffi.from_buffer("int8_t[]", ix.data),
