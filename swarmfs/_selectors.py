@@ -254,7 +254,8 @@ class MedoidSelector:
             fp16 index, recall measured in docs/benchmarks.md §9 (an
             approximation of the exact score).  ``"exact"``: the store-dtype
             keys with fp32 accumulation.  An fp32 store is quantised from
-            its fp16 rounding.  Ignored by ``"logit"``.
+            its fp16 rounding.  Ignored by ``"logit"``, and on the NEON path
+            (no int8 kernel there yet; the exact score runs instead).
     """
 
     kind = "clusters"
@@ -308,8 +309,12 @@ class MedoidSelector:
 
     def _int8(self, layer, li, m):
         """The ``pack_medoids_i8`` index, made once per layer index (None when
-        the exact index is asked for, or the head size is not a multiple of 4)."""
+        the exact index is asked for or runs instead: the "logit" score, a
+        head size not a multiple of 4, the NEON path)."""
+        from ._kernels import kernel_path
         if self.index != "int8" or self.score != "prob" or self.store.head_dim % 4:
+            return None
+        if kernel_path() == "neon":      # no NEON int8 kernel yet: the exact NEON one
             return None
         hit = self._i8.get(layer)
         if hit is not None and hit[0] is li:

@@ -10,7 +10,12 @@ entries, in one native call as the Retriever does
 (``swarmfs._kernels.select_fused``: per-head logits, softmax sums, partial
 selection; the default "prob" score, and "logit").  "split" is the same work
 as separate kernel calls from Python (``head_logits`` + ``softmax_sum`` +
-``select_clusters``).  The naive scan is a single-threaded BLAS GEMV on the
+``select_clusters``).  "int8" is the default "prob" selection since the
+int8 medoid index (``select_i8``: per-row int8 keys, per-head int8 query,
+exact integer dots with AVX512-VNNI or AVX2, fp32 softmax; the "prob"
+columns are the exact score).  ``--recall DIR`` instead measures the int8
+index's attention-mass recall against the exact score on the demo's capture
+in fp16.  The naive scan is a single-threaded BLAS GEMV on the
 GQA-summed query over fp32 keys; medians, one core.
 
 The scoring kernels dispatch at run time (AVX-512, AVX2+FMA+F16C, NEON,
