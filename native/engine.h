@@ -253,4 +253,25 @@ int64_t se_select_fused(const uint16_t *m, const uint16_t *packed, int64_t C, in
                         int64_t budget, int64_t w, float *work, int64_t *out,
                         int64_t *entries);
 
+/* The int8 medoid index (SWARM §5.2 scoring with int8 keys and fp32 scales):
+ * out int8 [H, ceil(C/16), d/4, 16, 4] (per KV head, blocks of 16 rows, groups
+ * of 4 dimensions), scales float [H, Cp] (max|row| / 127; Cp = 16 ceil(C/16)),
+ * sums int32 [H, Cp] (each row's int8 sum).  d % 4 == 0. */
+void se_pack_medoids_i8(const uint16_t *m, int64_t C, int64_t H, int64_t d, int kind,
+                        int8_t *out, float *scales, int32_t *sums);
+
+/* Per-head logits lg float [Hq, C] (unscaled) of q float [Hq, d] (quantised
+ * per head to int8) against the int8 index; exact integer dots, so every path
+ * returns the same floats.  0 or -EINVAL / -ENOMEM. */
+int se_head_logits_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
+                      int64_t H, int64_t d, const float *q, int64_t Hq, float *lg);
+
+/* se_select_fused's "prob" score from the int8 index, per KV head (logits of its
+ * Hq / H query heads, then their softmax added into the scores); work float
+ * [C * (Hq / H + 1)] scratch (scores in its first C). */
+int64_t se_select_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
+                     int64_t H, int64_t d, const float *q, int64_t Hq, float scale,
+                     const int64_t *ptr, const int32_t *members, int64_t S, int64_t budget,
+                     int64_t w, float *work, int64_t *out, int64_t *entries);
+
 #endif

@@ -12,6 +12,7 @@ Each wrapper checks its arguments before C touches memory and raises only
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -406,7 +407,7 @@ def set_kernel_path(name: str) -> str:
 def cpu_flags() -> list[str]:
     """The SIMD features of this CPU that the kernels care about (from
     /proc/cpuinfo; empty where it is unreadable)."""
-    want = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
+    want = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16",
             "avx2", "fma", "f16c", "asimd", "fphp", "asimdhp", "sve")
     try:
         with open("/proc/cpuinfo") as f:
@@ -533,4 +534,131 @@ def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: floa
                             ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
     if n < 0:
         _native_failure("select_fused", n)
+    return out[:n].copy(), int(ent[0])
+
+
+class Int8Index(NamedTuple):
+    """The int8 medoid index (``pack_medoids_i8``): SWARM §5.2's medoid keys
+    quantised per row (one medoid, one KV head) to int8 with an fp32 scale.
+
+    Attributes:
+        data: int8 [H_kv, ceil(C/16), d/4, 16, 4] (per KV head, blocks of 16
+            medoids, groups of 4 dimensions: the vpdpbusd operand layout).
+        scales: float32 [H_kv, Cp] (max |row| / 127; 0 for padding rows;
+            Cp = 16 ceil(C/16)).
+        sums: int32 [H_kv, Cp] (each row's int8 sum).
+        rows: C, the number of medoids.
+    """
+    data: np.ndarray
+    scales: np.ndarray
+    sums: np.ndarray
+    rows: int
+
+
+def pack_medoids_i8(m: np.ndarray, num_kv_heads: int, *, bf16: bool = False) -> Int8Index:
+    """Quantise the medoid index [C, H_kv*d] (fp16, or bf16 as uint16 with
+    ``bf16=True``) to int8 per row (round(x * 127 / max|row|)), made once per
+    layer as ``MedoidSelector`` does.  Half the bytes of the fp16 index.
+
+    Raises:
+        InvalidArgumentError: rows that do not split into ``num_kv_heads``
+            heads of a multiple of 4 dimensions.
+    """
+    m = _arr(m, "m")
+    H = _pos(num_kv_heads, "num_kv_heads")
+    if m.ndim != 2 or m.itemsize != 2 or m.shape[1] % H or (m.shape[1] // H) % 4:
+        _fail(f"pack_medoids_i8: rows {m.shape} {m.dtype} do not split into {H} heads "
+              f"of a multiple of 4 dimensions")
+    C, d = m.shape[0], m.shape[1] // H
+    nblk = (C + 15) // 16
+    data = np.empty((H, nblk, d // 4, 16, 4), dtype=np.int8)
+    scales = np.zeros((H, nblk * 16), dtype=np.float32)
+    sums = np.zeros((H, nblk * 16), dtype=np.int32)
+    if C:
+        lib.se_pack_medoids_i8(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), C, H, d,
+                               2 if bf16 else 1,
+                               ffi.from_buffer("int8_t[]", data, require_writable=True),
+                               ffi.from_buffer("float[]", scales, require_writable=True),
+                               ffi.from_buffer("int32_t[]", sums, require_writable=True))
+    return Int8Index(data, scales, sums, C)
+
+
+def _check_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, what: str):
+    if not isinstance(ix, Int8Index):
+        _fail(f"{what}: index must be an Int8Index from pack_medoids_i8, got {type(ix)}")
+    H = _pos(num_kv_heads, "num_kv_heads")
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    C = int(ix.rows)
+    nblk = (C + 15) // 16
+    if q.ndim != 2 or q.shape[0] % H or q.shape[1] % 4:
+        _fail(f"{what}: query {q.shape} does not fit {H} KV heads")
+    d = q.shape[1]
+    if (ix.data.dtype != np.int8 or ix.data.shape != (H, nblk, d // 4, 16, 4)
+            or not ix.data.flags.c_contiguous
+            or ix.scales.dtype != np.float32 or ix.scales.shape != (H, nblk * 16)
+            or not ix.scales.flags.c_contiguous
+            or ix.sums.dtype != np.int32 or ix.sums.shape != (H, nblk * 16)
+            or not ix.sums.flags.c_contiguous):
+        _fail(f"{what}: int8 index {ix.data.shape} does not match query {q.shape} "
+              f"with {H} KV heads and {C} medoids")
+    return q, H, C, d
+
+
+def head_logits_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """Per-head logits float32 [H_q, C] (unscaled q.k) of one query float32
+    [H_q, d] against the int8 index, the query quantised per head to int8:
+    exact integer dot products times the two scales, so every kernel path
+    returns bit-identical floats.
+
+    Raises:
+        InvalidArgumentError: shapes that do not match.
+    """
+    q, H, C, d = _check_i8(ix, q, num_kv_heads, "head_logits_i8")
+    Hq = q.shape[0]
+    out = np.empty((Hq, C), dtype=np.float32)
+    if C:
+        ret = lib.se_head_logits_i8(ffi.from_buffer("int8_t[]", ix.data),
+                                    ffi.from_buffer("float[]", ix.scales),
+                                    ffi.from_buffer("int32_t[]", ix.sums), C, H, d,
+                                    ffi.from_buffer("float[]", q), Hq,
+                                    ffi.from_buffer("float[]", out, require_writable=True))
+        if ret < 0:
+            _native_failure("head_logits_i8", ret)
+    return out
+
+
+def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
+              ptr: np.ndarray, members: np.ndarray, num_tokens: int, budget: int,
+              window: int, check: bool = True) -> tuple[np.ndarray, int]:
+    """:func:`select_fused`'s "prob" score from the int8 index, in one native
+    call (``se_select_i8``: :func:`head_logits_i8`, softmax sums over heads,
+    then :func:`choose_clusters`'s rule).
+
+    Returns:
+        (int64 [c] cluster ids best first, distinct entries).
+
+    Raises:
+        InvalidArgumentError: shapes that do not match, a bad cluster table.
+    """
+    q, H, C, d = _check_i8(ix, q, num_kv_heads, "select_i8")
+    if not float(scale) > 0:
+        _fail(f"select_i8: scale {scale} must be positive")
+    Hq = q.shape[0]
+    ptr = np.ascontiguousarray(ptr, dtype=np.int64)
+    members = np.ascontiguousarray(members, dtype=np.int32)
+    _check_csr(C, ptr, members, num_tokens, check)
+    work = np.empty(C * (Hq // H + 1) + 1, dtype=np.float32)
+    out = np.empty(max(C, 1), dtype=np.int64)
+    ent = ffi.new("int64_t *")
+    n = lib.se_select_i8(ffi.from_buffer("int8_t[]", ix.data),
+                         ffi.from_buffer("float[]", ix.scales),
+                         ffi.from_buffer("int32_t[]", ix.sums), C, H, d,
+                         ffi.from_buffer("float[]", q), Hq, float(scale),
+                         ffi.from_buffer("int64_t[]", ptr),
+                         ffi.from_buffer("int32_t[]", members),
+                         int(num_tokens), int(budget), int(window),
+                         ffi.from_buffer("float[]", work, require_writable=True),
+                         ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
+    if n < 0:
+        _native_failure("select_i8", n)
     return out[:n].copy(), int(ent[0])

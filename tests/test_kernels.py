@@ -180,3 +180,94 @@ def test_choice_kernels_refuse_a_table_that_does_not_fit(rng):
                          scale=0.5, score="prob", bf16=False, ptr=p, members=mm,
                          num_tokens=5, budget=5, window=0)
     assert choose_clusters(sc, ptr, members, num_tokens=5, budget=5, window=0)[1] == 5
+
+
+# -- the int8 medoid index ----------------------------------------------------------
+
+def _quantise(x):
+    """numpy reference of the per-row int8 quantisation (float32 arithmetic as in C)."""
+    x = x.astype(np.float32)
+    mx = np.abs(x).max(axis=-1, keepdims=True)
+    inv = np.where(mx > 0, np.float32(127) / np.where(mx > 0, mx, 1), 0).astype(np.float32)
+    qx = np.clip(np.rint(x * inv), -127, 127).astype(np.int32)
+    return qx, np.where(mx > 0, mx / np.float32(127), 0).astype(np.float32)[..., 0]
+
+
+@pytest.mark.parametrize("G,C", [(1, 5), (8, 37), (12, 301)])
+def test_int8_logits_are_the_integer_dots_on_every_path(each_path, rng, G, C):
+    from swarmfs._kernels import head_logits_i8, pack_medoids_i8, set_kernel_path
+    H, d = 2, 24                             # C not a multiple of 16: a padded block
+    m = (rng.standard_normal((C, H * d)) * rng.uniform(0.1, 10, (C, 1))).astype(np.float16)
+    m[0, :d] = 0                             # an all-zero row: scale 0, logits 0
+    q = rng.standard_normal((H * G, d)).astype(np.float32)
+    ix = pack_medoids_i8(m, H)
+    mq, ms = _quantise(m.reshape(C, H, d))   # [C, H, d], [C, H]
+    qq, qs = _quantise(q)
+    nblk = (C + 15) // 16
+    assert ix.data.shape == (H, nblk, d // 4, 16, 4)
+    assert np.array_equal(ix.data[1, 0, :, 3].reshape(-1), mq[3, 1])
+    assert np.array_equal(ix.scales[:, :C], ms.T) and not ix.scales[:, C:].any()
+    assert np.array_equal(ix.sums[:, :C], mq.sum(-1).T)
+    dots = np.stack([mq[:, h // G] @ qq[h] for h in range(H * G)])          # exact ints
+    want = dots.astype(np.float32) * (ms.T[np.arange(H * G) // G] * qs[:, None])
+    exact = np.stack([m[:, (h // G) * d:(h // G + 1) * d].astype(np.float32) @ q[h]
+                      for h in range(H * G)])
+    for path in each_path:
+        set_kernel_path(path)
+        got = head_logits_i8(ix, q, H)
+        assert np.array_equal(got, want), path          # bit-identical on every path
+    # the quantisation error bound: |dq . dm| terms of half a step each
+    mabs = np.abs(m.reshape(C, H, d).astype(np.float32)).sum(-1).T[np.arange(H * G) // G]
+    bound = 0.5 * (ms.T[np.arange(H * G) // G] * np.abs(q).sum(1)[:, None] +
+                   qs[:, None] * mabs) + 0.25 * d * ms.T[np.arange(H * G) // G] * qs[:, None]
+    assert np.all(np.abs(got - exact) <= bound * 1.001 + 1e-6)
+    assert got[:, 0][: G].tolist() == [0.0] * G
+
+
+def test_int8_selection_is_the_rule_on_its_scores(each_path, rng):
+    from swarmfs._kernels import (choose_clusters, head_logits_i8, pack_medoids_i8,
+                                  select_i8, set_kernel_path)
+    H, Hq, d, C = 4, 32, 64, 301
+    m = rng.standard_normal((C, H * d)).astype(np.float16)
+    q = rng.standard_normal((Hq, d)).astype(np.float32)
+    sizes = rng.integers(1, 9, C)
+    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    S = int(ptr[-1])
+    members = np.concatenate([rng.permutation(S), rng.integers(0, S, 200)])
+    ptr[-1] = members.shape[0]               # the last cluster holds 200 replicas
+    members = members.astype(np.int32)
+    ix = pack_medoids_i8(m, H)
+    for path in each_path:
+        set_kernel_path(path)
+        sc = softmax_sum(head_logits_i8(ix, q, H), d ** -0.5)
+        for budget, w in ((S // 5, 7), (S, 0), (S, 30)):
+            got = select_i8(ix, q, H, scale=d ** -0.5, ptr=ptr, members=members,
+                            num_tokens=S, budget=budget, window=w)
+            want = choose_clusters(sc, ptr, members, num_tokens=S, budget=budget, window=w)
+            assert got[0].tolist() == want[0].tolist() and got[1] == want[1], path
+            if budget == S:                  # the whole context: every token, once
+                assert got[1] == S
+
+
+def test_int8_index_refuses_what_does_not_fit(rng):
+    from swarmfs._kernels import head_logits_i8, pack_medoids_i8, select_i8
+    m = rng.standard_normal((20, 2 * 8)).astype(np.float16)
+    ix = pack_medoids_i8(m, 2)
+    q = rng.standard_normal((4, 8)).astype(np.float32)
+    ptr = np.arange(21, dtype=np.int64)
+    mem = np.arange(20, dtype=np.int32)
+    bad = [
+        lambda: pack_medoids_i8(np.zeros((4, 12), np.float16), 2),        # d = 6
+        lambda: pack_medoids_i8(np.zeros((4, 16), np.float32), 2),        # 4-byte floats
+        lambda: head_logits_i8(ix, q[:, :4], 2),                           # d 4 != 8
+        lambda: head_logits_i8(ix, q[:3], 2),                              # 3 heads, 2 KV
+        lambda: head_logits_i8(ix._replace(rows=33), q, 2),               # 3 blocks, not 2
+        lambda: head_logits_i8(m, q, 2),                                   # not an index
+        lambda: select_i8(ix, q, 2, scale=0.0, ptr=ptr, members=mem, num_tokens=20,
+                          budget=5, window=0),
+        lambda: select_i8(ix, q, 2, scale=0.3, ptr=ptr[:-1], members=mem, num_tokens=20,
+                          budget=5, window=0),
+    ]
+    for i, f in enumerate(bad):
+        with pytest.raises(InvalidArgumentError):
+            f()

@@ -10,7 +10,12 @@ entries, in one native call as the Retriever does
 (``swarmfs._kernels.select_fused``: per-head logits, softmax sums, partial
 selection; the default "prob" score, and "logit").  "split" is the same work
 as separate kernel calls from Python (``head_logits`` + ``softmax_sum`` +
-``select_clusters``).  The naive scan is a single-threaded BLAS GEMV on the
+``select_clusters``).  "int8" is the default "prob" selection since the
+int8 medoid index (``select_i8``: per-row int8 keys, per-head int8 query,
+exact integer dots with AVX512-VNNI or AVX2, fp32 softmax; the "prob"
+columns are the exact score).  ``--recall DIR`` instead measures the int8
+index's attention-mass recall against the exact score on the demo's capture
+in fp16.  The naive scan is a single-threaded BLAS GEMV on the
 GQA-summed query over fp32 keys; medians, one core.
 
 The scoring kernels dispatch at run time (AVX-512, AVX2+FMA+F16C, NEON,
@@ -35,8 +40,9 @@ import time
 import numpy as np
 
 from swarmfs import plan_reads
-from swarmfs._kernels import (cpu_flags, kernel_path, pack_medoids, select_fused,
-                              set_kernel_path, softmax_sum, supported_paths)
+from swarmfs._kernels import (cpu_flags, kernel_path, pack_medoids, pack_medoids_i8,
+                              select_fused, select_i8, set_kernel_path, softmax_sum,
+                              supported_paths)
 from swarmfs._selectors import (group_queries, head_logits, select_clusters,
                                 single_threaded_blas)
 
@@ -67,6 +73,7 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
     scale = d ** -0.5
 
     packed = pack_medoids(medoids, H)      # made once per layer, as MedoidSelector does
+    ix8 = pack_medoids_i8(medoids, H)      # the int8 index (the default), likewise
 
     def fused(score):
         return lambda: select_fused(medoids, q[0], H, scale=scale, score=score, bf16=False,
@@ -74,6 +81,10 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
                                     budget=budget, window=0,
                                     packed=packed if score == "prob" else None,
                                     check=False)
+
+    def int8():
+        return select_i8(ix8, q[0], H, scale=scale, ptr=ptr, members=members, num_tokens=S_,
+                         budget=budget, window=0, check=False)
 
     def split():           # the same as separate calls from Python
         sc = softmax_sum(head_logits(medoids, q, H)[0], scale)
@@ -83,13 +94,14 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
     paths = paths or [kernel_path()]
     for path in paths:
         set_kernel_path(path)
-        per_path[path] = {"prob_ms": median_ms(fused("prob"), reps),
+        per_path[path] = {"int8_ms": median_ms(int8, reps),
+                          "prob_ms": median_ms(fused("prob"), reps),
                           "logit_ms": median_ms(fused("logit"), reps)}
     set_kernel_path("auto")
     t_split = median_ms(split, max(reps // 4, 5))
     t_prob = per_path[paths[0]]["prob_ms"]
     t_logit = per_path[paths[0]]["logit_ms"]
-    medoids = packed = None            # free the index before the naive scan allocates keys
+    medoids = packed = ix8 = None            # free the index before the naive scan allocates keys
     keys = rng.standard_normal((S, H * d), dtype=np.float32)
 
     def naive():
@@ -235,6 +247,57 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
     return out
 
 
+
+def bench_recall(workdir, context=16384, queries=64, r=0.1):
+    """The int8 index against the exact "prob" score on a real layout: the
+    demo's capture (all-MiniLM-L6-v2 over its default text) cast to fp16,
+    laid out and written as the demo does; per held-out query and layer, the
+    selection of each index (same budget and local window as the Retriever),
+    the overlap of their chosen entries (|int8 & exact| / |exact|) and each
+    one's attention-mass recall (``_report.attention_recall`` against the
+    exact attention over the whole context)."""
+    from swarmfs._demo import LayoutParams, build_store, local_window
+    from swarmfs._report import attention_recall, token_mass
+    from swarmfs._selectors import MedoidSelector, window_size
+    from swarmfs.layout import capture
+
+    params = LayoutParams()
+    cap = capture(None, None, max_tokens=context + queries, progress=False,
+                  dtype="float16")
+    S = min(context, cap.num_tokens - queries)
+    store, _ = build_store(cap, workdir, disks=2, params=params, context=S, force=True,
+                           progress=False)
+    budget = int(np.ceil(r * S))
+    sels = {"exact": MedoidSelector(store, index="exact"), "int8": MedoidSelector(store)}
+    rows = {"exact": [], "int8": [], "overlap": []}
+    with store:
+        for layer in range(cap.num_layers):
+            li = store.layer(layer)
+            w = window_size(local_window(params, S), budget, S)
+            k = cap.k[layer][:, :S].astype(np.float32)
+            for t in range(S, S + queries):
+                q = cap.q[layer][:, t].astype(np.float32)
+                G = q.shape[0] // k.shape[0]
+                logits = np.einsum("hgd,hsd->hgs", q.reshape(k.shape[0], G, -1), k)
+                mass = token_mass(logits.reshape(q.shape[0], -1)[:, None] * cap.scaling)[0]
+                pos = {}
+                for name, sel in sels.items():
+                    x = sel.select(layer, q[None], budget=budget, window=w, li=li)[0]
+                    mem = [li.members[li.members_ptr[c]:li.members_ptr[c + 1]]
+                           for c in x.clusters]
+                    pos[name] = np.unique(np.concatenate(mem + [np.arange(S - w, S)]))
+                    rows[name].append(attention_recall(mass, pos[name], budget)[0])
+                rows["overlap"].append(np.intersect1d(pos["int8"], pos["exact"]).size /
+                                       pos["exact"].size)
+    return {"context": S, "queries": queries, "layers": cap.num_layers,
+            "model": cap.meta.get("model"), "dtype": "float16",
+            "recall_exact": float(np.mean(rows["exact"])),
+            "recall_int8": float(np.mean(rows["int8"])),
+            "recall_int8_min_minus_exact": float(np.min(np.subtract(rows["int8"],
+                                                                    rows["exact"]))),
+            "entry_overlap_mean": float(np.mean(rows["overlap"])),
+            "entry_overlap_min": float(np.min(rows["overlap"]))}
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="131072,262144,524288,1048576")
@@ -251,8 +314,18 @@ def main(argv=None):
                     help="also retrieve at batch 1/4/8 from a tmpfs store (GB/s, assembly)")
     ap.add_argument("--pipeline", action="store_true",
                     help="also time a decode step over 8 layers, sequential vs pipelined")
+    ap.add_argument("--recall", metavar="DIR",
+                    help="only measure the int8 index's recall against the exact score on "
+                         "the demo's capture cast to fp16 (store written under DIR)")
     ap.add_argument("--out", default="bench-out/select")
     a = ap.parse_args(argv)
+    if a.recall:
+        rec = bench_recall(a.recall)
+        print(json.dumps(rec, indent=1))
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out + "-recall.json", "w") as f:
+            json.dump(rec, f, indent=1)
+        return
     rng = np.random.default_rng(0)
     rows = []
     auto = kernel_path()
@@ -261,7 +334,7 @@ def main(argv=None):
     print(f"CPU flags: {' '.join(cpu_flags())}; auto path: {auto}; measured: "
           f"{', '.join(paths)}; one thread")
     print(f"{'tokens':>8} {'medoids':>8} {'naive ms':>9} " +
-          " ".join(f"{p + ' prob':>12} {p + ' logit':>12}" for p in paths) +
+          " ".join(f"{p + ' int8':>12} {p + ' prob':>12} {p + ' logit':>12}" for p in paths) +
           f" {'split ms':>9} {'paper':>7}")
     sizes = [float(x) for x in a.cluster_sizes.split(",")]
     toks = [int(x) for x in a.tokens.split(",")]
@@ -271,7 +344,8 @@ def main(argv=None):
         r = bench_selection(S, cs, a.reps, rng, paths=paths)
         rows.append(r)
         print(f"{S:8d} {r['medoids']:8d} {r['naive_ms']:9.3f} " +
-              " ".join(f"{r['paths'][p]['prob_ms']:12.3f} {r['paths'][p]['logit_ms']:12.3f}"
+              " ".join(f"{r['paths'][p]['int8_ms']:12.3f} {r['paths'][p]['prob_ms']:12.3f} "
+                       f"{r['paths'][p]['logit_ms']:12.3f}"
                        for p in paths) +
               f" {r['split_ms']:9.3f} {r['paper_swarm_ms'] or 0:7.3f}", flush=True)
     plan = bench_planning(max(a.reps // 4, 20), rng)
