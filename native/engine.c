@@ -95,6 +95,8 @@ struct se_engine {
     unsigned setup_flags;    /* io_uring_setup flags every ring uses */
     int ring_flags;          /* SE_RING_* */
     int files_registered;
+    unsigned char punt[SE_MAX_DISKS]; /* no RWF_NOWAIT: submit with IOSQE_ASYNC */
+    int npunt;
     unsigned wait_div;       /* wait for inflight / wait_div CQEs while more is queued */
     uint64_t id;
     pthread_mutex_t mu;      /* ring list and buffer table; never held across I/O */
@@ -375,6 +377,22 @@ static void backoff(unsigned fails)
     nanosleep(&ts, NULL);
 }
 
+/* Whether io_uring can try a read of fd inline: a file without non-blocking
+ * read support (RWF_NOWAIT gives EOPNOTSUPP, e.g. tmpfs) has every read punted
+ * to io-wq, and io-wq runs punted work concurrently only when it was submitted
+ * with IOSQE_ASYNC (otherwise one worker at a time). */
+static int supports_nowait(int fd)
+{
+    void *b = NULL;
+    if (posix_memalign(&b, 4096, 4096) != 0)
+        return 1;
+    struct iovec iov = {.iov_base = b, .iov_len = 4096};
+    ssize_t r = preadv2(fd, &iov, 1, 0, RWF_NOWAIT);
+    int ok = !(r < 0 && errno == EOPNOTSUPP);
+    free(b);
+    return ok;
+}
+
 static int check_fds(const int *fds, int nfds)
 {
     if (nfds <= 0 || nfds > SE_MAX_DISKS)
@@ -451,6 +469,10 @@ int se_uring_open(se_engine **out, const int *fds, int nfds, unsigned queue_dept
                     ((e->setup_flags & IORING_SETUP_SUBMIT_ALL) ? SE_RING_SUBMIT_ALL : 0);
     e->qd = r->qd;
     e->nthreads = e->qd < 32 ? e->qd : 32;
+    for (int d = 0; d < nfds; d++) {
+        e->punt[d] = !supports_nowait(fds[d]);
+        e->npunt += e->punt[d];
+    }
     e->files_registered = r->files_registered;
     publish(e);
     e->c.rings_created = 1;
@@ -486,6 +508,7 @@ int se_kind(const se_engine *e) { return e->kind; }
 unsigned se_queue_depth(const se_engine *e) { return e->qd; }
 int se_files_registered(const se_engine *e) { return e->files_registered; }
 int se_ring_flags(const se_engine *e) { return e->ring_flags; }
+int se_async_disks(const se_engine *e) { return e->npunt; }
 void se_set_retry_limit(se_engine *e, unsigned limit) { e->retry_limit = limit; }
 
 void se_close(se_engine *e)
@@ -683,6 +706,8 @@ static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
             }
             if (fixed_file)
                 sqe->flags |= IOSQE_FIXED_FILE;
+            if (e->punt[d])
+                sqe->flags |= IOSQE_ASYNC;
             io_uring_sqe_set_data64(sqe, (uint64_t)i);
             inflight++;
             lc->sqes++;

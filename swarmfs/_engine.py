@@ -315,6 +315,10 @@ class EngineStats:
         buffer_error: why the last registration failed (None: none did),
             naming ``RLIMIT_MEMLOCK`` when that was the cause.
         memlock_limit: the soft ``RLIMIT_MEMLOCK`` in bytes (None: unlimited).
+        async_disks: disks whose files cannot read without blocking
+            (``RWF_NOWAIT`` gives EOPNOTSUPP, e.g. tmpfs): io_uring punts every
+            read of theirs to its io-wq workers, so their SQEs carry
+            ``IOSQE_ASYNC``, which lets io-wq run them concurrently.
     """
     engine: str
     queue_depth: int
@@ -341,6 +345,7 @@ class EngineStats:
     buffer_register_errors: int = 0
     buffer_error: str | None = None
     memlock_limit: int | None = None
+    async_disks: int = 0
 
 
 class Engine:
@@ -657,7 +662,8 @@ class Engine:
             fallback_executes=int(c.fallback_executes),
             buffers_registered=nbuf > 0 and buffer_error is None,
             registered_buffers=nbuf, buffer_register_errors=int(c.buffer_register_errors),
-            buffer_error=buffer_error, memlock_limit=memlock_limit())
+            buffer_error=buffer_error, memlock_limit=memlock_limit(),
+            async_disks=int(lib.se_async_disks(self._ptr)))
 
     def close(self) -> None:
         """Tear down every ring (the file descriptors stay open).
