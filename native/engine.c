@@ -80,8 +80,10 @@ struct se_ring {
     int files_registered;
     int bufs_ok;             /* sparse fixed-buffer table registered */
     int broken;              /* enter gave up: tear down after the call */
-    uint64_t buf_gen;        /* engine table generation mirrored */
-    struct slot mirror[SE_MAX_BUFFERS];
+    uint64_t buf_gen;        /* engine table generation seen */
+    struct slot mirror[SE_MAX_BUFFERS];   /* what this ring has registered */
+    uint64_t want[SE_MAX_BUFFERS];        /* table ids as of buf_gen */
+    uint64_t failed[SE_MAX_BUFFERS];      /* id whose registration failed here */
     struct se_ring *next;    /* engine's list (under e->mu) */
 };
 
@@ -324,38 +326,47 @@ static void ring_destroy_own(se_engine *e, struct se_ring *r)
     ring_free(e, r);
 }
 
-/* Bring r's fixed-buffer registrations up to date with the engine table. */
-static void ring_sync_buffers(se_engine *e, struct se_ring *r)
+/* Bring r's fixed buffers up to date for a call that uses slot (or -1):
+ * registrations of buffers that left the engine table are dropped (their
+ * pages unpinned) once the table generation moves, and the buffer in slot is
+ * registered in this ring on first use, so a ring pins only the buffers its
+ * thread reads into.  A registration that failed (e.g. RLIMIT_MEMLOCK) is not
+ * retried for the same buffer in the same ring. */
+static void ring_sync_buffers(se_engine *e, struct se_ring *r, int slot)
 {
     uint64_t g = __atomic_load_n(&e->buf_gen, __ATOMIC_ACQUIRE);
-    if (g == r->buf_gen)
+    int need = slot >= 0 && slot < SE_MAX_BUFFERS && r->bufs_ok && !r->mirror[slot].id;
+    if (g == r->buf_gen && (!need || r->failed[slot] == r->want[slot]))
         return;
     if (!r->bufs_ok) {
         r->buf_gen = g;
         return;
     }
     pthread_mutex_lock(&e->mu);
-    for (int s = 0; s < SE_MAX_BUFFERS; s++) {
-        if (r->mirror[s].id == e->table[s].id)
-            continue;
-        __u64 tag = 0;
-        if (r->mirror[s].id) {
-            struct iovec none = {.iov_base = NULL, .iov_len = 0};
-            io_uring_register_buffers_update_tag(&r->ring, (unsigned)s, &none, &tag, 1);
-            memset(&r->mirror[s], 0, sizeof(r->mirror[s]));
-        }
-        if (e->table[s].id) {
-            struct iovec iov = {.iov_base = e->table[s].addr, .iov_len = (size_t)e->table[s].len};
-            int ret = io_uring_register_buffers_update_tag(&r->ring, (unsigned)s, &iov, &tag, 1);
-            if (ret < 0) {
-                ADD(e->c.buffer_register_errors, 1);
-                __atomic_store_n(&e->c.last_buffer_errno, (int64_t)-ret, __ATOMIC_RELAXED);
-            } else {
-                r->mirror[s] = e->table[s];
+    __u64 tag = 0;
+    if (g != r->buf_gen) {
+        for (int s = 0; s < SE_MAX_BUFFERS; s++) {
+            r->want[s] = e->table[s].id;
+            if (r->mirror[s].id && r->mirror[s].id != e->table[s].id) {
+                struct iovec none = {.iov_base = NULL, .iov_len = 0};
+                io_uring_register_buffers_update_tag(&r->ring, (unsigned)s, &none, &tag, 1);
+                memset(&r->mirror[s], 0, sizeof(r->mirror[s]));
             }
         }
+        r->buf_gen = __atomic_load_n(&e->buf_gen, __ATOMIC_RELAXED);
     }
-    r->buf_gen = __atomic_load_n(&e->buf_gen, __ATOMIC_RELAXED);
+    if (need && e->table[slot].id && r->failed[slot] != e->table[slot].id) {
+        struct iovec iov = {.iov_base = e->table[slot].addr,
+                            .iov_len = (size_t)e->table[slot].len};
+        int ret = io_uring_register_buffers_update_tag(&r->ring, (unsigned)slot, &iov, &tag, 1);
+        if (ret < 0) {
+            r->failed[slot] = e->table[slot].id;
+            ADD(e->c.buffer_register_errors, 1);
+            __atomic_store_n(&e->c.last_buffer_errno, (int64_t)-ret, __ATOMIC_RELAXED);
+        } else {
+            r->mirror[slot] = e->table[slot];
+        }
+    }
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -571,7 +582,7 @@ int se_register_buffer(se_engine *e, void *addr, uint64_t len)
     pthread_mutex_unlock(&e->mu);
     if (slot < 0)
         return slot;
-    ring_sync_buffers(e, r);
+    ring_sync_buffers(e, r, slot);
     if (r->mirror[slot].id == id)
         return slot;
     /* not even this thread's ring could register it: take it out again */
@@ -594,7 +605,7 @@ int se_unregister_buffer(se_engine *e, int slot)
     pthread_mutex_unlock(&e->mu);
     struct se_ring *r = tls_find(e);
     if (used && r)
-        ring_sync_buffers(e, r);   /* other rings drop it on their next call */
+        ring_sync_buffers(e, r, -1);   /* other rings drop it on their next call */
     return 0;
 }
 
@@ -984,7 +995,7 @@ int64_t se_execute(se_engine *e, int op, int64_t n,
         int err = 0;
         struct se_ring *r = get_ring(e, &err);
         if (r) {
-            ring_sync_buffers(e, r);
+            ring_sync_buffers(e, r, buf_slot);
             if (buf_slot >= 0) {
                 struct slot *s = buf_slot < SE_MAX_BUFFERS ? &r->mirror[buf_slot] : NULL;
                 if (!s || !s->id || buf < s->addr || buf + buflen > s->addr + s->len)

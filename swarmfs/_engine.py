@@ -588,9 +588,10 @@ class Engine:
         if info.abandoned:
             buf._quarantine()
         if info.fallback:
-            _warn_once("ring", "swarmfs: " + memlock_hint(
-                f"a thread could not set up its io_uring ring "
-                f"({os.strerror(info.ring_errno)})") + "; that thread reads with pread")
+            why = f"a thread could not set up its io_uring ring ({os.strerror(info.ring_errno)})"
+            if info.ring_errno == errno.ENOMEM:
+                why = memlock_hint(why)
+            _warn_once("ring", f"swarmfs: {why}; that thread reads with pread")
         if failed < 0:
             raise E.IOFailedError(f"engine refused the plan: {os.strerror(-failed)}",
                                   errno=-failed, store=self.store, layer=layer,

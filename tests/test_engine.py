@@ -9,6 +9,7 @@ loop device throttled by blk-throttle (root only).
 """
 
 import errno
+import gc
 import importlib.util
 import json
 import os
@@ -253,7 +254,9 @@ def test_fallback_when_io_uring_is_unavailable(disks, monkeypatch, err, rng):
 # -- concurrency: one ring per thread, no lock across I/O --------------------
 
 def uring_fds() -> int:
-    """io_uring instances open in this process (ring file descriptors)."""
+    """io_uring instances open in this process (ring file descriptors), after
+    collecting engines that earlier tests left to the garbage collector."""
+    gc.collect()
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         try:

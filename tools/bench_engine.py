@@ -356,8 +356,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--slow-iops", type=int, default=20,
                     help="isolation: read requests/s of the throttled disk")
-    ap.add_argument("--reads", type=int, default=3000, help="isolation: healthy reads per mode")
-    ap.add_argument("--seconds", type=float, default=6.0,
+    ap.add_argument("--reads", type=int, default=20000, help="isolation: healthy reads per mode")
+    ap.add_argument("--seconds", type=float, default=3.0,
                     help="isolation: at most this long per mode")
     ap.add_argument("--out", default=None, help="output prefix (.json, .png)")
     a = ap.parse_args(argv)
