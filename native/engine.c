@@ -335,8 +335,10 @@ static void ring_destroy_own(se_engine *e, struct se_ring *r)
 static void ring_sync_buffers(se_engine *e, struct se_ring *r, int slot)
 {
     uint64_t g = __atomic_load_n(&e->buf_gen, __ATOMIC_ACQUIRE);
-    int need = slot >= 0 && slot < SE_MAX_BUFFERS && r->bufs_ok && !r->mirror[slot].id;
-    if (g == r->buf_gen && (!need || r->failed[slot] == r->want[slot]))
+    if (slot >= SE_MAX_BUFFERS)
+        slot = -1;
+    if (g == r->buf_gen &&
+        (slot < 0 || r->mirror[slot].id || r->failed[slot] == r->want[slot]))
         return;
     if (!r->bufs_ok) {
         r->buf_gen = g;
@@ -355,7 +357,8 @@ static void ring_sync_buffers(se_engine *e, struct se_ring *r, int slot)
         }
         r->buf_gen = __atomic_load_n(&e->buf_gen, __ATOMIC_RELAXED);
     }
-    if (need && e->table[slot].id && r->failed[slot] != e->table[slot].id) {
+    if (slot >= 0 && !r->mirror[slot].id && e->table[slot].id &&
+        r->failed[slot] != e->table[slot].id) {
         struct iovec iov = {.iov_base = e->table[slot].addr,
                             .iov_len = (size_t)e->table[slot].len};
         int ret = io_uring_register_buffers_update_tag(&r->ring, (unsigned)slot, &iov, &tag, 1);
@@ -588,7 +591,7 @@ int se_register_buffer(se_engine *e, void *addr, uint64_t len)
     /* not even this thread's ring could register it: take it out again */
     int64_t why = __atomic_load_n(&e->c.last_buffer_errno, __ATOMIC_RELAXED);
     se_unregister_buffer(e, slot);
-    return why ? (int)-why : -ENOMEM;
+    return why ? (int)-why : -EIO;
 }
 
 int se_unregister_buffer(se_engine *e, int slot)

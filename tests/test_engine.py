@@ -712,3 +712,53 @@ def test_buffers_registered_is_reported(disks):
     buf.release()
     assert eng.stats().registered_buffers == 0
     assert make_engine(fds, "threads").stats().buffers_registered is False
+
+
+def vm_pin_kib() -> int:
+    """Pages pinned in this process (io_uring fixed buffers), KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmPin:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_fixed_buffer_registration_follows_the_threads_that_use_it(disks):
+    """A buffer allocated in one thread is registered in another thread's ring
+    when that thread first reads into it (fixed reads there too); pins are
+    dropped when the thread exits, when the buffer is released (at once in the
+    releasing thread's ring, at the next call in other rings) and at close:
+    nothing stays pinned."""
+    _, data, fds = disks
+    eng = make_engine(fds, "io_uring")
+    base = vm_pin_kib()
+    buf = eng.alloc(1 << 20)
+    assert vm_pin_kib() == base + 1024                 # the allocating thread's ring
+    step, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def worker():
+        eng.execute(READ, [1], [8192], [4096], [0], buf)
+        seen["ok"] = buf.array[:4096].tobytes() == data[1][8192:12288].tobytes()
+        seen["pinned"] = vm_pin_kib()
+        done.set()
+        step.wait(10)
+        other = eng.alloc(1 << 16)                     # next call in this thread
+        eng.execute(READ, [0], [0], [4096], [0], other)
+        seen["after_release"] = vm_pin_kib()
+        other.release()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    done.wait(10)
+    assert seen["ok"] and seen["pinned"] == base + 2048   # registered in both rings
+    buf.release()
+    assert vm_pin_kib() == base + 1024                 # still pinned by the worker's ring
+    step.set()
+    t.join()
+    assert seen["after_release"] == base + 64          # dropped there on its next call
+    assert wait_for(lambda: vm_pin_kib() == base and eng.stats().rings == 1)
+    s = eng.stats()
+    assert s.fixed_requests == s.requests == 2
+    eng.close()
+    assert vm_pin_kib() == base
