@@ -231,6 +231,7 @@ static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
     int64_t remaining = nq;
     unsigned inflight = 0;   /* SQEs filled and not reaped (in the SQ or the kernel) */
     unsigned fails = 0;      /* rounds in a row without progress */
+    uint64_t t_progress = 0; /* first round without progress (0: made progress) */
     int last_err = 0, give_up = 0;
     const int fixed_file = r->files_registered;
     const unsigned qd = r->qd;
@@ -351,14 +352,23 @@ static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
         }
         if (progress) {
             fails = 0;
+            t_progress = 0;
         } else if (remaining > 0) {
-            if (++fails > e->retry_limit) {
+            /* A wait for requests already in the kernel that a signal
+             * interrupted is not a failure (a profiler's timer signals while a
+             * slow disk works), unless it lasts SE_WAIT_GRACE_NS. */
+            uint64_t tn = now_ns();
+            if (!t_progress)
+                t_progress = tn;
+            int waiting = ret == -EINTR && inflight > io_uring_sq_ready(ring);
+            if (!(waiting && tn - t_progress < SE_WAIT_GRACE_NS) &&
+                ++fails > e->retry_limit) {
                 give_up = 1;
                 info->gave_up = 1;
                 lc->gave_up++;
                 break;
             }
-            backoff(fails);
+            backoff(fails ? fails : 1);
         }
     }
     if (give_up) {

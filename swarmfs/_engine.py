@@ -31,7 +31,10 @@ Never spinning: a transient failure (``io_uring_enter`` failing with EINTR,
 EAGAIN, EBUSY or EIO, a request or ``pread`` ending with EAGAIN/EINTR) is
 retried with exponential backoff (1 µs doubling up to 1 ms) at most
 ``retry_limit`` times in a row without progress (default 200, about 0.2 s),
-then the read fails with :class:`IOFailedError` naming the disk.
+then the read fails with :class:`IOFailedError` naming the disk.  A wait for
+requests already in the kernel that a signal interrupts (EINTR) starts to
+count only after 10 s without progress, so timer signals do not fail a read of
+a slow disk.
 
 Disks are opened with ``O_DIRECT``: offsets, lengths and buffer addresses must
 be multiples of the disk's logical block size; :meth:`Engine.execute` checks

@@ -366,7 +366,7 @@ def test_close_waits_for_calls_in_flight_and_later_calls_raise(disks, engine_kin
     go.wait(10)
     assert wait_for(lambda: outcome["ok"] >= 8)
     eng.close()
-    assert eng.stats.__self__._ptr is None
+    assert eng._ptr is None
     for t in threads:
         t.join(20)
     assert outcome["other"] == [] and outcome["closed"] == 4
