@@ -4,7 +4,7 @@
  * io_uring back end: one ring per (engine, thread), as liburing's
  * documentation and 3FS USRBIO recommend: a ring is set up the first time a
  * thread executes (or registers a buffer), with IORING_SETUP_SINGLE_ISSUER and
- * DEFER_TASKRUN (else COOP_TASKRUN) where the kernel has them; the disks are
+ * COOP_TASKRUN where the kernel has them; the disks are
  * registered files of every ring.  No lock is held while requests are in
  * flight: a thread submits to and reaps from its own ring only.  A ring is
  * torn down when its thread exits (a pthread key destructor), when the engine
@@ -16,7 +16,9 @@
  * of short transfers and requests that ended with -EAGAIN/-EINTR.  When the
  * plan fits in the ring, the whole plan costs a single io_uring_enter.
  * Transient failures are retried with backoff a bounded number of times in a
- * row without progress (SE_DEFAULT_RETRY_LIMIT), then the requests fail.
+ * row without progress (SE_DEFAULT_RETRY_LIMIT), then the requests fail; a
+ * wait never blocks for more than a second at a time, and requests in the
+ * kernel without any completion for SE_STALL_NS (60 s) fail with ETIMEDOUT.
  *
  * Fixed buffers (rings.c): a buffer is registered in a ring when that ring's
  * thread first reads into it; a buffer whose registration fails in a ring
@@ -284,7 +286,11 @@ static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
             if (wait_nr < 1)
                 wait_nr = 1;
         }
-        int ret = io_uring_submit_and_wait(ring, wait_nr);
+        /* Never block for ever in one enter: wake up every second to check for
+         * a stall (SE_STALL_NS without any completion). */
+        struct __kernel_timespec ts = {.tv_sec = 1, .tv_nsec = 0};
+        struct io_uring_cqe *first = NULL;
+        int ret = io_uring_submit_and_wait_timeout(ring, &first, wait_nr, &ts, NULL);
         lc->submit_calls++;
         int progress = 0;
         unsigned got;
@@ -339,7 +345,12 @@ static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
             lc->cqes += got;
             io_uring_cq_advance(ring, got);
         } while (got == CQE_BATCH);
-        if (ret < 0) {
+        /* A wait for requests already in the kernel that timed out (every
+         * second) or that a signal interrupted is not a failure; it fails only
+         * when nothing completes for SE_STALL_NS. */
+        int waiting = (ret == -ETIME || ret == -EINTR || ret >= 0) &&
+                      inflight > io_uring_sq_ready(ring);
+        if (ret < 0 && ret != -ETIME) {
             lc->enter_errors++;
             lc->retries++;
             info->enter_failures++;
@@ -354,21 +365,28 @@ static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
             fails = 0;
             t_progress = 0;
         } else if (remaining > 0) {
-            /* A wait for requests already in the kernel that a signal
-             * interrupted is not a failure (a profiler's timer signals while a
-             * slow disk works), unless it lasts SE_WAIT_GRACE_NS. */
             uint64_t tn = now_ns();
             if (!t_progress)
                 t_progress = tn;
-            int waiting = ret == -EINTR && inflight > io_uring_sq_ready(ring);
-            if (!(waiting && tn - t_progress < SE_WAIT_GRACE_NS) &&
-                ++fails > e->retry_limit) {
+            if (waiting) {
+                if (tn - t_progress >= SE_STALL_NS) {
+                    last_err = -ETIMEDOUT;
+                    give_up = 1;
+                    info->gave_up = 1;
+                    lc->gave_up++;
+                    break;
+                }
+                if (ret != -ETIME)
+                    backoff(1);
+                continue;
+            }
+            if (++fails > e->retry_limit) {
                 give_up = 1;
                 info->gave_up = 1;
                 lc->gave_up++;
                 break;
             }
-            backoff(fails ? fails : 1);
+            backoff(fails);
         }
     }
     if (give_up) {

@@ -33,7 +33,7 @@
 #define CQE_BATCH 256
 #define MIN_QD 8
 #define BACKOFF_MAX_NS 1000000ull
-#define SE_WAIT_GRACE_NS 10000000000ull  /* 10 s of interrupted waits before they count */
+#define SE_STALL_NS 60000000000ull  /* requests in the kernel, no completion for 60 s: give up */
 
 #define ADD(field, v) __atomic_fetch_add(&(field), (v), __ATOMIC_RELAXED)
 #define SUB(field, v) __atomic_fetch_sub(&(field), (v), __ATOMIC_RELAXED)

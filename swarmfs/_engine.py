@@ -5,8 +5,7 @@ Two back ends sit behind one interface (see ``native/engine.c``):
 * ``io_uring`` (default): liburing through cffi, **one ring per calling
   thread** (as liburing's documentation and 3FS USRBIO recommend).  A thread's
   ring is set up the first time it reads or writes, with
-  ``IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN`` (else ``COOP_TASKRUN``) where
-  the kernel has them; the disks are registered files of every ring; the ring
+  ``IORING_SETUP_SINGLE_ISSUER | COOP_TASKRUN`` where the kernel has them; the disks are registered files of every ring; the ring
   is torn down when the thread exits or the engine closes.  All SQEs of a plan
   are filled in C and submitted with as few ``io_uring_enter`` calls as the
   ring allows (one when the plan fits in the queue depth); CQEs are reaped in
@@ -32,9 +31,9 @@ EAGAIN, EBUSY or EIO, a request or ``pread`` ending with EAGAIN/EINTR) is
 retried with exponential backoff (1 µs doubling up to 1 ms) at most
 ``retry_limit`` times in a row without progress (default 200, about 0.2 s),
 then the read fails with :class:`IOFailedError` naming the disk.  A wait for
-requests already in the kernel that a signal interrupts (EINTR) starts to
-count only after 10 s without progress, so timer signals do not fail a read of
-a slow disk.
+requests already in the kernel that a signal interrupts (EINTR) is not a
+failure (timer signals must not fail a read of a slow disk), but requests in
+the kernel with no completion at all for 60 s fail with ETIMEDOUT.
 
 Disks are opened with ``O_DIRECT``: offsets, lengths and buffer addresses must
 be multiples of the disk's logical block size; :meth:`Engine.execute` checks
@@ -303,7 +302,7 @@ class EngineStats:
         fixed_requests: requests that used a registered (fixed) buffer.
         disks: per-disk :class:`DiskStats`.
         ring_flags: io_uring setup flags in use, e.g.
-            ``("SINGLE_ISSUER", "DEFER_TASKRUN", "SUBMIT_ALL")``.
+            ``("SINGLE_ISSUER", "COOP_TASKRUN", "SUBMIT_ALL")``.
         rings: rings alive now (one per thread that used the engine).
         in_flight: execute calls running now.
         enter_errors: ``io_uring_enter`` calls that failed.
