@@ -43,7 +43,7 @@ ffibuilder.cdef(_header_cdefs())
 ffibuilder.set_source(
     "swarmfs._native",
     '#include "engine.h"',
-    sources=[os.path.relpath(os.path.join(HERE, f)) for f in ("engine.c", "kernels.c")],
+    sources=[os.path.relpath(os.path.join(HERE, f)) for f in ("engine.c", "rings.c", "kernels.c")],
     include_dirs=[os.path.relpath(HERE)],
     libraries=[_uring_lib(), "pthread", "m"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],

@@ -4,7 +4,7 @@
  * io_uring back end: one ring per (engine, thread), as liburing's
  * documentation and 3FS USRBIO recommend: a ring is set up the first time a
  * thread executes (or registers a buffer), with IORING_SETUP_SINGLE_ISSUER and
- * DEFER_TASKRUN (else COOP_TASKRUN) where the kernel has them; the disks are
+ * COOP_TASKRUN where the kernel has them; the disks are
  * registered files of every ring.  No lock is held while requests are in
  * flight: a thread submits to and reaps from its own ring only.  A ring is
  * torn down when its thread exits (a pthread key destructor), when the engine
@@ -16,13 +16,14 @@
  * of short transfers and requests that ended with -EAGAIN/-EINTR.  When the
  * plan fits in the ring, the whole plan costs a single io_uring_enter.
  * Transient failures are retried with backoff a bounded number of times in a
- * row without progress (SE_DEFAULT_RETRY_LIMIT), then the requests fail.
+ * row without progress (SE_DEFAULT_RETRY_LIMIT), then the requests fail; a
+ * wait never blocks for more than a second at a time, and requests in the
+ * kernel without any completion for SE_STALL_NS (60 s) fail with ETIMEDOUT.
  *
- * Fixed buffers: the engine keeps a table of registered buffers (address,
- * length, a unique id) and a generation number; each ring mirrors the table
- * and brings its own registrations up to date at the start of a call when the
- * generation moved.  A buffer whose registration fails in a ring (e.g.
- * RLIMIT_MEMLOCK) is read with plain READ there; the failure is counted.
+ * Fixed buffers (rings.c): a buffer is registered in a ring when that ring's
+ * thread first reads into it; a buffer whose registration fails in a ring
+ * (e.g. RLIMIT_MEMLOCK) is read with plain READ there; the failure is counted.
+ * Files that cannot read without blocking (tmpfs) get IOSQE_ASYNC.
  *
  * Thread back end: up to nthreads pthreads per call pull request indices from
  * an atomic counter and issue pread/pwrite with the same retry rules.  It is
@@ -31,331 +32,15 @@
  * Counters are atomics, added once per call from per-call tallies, so
  * se_get_counters never waits for I/O.
  *
- * The data kernels (gather/scatter, checksums, bucket assignment, medoid
- * scoring) are in kernels.c.
+ * Per-thread rings and fixed-buffer registration are in rings.c; the data
+ * kernels (gather/scatter, checksums, bucket assignment, medoid scoring) are
+ * in kernels.c.
  */
-#define _GNU_SOURCE
-#include "engine.h"
+#include "engine_int.h"
 
-#include <errno.h>
-#include <stddef.h>
-#include <pthread.h>
-#include <stdlib.h>
-#include <string.h>
 #include <time.h>
 #include <unistd.h>
 #include <sys/uio.h>
-
-#include <liburing.h>
-
-#ifndef IORING_SETUP_SUBMIT_ALL
-#define IORING_SETUP_SUBMIT_ALL (1U << 7)
-#endif
-#ifndef IORING_SETUP_COOP_TASKRUN
-#define IORING_SETUP_COOP_TASKRUN (1U << 8)
-#endif
-#ifndef IORING_SETUP_SINGLE_ISSUER
-#define IORING_SETUP_SINGLE_ISSUER (1U << 12)
-#endif
-#ifndef IORING_SETUP_DEFER_TASKRUN
-#define IORING_SETUP_DEFER_TASKRUN (1U << 13)
-#endif
-
-#define CQE_BATCH 256
-#define MIN_QD 8
-#define BACKOFF_MAX_NS 1000000ull
-
-#define ADD(field, v) __atomic_fetch_add(&(field), (v), __ATOMIC_RELAXED)
-#define SUB(field, v) __atomic_fetch_sub(&(field), (v), __ATOMIC_RELAXED)
-
-struct slot {
-    char *addr;
-    uint64_t len;
-    uint64_t id;     /* unique per registration; 0 = empty */
-};
-
-struct se_ring {
-    struct io_uring ring;
-    unsigned qd;
-    int files_registered;
-    int bufs_ok;             /* sparse fixed-buffer table registered */
-    int broken;              /* enter gave up: tear down after the call */
-    uint64_t buf_gen;        /* engine table generation mirrored */
-    struct slot mirror[SE_MAX_BUFFERS];
-    struct se_ring *next;    /* engine's list (under e->mu) */
-};
-
-struct se_engine {
-    int kind;
-    int nfds;
-    int fds[SE_MAX_DISKS];
-    unsigned qd;
-    unsigned nthreads;
-    unsigned retry_limit;
-    unsigned setup_flags;    /* io_uring_setup flags every ring uses */
-    int ring_flags;          /* SE_RING_* */
-    int files_registered;
-    unsigned wait_div;       /* wait for inflight / wait_div CQEs while more is queued */
-    uint64_t id;
-    pthread_mutex_t mu;      /* ring list and buffer table; never held across I/O */
-    struct se_ring *rings;
-    struct slot table[SE_MAX_BUFFERS];
-    uint64_t buf_gen;
-    uint64_t next_buf_id;
-    se_counters c;           /* atomics */
-    se_disk_counters d[SE_MAX_DISKS];
-    se_engine *gnext;        /* live engines (under g_mu) */
-};
-
-/* ---- live engines and per-thread rings --------------------------------- */
-
-struct tls_ent {
-    uint64_t id;
-    struct se_ring *r;
-};
-
-struct tls_tab {
-    int n, cap;
-    struct tls_ent *ent;
-};
-
-static __thread struct tls_tab *tls;
-static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-static pthread_key_t g_key;
-static int g_key_ok;
-static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-static se_engine *g_live;
-static uint64_t g_next_id;
-
-static se_engine *find_live(uint64_t id)  /* g_mu held */
-{
-    for (se_engine *e = g_live; e; e = e->gnext)
-        if (e->id == id)
-            return e;
-    return NULL;
-}
-
-static void ring_free(se_engine *e, struct se_ring *r)
-{
-    io_uring_queue_exit(&r->ring);
-    free(r);
-    ADD(e->c.rings_closed, 1);
-}
-
-/* Unlink r from e's list (g_mu or the engine's liveness guaranteed). */
-static void ring_unlink(se_engine *e, struct se_ring *r)
-{
-    pthread_mutex_lock(&e->mu);
-    for (struct se_ring **pp = &e->rings; *pp; pp = &(*pp)->next) {
-        if (*pp == r) {
-            *pp = r->next;
-            break;
-        }
-    }
-    pthread_mutex_unlock(&e->mu);
-}
-
-/* Thread exit: tear down this thread's rings of engines still open.  Rings
- * of closed engines were torn down by se_close (their ids are not live). */
-static void tls_destructor(void *p)
-{
-    struct tls_tab *t = p;
-    pthread_mutex_lock(&g_mu);
-    for (int i = 0; i < t->n; i++) {
-        se_engine *e = find_live(t->ent[i].id);
-        if (e) {
-            ring_unlink(e, t->ent[i].r);
-            ring_free(e, t->ent[i].r);
-        }
-    }
-    pthread_mutex_unlock(&g_mu);
-    free(t->ent);
-    free(t);
-    tls = NULL;
-}
-
-static void make_key(void)
-{
-    g_key_ok = pthread_key_create(&g_key, tls_destructor) == 0;
-}
-
-static struct se_ring *tls_find(const se_engine *e)
-{
-    struct tls_tab *t = tls;
-    if (!t)
-        return NULL;
-    for (int i = 0; i < t->n; i++)
-        if (t->ent[i].id == e->id)
-            return t->ent[i].r;
-    return NULL;
-}
-
-static void tls_remove(const se_engine *e)
-{
-    struct tls_tab *t = tls;
-    if (!t)
-        return;
-    for (int i = 0; i < t->n; i++) {
-        if (t->ent[i].id == e->id) {
-            t->ent[i] = t->ent[--t->n];
-            return;
-        }
-    }
-}
-
-/* Record r as this thread's ring of e; drops entries of closed engines. */
-static int tls_add(se_engine *e, struct se_ring *r)
-{
-    pthread_once(&g_once, make_key);
-    if (!g_key_ok)
-        return -EAGAIN;
-    pthread_mutex_lock(&g_mu);
-    struct tls_tab *t = tls;
-    if (!t) {
-        t = calloc(1, sizeof(*t));
-        if (!t || pthread_setspecific(g_key, t) != 0) {
-            free(t);
-            pthread_mutex_unlock(&g_mu);
-            return -ENOMEM;
-        }
-        tls = t;
-    }
-    int k = 0;
-    for (int i = 0; i < t->n; i++)
-        if (find_live(t->ent[i].id))
-            t->ent[k++] = t->ent[i];
-    t->n = k;
-    if (t->n == t->cap) {
-        int cap = t->cap ? 2 * t->cap : 4;
-        struct tls_ent *ne = realloc(t->ent, sizeof(*ne) * (size_t)cap);
-        if (!ne) {
-            pthread_mutex_unlock(&g_mu);
-            return -ENOMEM;
-        }
-        t->ent = ne;
-        t->cap = cap;
-    }
-    t->ent[t->n].id = e->id;
-    t->ent[t->n].r = r;
-    t->n++;
-    pthread_mutex_lock(&e->mu);
-    r->next = e->rings;
-    e->rings = r;
-    pthread_mutex_unlock(&e->mu);
-    pthread_mutex_unlock(&g_mu);
-    return 0;
-}
-
-/* ---- ring set-up ------------------------------------------------------- */
-
-static const unsigned flag_attempts[] = {
-    IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_SUBMIT_ALL,
-    IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SUBMIT_ALL,
-    IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SUBMIT_ALL,
-    IORING_SETUP_SUBMIT_ALL,
-    0,
-};
-
-static int ring_init(struct se_ring *r, const se_engine *e, unsigned qd, unsigned flags)
-{
-    struct io_uring_params p;
-    memset(&p, 0, sizeof(p));
-    p.flags = flags | IORING_SETUP_CQSIZE;
-    p.cq_entries = 2 * qd;
-    int ret = io_uring_queue_init_params(qd, &r->ring, &p);
-    if (ret < 0)
-        return ret;
-    r->qd = p.sq_entries < qd ? p.sq_entries : qd;
-    r->files_registered = io_uring_register_files(&r->ring, e->fds, (unsigned)e->nfds) == 0;
-    r->bufs_ok = io_uring_register_buffers_sparse(&r->ring, SE_MAX_BUFFERS) == 0;
-    return 0;
-}
-
-/* Set up a ring of e->qd entries, halving the depth down to MIN_QD when the
- * kernel lacks locked memory (-ENOMEM).  Returns the ring or NULL (*err). */
-static struct se_ring *ring_create(se_engine *e, unsigned qd, int *err)
-{
-    struct se_ring *r = calloc(1, sizeof(*r));
-    if (!r) {
-        *err = -ENOMEM;
-        return NULL;
-    }
-    int ret;
-    for (;;) {
-        ret = ring_init(r, e, qd, e->setup_flags);
-        if (ret != -ENOMEM || qd <= MIN_QD)
-            break;
-        qd /= 2;
-    }
-    if (ret < 0) {
-        free(r);
-        *err = ret;
-        __atomic_store_n(&e->c.last_ring_errno, (int64_t)-ret, __ATOMIC_RELAXED);
-        return NULL;
-    }
-    ADD(e->c.rings_created, 1);
-    return r;
-}
-
-/* This thread's ring of e, set up on first use; NULL (*err) if impossible. */
-static struct se_ring *get_ring(se_engine *e, int *err)
-{
-    struct se_ring *r = tls_find(e);
-    if (r)
-        return r;
-    r = ring_create(e, e->qd, err);
-    if (!r)
-        return NULL;
-    int ret = tls_add(e, r);
-    if (ret) {
-        ring_free(e, r);
-        *err = ret;
-        return NULL;
-    }
-    return r;
-}
-
-static void ring_destroy_own(se_engine *e, struct se_ring *r)
-{
-    tls_remove(e);
-    ring_unlink(e, r);
-    ring_free(e, r);
-}
-
-/* Bring r's fixed-buffer registrations up to date with the engine table. */
-static void ring_sync_buffers(se_engine *e, struct se_ring *r)
-{
-    uint64_t g = __atomic_load_n(&e->buf_gen, __ATOMIC_ACQUIRE);
-    if (g == r->buf_gen)
-        return;
-    if (!r->bufs_ok) {
-        r->buf_gen = g;
-        return;
-    }
-    pthread_mutex_lock(&e->mu);
-    for (int s = 0; s < SE_MAX_BUFFERS; s++) {
-        if (r->mirror[s].id == e->table[s].id)
-            continue;
-        __u64 tag = 0;
-        if (r->mirror[s].id) {
-            struct iovec none = {.iov_base = NULL, .iov_len = 0};
-            io_uring_register_buffers_update_tag(&r->ring, (unsigned)s, &none, &tag, 1);
-            memset(&r->mirror[s], 0, sizeof(r->mirror[s]));
-        }
-        if (e->table[s].id) {
-            struct iovec iov = {.iov_base = e->table[s].addr, .iov_len = (size_t)e->table[s].len};
-            int ret = io_uring_register_buffers_update_tag(&r->ring, (unsigned)s, &iov, &tag, 1);
-            if (ret < 0) {
-                ADD(e->c.buffer_register_errors, 1);
-                __atomic_store_n(&e->c.last_buffer_errno, (int64_t)-ret, __ATOMIC_RELAXED);
-            } else {
-                r->mirror[s] = e->table[s];
-            }
-        }
-    }
-    r->buf_gen = __atomic_load_n(&e->buf_gen, __ATOMIC_RELAXED);
-    pthread_mutex_unlock(&e->mu);
-}
 
 /* ---- open / close ------------------------------------------------------ */
 
@@ -373,6 +58,22 @@ static void backoff(unsigned fails)
         ns = BACKOFF_MAX_NS;
     struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)ns};
     nanosleep(&ts, NULL);
+}
+
+/* Whether io_uring can try a read of fd inline: a file without non-blocking
+ * read support (RWF_NOWAIT gives EOPNOTSUPP, e.g. tmpfs) has every read punted
+ * to io-wq, and io-wq runs punted work concurrently only when it was submitted
+ * with IOSQE_ASYNC (otherwise one worker at a time). */
+static int supports_nowait(int fd)
+{
+    void *b = NULL;
+    if (posix_memalign(&b, 4096, 4096) != 0)
+        return 1;
+    struct iovec iov = {.iov_base = b, .iov_len = 4096};
+    ssize_t r = preadv2(fd, &iov, 1, 0, RWF_NOWAIT);
+    int ok = !(r < 0 && errno == EOPNOTSUPP);
+    free(b);
+    return ok;
 }
 
 static int check_fds(const int *fds, int nfds)
@@ -399,15 +100,6 @@ static se_engine *alloc_engine(int kind, const int *fds, int nfds)
     return e;
 }
 
-static void publish(se_engine *e)
-{
-    pthread_mutex_lock(&g_mu);
-    e->id = ++g_next_id;
-    e->gnext = g_live;
-    g_live = e;
-    pthread_mutex_unlock(&g_mu);
-}
-
 int se_uring_open(se_engine **out, const int *fds, int nfds, unsigned queue_depth)
 {
     int ret = check_fds(fds, nfds);
@@ -418,48 +110,16 @@ int se_uring_open(se_engine **out, const int *fds, int nfds, unsigned queue_dept
     se_engine *e = alloc_engine(SE_KIND_URING, fds, nfds);
     if (!e)
         return -ENOMEM;
-    struct se_ring *r = calloc(1, sizeof(*r));
-    if (!r) {
-        free(e);
-        return -ENOMEM;
-    }
-    /* Find the flags this kernel takes, and the depth locked memory allows. */
-    unsigned qd = queue_depth;
-    size_t k = 0;
-    for (;;) {
-        ret = ring_init(r, e, qd, flag_attempts[k]);
-        if (ret == -EINVAL && k + 1 < sizeof(flag_attempts) / sizeof(flag_attempts[0])) {
-            k++;
-            continue;
-        }
-        if (ret == -ENOMEM && qd > MIN_QD) {
-            qd /= 2;
-            continue;
-        }
-        break;
-    }
+    ret = rings_open(e, queue_depth);
     if (ret < 0) {
-        free(r);
         pthread_mutex_destroy(&e->mu);
         free(e);
         return ret;
     }
-    e->setup_flags = flag_attempts[k];
-    e->ring_flags = ((e->setup_flags & IORING_SETUP_SINGLE_ISSUER) ? SE_RING_SINGLE_ISSUER : 0) |
-                    ((e->setup_flags & IORING_SETUP_DEFER_TASKRUN) ? SE_RING_DEFER_TASKRUN : 0) |
-                    ((e->setup_flags & IORING_SETUP_COOP_TASKRUN) ? SE_RING_COOP_TASKRUN : 0) |
-                    ((e->setup_flags & IORING_SETUP_SUBMIT_ALL) ? SE_RING_SUBMIT_ALL : 0);
-    e->qd = r->qd;
     e->nthreads = e->qd < 32 ? e->qd : 32;
-    e->files_registered = r->files_registered;
-    publish(e);
-    e->c.rings_created = 1;
-    ret = tls_add(e, r);
-    if (ret) {
-        se_close(e);
-        io_uring_queue_exit(&r->ring);
-        free(r);
-        return ret;
+    for (int d = 0; d < nfds; d++) {
+        e->punt[d] = !supports_nowait(fds[d]);
+        e->npunt += e->punt[d];
     }
     *out = e;
     return 0;
@@ -477,7 +137,7 @@ int se_threads_open(se_engine **out, const int *fds, int nfds, unsigned nthreads
         return -ENOMEM;
     e->nthreads = nthreads;
     e->qd = nthreads;
-    publish(e);
+    engine_publish(e);
     *out = e;
     return 0;
 }
@@ -486,93 +146,16 @@ int se_kind(const se_engine *e) { return e->kind; }
 unsigned se_queue_depth(const se_engine *e) { return e->qd; }
 int se_files_registered(const se_engine *e) { return e->files_registered; }
 int se_ring_flags(const se_engine *e) { return e->ring_flags; }
+int se_async_disks(const se_engine *e) { return e->npunt; }
 void se_set_retry_limit(se_engine *e, unsigned limit) { e->retry_limit = limit; }
 
 void se_close(se_engine *e)
 {
     if (!e)
         return;
-    pthread_mutex_lock(&g_mu);
-    for (se_engine **pp = &g_live; *pp; pp = &(*pp)->gnext) {
-        if (*pp == e) {
-            *pp = e->gnext;
-            break;
-        }
-    }
-    pthread_mutex_lock(&e->mu);
-    struct se_ring *r = e->rings;
-    e->rings = NULL;
-    pthread_mutex_unlock(&e->mu);
-    while (r) {
-        struct se_ring *next = r->next;
-        ring_free(e, r);
-        r = next;
-    }
-    pthread_mutex_unlock(&g_mu);
-    tls_remove(e);
+    rings_close(e);
     pthread_mutex_destroy(&e->mu);
     free(e);
-}
-
-/* ---- fixed buffers ----------------------------------------------------- */
-
-int se_register_buffer(se_engine *e, void *addr, uint64_t len)
-{
-    if (e->kind != SE_KIND_URING)
-        return -EOPNOTSUPP;
-    if (!addr || len == 0 || len > (1ull << 30))
-        return -EINVAL;
-    int err = 0;
-    struct se_ring *r = get_ring(e, &err);
-    if (!r)
-        return err;
-    if (!r->bufs_ok)
-        return -EOPNOTSUPP;
-    pthread_mutex_lock(&e->mu);
-    int slot = -ENOSPC;
-    for (int i = 0; i < SE_MAX_BUFFERS; i++) {
-        if (!e->table[i].id) {
-            slot = i;
-            break;
-        }
-    }
-    uint64_t id = 0;
-    if (slot >= 0) {
-        id = ++e->next_buf_id;
-        e->table[slot].addr = addr;
-        e->table[slot].len = len;
-        e->table[slot].id = id;
-        ADD(e->c.buffers, 1);
-        __atomic_fetch_add(&e->buf_gen, 1, __ATOMIC_RELEASE);
-    }
-    pthread_mutex_unlock(&e->mu);
-    if (slot < 0)
-        return slot;
-    ring_sync_buffers(e, r);
-    if (r->mirror[slot].id == id)
-        return slot;
-    /* not even this thread's ring could register it: take it out again */
-    int64_t why = __atomic_load_n(&e->c.last_buffer_errno, __ATOMIC_RELAXED);
-    se_unregister_buffer(e, slot);
-    return why ? (int)-why : -ENOMEM;
-}
-
-int se_unregister_buffer(se_engine *e, int slot)
-{
-    if (e->kind != SE_KIND_URING || slot < 0 || slot >= SE_MAX_BUFFERS)
-        return -EINVAL;
-    pthread_mutex_lock(&e->mu);
-    int used = e->table[slot].id != 0;
-    if (used) {
-        memset(&e->table[slot], 0, sizeof(e->table[slot]));
-        SUB(e->c.buffers, 1);
-        __atomic_fetch_add(&e->buf_gen, 1, __ATOMIC_RELEASE);
-    }
-    pthread_mutex_unlock(&e->mu);
-    struct se_ring *r = tls_find(e);
-    if (used && r)
-        ring_sync_buffers(e, r);   /* other rings drop it on their next call */
-    return 0;
 }
 
 /* ---- execution ---------------------------------------------------------- */
@@ -650,6 +233,7 @@ static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
     int64_t remaining = nq;
     unsigned inflight = 0;   /* SQEs filled and not reaped (in the SQ or the kernel) */
     unsigned fails = 0;      /* rounds in a row without progress */
+    uint64_t t_progress = 0; /* first round without progress (0: made progress) */
     int last_err = 0, give_up = 0;
     const int fixed_file = r->files_registered;
     const unsigned qd = r->qd;
@@ -683,6 +267,8 @@ static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
             }
             if (fixed_file)
                 sqe->flags |= IOSQE_FIXED_FILE;
+            if (e->punt[d])
+                sqe->flags |= IOSQE_ASYNC;
             io_uring_sqe_set_data64(sqe, (uint64_t)i);
             inflight++;
             lc->sqes++;
@@ -700,7 +286,11 @@ static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
             if (wait_nr < 1)
                 wait_nr = 1;
         }
-        int ret = io_uring_submit_and_wait(ring, wait_nr);
+        /* Never block for ever in one enter: wake up every second to check for
+         * a stall (SE_STALL_NS without any completion). */
+        struct __kernel_timespec ts = {.tv_sec = 1, .tv_nsec = 0};
+        struct io_uring_cqe *first = NULL;
+        int ret = io_uring_submit_and_wait_timeout(ring, &first, wait_nr, &ts, NULL);
         lc->submit_calls++;
         int progress = 0;
         unsigned got;
@@ -755,7 +345,12 @@ static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
             lc->cqes += got;
             io_uring_cq_advance(ring, got);
         } while (got == CQE_BATCH);
-        if (ret < 0) {
+        /* A wait for requests already in the kernel that timed out (every
+         * second) or that a signal interrupted is not a failure; it fails only
+         * when nothing completes for SE_STALL_NS. */
+        int waiting = (ret == -ETIME || ret == -EINTR || ret >= 0) &&
+                      inflight > io_uring_sq_ready(ring);
+        if (ret < 0 && ret != -ETIME) {
             lc->enter_errors++;
             lc->retries++;
             info->enter_failures++;
@@ -768,7 +363,23 @@ static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
         }
         if (progress) {
             fails = 0;
+            t_progress = 0;
         } else if (remaining > 0) {
+            uint64_t tn = now_ns();
+            if (!t_progress)
+                t_progress = tn;
+            if (waiting) {
+                if (tn - t_progress >= SE_STALL_NS) {
+                    last_err = -ETIMEDOUT;
+                    give_up = 1;
+                    info->gave_up = 1;
+                    lc->gave_up++;
+                    break;
+                }
+                if (ret != -ETIME)
+                    backoff(1);
+                continue;
+            }
             if (++fails > e->retry_limit) {
                 give_up = 1;
                 info->gave_up = 1;
@@ -959,7 +570,7 @@ int64_t se_execute(se_engine *e, int op, int64_t n,
         int err = 0;
         struct se_ring *r = get_ring(e, &err);
         if (r) {
-            ring_sync_buffers(e, r);
+            ring_sync_buffers(e, r, buf_slot);
             if (buf_slot >= 0) {
                 struct slot *s = buf_slot < SE_MAX_BUFFERS ? &r->mirror[buf_slot] : NULL;
                 if (!s || !s->id || buf < s->addr || buf + buflen > s->addr + s->len)

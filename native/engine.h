@@ -111,6 +111,10 @@ int se_kind(const se_engine *e);
 unsigned se_queue_depth(const se_engine *e);
 int se_files_registered(const se_engine *e);
 int se_ring_flags(const se_engine *e);
+/* Disks whose files cannot read without blocking (RWF_NOWAIT: EOPNOTSUPP, e.g.
+ * tmpfs): io_uring punts each of their reads to io-wq, so they are submitted
+ * with IOSQE_ASYNC, which lets io-wq run them concurrently. */
+int se_async_disks(const se_engine *e);
 void se_set_retry_limit(se_engine *e, unsigned limit);
 
 /* Register [addr, addr+len) as a fixed buffer.  The buffer enters the engine's

@@ -5,8 +5,7 @@ Two back ends sit behind one interface (see ``native/engine.c``):
 * ``io_uring`` (default): liburing through cffi, **one ring per calling
   thread** (as liburing's documentation and 3FS USRBIO recommend).  A thread's
   ring is set up the first time it reads or writes, with
-  ``IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN`` (else ``COOP_TASKRUN``) where
-  the kernel has them; the disks are registered files of every ring; the ring
+  ``IORING_SETUP_SINGLE_ISSUER | COOP_TASKRUN`` where the kernel has them; the disks are registered files of every ring; the ring
   is torn down when the thread exits or the engine closes.  All SQEs of a plan
   are filled in C and submitted with as few ``io_uring_enter`` calls as the
   ring allows (one when the plan fits in the queue depth); CQEs are reaped in
@@ -31,7 +30,10 @@ Never spinning: a transient failure (``io_uring_enter`` failing with EINTR,
 EAGAIN, EBUSY or EIO, a request or ``pread`` ending with EAGAIN/EINTR) is
 retried with exponential backoff (1 µs doubling up to 1 ms) at most
 ``retry_limit`` times in a row without progress (default 200, about 0.2 s),
-then the read fails with :class:`IOFailedError` naming the disk.
+then the read fails with :class:`IOFailedError` naming the disk.  A wait for
+requests already in the kernel that a signal interrupts (EINTR) is not a
+failure (timer signals must not fail a read of a slow disk), but requests in
+the kernel with no completion at all for 60 s fail with ETIMEDOUT.
 
 Disks are opened with ``O_DIRECT``: offsets, lengths and buffer addresses must
 be multiples of the disk's logical block size; :meth:`Engine.execute` checks
@@ -300,7 +302,7 @@ class EngineStats:
         fixed_requests: requests that used a registered (fixed) buffer.
         disks: per-disk :class:`DiskStats`.
         ring_flags: io_uring setup flags in use, e.g.
-            ``("SINGLE_ISSUER", "DEFER_TASKRUN", "SUBMIT_ALL")``.
+            ``("SINGLE_ISSUER", "COOP_TASKRUN", "SUBMIT_ALL")``.
         rings: rings alive now (one per thread that used the engine).
         in_flight: execute calls running now.
         enter_errors: ``io_uring_enter`` calls that failed.
@@ -315,6 +317,10 @@ class EngineStats:
         buffer_error: why the last registration failed (None: none did),
             naming ``RLIMIT_MEMLOCK`` when that was the cause.
         memlock_limit: the soft ``RLIMIT_MEMLOCK`` in bytes (None: unlimited).
+        async_disks: disks whose files cannot read without blocking
+            (``RWF_NOWAIT`` gives EOPNOTSUPP, e.g. tmpfs): io_uring punts every
+            read of theirs to its io-wq workers, so their SQEs carry
+            ``IOSQE_ASYNC``, which lets io-wq run them concurrently.
     """
     engine: str
     queue_depth: int
@@ -341,6 +347,7 @@ class EngineStats:
     buffer_register_errors: int = 0
     buffer_error: str | None = None
     memlock_limit: int | None = None
+    async_disks: int = 0
 
 
 class Engine:
@@ -583,9 +590,10 @@ class Engine:
         if info.abandoned:
             buf._quarantine()
         if info.fallback:
-            _warn_once("ring", "swarmfs: " + memlock_hint(
-                f"a thread could not set up its io_uring ring "
-                f"({os.strerror(info.ring_errno)})") + "; that thread reads with pread")
+            why = f"a thread could not set up its io_uring ring ({os.strerror(info.ring_errno)})"
+            if info.ring_errno == errno.ENOMEM:
+                why = memlock_hint(why)
+            _warn_once("ring", f"swarmfs: {why}; that thread reads with pread")
         if failed < 0:
             raise E.IOFailedError(f"engine refused the plan: {os.strerror(-failed)}",
                                   errno=-failed, store=self.store, layer=layer,
@@ -657,7 +665,8 @@ class Engine:
             fallback_executes=int(c.fallback_executes),
             buffers_registered=nbuf > 0 and buffer_error is None,
             registered_buffers=nbuf, buffer_register_errors=int(c.buffer_register_errors),
-            buffer_error=buffer_error, memlock_limit=memlock_limit())
+            buffer_error=buffer_error, memlock_limit=memlock_limit(),
+            async_disks=int(lib.se_async_disks(self._ptr)))
 
     def close(self) -> None:
         """Tear down every ring (the file descriptors stay open).
