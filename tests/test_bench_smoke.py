@@ -220,3 +220,4 @@ def test_step_view_smoke_run(env, name):
             for res in iso["methods"].values():
                 for v in res.values():
                     assert ("step_ratio_vs_swarm" in v) == v["reached"]
+                    assert ("step_ratio_lower_bound" in v) == (not v["reached"])
