@@ -222,6 +222,7 @@ def main(argv=None):
 
 def main_steps(a, S, datasets, nq, reps, methods):
     """Fig. 11's step-time view: every method at r on each profile, per dataset."""
+    a.disks = a.step_profiles.split(",")[0].partition("=")[2]  # not the default
     trace, _, out = C.setup(a, "fig11_step", trace_tokens=(4096 if a.smoke else 0))
     profiles = step_profiles(a.step_profiles)
     results = {}

@@ -82,6 +82,7 @@ def main_steps(a, S, ratios, nq, reps, methods):
     """Fig. 20's step-time view: every method at every r on each device
     profile (side by side), and the step time each baseline needs to be as
     accurate as SWARM at r = 10%, per profile."""
+    a.disks = a.step_profiles.split(",")[0].partition("=")[2]  # not the default
     trace, _, out = C.setup(a, "fig20_step", trace_tokens=4096 if a.smoke else 0)
     profiles = step_profiles(a.step_profiles)
     start, S = C.context(trace, S, a.dataset)
