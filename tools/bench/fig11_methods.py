@@ -15,8 +15,15 @@ one block per method, methods in random order per repetition
 (``_common.Bench.stream``): I/O time per step = block time / steps, median
 over repetitions.
 
+With ``--step-profiles NAME=DISKS,...`` only the step-time view runs: whole
+decode steps (``Retriever.retrieve(out=...)``: selection + planning + I/O +
+assembly) of every method on each device profile, side by side
+(``_common.stream_steps``), with CPU µs beside I/O µs; JSON ``fig11_step``.
+
     tools/testbed run -- python tools/bench/fig11_methods.py
     python tools/bench/fig11_methods.py --smoke --disks files:2
+    python tools/bench/fig11_methods.py --step-profiles \
+        pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast
 """
 
 from __future__ import annotations

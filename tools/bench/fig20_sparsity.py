@@ -12,7 +12,15 @@ measures; recall is relative to each r's own oracle), interpolated over r;
 its ratio to SWARM's I/O time at r = 10% is the "I/O time at equal accuracy"
 of the targets.
 
+With ``--step-profiles NAME=DISKS,...`` only the step-time view runs (as in
+Fig. 11), per r and profile, and the iso-accuracy is taken on step time
+(selection + planning + I/O + assembly) per profile; JSON ``fig20_step``
+(docs/benchmarks.md §7, "Step time as a serving engine sees it").
+
     tools/testbed run -- python tools/bench/fig20_sparsity.py
+    tools/testbed --name evalstep-pm9a3 run -- python tools/bench/fig20_sparsity.py \
+        --tokens 131072 --ratios 0.05,0.1,0.2 --reps 3 \
+        --step-profiles pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast
 """
 
 from __future__ import annotations
