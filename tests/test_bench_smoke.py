@@ -177,3 +177,47 @@ def test_summary_tables_from_smoke_outputs(env):
         pytest.skip("runs after the figure smoke runs")
     md = run_all.summary(smoke=True, outdir=out)
     assert "### Fig. 11" in md and "### Table 4" in md and "| SWARM |" in md
+
+
+@pytest.mark.parametrize("name", ["fig11_methods", "fig20_sparsity"])
+def test_step_view_smoke_run(env, name):
+    """The step-time view (selection + planning + I/O + assembly per method)
+    on two 'profiles' of plain file disks, side by side."""
+    C, cache, out = env
+    mod = __import__(name)
+    prefix = out / f"{name}-step-smoke"
+    mod.main(["--smoke", "--cache", str(cache), "--out", str(prefix),
+              "--step-profiles", "two=files:2,one=files:1"])
+    j = json.loads(prefix.with_suffix(".json").read_text())
+    assert j["view"] == "step" and set(j["profiles"]) == {"two", "one"}
+    assert j["profiles"]["two"]["count"] == 2 and j["profiles"]["one"]["count"] == 1
+    assert prefix.with_suffix(".png").stat().st_size > 1000
+    points = list(j["datasets"].values()) if name == "fig11_methods" else j["points"]
+    if name == "fig20_sparsity":
+        assert [p["ratio"] for p in points] == [0.05, 0.1]
+    for p in points:
+        for pn, pr in p["profiles"].items():
+            ms = pr["methods"]
+            assert set(ms) == {"swarm", "no_cluster", "infllm", "pqcache", "quest"}
+            for m, x in ms.items():
+                parts = [x[f"{k}_median"] for k in ("select_us", "plan_us", "io_us",
+                                                    "assemble_us")]
+                assert all(finite(v) and v > 0 for v in parts), (pn, m, parts)
+                # every block timed at least one pass; a retrieval's wall time
+                # holds its I/O; a step's wall time holds the retrieval
+                assert x["reps"] == j["reps"] and x["timed_steps"] >= j["reps"]
+                assert x["total_us_median"] >= x["io_us_median"]
+                assert x["step_us_median"] >= 0.5 * x["parts_sum_us_median"]
+                assert x["cpu_us_median"] > 0 and 0 < x["recall_mean"] <= 1.0 + 1e-6
+            assert set(pr["ratios"]) == {"no_cluster", "infllm", "pqcache", "quest"}
+            assert all(finite(v["step_ratio"]) and v["step_ratio"] > 0
+                       for v in pr["ratios"].values())
+    if name == "fig20_sparsity":
+        for pn in ("two", "one"):
+            iso = j["iso_accuracy"][pn]
+            assert finite(iso["swarm_step_us"]) and set(iso["methods"]) == \
+                {"no_cluster", "infllm", "pqcache", "quest"}
+            for res in iso["methods"].values():
+                for v in res.values():
+                    assert ("step_ratio_vs_swarm" in v) == v["reached"]
+                    assert ("step_ratio_lower_bound" in v) == (not v["reached"])

@@ -696,6 +696,111 @@ class Bench:
                     "layout": self.variants[n].layout.summary()} for n in names}
 
 
+    # -- timed: whole decode steps, as a serving engine runs them -------------------
+    def step_queries(self, positions) -> list:
+        """Widened held-out queries [16, 64] float32, one per position."""
+        return [widen_q(self.trace.q[:, int(p)], self.trace.scaling) for p in positions]
+
+    def step_buffers(self, name: str, queries) -> tuple:
+        """Reusable K/V outputs for ``Retriever.retrieve(out=...)``, sized by
+        one untimed pass over the queries (the largest step's entries)."""
+        r, L = self.retrievers[name], self.layer[name]
+        n = max(int(r.retrieve(L, q, torch=False).positions.shape[0]) for q in queries)
+        shape = (WIDE_HEADS, n, WIDE_DIM)
+        return np.zeros(shape, np.float16), np.zeros(shape, np.float16)
+
+    def step_block(self, name: str, queries, bufs) -> dict:
+        """One timed block of whole decode steps of variant ``name``.
+
+        Each step is ``Retriever.retrieve(layer, q, out=bufs)``: selection
+        (scoring + cluster choice), planning, the batched read and the
+        assembly into the caller's reused K/V buffers, back to back, cycling
+        through the queries: untimed for :data:`WARMUP_S` seconds, then timed
+        for at least :data:`BLOCK_S` seconds and one full pass (as
+        :meth:`stream`, for blk-throttle's quanta).  Checksums are off, as in
+        :meth:`stream`.
+
+        Returns:
+            {"step_us": block time / steps (µs), "steps": [per step:
+            (select, plan, io, assemble, total) µs from ``Retrieval.stats``,
+            select = score_us + select_us], "useful_bytes": total}.
+        """
+        r, L = self.retrievers[name], self.layer[name]
+        self.store.verify_checksums = False
+        try:
+            t0 = time.perf_counter()
+            i = 0
+            while time.perf_counter() - t0 < WARMUP_S:
+                r.retrieve(L, queries[i % len(queries)], torch=False, out=bufs)
+                i += 1
+            parts, useful = [], 0
+            t0 = time.perf_counter()
+            while len(parts) < len(queries) or time.perf_counter() - t0 < BLOCK_S:
+                s = r.retrieve(L, queries[len(parts) % len(queries)], torch=False,
+                               out=bufs).stats
+                parts.append((s.score_us + s.select_us, s.plan_us, s.io_us, s.assemble_us,
+                              s.total_us))
+                useful += (s.entries - s.entries_dram) * ENTRY_BYTES
+            blk = time.perf_counter() - t0
+        finally:
+            self.store.verify_checksums = True
+        return {"step_us": blk / len(parts) * 1e6, "steps": parts, "useful_bytes": useful,
+                "block_s": blk}
+
+
+STEP_PARTS = ("select_us", "plan_us", "io_us", "assemble_us", "total_us")
+
+
+def stream_steps(benches: dict, names, positions, reps: int, *, seed: int = 0,
+                 progress: str = "") -> dict:
+    """Whole decode steps of every variant on every device profile, side by side.
+
+    ``benches`` is ``{profile: Bench}`` (the same variants on each profile's
+    disks).  In each repetition every (profile, variant) pair runs one
+    :meth:`Bench.step_block`, the pairs in a fresh random order, so slow
+    phases of the shared machine hit every method and profile alike.
+
+    Returns:
+        {profile: {variant: summary}}: ``step_us_median`` (median over
+        repetitions of block time / steps: the wall time of a serial decode
+        step), ``step_us_reps``, the medians over all timed steps of
+        ``select_us`` (score + choice), ``plan_us``, ``io_us``,
+        ``assemble_us``, ``total_us`` (``Retrieval.stats``), ``cpu_us_median``
+        (median per-step select + plan + assemble), ``eff_gbps_median``
+        (useful SSD bytes / block time) and the step counts.
+    """
+    rng = np.random.default_rng(seed)
+    qs = {p: {n: b.step_queries(positions) for n in names} for p, b in benches.items()}
+    bufs = {p: {n: b.step_buffers(n, qs[p][n]) for n in names} for p, b in benches.items()}
+    raw = {p: {n: [] for n in names} for p in benches}
+    pairs = [(p, n) for p in benches for n in names]
+    t_all = time.perf_counter()
+    for rep in range(reps):
+        for i in rng.permutation(len(pairs)):
+            p, n = pairs[i]
+            raw[p][n].append(benches[p].step_block(n, qs[p][n], bufs[p][n]))
+        if progress:
+            print(f"  {progress}: step rep {rep + 1}/{reps}, "
+                  f"{time.perf_counter() - t_all:.0f} s", file=sys.stderr, flush=True)
+    out = {}
+    for p in benches:
+        out[p] = {}
+        for n in names:
+            blocks = raw[p][n]
+            steps = np.array([s for b in blocks for s in b["steps"]], np.float64)
+            x = {"step_us_median": float(np.median([b["step_us"] for b in blocks])),
+                 "step_us_reps": [b["step_us"] for b in blocks],
+                 "eff_gbps_median": float(np.median([b["useful_bytes"] / b["block_s"] / 1e9
+                                                     for b in blocks])),
+                 "timed_steps": int(steps.shape[0]), "reps": len(blocks)}
+            for j, k in enumerate(STEP_PARTS):
+                x[f"{k}_median"] = float(np.median(steps[:, j]))
+            x["cpu_us_median"] = float(np.median(steps[:, 0] + steps[:, 1] + steps[:, 3]))
+            x["parts_sum_us_median"] = float(np.median(steps[:, :4].sum(axis=1)))
+            out[p][n] = x
+    return out
+
+
 # -- summarising ------------------------------------------------------------------------
 
 def median(rows, key):

@@ -15,8 +15,15 @@ one block per method, methods in random order per repetition
 (``_common.Bench.stream``): I/O time per step = block time / steps, median
 over repetitions.
 
+With ``--step-profiles NAME=DISKS,...`` only the step-time view runs: whole
+decode steps (``Retriever.retrieve(out=...)``: selection + planning + I/O +
+assembly) of every method on each device profile, side by side
+(``_common.stream_steps``), with CPU µs beside I/O µs; JSON ``fig11_step``.
+
     tools/testbed run -- python tools/bench/fig11_methods.py
     python tools/bench/fig11_methods.py --smoke --disks files:2
+    python tools/bench/fig11_methods.py --step-profiles \
+        pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast
 """
 
 from __future__ import annotations
@@ -80,6 +87,79 @@ def run_methods(a, trace, disks, start, S, methods, *, ratio=0.1, nq, reps, labe
             "ratios": ratios(res) if "swarm" in res else {}}
 
 
+def step_profiles(spec: str | None) -> dict:
+    """``--step-profiles NAME=DISKS,NAME=DISKS`` -> {name: Disks} (each DISKS
+    as ``--disks``: ``testbed:NAME`` or ``files:N``)."""
+    out = {}
+    for item in (spec or "").split(","):
+        if not item:
+            continue
+        name, sep, disks = item.partition("=")
+        if not sep or not name or not disks:
+            raise SystemExit(f"--step-profiles: {item!r} is not NAME=DISKS")
+        out[name] = C.resolve_disks(disks)
+    return out
+
+
+def run_steps(a, trace, profiles: dict, start, S, methods, *, ratio=0.1, nq, reps, label,
+              store="steps", layouts) -> dict:
+    """The step-time view: whole decode steps (selection + planning + I/O +
+    assembly, ``Retriever.retrieve(out=...)``) of every method on every
+    device profile, side by side (``_common.stream_steps``).  Accuracy comes
+    from one verified, untimed retrieval per query on the first profile
+    (it does not depend on the disks)."""
+    benches = {}
+    try:
+        for pname, disks in profiles.items():
+            benches[pname] = C.Bench(C.store_dir(a, f"{store}-{pname}"), disks, trace, start, S,
+                                     [C.Variant(m, layouts[m]) for m in methods], ratio=ratio,
+                                     queue_depth=a.qd)
+        pos = C.query_positions(trace, start, S, nq)
+        first = next(iter(benches.values()))
+        acc = {}
+        for m in methods:
+            rec = [first.record(m, p) for p in pos]
+            acc[m] = {f"{k}_mean": C.mean(rec, k) for k in C.ACC_KEYS}
+            acc[m].update({f"{k}_median": C.median(rec, k)
+                           for k in ("bytes_read", "requests", "entries", "clusters")})
+            acc[m]["index_bytes"] = first.index_bytes(m)
+        steps = C.stream_steps(benches, methods, list(pos), reps, progress=label)
+    finally:
+        for b in benches.values():
+            b.close()
+    res = {pn: {m: {**steps[pn][m], **acc[m]} for m in methods} for pn in profiles}
+    return {"tokens": S, "start": start, "ratio": ratio, "budget": int(np.ceil(ratio * S)),
+            "profiles": {pn: {"disks": profiles[pn].describe(), "methods": res[pn],
+                              "ratios": step_ratios(res[pn])} for pn in profiles}}
+
+
+def step_ratios(res: dict) -> dict:
+    """Each baseline's step time (and parts) over SWARM's, at equal budget."""
+    if "swarm" not in res:
+        return {}
+    sw = res["swarm"]
+    return {m: {"step_ratio": r["step_us_median"] / sw["step_us_median"],
+                "cpu_ratio": r["cpu_us_median"] / max(sw["cpu_us_median"], 1e-9),
+                "io_ratio": r["io_us_median"] / sw["io_us_median"],
+                "rel_error_delta": r["rel_error_mean"] - sw["rel_error_mean"]}
+            for m, r in res.items() if m != "swarm"}
+
+
+def print_steps(title: str, pt: dict):
+    """Per profile and method: step time, CPU µs beside I/O µs, and the parts."""
+    for pn, pr in pt["profiles"].items():
+        print(f"  {title} [{pn}] {'method':11s} {'step us':>9s} {'CPU us':>8s} {'I/O us':>8s}"
+              f" {'select':>8s} {'plan':>7s} {'assemble':>8s} {'err':>6s} {'x SWARM':>7s}",
+              file=sys.stderr)
+        for m, x in pr["methods"].items():
+            rat = pr["ratios"].get(m, {}).get("step_ratio", 1.0)
+            print(f"  {title} [{pn}] {m:11s} {x['step_us_median']:9.0f} "
+                  f"{x['cpu_us_median']:8.0f} {x['io_us_median']:8.0f} "
+                  f"{x['select_us_median']:8.0f} {x['plan_us_median']:7.0f} "
+                  f"{x['assemble_us_median']:8.0f} {x['rel_error_mean']:6.3f} {rat:7.2f}",
+                  file=sys.stderr)
+
+
 def ratios(res: dict) -> dict:
     """SWARM's effective-bandwidth ratio and I/O-time ratio over each method."""
     sw = res["swarm"]
@@ -112,6 +192,10 @@ def main(argv=None):
     ap.add_argument("--datasets", default=None)
     ap.add_argument("--ratio", type=float, default=0.1)
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--step-profiles", default=None, metavar="NAME=DISKS,...",
+                    help="only the step-time view (selection + planning + I/O + assembly) "
+                         "on these device profiles side by side, e.g. "
+                         "pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast")
     a = C.parse(ap, argv)
     S = a.tokens or (2048 if a.smoke else 131072)
     datasets = (a.datasets or ("wikitext2" if a.smoke else "wikitext2,shakespeare,gsm8k")
@@ -119,6 +203,8 @@ def main(argv=None):
     nq = a.queries or (3 if a.smoke else 24)
     reps = a.reps or (1 if a.smoke else 3)
     methods = a.methods.split(",")
+    if a.step_profiles:
+        return main_steps(a, S, datasets, nq, reps, methods)
     trace, disks, out = C.setup(a, "fig11_methods",
                                 trace_tokens=(4096 if a.smoke else 0))
     ceil_before = C.ceilings(disks, a.smoke)
@@ -139,6 +225,52 @@ def main(argv=None):
     C.write_json(out, payload)
     plot(payload, out)
     return payload
+
+
+def main_steps(a, S, datasets, nq, reps, methods):
+    """Fig. 11's step-time view: every method at r on each profile, per dataset."""
+    a.disks = a.step_profiles.split(",")[0].partition("=")[2]  # not the default
+    trace, _, out = C.setup(a, "fig11_step", trace_tokens=(4096 if a.smoke else 0))
+    profiles = step_profiles(a.step_profiles)
+    results = {}
+    for ds in datasets:
+        start, S = C.context(trace, S, ds)
+        lays = method_layouts(trace, start, S, methods, ratio=a.ratio)
+        results[ds] = run_steps(a, trace, profiles, start, S, methods, ratio=a.ratio, nq=nq,
+                                reps=reps, label=f"fig11 step {ds}", store="fig11-step",
+                                layouts=lays)
+        print_steps(ds, results[ds])
+    payload = {"figure": "fig11", "view": "step", "title": "decode step time per method",
+               "ratio": a.ratio, "tokens": S, "queries": nq, "reps": reps,
+               "profiles": {pn: d.describe() for pn, d in profiles.items()},
+               "datasets": results}
+    C.write_json(out, payload)
+    plot_steps(payload, out)
+    return payload
+
+
+def plot_steps(p, out):
+    """Stacked step time (select, plan, I/O, assemble medians) per method,
+    one panel per profile, at r (first dataset)."""
+    plt = C.pyplot()
+    pt = next(iter(p["datasets"].values()))
+    profs = list(pt["profiles"])
+    fig, axes = plt.subplots(1, len(profs), figsize=(6 * len(profs), 4), squeeze=False)
+    for ax, pn in zip(axes[0], profs):
+        ms = list(pt["profiles"][pn]["methods"])
+        bottom = np.zeros(len(ms))
+        for part in ("select_us", "plan_us", "io_us", "assemble_us"):
+            v = np.array([pt["profiles"][pn]["methods"][m][f"{part}_median"] for m in ms]) / 1e3
+            ax.bar([LABELS.get(m, m) for m in ms], v, bottom=bottom, label=part[:-3])
+            bottom += v
+        ax.plot([LABELS.get(m, m) for m in ms],
+                [pt["profiles"][pn]["methods"][m]["step_us_median"] / 1e3 for m in ms],
+                "k_", ms=20, label="measured step")
+        ax.set_title(f"{pn}: step time (ms, median)", fontsize=10)
+        ax.grid(axis="y", alpha=.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Fig. 11 step view: S = {p['tokens']}, r = {p['ratio']}", fontsize=11)
+    C.save_fig(fig, out)
 
 
 def _average(results, methods):

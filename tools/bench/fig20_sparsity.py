@@ -12,7 +12,15 @@ measures; recall is relative to each r's own oracle), interpolated over r;
 its ratio to SWARM's I/O time at r = 10% is the "I/O time at equal accuracy"
 of the targets.
 
+With ``--step-profiles NAME=DISKS,...`` only the step-time view runs (as in
+Fig. 11), per r and profile, and the iso-accuracy is taken on step time
+(selection + planning + I/O + assembly) per profile; JSON ``fig20_step``
+(docs/benchmarks.md §7, "Step time as a serving engine sees it").
+
     tools/testbed run -- python tools/bench/fig20_sparsity.py
+    tools/testbed --name evalstep-pm9a3 run -- python tools/bench/fig20_sparsity.py \
+        --tokens 131072 --ratios 0.05,0.1,0.2 --reps 3 \
+        --step-profiles pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast
 """
 
 from __future__ import annotations
@@ -21,7 +29,15 @@ import sys
 
 import _common as C
 import numpy as np
-from fig11_methods import LABELS, METHODS, method_layouts, run_methods
+from fig11_methods import (
+    LABELS,
+    METHODS,
+    method_layouts,
+    print_steps,
+    run_methods,
+    run_steps,
+    step_profiles,
+)
 
 
 def main(argv=None):
@@ -30,6 +46,10 @@ def main(argv=None):
     ap.add_argument("--ratios", default=None)
     ap.add_argument("--dataset", default="wikitext2")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--step-profiles", default=None, metavar="NAME=DISKS,...",
+                    help="only the step-time view (selection + planning + I/O + assembly) "
+                         "on these device profiles side by side, e.g. "
+                         "pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast")
     a = C.parse(ap, argv)
     S = a.tokens or (2048 if a.smoke else 65536)
     ratios = [float(x) for x in (a.ratios or ("0.05,0.1" if a.smoke else
@@ -37,6 +57,8 @@ def main(argv=None):
     nq = a.queries or (2 if a.smoke else 12)
     reps = a.reps or (1 if a.smoke else 2)
     methods = a.methods.split(",")
+    if a.step_profiles:
+        return main_steps(a, S, ratios, nq, reps, methods)
     trace, disks, out = C.setup(a, "fig20_sparsity", trace_tokens=4096 if a.smoke else 0)
     start, S = C.context(trace, S, a.dataset)
     base = method_layouts(trace, start, S, methods, ratio=0.1)
@@ -62,6 +84,96 @@ def main(argv=None):
     C.write_json(out, payload)
     plot(payload, out)
     return payload
+
+
+def main_steps(a, S, ratios, nq, reps, methods):
+    """Fig. 20's step-time view: every method at every r on each device
+    profile (side by side), and the step time each baseline needs to be as
+    accurate as SWARM at r = 10%, per profile."""
+    a.disks = a.step_profiles.split(",")[0].partition("=")[2]  # not the default
+    trace, _, out = C.setup(a, "fig20_step", trace_tokens=4096 if a.smoke else 0)
+    profiles = step_profiles(a.step_profiles)
+    start, S = C.context(trace, S, a.dataset)
+    base = method_layouts(trace, start, S, methods, ratio=0.1)
+    points = []
+    for r in ratios:
+        lays = dict(base)
+        if "swarm" in methods and r != 0.1:
+            lays["swarm"] = C.build_layout("swarm", trace, start, S, ratio=r)[0]
+        print(f"fig20 step view: r = {r}, S = {S}", file=sys.stderr)
+        pt = run_steps(a, trace, profiles, start, S, methods, ratio=r, nq=nq, reps=reps,
+                       label=f"fig20 step r={r}", store="fig20-step", layouts=lays)
+        print_steps(f"r={r:.2f}", pt)
+        points.append(pt)
+    iso = {pn: step_iso_accuracy(points, pn, methods) for pn in profiles}
+    for pn, x in iso.items():
+        for m, v in x.get("methods", {}).items():
+            e = v.get("rel_error", {})
+            got = (f"{e['step_ratio_vs_swarm']:.2f}" if e.get("reached") else
+                   f"> {e.get('step_ratio_lower_bound', float('nan')):.2f} (not reached)")
+            print(f"  [{pn}] equal accuracy (error): {m:11s} step x SWARM {got}",
+                  file=sys.stderr)
+    payload = {"figure": "fig20", "view": "step", "title": "decode step time vs sparsity",
+               "tokens": S, "dataset": a.dataset, "queries": nq, "reps": reps,
+               "profiles": {pn: d.describe() for pn, d in profiles.items()},
+               "points": points, "iso_accuracy": iso}
+    C.write_json(out, payload)
+    plot_steps(payload, out)
+    return payload
+
+
+def step_iso_accuracy(points, profile, methods, ref_ratio=0.1):
+    """:func:`iso_accuracy` on one profile's step times: the step time each
+    baseline needs to be as accurate as SWARM at r = ``ref_ratio``."""
+    flat = [{"ratio": p["ratio"],
+             "methods": {m: dict(x, io_us_median=x["step_us_median"])
+                         for m, x in p["profiles"][profile]["methods"].items()}}
+            for p in points]
+    iso = iso_accuracy(flat, methods, ref_ratio)
+    if not iso:
+        return {}
+    out = {"swarm_step_us": iso.pop("swarm_io_us"), **iso}
+    top = max(flat, key=lambda p: p["ratio"])
+    for m, res in out["methods"].items():
+        for v in res.values():
+            if v.get("reached"):
+                v["step_us_needed"] = v.pop("io_us_needed")
+                v["step_ratio_vs_swarm"] = v.pop("io_ratio_vs_swarm")
+            else:   # less accurate even at the largest r: its step there is a lower bound
+                v["step_ratio_lower_bound"] = (top["methods"][m]["step_us_median"] /
+                                               out["swarm_step_us"])
+    return out
+
+
+def plot_steps(p, out):
+    """Per profile: step time against r per method, and error against step time."""
+    plt = C.pyplot()
+    pts = p["points"]
+    profs = list(p["profiles"])
+    fig, axes = plt.subplots(1, len(profs) + 1, figsize=(5 * (len(profs) + 1), 4))
+    r = [x["ratio"] for x in pts]
+    methods = list(pts[0]["profiles"][profs[0]]["methods"])
+    for ax, pn in zip(axes, profs):
+        for m in methods:
+            ax.plot(r, [x["profiles"][pn]["methods"][m]["step_us_median"] / 1e3 for x in pts],
+                    "o-", label=LABELS.get(m, m))
+        ax.set_title(f"{pn}: step time (ms, median)", fontsize=10)
+        ax.set_xlabel("sparsity ratio r")
+    for pn, style in zip(profs, ("o-", "s--", "^:")):
+        for i, m in enumerate(methods):
+            axes[-1].plot([x["profiles"][pn]["methods"][m]["step_us_median"] / 1e3
+                           for x in pts],
+                          [x["profiles"][pn]["methods"][m]["rel_error_mean"] for x in pts],
+                          style, color=f"C{i}", label=f"{LABELS.get(m, m)} ({pn})")
+    axes[-1].set_xscale("log")
+    axes[-1].set_xlabel("step time (ms)")
+    axes[-1].set_ylabel("attention-output relative error")
+    for ax in axes:
+        ax.grid(alpha=.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"Fig. 20 step view: S = {p['tokens']} (select + plan + I/O + assemble)",
+                 fontsize=11)
+    C.save_fig(fig, out)
 
 
 def iso_accuracy(points, methods, ref_ratio=0.1):
