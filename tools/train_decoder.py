@@ -198,11 +198,11 @@ def plot_curve(history: list, png: pathlib.Path, phases) -> None:
         smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
         ax.plot(steps[k - 1:], smooth, color="C0", label=f"mean of {k} steps")
     start = 0
-    for seq, batch, n in phases:
+    for i, (seq, batch, n) in enumerate(phases):
         ax.axvline(start, color="gray", lw=0.5, ls="--")
-        ax.text(start, float(loss.max()), f" seq {seq}", fontsize=8, va="top")
+        ax.text(start, float(loss.max()) - 0.4 * (i % 3), f" {seq}", fontsize=8, va="top")
         start += n
-    ax.set_xlabel("step (8192 tokens each)")
+    ax.set_xlabel("step (sequence length x batch tokens; phase lengths marked)")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("swarm-llama training loss (phases by sequence length)")
     ax.legend()
