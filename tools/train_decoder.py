@@ -16,7 +16,11 @@ The recipe (docs/model.md):
    20% of the steps), gradient clipping 1.0, in phases by sequence length
    (short first, then 2048, then 8192 tokens).  Each step's batch is drawn from random windows of the
    streams by a generator seeded with (seed, step), so a resumed run sees the
-   same data as an uninterrupted one.  A checkpoint (model, optimizer, step,
+   same data as an uninterrupted one.  From the steps given by ``--repeat``,
+   a window is given a copied span with the given probability (an
+   earlier span of 16 to seq/4 tokens pasted at a random later position), so
+   the model learns to attend back and copy (induction) within the budget.
+   A checkpoint (model, optimizer, step,
    loss history) is written to ``OUT/ckpt/last.pt`` every ``--ckpt-every``
    seconds and at the end of each phase; a new run resumes from it.
 3. ``export``: the trained weights, config, generation config and tokenizer
@@ -122,15 +126,39 @@ def make_model(config):
     return model
 
 
-def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fraction: float):
-    """The (batch, seq + 1) int64 windows of step ``step`` (deterministic)."""
+def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fraction: float,
+              repeat_prob: float = 0.0):
+    """The (batch, seq + 1) int64 windows of step ``step`` (deterministic).
+
+    With probability ``repeat_prob`` a window gets a repeated span: a span of
+    16 to seq/4 tokens at a random position is copied over a random later
+    position (anywhere up to the end of the window), so predicting it pays
+    off only by attending back to the first occurrence, at any distance (the
+    copy augmentation that makes induction heads form within our budget).
+    """
     rng = np.random.default_rng([seed, step])
     rows = []
     for _ in range(batch):
         s = streams["prose"] if rng.random() < prose_fraction else streams["python"]
         start = int(rng.integers(0, s.size - seq - 1))
-        rows.append(s[start:start + seq + 1].astype(np.int64))
+        row = s[start:start + seq + 1].astype(np.int64)
+        if repeat_prob > 0 and rng.random() < repeat_prob:
+            n = int(rng.integers(16, max(17, seq // 4)))
+            src = int(rng.integers(0, seq + 1 - 2 * n))
+            dst = int(rng.integers(src + n, seq + 2 - n))
+            row[dst:dst + n] = row[src:src + n]
+        rows.append(row)
     return np.stack(rows)
+
+
+def repeat_prob_at(spec: str, step: int) -> float:
+    """``"310:0.5,427:1.0"`` -> the copy-augmentation probability at ``step``."""
+    prob = 0.0
+    for part in filter(None, spec.split(",")):
+        start, p = part.split(":")
+        if step >= int(start):
+            prob = float(p)
+    return prob
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float, decay: float) -> float:
@@ -170,11 +198,11 @@ def plot_curve(history: list, png: pathlib.Path, phases) -> None:
         smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
         ax.plot(steps[k - 1:], smooth, color="C0", label=f"mean of {k} steps")
     start = 0
-    for seq, batch, n in phases:
+    for i, (seq, batch, n) in enumerate(phases):
         ax.axvline(start, color="gray", lw=0.5, ls="--")
-        ax.text(start, float(loss.max()), f" seq {seq}", fontsize=8, va="top")
+        ax.text(start, float(loss.max()) - 0.4 * (i % 3), f" {seq}", fontsize=8, va="top")
         start += n
-    ax.set_xlabel("step (8192 tokens each)")
+    ax.set_xlabel("step (sequence length x batch tokens; phase lengths marked)")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("swarm-llama training loss (phases by sequence length)")
     ax.legend()
@@ -215,13 +243,25 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
     cpu0, wall0 = time.process_time(), time.time()
     bar = tqdm(total=total, initial=min(step, total), mininterval=15, dynamic_ncols=False, ncols=110)
     ends = np.cumsum([n for _, _, n in phases])
+    override = args.out / "phases.override"
     while step < total:
+        # the plan may be shortened while running (paused by benchmarks): OUT/phases.override
+        if override.exists() and override.read_text().strip() != args.phases:
+            args.phases = override.read_text().strip()
+            phases = parse_phases(args.phases)
+            total = sum(n for _, _, n in phases)
+            ends = np.cumsum([n for _, _, n in phases])
+            bar.total = total
+            print(f"\n[train] new plan from {override}: {phases}, {total} steps", flush=True)
+            if step >= total:
+                break
         phase = int(np.searchsorted(ends, step, side="right"))
         seq, batch, _ = phases[phase]
         lr = lr_at(step, total, args.lr, args.warmup, args.lr_floor, args.decay)
         for g in opt.param_groups:
             g["lr"] = lr
-        x = torch.from_numpy(batch_for(streams, args.seed, step, seq, batch, args.prose_fraction))
+        rp = repeat_prob_at(args.repeat, step)
+        x = torch.from_numpy(batch_for(streams, args.seed, step, seq, batch, args.prose_fraction, rp))
         t0 = time.time()
         logits = model(input_ids=x[:, :-1], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
@@ -246,6 +286,11 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
                   f"(ckpt; {time.time() - wall0:.0f} s wall, {time.process_time() - cpu0:.0f} s CPU "
                   f"this run)", flush=True)
     bar.close()
+    save_ckpt(ckpt, model, opt, step, history, args)
+    (args.out / "history.json").write_text(json.dumps(history))
+    plot_curve(history, args.out / "loss.png", phases)
+    print(f"[train] done: step {step}, {time.time() - wall0:.0f} s wall, "
+          f"{time.process_time() - cpu0:.0f} s CPU this run", flush=True)
 
 
 # --------------------------------------------------------------------------- export
@@ -337,6 +382,9 @@ def main(argv=None) -> int:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--prose-fraction", type=float, default=0.35,
                    help="probability that a sequence is drawn from the prose stream")
+    p.add_argument("--repeat", default="",
+                   help="copy augmentation: comma-separated FROM_STEP:PROB, the probability that a "
+                        "window gets a copied span from that step on (see batch_for)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ckpt-every", type=float, default=180.0, help="seconds between checkpoints")

@@ -170,9 +170,10 @@ def heldout_texts(kind: str = "python", data: str | os.PathLike | None = None) -
     """The held-out text of one kind as one string, for long-context inputs.
 
     ``"python"``: the held-out stdlib files in path order, each preceded by a
-    ``# file: <name>`` line (about 60K tokens of our tokenizer on Python
-    3.11).  ``"prose"``: the held-out tail of WikiText-2 (about 35K
-    tokens), then those of Tiny Shakespeare and GSM8K.  Take the first N
+    ``# file: <name>`` line (30 files, about 184K tokens of the decoder's
+    tokenizer on Python 3.11).  ``"prose"``: the held-out tail of WikiText-2
+    (about 39K tokens), then those of Tiny Shakespeare and GSM8K (about 104K
+    tokens in all).  Take the first N
     tokens of it for an N-token long input.
 
     Args:
