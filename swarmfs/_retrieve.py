@@ -412,6 +412,9 @@ class Retriever:
             InvalidArgumentError: a mask of the wrong shape, or an admitted
                 cluster the retrieval did not read.
         """
+        if not isinstance(retrieval, Retrieval):
+            raise E.InvalidArgumentError(f"retrieval must be a Retrieval, got "
+                                         f"{type(retrieval).__name__}", layer=layer)
         st = self.layer_state(layer)
         want = np.asarray(want, dtype=bool)
         if want.shape != st.hot.shape:
@@ -641,6 +644,8 @@ class Retriever:
             arrs.append(a)
         if arrs[0].shape != arrs[1].shape:
             raise E.InvalidArgumentError("out k and v differ in shape")
+        if np.shares_memory(arrs[0][:, :n], arrs[1][:, :n]):
+            raise E.InvalidArgumentError("out k and v share memory (V would overwrite K)")
         return kb[:, :n], vb[:, :n], arrs[0], arrs[1]
 
     def _outputs(self, n: int, torch: bool, pinned: bool):

@@ -239,3 +239,20 @@ def test_retriever_state_of_an_older_generation_never_reads_reclaimed_space(tmp_
         assert li.num_tokens == S_ + 160
     finally:
         s.close()
+
+
+def test_retrieve_out_with_k_and_v_sharing_memory_is_refused(store, rng):
+    """out=(buf, buf) used to return V in both K and V (V overwrote K), no error."""
+    s, kv, _ = store
+    r = Retriever(s, sparsity=0.1)
+    q = rng.standard_normal((HQ, D))
+    buf = np.empty((H, S, D), np.float16)
+    with pytest.raises(E.InvalidArgumentError, match="share memory"):
+        r.retrieve(0, q, torch=False, out=(buf, buf))
+    big = np.empty((H, 2 * S, D), np.float16)
+    with pytest.raises(E.InvalidArgumentError):     # not contiguous views of one buffer
+        r.retrieve(0, q, torch=False, out=(big[:, :S], big[:, S:]))
+    kb, vb = np.empty((H, S, D), np.float16), np.empty((H, S, D), np.float16)
+    out = r.retrieve(0, q, torch=False, out=(kb, vb))
+    assert same_bits(out.k, kv[out.positions][:, 0].transpose(1, 0, 2))
+    assert same_bits(out.v, kv[out.positions][:, 1].transpose(1, 0, 2))
