@@ -86,9 +86,9 @@ class Store:
     each holds a reader lease on the generation it opened, and the space
     that generation references is not reused while the lease is held, so
     they keep reading correct bytes.  A read in flight on the writing Store
-    itself reads the generation current when it started; space its commit
-    frees is reused no earlier than two commits later, and a checksum
-    mismatch would report it.  Public methods raise only SwarmError
+    itself reads the generation current when it started: every LayerIndex
+    the Store loaded claims its generation until it is garbage, so the
+    space it references is not reused meanwhile (also with verify=False).  Public methods raise only SwarmError
     subclasses (an unexpected exception is an :class:`InternalError`).
 
     Attributes:
