@@ -409,8 +409,10 @@ class Retriever:
             (admitted, evicted) cluster ids, int64.
 
         Raises:
-            InvalidArgumentError: a mask of the wrong shape, or an admitted
-                cluster the retrieval did not read.
+            InvalidArgumentError: a mask of the wrong shape, a retrieval of
+                another layer or of an older index of this one (the layer was
+                rewritten or appended to since), or an admitted cluster the
+                retrieval did not read.
         """
         if not isinstance(retrieval, Retrieval):
             raise E.InvalidArgumentError(f"retrieval must be a Retrieval, got "
@@ -420,6 +422,11 @@ class Retriever:
         if want.shape != st.hot.shape:
             raise E.InvalidArgumentError(f"hot mask of shape {want.shape} for "
                                          f"{st.hot.shape[0]} clusters", layer=layer)
+        if retrieval.layer != layer or retrieval.index is not st.li:
+            # rows of another layer or generation (the layer was rewritten or
+            # appended to since): admitting them would serve stale bytes
+            raise E.InvalidArgumentError("the retrieval is not of this layer's current "
+                                         "index (retrieve again after refresh)", layer=layer)
         with st.lock:
             admitted = np.flatnonzero(want & ~st.hot)
             evicted = np.flatnonzero(st.hot & ~want)

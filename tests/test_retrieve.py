@@ -256,3 +256,30 @@ def test_retrieve_out_with_k_and_v_sharing_memory_is_refused(store, rng):
     out = r.retrieve(0, q, torch=False, out=(kb, vb))
     assert same_bits(out.k, kv[out.positions][:, 0].transpose(1, 0, 2))
     assert same_bits(out.v, kv[out.positions][:, 1].transpose(1, 0, 2))
+
+
+def test_set_hot_with_a_retrieval_of_a_rewritten_layer_is_refused(tmp_path, rng):
+    """set_hot filled the DRAM pool from a retrieval taken before the layer
+    was rewritten: afterwards 504 of 512 rows came back with the old bytes,
+    on every retrieval, with no error."""
+    S_ = 512
+    s = Store.create(tmp_path / "st", disks=4, num_layers=1, num_kv_heads=H, head_dim=D,
+                     num_query_heads=HQ, dtype="float16")
+    kv, cl = random_kv(rng, S_, H, D, "float16"), random_clusters(rng, S_, 32)
+    s.write_layer(0, kv, cl, local_window=8)
+    r = Retriever(s, sparsity=1.0)
+    q = rng.standard_normal((HQ, D)).astype(np.float32)
+    old = r.retrieve(0, q, torch=False)
+    kv2 = random_kv(rng, S_, H, D, "float16")
+    s.write_layer(0, kv2, cl, local_window=8)
+    r.refresh(0)
+    with pytest.raises(E.InvalidArgumentError, match="current index"):
+        r.set_hot(0, np.ones(32, bool), old)
+    assert not r.layer_state(0).hot.any()
+    new = r.retrieve(0, q, torch=False)
+    admitted, _ = r.set_hot(0, np.ones(32, bool), new)          # the current one works
+    assert admitted.tolist() == list(range(32))
+    out = r.retrieve(0, q, torch=False)
+    assert out.stats.entries_dram == S_
+    assert same_bits(out.rows, kv2.reshape(S_, -1).view(np.uint8))
+    s.close()
