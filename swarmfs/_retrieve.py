@@ -164,8 +164,11 @@ class _LayerState:
                                          f"{li.num_clusters} clusters", layer=layer)
         hot_ids = np.flatnonzero(want_hot)
         toks = np.union1d(self.window, li.members[li.cluster_copies(hot_ids)])
-        rows = store.read_entries(layer, toks).reshape(toks.shape[0], -1).view(np.uint8) \
-            if toks.size else np.empty((0, store.entry_bytes), np.uint8)
+        rows = np.empty((0, store.entry_bytes), np.uint8)
+        if toks.size:          # read through ``li``: the generation this state serves
+            copies = li.token_copies(toks)
+            plan = store.plan_copies(li, copies)
+            rows = store.execute(li, plan, copies).reshape(toks.shape[0], -1).view(np.uint8)
         self.hold(self.window, toks, rows)
         self.admit(hot_ids, toks, rows)
 

@@ -283,3 +283,37 @@ def test_set_hot_with_a_retrieval_of_a_rewritten_layer_is_refused(tmp_path, rng)
     assert out.stats.entries_dram == S_
     assert same_bits(out.rows, kv2.reshape(S_, -1).view(np.uint8))
     s.close()
+
+
+def test_layer_state_built_while_the_layer_is_rewritten_serves_one_generation(tmp_path, rng):
+    """The DRAM partition took the LayerIndex of generation g, then read the
+    window and hot rows with ``read_entries``, which uses the Store's current
+    index: a rewrite committed in between put generation g+1's bytes in DRAM
+    beside generation g's SSD reads (mixed rows, no error)."""
+    S_ = 512
+    s = Store.create(tmp_path / "st", disks=4, num_layers=1, num_kv_heads=H, head_dim=D,
+                     num_query_heads=HQ, dtype="float16")
+    kv, cl = random_kv(rng, S_, H, D, "float16"), random_clusters(rng, S_, 32)
+    hot = np.zeros(32, bool)
+    hot[:8] = True
+    s.write_layer(0, kv, cl, hot=hot, local_window=16)
+    kv2 = random_kv(rng, S_, H, D, "float16")
+    import threading
+    real_layer, fired = s.layer, []
+
+    def layer(l):                  # fault injection: commit a rewrite right after the
+        li = real_layer(l)         # DRAM partition picked its LayerIndex
+        if not fired:
+            fired.append(1)
+            t = threading.Thread(target=s.write_layer, args=(0, kv2, cl),
+                                 kwargs=dict(hot=hot, local_window=16))
+            t.start()
+            t.join(timeout=60)
+        return li
+    s.layer = layer
+    r = Retriever(s, sparsity=1.0)
+    out = r.retrieve(0, rng.standard_normal((HQ, D)), torch=False)
+    assert fired and s.manifest["generation"] == 2
+    assert out.stats.entries_dram > 0 and out.positions.tolist() == list(range(S_))
+    assert same_bits(out.rows, kv.reshape(S_, -1).view(np.uint8))     # all generation 1
+    s.close()
