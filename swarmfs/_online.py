@@ -92,6 +92,8 @@ class DecodeSession:
 
     Raises:
         LayoutError: tau outside (0, 1].
+        InvalidArgumentError: window, group or flush_batch below 1, max_joins
+            or hot_budget_bytes below 0, or not integers.
     """
 
     def __init__(self, retriever: Retriever, layer: int, *, tau: float = 0.5,
@@ -102,6 +104,13 @@ class DecodeSession:
         if isinstance(tau, bool) or not isinstance(tau, (int, float, np.number)) or \
                 not 0 < tau <= 1:
             raise E.LayoutError(f"tau must be a number in (0, 1], got {tau!r}", layer=layer)
+        for name, v, lo in (("window", window, 1), ("max_joins", max_joins, 0),
+                            ("group", group, 1), ("flush_batch", flush_batch, 1),
+                            ("hot_budget_bytes", hot_budget_bytes, 0)):
+            if v is not None and (isinstance(v, bool) or
+                                  not isinstance(v, (int, np.integer)) or v < lo):
+                raise E.InvalidArgumentError(f"{name} must be an integer >= {lo}, got {v!r}",
+                                             layer=layer)
         self.r = retriever
         self.store = retriever.store
         self.layer = int(layer)

@@ -369,3 +369,15 @@ def test_pipelined_step_bad_arguments_raise_invalid_argument(store, rng):
     with pytest.raises(E.InvalidArgumentError):
         r.set_hot(0, np.ones(60, bool), None)
     assert sess.lookups == 0 and not r.layer_state(0).hot[4:].any()
+
+
+def test_session_knobs_out_of_range_are_refused(store):
+    """window=-1, flush_batch=0, max_joins=-1, hot_budget_bytes=-5 were accepted
+    (window=-1 made every entry mature at once and never join a cluster)."""
+    s, _, _ = store
+    r = Retriever(s)
+    for kw in (dict(window=-1), dict(window=0), dict(flush_batch=0), dict(max_joins=-1),
+               dict(group=0), dict(hot_budget_bytes=-5), dict(window=2.5)):
+        with pytest.raises(E.InvalidArgumentError):
+            DecodeSession(r, 0, **kw)
+    assert DecodeSession(r, 0, window=1, flush_batch=1, max_joins=0).window == 1
