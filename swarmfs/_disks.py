@@ -436,6 +436,17 @@ class ReaderLease:
             if self.fd is not None and self._held.get(int(generation)):
                 self._release(int(generation))
 
+    def move(self, claim: list, generation: int) -> None:
+        """Move a claim ``[generation]`` (taken with :meth:`acquire`) to a
+        newer generation, e.g. a LayerIndex that a commit of another layer
+        left current."""
+        with self._mutex:
+            if self.fd is not None and claim[0] != int(generation) and \
+                    self._held.get(claim[0]):
+                self._acquire(int(generation))
+                self._release(claim[0])
+                claim[0] = int(generation)
+
     def _acquire(self, g: int) -> None:
         if not self._held.get(g):
             self._lk(fcntl.F_OFD_SETLK, fcntl.F_RDLCK, g, 1)

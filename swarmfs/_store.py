@@ -467,7 +467,8 @@ class Store:
                 except BaseException:
                     self._lease.release(gen)
                     raise
-                weakref.finalize(li, self._lease.release, gen)
+                li._claim = claim = [gen]
+                weakref.finalize(li, _drop_claim, self._lease, claim)
                 self._layers[layer] = li
         return li
 
@@ -775,6 +776,8 @@ class Store:
         self._lease.hold(gen)
         with self._lock:
             self._layers.pop(layer, None)
+            for li in self._layers.values():    # other layers: still current at gen
+                self._lease.move(li._claim, gen)
         try:
             write_commit_records(self.engine, self._fds, uid, self._m, F.COMMITTED)
         except (E.SwarmError, OSError) as exc:   # committed already; only weaker checks
@@ -1326,6 +1329,11 @@ class Store:
             "kv_bytes": copies * self.entry_bytes,
             "layers": layers,
         }
+
+
+def _drop_claim(lease, claim: list) -> None:
+    """Release a garbage LayerIndex's claim on its generation."""
+    lease.release(claim[0])
 
 
 def _damage_offset(off: int, entry_bytes: int, disk_size: int) -> int:

@@ -317,3 +317,26 @@ def test_layer_state_built_while_the_layer_is_rewritten_serves_one_generation(tm
     assert out.stats.entries_dram > 0 and out.positions.tolist() == list(range(S_))
     assert same_bits(out.rows, kv.reshape(S_, -1).view(np.uint8))     # all generation 1
     s.close()
+
+
+def test_loaded_indexes_of_other_layers_do_not_stop_space_reuse(tmp_path, rng):
+    """Claims follow the commits that leave a layer unchanged: a Retriever
+    holding layer 1 while layer 0 is appended to does not pin generation 1
+    (which would stop every reuse of layer 0's freed extents)."""
+    S_ = 256
+    kv = random_kv(rng, S_, H, D, "float16")
+    s = Store.create(tmp_path / "st", disks=4, num_layers=2, num_kv_heads=H, head_dim=D,
+                     num_query_heads=HQ, dtype="float16")
+    for layer in (0, 1):
+        s.write_layer(layer, kv, random_clusters(rng, S_, 16), local_window=8)
+    r = Retriever(s, sparsity=1.0)
+    q = rng.standard_normal((HQ, D)).astype(np.float32)
+    r.retrieve(1, q, torch=False)                      # layer 1's state stays loaded
+    ends = []
+    for i in range(20):
+        s.append(0, random_kv(rng, 8, H, D, "float16"), [[i % 16]] * 8)
+        ends.append(sum(d["end"] for d in s.manifest["disks"]))
+    assert ends[-1] - ends[5] < 14 * 4 * s.block_size  # freed extents were reused
+    out = r.retrieve(1, q, torch=False)
+    assert same_bits(out.rows, kv.reshape(S_, -1).view(np.uint8))
+    s.close()
