@@ -8,6 +8,7 @@ import fcntl
 import mmap
 import os
 import stat
+import threading
 import warnings
 
 import numpy as np
@@ -381,7 +382,11 @@ class ReaderLease:
     ``generation`` of ``STORE/.readers``; a writer reuses space freed by
     commit f only when no lock sits below byte f (:meth:`oldest_reader`).
     OFD locks belong to the open file, so several Stores in one process
-    are independent, and a crashed process's locks vanish with it.  On a
+    are independent, and a crashed process's locks vanish with it.  Every
+    LayerIndex a Store loads also claims the generation it was loaded from
+    until it is garbage (a Retriever's layer state or a retrieval in flight
+    may read it after the Store itself moved on by committing), and the
+    Store's own claims count as readers for its own commits.  On a
     store directory where the file cannot be opened (read-only media, no
     writer) there is no lease and nothing to protect.
     """
@@ -391,6 +396,8 @@ class ReaderLease:
     def __init__(self, store_dir: str):
         self.fd = None
         self.generation = None
+        self._held: dict[int, int] = {}     # generation -> claims (the Store's, LayerIndexes')
+        self._mutex = threading.Lock()
         try:
             self.fd = os.open(os.path.join(store_dir, self.NAME),
                               os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -408,12 +415,48 @@ class ReaderLease:
 
     def hold(self, generation: int) -> None:
         """Move this Store's claim to ``generation`` (new lock first)."""
-        if self.fd is None or generation == self.generation:
-            return
-        self._lk(fcntl.F_OFD_SETLK, fcntl.F_RDLCK, int(generation), 1)
-        if self.generation is not None:
-            self._lk(fcntl.F_OFD_SETLK, fcntl.F_UNLCK, int(self.generation), 1)
-        self.generation = int(generation)
+        with self._mutex:
+            if self.fd is None or generation == self.generation:
+                return
+            self._acquire(int(generation))
+            if self.generation is not None:
+                self._release(self.generation)
+            self.generation = int(generation)
+
+    def acquire(self, generation: int) -> None:
+        """One more claim on ``generation`` (e.g. a LayerIndex loaded from it:
+        a retrieval may still read its extents after the Store moved on)."""
+        with self._mutex:
+            if self.fd is not None:
+                self._acquire(int(generation))
+
+    def release(self, generation: int) -> None:
+        """Drop a claim taken with :meth:`acquire`."""
+        with self._mutex:
+            if self.fd is not None and self._held.get(int(generation)):
+                self._release(int(generation))
+
+    def move(self, claim: list, generation: int) -> None:
+        """Move a claim ``[generation]`` (taken with :meth:`acquire`) to a
+        newer generation, e.g. a LayerIndex that a commit of another layer
+        left current."""
+        with self._mutex:
+            if self.fd is not None and claim[0] != int(generation) and \
+                    self._held.get(claim[0]):
+                self._acquire(int(generation))
+                self._release(claim[0])
+                claim[0] = int(generation)
+
+    def _acquire(self, g: int) -> None:
+        if not self._held.get(g):
+            self._lk(fcntl.F_OFD_SETLK, fcntl.F_RDLCK, g, 1)
+        self._held[g] = self._held.get(g, 0) + 1
+
+    def _release(self, g: int) -> None:
+        self._held[g] -= 1
+        if not self._held[g]:
+            del self._held[g]
+            self._lk(fcntl.F_OFD_SETLK, fcntl.F_UNLCK, g, 1)
 
     def _any_below(self, x: int) -> bool:
         if x <= 0:
@@ -426,9 +469,13 @@ class ReaderLease:
         no lease file).  A binary search with ``F_OFD_GETLK``."""
         if self.fd is None:
             return None
-        hi = 1 << 62
+        with self._mutex:
+            # this Store's own claims: F_OFD_GETLK does not report locks of
+            # the asking open file description itself
+            mine = min(self._held, default=None)
+        hi = 1 << 62 if mine is None else mine
         if not self._any_below(hi):
-            return None
+            return mine
         lo = 0                       # invariant: no lock below lo, one below hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -439,9 +486,11 @@ class ReaderLease:
         return lo
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        with self._mutex:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+                self._held.clear()
 
 
 def truncate_to(fds, manifest: dict) -> None:

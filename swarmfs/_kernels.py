@@ -11,6 +11,7 @@ Each wrapper checks its arguments before C touches memory and raises only
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import NamedTuple
 
@@ -421,7 +422,12 @@ def cpu_flags() -> list[str]:
 
 
 if os.environ.get("SWARMFS_KERNEL_PATH"):
-    set_kernel_path(os.environ["SWARMFS_KERNEL_PATH"])
+    try:
+        set_kernel_path(os.environ["SWARMFS_KERNEL_PATH"])
+    except InvalidArgumentError as _exc:   # a bad variable must not break `import swarmfs`
+        import warnings
+        warnings.warn(f"SWARMFS_KERNEL_PATH ignored: {_exc}; using {kernel_path()}",
+                      stacklevel=2)
 
 
 # -- cluster choice (SWARM §5.2, eq. 8) --------------------------------------------
@@ -439,6 +445,16 @@ def _check_csr(C: int, ptr: np.ndarray, members: np.ndarray, num_tokens: int,
     if full and (np.any(np.diff(ptr) < 0) or
                  (members.size and (members.min() < 0 or members.max() >= num_tokens))):
         _fail("cluster pointers decrease or a member is outside the context")
+
+
+def _count_arg(x, what: str) -> int:
+    """An entry count (budget, window) for the C kernels: an integer, capped
+    at 2**62 (any count above the context means the whole context)."""
+    try:
+        v = operator.index(x)
+    except TypeError:
+        _fail(f"{what} must be an integer, got {x!r}")
+    return min(v, 1 << 62)
 
 
 def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
@@ -463,7 +479,7 @@ def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
     n = lib.se_choose_clusters(ffi.from_buffer("float[]", sc), C,
                                ffi.from_buffer("int64_t[]", ptr),
                                ffi.from_buffer("int32_t[]", members), int(num_tokens),
-                               int(budget), int(window),
+                               _count_arg(budget, "budget"), _count_arg(window, "window"),
                                ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
     if n < 0:
         _native_failure("choose_clusters", n)
@@ -505,8 +521,10 @@ def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: floa
     Returns:
         (int64 [c] cluster ids best first, distinct entries).
     """
-    if m.ndim != 2 or m.itemsize != 2 or not m.flags.c_contiguous:
-        _fail(f"select_fused: medoids must be C-contiguous 2-byte [C, H*d], got {m.shape}")
+    if not isinstance(m, np.ndarray) or m.ndim != 2 or m.itemsize != 2 or \
+            not m.flags.c_contiguous:
+        _fail(f"select_fused: medoids must be C-contiguous 2-byte [C, H*d], got "
+              f"{getattr(m, 'shape', type(m).__name__)}")
     q = np.ascontiguousarray(q, dtype=np.float32)
     H = int(num_kv_heads)
     if q.ndim != 2 or m.shape[1] != H * q.shape[1] or q.shape[0] % H:
@@ -529,7 +547,8 @@ def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: floa
                             0 if score == "prob" else 1,
                             ffi.from_buffer("int64_t[]", ptr),
                             ffi.from_buffer("int32_t[]", members),
-                            int(num_tokens), int(budget), int(window),
+                            int(num_tokens), _count_arg(budget, "budget"),
+                            _count_arg(window, "window"),
                             ffi.from_buffer("float[]", work, require_writable=True),
                             ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
     if n < 0:

@@ -92,6 +92,8 @@ class DecodeSession:
 
     Raises:
         LayoutError: tau outside (0, 1].
+        InvalidArgumentError: window, group or flush_batch below 1, max_joins
+            or hot_budget_bytes below 0, or not integers.
     """
 
     def __init__(self, retriever: Retriever, layer: int, *, tau: float = 0.5,
@@ -99,8 +101,16 @@ class DecodeSession:
                  flush_batch: int = 32, hot_budget_bytes: int | None = None,
                  t_base_us: float = 80.0, t_transfer_us: float = 2.0,
                  adapt_cache: bool = True):
-        if not 0 < tau <= 1:
-            raise E.LayoutError(f"tau must be in (0, 1], got {tau}", layer=layer)
+        if isinstance(tau, bool) or not isinstance(tau, (int, float, np.number)) or \
+                not 0 < tau <= 1:
+            raise E.LayoutError(f"tau must be a number in (0, 1], got {tau!r}", layer=layer)
+        for name, v, lo in (("window", window, 1), ("max_joins", max_joins, 0),
+                            ("group", group, 1), ("flush_batch", flush_batch, 1),
+                            ("hot_budget_bytes", hot_budget_bytes, 0)):
+            if v is not None and (isinstance(v, bool) or
+                                  not isinstance(v, (int, np.integer)) or v < lo):
+                raise E.InvalidArgumentError(f"{name} must be an integer >= {lo}, got {v!r}",
+                                             layer=layer)
         self.r = retriever
         self.store = retriever.store
         self.layer = int(layer)
@@ -173,7 +183,8 @@ class DecodeSession:
             ret = self.r.retrieve(self.layer, q, torch=False)
         else:
             ret = retrieval
-            if ret.layer != self.layer or ret.index is not self.r.layer_state(self.layer).li \
+            if not isinstance(ret, Retrieval) or ret.layer != self.layer or \
+                    ret.index is not self.r.layer_state(self.layer).li \
                     or hasattr(ret.k, "detach"):
                 raise E.SwarmError("the given retrieval is not a numpy retrieval of this "
                                    "layer's current index (retrieve with torch=False after "
@@ -429,10 +440,22 @@ def pipelined_step(sessions: list, queries, attend, new_kv=None) -> PipelinedSte
         prefetched retrieval whose layer was not stepped is waited for first.
     """
     import time
+    try:
+        sessions, queries = list(sessions), list(queries)
+        new_kv = None if new_kv is None else [None if x is None else tuple(x) for x in new_kv]
+    except TypeError:
+        raise E.InvalidArgumentError("sessions, queries and new_kv must be lists (new_kv "
+                                     "of (k_new, v_new) pairs or None)") from None
     n = len(sessions)
     if n == 0 or len(queries) != n or (new_kv is not None and len(new_kv) != n):
         raise E.InvalidArgumentError("sessions, queries (and new_kv) must be non-empty "
                                      "lists of one length")
+    if not all(isinstance(x, DecodeSession) for x in sessions):
+        raise E.InvalidArgumentError("sessions must be DecodeSession objects")
+    if new_kv is not None and any(x is not None and len(x) != 2 for x in new_kv):
+        raise E.InvalidArgumentError("new_kv items must be (k_new, v_new) pairs or None")
+    if not callable(attend):
+        raise E.InvalidArgumentError(f"attend must be callable, got {type(attend).__name__}")
     t0 = time.perf_counter()
     fut = sessions[0].r.prefetch(sessions[0].layer, queries[0], torch=False)
     results, steps, ret_us, comp_us, wait_us = [], [], [], [], []

@@ -164,8 +164,11 @@ class _LayerState:
                                          f"{li.num_clusters} clusters", layer=layer)
         hot_ids = np.flatnonzero(want_hot)
         toks = np.union1d(self.window, li.members[li.cluster_copies(hot_ids)])
-        rows = store.read_entries(layer, toks).reshape(toks.shape[0], -1).view(np.uint8) \
-            if toks.size else np.empty((0, store.entry_bytes), np.uint8)
+        rows = np.empty((0, store.entry_bytes), np.uint8)
+        if toks.size:          # read through ``li``: the generation this state serves
+            copies = li.token_copies(toks)
+            plan = store.plan_copies(li, copies)
+            rows = store.execute(li, plan, copies).reshape(toks.shape[0], -1).view(np.uint8)
         self.hold(self.window, toks, rows)
         self.admit(hot_ids, toks, rows)
 
@@ -409,14 +412,24 @@ class Retriever:
             (admitted, evicted) cluster ids, int64.
 
         Raises:
-            InvalidArgumentError: a mask of the wrong shape, or an admitted
-                cluster the retrieval did not read.
+            InvalidArgumentError: a mask of the wrong shape, a retrieval of
+                another layer or of an older index of this one (the layer was
+                rewritten or appended to since), or an admitted cluster the
+                retrieval did not read.
         """
+        if not isinstance(retrieval, Retrieval):
+            raise E.InvalidArgumentError(f"retrieval must be a Retrieval, got "
+                                         f"{type(retrieval).__name__}", layer=layer)
         st = self.layer_state(layer)
         want = np.asarray(want, dtype=bool)
         if want.shape != st.hot.shape:
             raise E.InvalidArgumentError(f"hot mask of shape {want.shape} for "
                                          f"{st.hot.shape[0]} clusters", layer=layer)
+        if retrieval.layer != layer or retrieval.index is not st.li:
+            # rows of another layer or generation (the layer was rewritten or
+            # appended to since): admitting them would serve stale bytes
+            raise E.InvalidArgumentError("the retrieval is not of this layer's current "
+                                         "index (retrieve again after refresh)", layer=layer)
         with st.lock:
             admitted = np.flatnonzero(want & ~st.hot)
             evicted = np.flatnonzero(st.hot & ~want)
@@ -641,6 +654,8 @@ class Retriever:
             arrs.append(a)
         if arrs[0].shape != arrs[1].shape:
             raise E.InvalidArgumentError("out k and v differ in shape")
+        if np.shares_memory(arrs[0][:, :n], arrs[1][:, :n]):
+            raise E.InvalidArgumentError("out k and v share memory (V would overwrite K)")
         return kb[:, :n], vb[:, :n], arrs[0], arrs[1]
 
     def _outputs(self, n: int, torch: bool, pinned: bool):

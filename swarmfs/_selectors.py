@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import operator
+
 import numpy as np
 
 from ._errors import InvalidArgumentError, NotFoundError
@@ -169,7 +171,12 @@ def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: in
         raise InvalidArgumentError(f"select_clusters: scores {scores.shape} {scores.dtype}, "
                                    f"pointers {ptr.shape} and members {members.shape} do not "
                                    "fit together")
-    S, budget, w = int(num_tokens), int(budget), int(window)
+    try:
+        S, budget, w = (operator.index(x) for x in (num_tokens, budget, window))
+    except TypeError:
+        raise InvalidArgumentError(f"select_clusters: num_tokens {num_tokens!r}, budget "
+                                   f"{budget!r} and window {window!r} must be integers") \
+            from None
     if S < 0 or w < 0 or budget < 0:
         raise InvalidArgumentError(f"select_clusters: num_tokens {S}, budget {budget} and "
                                    f"window {w} must be >= 0")

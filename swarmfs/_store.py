@@ -19,6 +19,7 @@ import shutil
 import threading
 import time
 import warnings
+import weakref
 
 import numpy as np
 
@@ -85,9 +86,9 @@ class Store:
     each holds a reader lease on the generation it opened, and the space
     that generation references is not reused while the lease is held, so
     they keep reading correct bytes.  A read in flight on the writing Store
-    itself reads the generation current when it started; space its commit
-    frees is reused no earlier than two commits later, and a checksum
-    mismatch would report it.  Public methods raise only SwarmError
+    itself reads the generation current when it started: every LayerIndex
+    the Store loaded claims its generation until it is garbage, so the
+    space it references is not reused meanwhile (also with verify=False).  Public methods raise only SwarmError
     subclasses (an unexpected exception is an :class:`InternalError`).
 
     Attributes:
@@ -458,39 +459,53 @@ class Store:
         with self._lock:
             li = self._layers.get(layer)
             if li is None:
-                rec = self._m["layers"][str(layer)]
-                name = rec["index"]["file"]
-                if not os.path.lexists(os.path.join(self.path, F.INDEX_DIR, name)):
-                    try:
-                        now = F.read_manifest(self.path)
-                    except E.SwarmError:
-                        now = None
-                    if now is not None and now.get("generation") != self._m["generation"]:
-                        raise E.ManifestError(
-                            f"index file {name} is gone: the store was rewritten (now "
-                            f"generation {now['generation']}) since this Store was opened "
-                            f"at generation {self._m['generation']}; open it again",
-                            store=self.path, layer=layer)
-                    raise E.ManifestError(f"index file {name} is missing (deleted?); the "
-                                          "layer cannot be read", store=self.path,
-                                          layer=layer)
-                arrays = F.load_index(self.path, layer, rec["index"],
-                                      expect=self._index_expect(layer))
+                m = self._m
+                gen = int(m["generation"])
+                self._lease.acquire(gen)      # released when the LayerIndex is garbage
                 try:
-                    li = LayerIndex(layer, arrays, num_tokens=rec["num_tokens"],
-                                    ndisks=self.num_disks, entry_bytes=self.entry_bytes,
-                                    block_size=self.block_size, store=self.path,
-                                    disk_end=[int(d["end"]) for d in self._m["disks"]],
-                                    free=[d.get("free", []) for d in self._m["disks"]])
-                except (ValueError, IndexError, TypeError, OverflowError) as exc:
-                    raise E.ManifestError(f"index of the layer is inconsistent: {exc}",
-                                          store=self.path, layer=layer) from exc
-                if li.num_clusters != rec["num_clusters"] or \
-                        li.num_copies != rec["num_copies"] or \
-                        int(li.hot.astype(np.int64).sum()) != rec["hot_clusters"]:
-                    raise E.ManifestError("index arrays disagree with the manifest's "
-                                          "cluster/copy counts", store=self.path, layer=layer)
+                    li = self._load_layer(layer, m)
+                except BaseException:
+                    self._lease.release(gen)
+                    raise
+                li._claim = claim = [gen]
+                weakref.finalize(li, _drop_claim, self._lease, claim)
                 self._layers[layer] = li
+        return li
+
+    def _load_layer(self, layer: int, m: dict) -> LayerIndex:
+        """Load and check a layer's index as manifest ``m`` records it."""
+        rec = m["layers"][str(layer)]
+        name = rec["index"]["file"]
+        if not os.path.lexists(os.path.join(self.path, F.INDEX_DIR, name)):
+            try:
+                now = F.read_manifest(self.path)
+            except E.SwarmError:
+                now = None
+            if now is not None and now.get("generation") != m["generation"]:
+                raise E.ManifestError(
+                    f"index file {name} is gone: the store was rewritten (now "
+                    f"generation {now['generation']}) since this Store was opened "
+                    f"at generation {m['generation']}; open it again",
+                    store=self.path, layer=layer)
+            raise E.ManifestError(f"index file {name} is missing (deleted?); the "
+                                  "layer cannot be read", store=self.path,
+                                  layer=layer)
+        arrays = F.load_index(self.path, layer, rec["index"],
+                              expect=self._index_expect(layer))
+        try:
+            li = LayerIndex(layer, arrays, num_tokens=rec["num_tokens"],
+                            ndisks=self.num_disks, entry_bytes=self.entry_bytes,
+                            block_size=self.block_size, store=self.path,
+                            disk_end=[int(d["end"]) for d in m["disks"]],
+                            free=[d.get("free", []) for d in m["disks"]])
+        except (ValueError, IndexError, TypeError, OverflowError) as exc:
+            raise E.ManifestError(f"index of the layer is inconsistent: {exc}",
+                                  store=self.path, layer=layer) from exc
+        if li.num_clusters != rec["num_clusters"] or \
+                li.num_copies != rec["num_copies"] or \
+                int(li.hot.astype(np.int64).sum()) != rec["hot_clusters"]:
+            raise E.ManifestError("index arrays disagree with the manifest's "
+                                  "cluster/copy counts", store=self.path, layer=layer)
         return li
 
     @E.boundary
@@ -761,6 +776,8 @@ class Store:
         self._lease.hold(gen)
         with self._lock:
             self._layers.pop(layer, None)
+            for li in self._layers.values():    # other layers: still current at gen
+                self._lease.move(li._claim, gen)
         try:
             write_commit_records(self.engine, self._fds, uid, self._m, F.COMMITTED)
         except (E.SwarmError, OSError) as exc:   # committed already; only weaker checks
@@ -1312,6 +1329,11 @@ class Store:
             "kv_bytes": copies * self.entry_bytes,
             "layers": layers,
         }
+
+
+def _drop_claim(lease, claim: list) -> None:
+    """Release a garbage LayerIndex's claim on its generation."""
+    lease.release(claim[0])
 
 
 def _damage_offset(off: int, entry_bytes: int, disk_size: int) -> int:

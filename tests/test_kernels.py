@@ -1,9 +1,13 @@
 """The C data kernels' wrappers (``swarmfs._kernels``): results, and bad
 arguments refused with InvalidArgumentError before C touches memory."""
 
+import os
+
 import numpy as np
 import pytest
 
+from swarmfs import _errors as E
+from swarmfs import _kernels as K
 from swarmfs._errors import InvalidArgumentError
 from swarmfs._kernels import (assign_buckets, gather_rows, gemv_half, head_logits_half,
                               scatter_rows, softmax_sum, verify_rows, xxh3_ranges, xxh3_rows)
@@ -271,3 +275,41 @@ def test_int8_index_refuses_what_does_not_fit(rng):
     for i, f in enumerate(bad):
         with pytest.raises(InvalidArgumentError):
             f()
+
+def test_bad_kernel_path_variable_warns_and_never_breaks_import():
+    """SWARMFS_KERNEL_PATH=garbage used to make `import swarmfs` (and so every
+    swarmfs command) die with a traceback; now a warning names the variable
+    and the best path is used."""
+    import subprocess
+    import sys
+    for bad in ("garbage", "AVX2", " avx2"):
+        r = subprocess.run([sys.executable, "-c",
+                            "import swarmfs._kernels as K; print(K.kernel_path())"],
+                           env={**os.environ, "SWARMFS_KERNEL_PATH": bad},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "SWARMFS_KERNEL_PATH ignored" in r.stderr
+        assert r.stdout.strip() in ("scalar", "avx2", "avx512", "neon")
+
+
+def test_choose_and_select_fused_with_out_of_range_counts_raise_or_cap():
+    """A budget beyond int64 raised a raw OverflowError from cffi; it means the
+    whole context.  A float budget or a non-array index is an InvalidArgumentError."""
+    from swarmfs._selectors import select_clusters
+    rng = np.random.default_rng(0)
+    ptr, members = np.arange(0, 65, 8), np.arange(64)
+    sc = rng.standard_normal(8).astype(np.float32)
+    ids, n = K.choose_clusters(sc, ptr, members, num_tokens=64, budget=2**70, window=0)
+    assert n == 64 and sorted(ids.tolist()) == list(range(8))
+    m = rng.standard_normal((8, 32)).astype(np.float16)
+    q = rng.standard_normal((4, 16)).astype(np.float32)
+    ids, n = K.select_fused(m, q, 2, scale=0.25, score="prob", bf16=False, ptr=ptr,
+                            members=members, num_tokens=64, budget=2**70, window=0)
+    assert n == 64 and sorted(ids.tolist()) == list(range(8))
+    with pytest.raises(E.InvalidArgumentError):
+        K.select_fused(m.tolist(), q, 2, scale=0.25, score="prob", bf16=False, ptr=ptr,
+                       members=members, num_tokens=64, budget=8, window=0)
+    with pytest.raises(E.InvalidArgumentError):
+        select_clusters(sc, ptr, members, num_tokens=64, budget=1.5, window=0)
+    with pytest.raises(E.InvalidArgumentError):
+        select_clusters(sc, ptr, members, num_tokens=64, budget="8", window=0)

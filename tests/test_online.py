@@ -311,3 +311,73 @@ def test_pipelined_step_over_layers_equals_stepping_each(tmp_path, rng):
         sessions[0].step(rng.standard_normal((HQ, D)), retrieval=stale)
     r.close()
     s.close()
+
+
+def test_retrieval_in_flight_across_many_appends_reads_its_generation(tmp_path, rng):
+    """A retrieval inside its disk read while the same Store commits ten
+    appends (each freeing a cluster's extents, which later appends reuse):
+    it returns the generation it started with, bit exact, also with
+    verify=False (before the fix: other entries' bytes, no error)."""
+    S_ = 512
+    kv = random_kv(rng, S_, H, D, "float16")
+    s = Store.create(tmp_path / "st", disks=4, num_layers=1, num_kv_heads=H, head_dim=D,
+                     num_query_heads=HQ, dtype="float16")
+    s.write_layer(0, kv, random_clusters(rng, S_, 32), local_window=8)
+    s.close()
+    s = Store.open(tmp_path / "st", verify=False, writable=True)
+    r = Retriever(s, sparsity=1.0)
+    import threading
+    done = []
+
+    def append_in_another_thread():
+        if done:
+            return
+        done.append(0)
+
+        def appends():
+            for i in range(10):
+                s.append(0, random_kv(rng, 8, H, D, "float16"), [[i]] * 8)
+            done.append(1)
+        t = threading.Thread(target=appends)
+        t.start()
+        t.join(timeout=60)
+    _hook_execute(s, append_in_another_thread)
+    out = r.retrieve(0, rng.standard_normal((HQ, D)), torch=False)
+    assert done == [0, 1] and s.num_tokens(0) == S_ + 80
+    assert any(d["free"] for d in s.manifest["disks"])
+    assert out.positions.tolist() == list(range(S_))
+    assert same_bits(out.rows, kv.reshape(S_, -1).view(np.uint8))
+    s.close()
+
+
+def test_pipelined_step_bad_arguments_raise_invalid_argument(store, rng):
+    from swarmfs import pipelined_step
+    s, kv, _ = store
+    r = Retriever(s)
+    q = rng.standard_normal((HQ, D)).astype(np.float32)
+    sess = DecodeSession(r, 0)
+    for args in ((5, 5, lambda i, x: 0), (["x"], [q], lambda i, x: 0),
+                 ([sess], [q], None), ((x for x in [sess]), [q, q], lambda i, x: 0)):
+        with pytest.raises(E.InvalidArgumentError):
+            pipelined_step(*args)
+    with pytest.raises(E.InvalidArgumentError):
+        pipelined_step([sess], [q], lambda i, x: 0, new_kv=[5])
+    with pytest.raises(E.LayoutError):
+        DecodeSession(r, 0, tau="x")
+    with pytest.raises(E.SwarmError):
+        sess.step(q, retrieval="not a retrieval")
+    with pytest.raises(E.InvalidArgumentError):
+        r.set_hot(0, np.ones(60, bool), None)
+    assert sess.lookups == 0 and not r.layer_state(0).hot[4:].any()
+
+
+def test_session_knobs_out_of_range_are_refused(store):
+    """window=-1, flush_batch=0, max_joins=-1, hot_budget_bytes=-5 were accepted
+    (window=-1 made every entry mature at once and never join a cluster)."""
+    s, _, _ = store
+    r = Retriever(s)
+    for kw in (dict(window=-1), dict(window=0), dict(flush_batch=0), dict(max_joins=-1),
+               dict(group=0), dict(hot_budget_bytes=-5), dict(window=2.5)):
+        with pytest.raises(E.InvalidArgumentError):
+            DecodeSession(r, 0, **kw)
+    assert DecodeSession(r, 0, window=1, flush_batch=1, max_joins=0).window == 1

@@ -196,3 +196,147 @@ def test_retrieve_into_caller_buffers(store, rng):
     assert np.array_equal(pinned_left, r2.layer_state(0).refs)   # failed calls unpinned
     toks = np.flatnonzero(st_.resident)
     assert same_bits(st_.rows[st_.slot[toks]], kv[toks].reshape(len(toks), -1).view(np.uint8))
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_retriever_state_of_an_older_generation_never_reads_reclaimed_space(tmp_path, rng,
+                                                                             verify):
+    """A Retriever's layer state (and any retrieval in flight) holds the
+    LayerIndex of the generation it started with.  When the same Store
+    appends many times, the space that generation references must not be
+    handed to later commits while it is still read: before the fix, 128 of
+    512 rows came back as other entries' bytes with verify=False (and a false
+    ChecksumError with verify=True)."""
+    S_ = 512
+    kv = random_kv(rng, S_, H, D, "float16")
+    s = Store.create(tmp_path / "st", disks=4, num_layers=1, num_kv_heads=H, head_dim=D,
+                     num_query_heads=HQ, dtype="float16")
+    s.write_layer(0, kv, random_clusters(rng, S_, 32), local_window=8)
+    s.close()
+    s = Store.open(tmp_path / "st", verify=verify, writable=True)
+    try:
+        r = Retriever(s, sparsity=1.0)
+        q = rng.standard_normal((HQ, D)).astype(np.float32)
+        r.retrieve(0, q, torch=False)                  # state of generation 1
+        for i in range(10):                            # each append frees one cluster's
+            s.append(0, random_kv(rng, 8, H, D, "float16"), [[i]] * 8)    # extents
+        out = r.retrieve(0, q, torch=False)            # still the generation-1 state
+        assert out.positions.shape[0] == S_
+        assert same_bits(out.k, kv[out.positions][:, 0].transpose(1, 0, 2))
+        assert same_bits(out.v, kv[out.positions][:, 1].transpose(1, 0, 2))
+        # once nothing reads the old generation, its space is reused again
+        import gc
+        del out
+        r.refresh(0)
+        gc.collect()
+        end = [d["end"] for d in s.manifest["disks"]]
+        for i in range(10):
+            s.append(0, random_kv(rng, 8, H, D, "float16"), [[i]] * 8)
+        grew = sum(d["end"] for d in s.manifest["disks"]) - sum(end)
+        assert grew < 10 * 4 * s.block_size        # reclaimed ranges took most extents
+        li = s.layer(0)
+        assert same_bits(s.read_entries(0, np.arange(S_)), kv)
+        assert li.num_tokens == S_ + 160
+    finally:
+        s.close()
+
+
+def test_retrieve_out_with_k_and_v_sharing_memory_is_refused(store, rng):
+    """out=(buf, buf) used to return V in both K and V (V overwrote K), no error."""
+    s, kv, _ = store
+    r = Retriever(s, sparsity=0.1)
+    q = rng.standard_normal((HQ, D))
+    buf = np.empty((H, S, D), np.float16)
+    with pytest.raises(E.InvalidArgumentError, match="share memory"):
+        r.retrieve(0, q, torch=False, out=(buf, buf))
+    big = np.empty((H, 2 * S, D), np.float16)
+    with pytest.raises(E.InvalidArgumentError):     # not contiguous views of one buffer
+        r.retrieve(0, q, torch=False, out=(big[:, :S], big[:, S:]))
+    kb, vb = np.empty((H, S, D), np.float16), np.empty((H, S, D), np.float16)
+    out = r.retrieve(0, q, torch=False, out=(kb, vb))
+    assert same_bits(out.k, kv[out.positions][:, 0].transpose(1, 0, 2))
+    assert same_bits(out.v, kv[out.positions][:, 1].transpose(1, 0, 2))
+
+
+def test_set_hot_with_a_retrieval_of_a_rewritten_layer_is_refused(tmp_path, rng):
+    """set_hot filled the DRAM pool from a retrieval taken before the layer
+    was rewritten: afterwards 504 of 512 rows came back with the old bytes,
+    on every retrieval, with no error."""
+    S_ = 512
+    s = Store.create(tmp_path / "st", disks=4, num_layers=1, num_kv_heads=H, head_dim=D,
+                     num_query_heads=HQ, dtype="float16")
+    kv, cl = random_kv(rng, S_, H, D, "float16"), random_clusters(rng, S_, 32)
+    s.write_layer(0, kv, cl, local_window=8)
+    r = Retriever(s, sparsity=1.0)
+    q = rng.standard_normal((HQ, D)).astype(np.float32)
+    old = r.retrieve(0, q, torch=False)
+    kv2 = random_kv(rng, S_, H, D, "float16")
+    s.write_layer(0, kv2, cl, local_window=8)
+    r.refresh(0)
+    with pytest.raises(E.InvalidArgumentError, match="current index"):
+        r.set_hot(0, np.ones(32, bool), old)
+    assert not r.layer_state(0).hot.any()
+    new = r.retrieve(0, q, torch=False)
+    admitted, _ = r.set_hot(0, np.ones(32, bool), new)          # the current one works
+    assert admitted.tolist() == list(range(32))
+    out = r.retrieve(0, q, torch=False)
+    assert out.stats.entries_dram == S_
+    assert same_bits(out.rows, kv2.reshape(S_, -1).view(np.uint8))
+    s.close()
+
+
+def test_layer_state_built_while_the_layer_is_rewritten_serves_one_generation(tmp_path, rng):
+    """The DRAM partition took the LayerIndex of generation g, then read the
+    window and hot rows with ``read_entries``, which uses the Store's current
+    index: a rewrite committed in between put generation g+1's bytes in DRAM
+    beside generation g's SSD reads (mixed rows, no error)."""
+    S_ = 512
+    s = Store.create(tmp_path / "st", disks=4, num_layers=1, num_kv_heads=H, head_dim=D,
+                     num_query_heads=HQ, dtype="float16")
+    kv, cl = random_kv(rng, S_, H, D, "float16"), random_clusters(rng, S_, 32)
+    hot = np.zeros(32, bool)
+    hot[:8] = True
+    s.write_layer(0, kv, cl, hot=hot, local_window=16)
+    kv2 = random_kv(rng, S_, H, D, "float16")
+    import threading
+    real_layer, fired = s.layer, []
+
+    def layer(l):                  # fault injection: commit a rewrite right after the
+        li = real_layer(l)         # DRAM partition picked its LayerIndex
+        if not fired:
+            fired.append(1)
+            t = threading.Thread(target=s.write_layer, args=(0, kv2, cl),
+                                 kwargs=dict(hot=hot, local_window=16))
+            t.start()
+            t.join(timeout=60)
+        return li
+    s.layer = layer
+    r = Retriever(s, sparsity=1.0)
+    out = r.retrieve(0, rng.standard_normal((HQ, D)), torch=False)
+    assert fired and s.manifest["generation"] == 2
+    assert out.stats.entries_dram > 0 and out.positions.tolist() == list(range(S_))
+    assert same_bits(out.rows, kv.reshape(S_, -1).view(np.uint8))     # all generation 1
+    s.close()
+
+
+def test_loaded_indexes_of_other_layers_do_not_stop_space_reuse(tmp_path, rng):
+    """Claims follow the commits that leave a layer unchanged: a Retriever
+    holding layer 1 while layer 0 is appended to does not pin generation 1
+    (which would stop every reuse of layer 0's freed extents)."""
+    S_ = 256
+    kv = random_kv(rng, S_, H, D, "float16")
+    s = Store.create(tmp_path / "st", disks=4, num_layers=2, num_kv_heads=H, head_dim=D,
+                     num_query_heads=HQ, dtype="float16")
+    for layer in (0, 1):
+        s.write_layer(layer, kv, random_clusters(rng, S_, 16), local_window=8)
+    r = Retriever(s, sparsity=1.0)
+    q = rng.standard_normal((HQ, D)).astype(np.float32)
+    r.retrieve(1, q, torch=False)                      # layer 1's state stays loaded
+    ends = []
+    for i in range(20):
+        s.append(0, random_kv(rng, 8, H, D, "float16"), [[i % 16]] * 8)
+        ends.append(sum(d["end"] for d in s.manifest["disks"]))
+    assert ends[-1] - ends[5] < 14 * 4 * s.block_size  # freed extents were reused
+    out = r.retrieve(1, q, torch=False)
+    assert same_bits(out.rows, kv.reshape(S_, -1).view(np.uint8))
+    s.close()
