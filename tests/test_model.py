@@ -126,7 +126,7 @@ def test_predicts_heldout_text_far_better_than_chance(decoder):
 
 @needs_model
 @needs_data
-@pytest.mark.xfail(strict=True, reason="the committed checkpoint (2.09 M training tokens) has not "
+@pytest.mark.xfail(strict=True, reason="the committed checkpoint (4.00 M training tokens) has not "
                    "learned to copy yet: loss on the repeat equals loss on the first occurrence "
                    "(docs/model.md); strict, so this flags the first checkpoint that does")
 def test_copies_a_repeated_passage(decoder):
