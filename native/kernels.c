@@ -267,8 +267,24 @@ static inline __m256 hsum8x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3, __m512
     return _mm256_set_m128(r1, r0);
 }
 
+/* (query, query head) index of each accumulator slot of the fused head-logits
+ * kernels, per KV head, in blocks of 8 (unused slots of the last block repeat
+ * its first pair; their sums are discarded).  NULL when out of memory. */
+static int64_t *head_slots(int64_t H, int64_t G, int64_t Hq, int64_t P, int64_t nblk)
+{
+    int64_t *slot = malloc(sizeof(int64_t) * (size_t)(H * nblk * 8));
+    if (!slot)
+        return NULL;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t k = 0; k < nblk * 8; k++) {
+            int64_t pk = k < P ? k : (k / 8) * 8;
+            slot[g * nblk * 8 + k] = (pk / G) * Hq + g * G + pk % G;
+        }
+    return slot;
+}
+
 __attribute__((target("avx512f,avx512dq")))
-static void head_logits_avx512(const uint16_t *m, int64_t rows, int64_t H, int64_t d,
+static int head_logits_avx512(const uint16_t *m, int64_t rows, int64_t H, int64_t d,
                                int kind, const float *q, int64_t nq, int64_t Hq,
                                float *out)
 {
@@ -277,15 +293,9 @@ static void head_logits_avx512(const uint16_t *m, int64_t rows, int64_t H, int64
      * valid query and are discarded), so each 16-element chunk is converted
      * once and feeds 8 FMAs. */
     int64_t G = Hq / H, dv = d & ~(int64_t)15, P = nq * G, nblk = (P + 7) / 8;
-    /* (query, head) index of each accumulator slot, per KV head: computed once */
-    int64_t *slot = malloc(sizeof(int64_t) * (size_t)(H * nblk * 8));
+    int64_t *slot = head_slots(H, G, Hq, P, nblk);
     if (!slot)
-        return;
-    for (int64_t g = 0; g < H; g++)
-        for (int64_t k = 0; k < nblk * 8; k++) {
-            int64_t pk = k < P ? k : (k / 8) * 8;
-            slot[g * nblk * 8 + k] = (pk / G) * Hq + g * G + pk % G;
-        }
+        return -ENOMEM;
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = m + r * H * d;
         for (int64_t g = 0; g < H; g++) {
@@ -323,6 +333,7 @@ static void head_logits_avx512(const uint16_t *m, int64_t rows, int64_t H, int64
         }
     }
     free(slot);
+    return 0;
 }
 
 #endif /* SE_X86 */
@@ -421,19 +432,14 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
 }
 
 __attribute__((target("avx2,fma,f16c")))
-static void head_logits_avx2(const uint16_t *m, int64_t rows, int64_t H, int64_t d,
+static int head_logits_avx2(const uint16_t *m, int64_t rows, int64_t H, int64_t d,
                              int kind, const float *q, int64_t nq, int64_t Hq, float *out)
 {
     /* as head_logits_avx512, with 8-lane accumulators */
     int64_t G = Hq / H, dv = d & ~(int64_t)7, P = nq * G, nblk = (P + 7) / 8;
-    int64_t *slot = malloc(sizeof(int64_t) * (size_t)(H * nblk * 8));
+    int64_t *slot = head_slots(H, G, Hq, P, nblk);
     if (!slot)
-        return;
-    for (int64_t g = 0; g < H; g++)
-        for (int64_t k = 0; k < nblk * 8; k++) {
-            int64_t pk = k < P ? k : (k / 8) * 8;
-            slot[g * nblk * 8 + k] = (pk / G) * Hq + g * G + pk % G;
-        }
+        return -ENOMEM;
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = m + r * H * d;
         for (int64_t g = 0; g < H; g++) {
@@ -471,6 +477,7 @@ static void head_logits_avx2(const uint16_t *m, int64_t rows, int64_t H, int64_t
         }
     }
     free(slot);
+    return 0;
 }
 
 /* exp(x) for x > -87, AVX2: as exp512, with 2^i built in the exponent bits */
@@ -772,14 +779,10 @@ int se_head_logits(const uint16_t *m, int64_t rows, int64_t H, int64_t d, int ki
         return -EINVAL;
     int path = se_kernel_path();
 #if SE_X86
-    if (path == SE_PATH_AVX512) {
-        head_logits_avx512(m, rows, H, d, kind, q, nq, Hq, out);
-        return 0;
-    }
-    if (path == SE_PATH_AVX2) {
-        head_logits_avx2(m, rows, H, d, kind, q, nq, Hq, out);
-        return 0;
-    }
+    if (path == SE_PATH_AVX512)
+        return head_logits_avx512(m, rows, H, d, kind, q, nq, Hq, out);
+    if (path == SE_PATH_AVX2)
+        return head_logits_avx2(m, rows, H, d, kind, q, nq, Hq, out);
 #endif
     return head_logits_by_gemv(path, m, rows, H, d, kind, q, nq, Hq, out);
 }
@@ -988,9 +991,9 @@ int64_t se_select_fused(const uint16_t *m, const uint16_t *packed, int64_t C, in
             else if (packed && path == SE_PATH_AVX2)
                 packed_logits_avx2(packed, C, H, d, kind, q, Hq, lg);
             else if (path == SE_PATH_AVX512)
-                head_logits_avx512(m, C, H, d, kind, q, 1, Hq, lg);
+                rc = head_logits_avx512(m, C, H, d, kind, q, 1, Hq, lg);
             else if (path == SE_PATH_AVX2)
-                head_logits_avx2(m, C, H, d, kind, q, 1, Hq, lg);
+                rc = head_logits_avx2(m, C, H, d, kind, q, 1, Hq, lg);
             else
 #endif
                 rc = head_logits_by_gemv(path, m, C, H, d, kind, q, 1, Hq, lg);
