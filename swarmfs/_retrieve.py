@@ -333,7 +333,7 @@ class Retriever:
         self._lock = threading.Lock()
         self._step_locks: dict[int, threading.Lock] = {}
         self._pool = None
-        self.group = store.model.get("num_query_heads", store.num_kv_heads) // store.num_kv_heads
+        self.group = store.model.num_query_heads // store.num_kv_heads
 
     def prefetch(self, layer: int, q, **kw):
         """Start :meth:`retrieve` in a background thread (SWARM §7's pipelined
