@@ -387,7 +387,7 @@ class Retriever:
                 if st is None:
                     W = self.local_window
                     if W is None:
-                        W = self.store.layer_info(layer)["local_window"]
+                        W = self.store.layer_record(layer).local_window
                     st = _LayerState(self.store, layer, W, self._hot.get(layer),
                                      self.selector)
                     self._layers[layer] = st

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-import json
 import os
 import shutil
 import threading
@@ -31,11 +30,9 @@ from ._disks import ReaderLease, create_disks, open_disks
 from ._engine import Engine, EngineStats, device_size
 from ._executor import Executor
 from ._index import LayerIndex
-from ._manifest import (LAYER_RECORD_KEYS, DiskRecord, Manifest, ModelIdentity,
-                        read_manifest, write_manifest)
+from ._manifest import (DiskRecord, LayerRecord, Manifest, ModelIdentity, read_manifest,
+                        write_manifest)
 from ._planner import MAX_REQUEST, Plan, plan_reads
-from ._write import as_bytes_rows, clusters_csr
-from .layout._place import PLACEMENTS
 
 __all__ = ["Store", "StoreStats"]
 
@@ -490,6 +487,15 @@ class Store:
         return li
 
     @E.boundary
+    def layer_record(self, layer: int) -> LayerRecord:
+        """The manifest record of a layer (:class:`~swarmfs._manifest.LayerRecord`).
+
+        Raises:
+            OutOfRangeError: the layer does not exist or holds no data.
+        """
+        return self._m.layers[self._check_layer(layer)]
+
+    @E.boundary
     def layer_info(self, layer: int) -> dict:
         """The manifest record of a layer, as its JSON dict."""
         return self._m.layers[self._check_layer(layer)].to_dict()
@@ -560,70 +566,9 @@ class Store:
             if local_window < 0:
                 raise E.OutOfRangeError(f"local_window must be >= 0, got {local_window}",
                                         store=self.path, layer=layer)
-        if extra is not None:
-            if not isinstance(extra, dict):
-                raise E.ShapeError(f"extra must be a dict, got {type(extra).__name__}",
-                                   store=self.path, layer=layer)
-            clash = sorted(set(extra) & LAYER_RECORD_KEYS)
-            if clash:
-                raise E.ShapeError(f"extra may not set the layer record's own fields {clash} "
-                                   "(use the keyword arguments)", store=self.path, layer=layer)
-            if F.json_depth(extra) > 16:
-                raise E.ShapeError("extra is nested deeper than 16 levels", store=self.path,
-                                   layer=layer)
-            try:
-                json.dumps(extra)
-            except (TypeError, ValueError) as exc:
-                raise E.ShapeError(f"extra is not JSON-serialisable: {exc}",
-                                   store=self.path, layer=layer) from None
-        rows = as_bytes_rows(kv, self.entry_shape, self.dtype, layer=layer, store=self.path)
-        S = rows.shape[0]
-        ptr, members = clusters_csr(clusters, layer=layer, store=self.path)
-        C = ptr.shape[0] - 1
-        if members.min() < 0 or members.max() >= S:
-            raise E.ShapeError(f"a cluster member is outside [0, {S})", store=self.path,
-                               layer=layer)
-        if np.bincount(members, minlength=S).min() == 0:
-            t = int(np.flatnonzero(np.bincount(members, minlength=S) == 0)[0])
-            raise E.ShapeError(f"token {t} is in no cluster (every entry must be stored)",
-                               store=self.path, layer=layer)
-        cl = np.repeat(np.arange(C), np.diff(ptr))
-        key = cl * np.int64(S) + members
-        if np.unique(key).shape[0] != key.shape[0]:
-            raise E.ShapeError("a token appears twice in one cluster", store=self.path,
-                               layer=layer)
-        medoids = (members[ptr[:-1]] if medoids is None
-                   else E.as_int_array(medoids, "medoids", store=self.path, layer=layer))
-        if medoids.shape[0] != C:
-            raise E.ShapeError(f"{medoids.shape[0]} medoids for {C} clusters",
-                               store=self.path, layer=layer)
-        is_med = members == medoids[cl]
-        if np.bincount(cl[is_med], minlength=C).min() == 0:
-            c = int(np.flatnonzero(np.bincount(cl[is_med], minlength=C) == 0)[0])
-            raise E.ShapeError("medoid is not a member of its cluster", store=self.path,
-                               layer=layer, cluster=c)
-        if hot is None:
-            hot = np.zeros(C, np.uint8)
-        else:
-            hot = np.asarray(hot).reshape(-1)
-            if hot.size and (hot.dtype.kind not in "biu" or not np.isin(hot, (0, 1)).all()):
-                raise E.ShapeError("hot must be a boolean (0/1) mask", store=self.path,
-                                   layer=layer)
-            hot = hot.astype(np.uint8)
-        try:
-            freq = np.zeros(C, np.float32) if freq is None else \
-                np.asarray(freq, dtype=np.float32).reshape(-1)
-        except (TypeError, ValueError):
-            raise E.ShapeError("freq must be numbers", store=self.path, layer=layer) from None
-        if freq.size and (not np.isfinite(freq).all() or freq.min() < 0):
-            raise E.ShapeError("freq must be finite and >= 0", store=self.path, layer=layer)
-        if placement not in PLACEMENTS:
-            raise E.LayoutError(f"unknown placement {placement!r}; use one of {PLACEMENTS}",
-                                store=self.path, layer=layer)
-        if hot.shape[0] != C or freq.shape[0] != C:
-            raise E.ShapeError("hot and freq need one value per cluster", store=self.path,
-                               layer=layer)
-
+        rows, ptr, members, medoids, hot, freq = _write.check_layer_input(
+            kv, clusters, medoids, hot, freq, extra, placement, entry_shape=self.entry_shape,
+            dtype=self.dtype, layer=layer, store=self.path)
         with self._transaction() as tx:
             old = None
             if layer in self._m.layers:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import os
 import types
 import warnings
@@ -30,11 +31,12 @@ from . import _format as F
 from ._disks import truncate_to, write_commit_records
 from ._engine import WRITE, scatter_rows, xxh3_ranges, xxh3_rows
 from ._index import concat_ranges
-from ._manifest import IndexRecord, LayerRecord, Manifest, read_manifest, write_manifest
-from .layout._place import copy_locations, place_clusters
+from ._manifest import (LAYER_RECORD_KEYS, IndexRecord, LayerRecord, Manifest, read_manifest,
+                        write_manifest)
+from .layout._place import PLACEMENTS, copy_locations, place_clusters
 
 __all__ = ["as_bytes_rows", "clusters_csr", "chunk_bounds", "append_tokens", "allocate",
-           "free_extents", "check_finite", "Transaction", "write_layer"]
+           "free_extents", "check_finite", "check_layer_input", "Transaction", "write_layer"]
 
 #: a range freed by commit f is reused from commit f + REUSE_AFTER on: the
 #: committed manifest (f + 1 onwards) and the previous one, whose index files
@@ -242,6 +244,87 @@ def chunk_bounds(sizes: np.ndarray, limit: int) -> np.ndarray:
     cuts = np.flatnonzero(np.diff(group)) + 1
     return np.concatenate([[0], cuts, [n]]).astype(np.int64)
 
+
+
+def check_layer_input(kv, clusters, medoids, hot, freq, extra, placement, *,
+                      entry_shape: tuple, dtype: str, layer: int, store=None):
+    """Check the arguments of :meth:`Store.write_layer` (see there) before
+    anything is written.
+
+    Returns:
+        (rows uint8 [S, entry_bytes], ptr int64 [C+1], members int [M],
+        medoids int [C], hot uint8 [C], freq float32 [C]).
+
+    Raises:
+        ShapeError: kv shape/dtype, cluster definitions, medoids, hot, freq
+            or extra are wrong.
+        LayoutError: an unknown placement.
+    """
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise E.ShapeError(f"extra must be a dict, got {type(extra).__name__}",
+                               store=store, layer=layer)
+        clash = sorted(set(extra) & LAYER_RECORD_KEYS)
+        if clash:
+            raise E.ShapeError(f"extra may not set the layer record's own fields {clash} "
+                               "(use the keyword arguments)", store=store, layer=layer)
+        if F.json_depth(extra) > 16:
+            raise E.ShapeError("extra is nested deeper than 16 levels", store=store,
+                               layer=layer)
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as exc:
+            raise E.ShapeError(f"extra is not JSON-serialisable: {exc}",
+                               store=store, layer=layer) from None
+    rows = as_bytes_rows(kv, entry_shape, dtype, layer=layer, store=store)
+    S = rows.shape[0]
+    ptr, members = clusters_csr(clusters, layer=layer, store=store)
+    C = ptr.shape[0] - 1
+    if members.min() < 0 or members.max() >= S:
+        raise E.ShapeError(f"a cluster member is outside [0, {S})", store=store,
+                           layer=layer)
+    if np.bincount(members, minlength=S).min() == 0:
+        t = int(np.flatnonzero(np.bincount(members, minlength=S) == 0)[0])
+        raise E.ShapeError(f"token {t} is in no cluster (every entry must be stored)",
+                           store=store, layer=layer)
+    cl = np.repeat(np.arange(C), np.diff(ptr))
+    key = cl * np.int64(S) + members
+    if np.unique(key).shape[0] != key.shape[0]:
+        raise E.ShapeError("a token appears twice in one cluster", store=store,
+                           layer=layer)
+    medoids = (members[ptr[:-1]] if medoids is None
+               else E.as_int_array(medoids, "medoids", store=store, layer=layer))
+    if medoids.shape[0] != C:
+        raise E.ShapeError(f"{medoids.shape[0]} medoids for {C} clusters",
+                           store=store, layer=layer)
+    is_med = members == medoids[cl]
+    if np.bincount(cl[is_med], minlength=C).min() == 0:
+        c = int(np.flatnonzero(np.bincount(cl[is_med], minlength=C) == 0)[0])
+        raise E.ShapeError("medoid is not a member of its cluster", store=store,
+                           layer=layer, cluster=c)
+    if hot is None:
+        hot = np.zeros(C, np.uint8)
+    else:
+        hot = np.asarray(hot).reshape(-1)
+        if hot.size and (hot.dtype.kind not in "biu" or not np.isin(hot, (0, 1)).all()):
+            raise E.ShapeError("hot must be a boolean (0/1) mask", store=store,
+                               layer=layer)
+        hot = hot.astype(np.uint8)
+    try:
+        freq = np.zeros(C, np.float32) if freq is None else \
+            np.asarray(freq, dtype=np.float32).reshape(-1)
+    except (TypeError, ValueError):
+        raise E.ShapeError("freq must be numbers", store=store, layer=layer) from None
+    if freq.size and (not np.isfinite(freq).all() or freq.min() < 0):
+        raise E.ShapeError("freq must be finite and >= 0", store=store, layer=layer)
+    if placement not in PLACEMENTS:
+        raise E.LayoutError(f"unknown placement {placement!r}; use one of {PLACEMENTS}",
+                            store=store, layer=layer)
+    if hot.shape[0] != C or freq.shape[0] != C:
+        raise E.ShapeError("hot and freq need one value per cluster", store=store,
+                           layer=layer)
+
+    return rows, ptr, members, medoids, hot, freq
 
 
 class Transaction:
