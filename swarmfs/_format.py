@@ -348,6 +348,24 @@ def write_manifest(store_dir: str, manifest: dict) -> dict:
     return m
 
 
+def check_format(m, store_dir) -> None:
+    """A parsed manifest is a swarmfs manifest of this format version.
+
+    Raises:
+        ManifestError: not a JSON object of format "swarmfs", format 1 (with
+            the request to rebuild) or another version.
+    """
+    if not isinstance(m, dict) or m.get("format") != "swarmfs":
+        raise E.ManifestError("manifest.json is not a swarmfs manifest", store=store_dir)
+    if m.get("format_version") == 1:
+        raise E.ManifestError("store " + _OLD_VERSION_HINT, store=store_dir)
+    if m.get("format_version") != FORMAT_VERSION or \
+            isinstance(m.get("format_version"), bool):
+        raise E.ManifestError(f"format version {m.get('format_version')!r} is not "
+                              f"supported (this swarmfs reads {FORMAT_VERSION})",
+                              store=store_dir)
+
+
 def read_manifest(store_dir: str) -> dict:
     """Read ``STORE/manifest.json`` as JSON and check its format version and
     checksum (bounded read).  The fields are checked by the one validating
@@ -388,15 +406,7 @@ def read_manifest(store_dir: str) -> dict:
     data = read_bounded(path, cap=MAX_MANIFEST_BYTES, what="manifest.json",
                         store=store_dir)
     m = parse_json(data, "manifest.json", store=store_dir)
-    if not isinstance(m, dict) or m.get("format") != "swarmfs":
-        raise E.ManifestError("manifest.json is not a swarmfs manifest", store=store_dir)
-    if m.get("format_version") == 1:
-        raise E.ManifestError("store " + _OLD_VERSION_HINT, store=store_dir)
-    if m.get("format_version") != FORMAT_VERSION or \
-            isinstance(m.get("format_version"), bool):
-        raise E.ManifestError(f"format version {m.get('format_version')!r} is not "
-                              f"supported (this swarmfs reads {FORMAT_VERSION})",
-                              store=store_dir)
+    check_format(m, store_dir)
     try:
         ok = m.get("checksum") == manifest_checksum(m)
     except (ValueError, TypeError, RecursionError):

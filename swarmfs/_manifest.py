@@ -217,8 +217,8 @@ class Manifest:
         commit passes the manifest it is about to write through it.
 
         Args:
-            m: the parsed JSON (format version and checksum already checked
-                by ``_format.read_manifest``).
+            m: the parsed JSON (its checksum is checked by
+                ``_format.read_manifest`` against the file's JSON).
             store_dir: named in errors.
 
         Raises:
@@ -265,8 +265,7 @@ def _check(m: dict, store_dir) -> None:
             fail(f"{what} must be an integer in [{lo}, {hi}], got {x!r}"[:300], **kw)
         return x
 
-    if not isinstance(m, dict):
-        fail("is not a JSON object")
+    F.check_format(m, store_dir)
     if not isinstance(m.get("uuid"), str) or not _HEX32.fullmatch(m["uuid"]):
         fail("uuid must be 32 hex digits")
     if not isinstance(m.get("checksum"), str) or not _HEX16.fullmatch(m["checksum"]):
