@@ -330,6 +330,13 @@ def write_manifest(store_dir: str, manifest: dict) -> dict:
     content in ``"checksum"``, so an edited or corrupt manifest is refused).
     Returns the manifest as written."""
     m = seal_manifest(manifest)
+    write_sealed_manifest(store_dir, m)
+    return m
+
+
+def write_sealed_manifest(store_dir: str, m: dict) -> None:
+    """Atomically replace ``STORE/manifest.json`` with ``m`` as it is (its
+    ``checksum`` already computed: :func:`seal_manifest`)."""
     data = json.dumps(m, indent=1, sort_keys=False).encode() + b"\n"
     atomic_write(os.path.join(store_dir, MANIFEST), data)
     # leftovers of writers that crashed before their rename
@@ -345,7 +352,6 @@ def write_manifest(store_dir: str, manifest: dict) -> dict:
                     pass
             except PermissionError:
                 pass
-    return m
 
 
 def check_format(m, store_dir) -> None:

@@ -31,8 +31,7 @@ from . import _format as F
 from ._disks import truncate_to, write_commit_records
 from ._engine import WRITE, scatter_rows, xxh3_ranges, xxh3_rows
 from ._index import concat_ranges
-from ._manifest import (LAYER_RECORD_KEYS, IndexRecord, LayerRecord, Manifest, read_manifest,
-                        write_manifest)
+from ._manifest import LAYER_RECORD_KEYS, IndexRecord, LayerRecord, Manifest, read_manifest
 from .layout._place import PLACEMENTS, copy_locations, place_clusters
 
 __all__ = ["as_bytes_rows", "clusters_csr", "chunk_bounds", "append_tokens", "allocate",
@@ -557,9 +556,10 @@ class Transaction:
         keep = {r.index.file for r in new.layers.values()}
         if old is not None:
             keep.add(old.index.file)   # readers of the previous generation
+        sealed = F.seal_manifest(new.to_dict())
         try:
             # never commit what open() would refuse: the one loader checks it
-            new = Manifest.load(F.seal_manifest(new.to_dict()), self.path)
+            new = Manifest.load(sealed, self.path)
         except E.ManifestError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(index_path)
@@ -568,7 +568,7 @@ class Transaction:
         uid = bytes.fromhex(new.uuid)
         try:
             write_commit_records(self._engine, self._fds, uid, new, F.PREPARED)
-            new = write_manifest(self.path, new)
+            F.write_sealed_manifest(self.path, sealed)
         except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.unlink(index_path)
