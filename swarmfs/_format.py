@@ -1,4 +1,5 @@
-"""On-disk format: disk superblocks, commit records, the manifest, and
+"""On-disk format: disk superblocks, commit records, the manifest file (its
+bytes, JSON and checksum; its fields are the model in ``_manifest``), and
 per-layer index files.
 
 A store is a directory plus N disks (regular files or block devices)::

@@ -384,6 +384,8 @@ class Transaction:
 
     # -- the lock ----------------------------------------------------------------
     def __enter__(self) -> "Transaction":
+        if self.base is not None:
+            raise E.InternalError("a write transaction is entered once", store=self.path)
         self._mutex.acquire()
         try:
             fd = os.open(os.path.join(self.path, ".lock"),
@@ -526,6 +528,9 @@ class Transaction:
                 committed).
             DiskFullError, IOFailedError: writing the index or manifest failed.
         """
+        if self.base is None or self._lock_fd is None or self.committed is not None:
+            raise E.InternalError("commit outside an open write transaction, or twice",
+                                  store=self.path, layer=layer)
         m = self.base
         gen = self.generation
         meta = dict(uuid=m.uuid, num_disks=self.num_disks, dtype=m.model.dtype,

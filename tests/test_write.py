@@ -163,3 +163,18 @@ def test_allocate_and_free_keep_manifest_records(tmp_path):
     f1 = free_extents(dicts, [0], [0], [61440], [4096], gen=3, block_size=512)
     f2 = free_extents(recs, [0], [0], [61440], [4096], gen=3, block_size=512)
     assert f2[0].to_dict() == f1[0] and recs[0].free[0] == (12288, 4096, 0)
+
+
+def test_a_transaction_commits_once_and_only_inside_its_lock(tmp_path):
+    s, kv = _small_store(tmp_path)
+    tx = s._transaction()
+    with pytest.raises(E.InternalError, match="outside an open write transaction"):
+        tx.commit(0, {}, p_global=0)
+    with tx:
+        pass
+    with pytest.raises(E.InternalError, match="entered once"):
+        with tx:
+            pass
+    s.append(0, kv[:1], [[0]])                     # the lock was released both times
+    assert s.num_tokens(0) == 41
+    s.close()
