@@ -26,8 +26,11 @@ import dataclasses
 import json
 import os
 import re
+import time
 import types
 from typing import Any, Mapping
+
+import numpy as np
 
 from . import _errors as E
 from . import _format as F
@@ -72,6 +75,41 @@ class ModelIdentity:
     #: the fields the superblocks pin (``_format.unpack_superblock``'s model)
     IDENTITY = ("num_layers", "num_kv_heads", "head_dim", "num_query_heads", "dtype",
                 "entry_bytes")
+
+    @classmethod
+    def new(cls, *, name, num_layers, num_kv_heads, head_dim, num_query_heads,
+            dtype) -> "ModelIdentity":
+        """The identity of a new store, from ``Store.create``'s arguments
+        (``num_query_heads`` None: as many as KV heads).
+
+        Raises:
+            ShapeError: an unknown dtype, a shape out of range, query heads
+                not a multiple of the KV heads, an entry over 1 GiB.
+            InvalidArgumentError: a name (``model_name``) that is not a string.
+        """
+        if not isinstance(dtype, str) or dtype not in F.DTYPES:
+            raise E.ShapeError(f"unsupported dtype {dtype!r}; use one of {sorted(F.DTYPES)}")
+        for what, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or \
+                    not 0 < v <= 1 << 16:
+                raise E.ShapeError(f"{what} must be a positive integer <= 65536, got {v!r}")
+        if num_query_heads is not None and (
+                isinstance(num_query_heads, bool) or
+                not isinstance(num_query_heads, (int, np.integer)) or
+                not 0 < num_query_heads <= 1 << 16 or num_query_heads % num_kv_heads):
+            raise E.ShapeError(f"num_query_heads must be a positive multiple of "
+                               f"num_kv_heads, got {num_query_heads!r}")
+        if 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype] > 1 << 30:
+            raise E.ShapeError(f"an entry of 2 x {num_kv_heads} x {head_dim} {dtype} is over "
+                               "1 GiB")
+        if name is not None and not isinstance(name, str):
+            raise E.InvalidArgumentError(f"model_name must be a string, got {name!r}")
+        itemsize = F.DTYPES[dtype]
+        return cls(name=name, num_layers=int(num_layers), num_kv_heads=int(num_kv_heads),
+                   head_dim=int(head_dim),
+                   num_query_heads=int(num_query_heads or num_kv_heads), dtype=dtype,
+                   entry_bytes=2 * int(num_kv_heads) * int(head_dim) * itemsize)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "num_layers": self.num_layers,
@@ -173,6 +211,21 @@ class Manifest:
     local_window: int
     checksum: str = ""
     extra: Mapping = dataclasses.field(default_factory=lambda: _EMPTY)
+
+    @classmethod
+    def new(cls, store_dir, *, uuid: str, model: ModelIdentity, block_size: int,
+            disk_paths: list, capacities: list, local_window: int = 256) -> "Manifest":
+        """The generation-0 manifest of a new store (no layers, empty disks),
+        sealed and passed through the loader (never what open() would refuse).
+        ``disk_paths`` as recorded (relative to the store where inside it)."""
+        m = cls(uuid=uuid, generation=0,
+                created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                model=model, block_size=block_size, p_global=0,
+                disks=tuple(DiskRecord(index=i, path=p, end=F.DATA_START,
+                                       capacity=capacities[i])
+                            for i, p in enumerate(disk_paths)),
+                layers=types.MappingProxyType({}), local_window=local_window)
+        return cls.load(m.sealed().to_dict(), store_dir)
 
     # -- serialiser ------------------------------------------------------------
     def to_dict(self) -> dict:

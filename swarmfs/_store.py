@@ -18,7 +18,6 @@ import os
 import shutil
 import threading
 import time
-import types
 import weakref
 
 import numpy as np
@@ -30,8 +29,7 @@ from ._disks import ReaderLease, create_disks, open_disks
 from ._engine import Engine, EngineStats, device_size
 from ._executor import Executor
 from ._index import LayerIndex
-from ._manifest import (DiskRecord, LayerRecord, Manifest, ModelIdentity, read_manifest,
-                        write_manifest)
+from ._manifest import LayerRecord, Manifest, ModelIdentity, read_manifest, write_manifest
 from ._planner import MAX_REQUEST, Plan, plan_reads
 
 __all__ = ["Store", "StoreStats"]
@@ -164,24 +162,9 @@ class Store:
             DiskFullError: preallocation failed for lack of space.
         """
         path = os.path.abspath(path)
-        if not isinstance(dtype, str) or dtype not in F.DTYPES:
-            raise E.ShapeError(f"unsupported dtype {dtype!r}; use one of {sorted(F.DTYPES)}")
-        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or \
-                    not 0 < v <= 1 << 16:
-                raise E.ShapeError(f"{name} must be a positive integer <= 65536, got {v!r}")
-        if num_query_heads is not None and (
-                isinstance(num_query_heads, bool) or
-                not isinstance(num_query_heads, (int, np.integer)) or
-                not 0 < num_query_heads <= 1 << 16 or num_query_heads % num_kv_heads):
-            raise E.ShapeError(f"num_query_heads must be a positive multiple of "
-                               f"num_kv_heads, got {num_query_heads!r}")
-        if 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype] > 1 << 30:
-            raise E.ShapeError(f"an entry of 2 x {num_kv_heads} x {head_dim} {dtype} is over "
-                               "1 GiB")
-        if model_name is not None and not isinstance(model_name, str):
-            raise E.InvalidArgumentError(f"model_name must be a string, got {model_name!r}")
+        model = ModelIdentity.new(name=model_name, num_layers=num_layers,
+                                  num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                  num_query_heads=num_query_heads, dtype=dtype)
         for name, v in (("disk_size", disk_size), ("block_size", block_size)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
                                   or v < 0 or v > 1 << 62):
@@ -211,10 +194,7 @@ class Store:
         created = not os.path.exists(path)
         os.makedirs(path, exist_ok=True)
         try:
-            return cls._create(path, disks=disks, num_layers=num_layers,
-                               num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                               model_name=model_name, num_query_heads=num_query_heads,
-                               disk_size=disk_size, block_size=block_size, force=force,
+            return cls._create(path, disks=disks, model=model, disk_size=disk_size, block_size=block_size, force=force,
                                engine=engine, queue_depth=queue_depth, verify=verify)
         except BaseException:
             if created:      # leave nothing behind for a store that never existed
@@ -222,8 +202,8 @@ class Store:
             raise
 
     @classmethod
-    def _create(cls, path, *, disks, num_layers, num_kv_heads, head_dim, dtype, model_name,
-                num_query_heads, disk_size, block_size, force, engine, queue_depth, verify):
+    def _create(cls, path, *, disks, model, disk_size, block_size, force, engine, queue_depth,
+                verify):
         if isinstance(disks, (int, np.integer)):
             disks = int(disks)
             if not 1 <= disks <= 256:
@@ -234,22 +214,11 @@ class Store:
             disk_paths = [os.path.abspath(str(p)) for p in disks]
             if not 1 <= len(disk_paths) <= 256 or len(set(disk_paths)) != len(disk_paths):
                 raise E.ShapeError("disks must be 1 to 256 distinct paths", store=path)
-        entry_bytes = 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype]
 
         def make_manifest(uid, caps, bs):
-            m = Manifest(
-                uuid=uid.hex(), generation=0,
-                created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                model=ModelIdentity(name=model_name, num_layers=int(num_layers),
-                                    num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
-                                    num_query_heads=int(num_query_heads or num_kv_heads),
-                                    dtype=dtype, entry_bytes=entry_bytes),
-                block_size=bs, p_global=0,
-                disks=tuple(DiskRecord(index=i, path=cls._rel(path, p), end=F.DATA_START,
-                                       capacity=caps[i]) for i, p in enumerate(disk_paths)),
-                layers=types.MappingProxyType({}), local_window=256)
-            # through the one loader: never write what open() would refuse
-            return Manifest.load(m.sealed().to_dict(), path)
+            return Manifest.new(path, uuid=uid.hex(), model=model, block_size=bs,
+                                disk_paths=[cls._rel(path, p) for p in disk_paths],
+                                capacities=caps)
 
         manifest = create_disks(path, disk_paths, force=force, disk_size=disk_size,
                                 block_size=block_size, engine=engine,
