@@ -364,10 +364,10 @@ def check_format(m, store_dir) -> None:
     """
     if not isinstance(m, dict) or m.get("format") != "swarmfs":
         raise E.ManifestError("manifest.json is not a swarmfs manifest", store=store_dir)
-    if m.get("format_version") == 1:
+    version = m.get("format_version")
+    if type(version) is int and version == 1:       # not True, which equals 1
         raise E.ManifestError("store " + _OLD_VERSION_HINT, store=store_dir)
-    if m.get("format_version") != FORMAT_VERSION or \
-            isinstance(m.get("format_version"), bool):
+    if type(version) is not int or version != FORMAT_VERSION:
         raise E.ManifestError(f"format version {m.get('format_version')!r} is not "
                               f"supported (this swarmfs reads {FORMAT_VERSION})",
                               store=store_dir)

@@ -289,6 +289,11 @@ def test_format_1_stores_are_refused_cleanly(st):
     reseal_manifest(path, m)
     with pytest.raises(E.ManifestError, match="older swarmfs.*rebuild"):
         Store.open(path)
+    for wrong in (True, 2.0, "2", None):         # True == 1 and 2.0 == 2 in Python
+        m["format_version"] = wrong
+        reseal_manifest(path, m)
+        with pytest.raises(E.ManifestError, match="format version .* is not supported"):
+            Store.open(path)
     raw = bytearray(F.pack_superblock(store_uuid=b"x" * 16, disk_index=0, disk_count=1,
                                       block_size=512, model=m["model"]))
     raw[8:12] = struct.pack("<I", 1)
