@@ -1,15 +1,11 @@
 import os
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
+from tools._shared_data import data_dir
+
 ENGINES = ["io_uring", "threads"]
-
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-from _shared_data import data_dir  # noqa: E402
 
 DATA = data_dir()
 

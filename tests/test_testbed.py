@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -22,19 +21,9 @@ from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
-TESTBED = TOOLS / "testbed"
+from tools import _testbed as T
 
-
-def _load_module():
-    spec = importlib.util.spec_from_file_location("_testbed", TOOLS / "_testbed.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("_testbed", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-T = _load_module()
+TESTBED = Path(__file__).resolve().parent.parent / "tools" / "testbed"
 
 
 def _why_not() -> str | None:

@@ -227,8 +227,7 @@ def percentile(xs, q):
 
 
 def isolation(a):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _testbed as T
+    from tools import _testbed as T
     name = f"swarmfs-bench-isolation-{os.getpid()}"
     backing = os.path.join(a.dir, "isolation-backing")
     healthy = ensure_disks(os.path.join(a.dir, "isolation-healthy"), 1, 64 << 20)[0]

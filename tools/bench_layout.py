@@ -46,7 +46,7 @@ import tempfile
 import time
 
 import numpy as np
-from _shared_data import data_dir
+from tools._shared_data import data_dir
 
 DATA = data_dir()
 TEXTS = {"wikitext2": DATA / "wikitext2_raw_test.raw", "gsm8k": DATA / "gsm8k_test.jsonl"}
@@ -118,9 +118,10 @@ def cmd_scale(args) -> dict:
     cap = cached_capture("wikitext2", max(sizes), [args.layer], args.cache)
     rows = []
     for S in sizes:
-        out = subprocess.run([sys.executable, __file__, "_scale_worker", "--capture", str(cap),
+        out = subprocess.run([sys.executable, "-m", "tools.bench_layout", "_scale_worker", "--capture", str(cap),
                               "--tokens", str(S), "--layer", str(args.layer)],
-                             check=True, capture_output=True, text=True)
+                             check=True, capture_output=True, text=True,
+                             cwd=pathlib.Path(__file__).resolve().parents[1])
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(f"S={S:>6}  profile {row['profile_s']:5.1f} s  graph {row['graph_s']:5.1f} s  "

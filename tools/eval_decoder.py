@@ -34,7 +34,6 @@ import time
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = ("python", "wikitext2", "shakespeare", "gsm8k")
 
 
@@ -98,7 +97,6 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=pathlib.Path, default=None)
     args = p.parse_args(argv)
-    sys.path.insert(0, str(REPO))
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from swarmfs.models import DEFAULT_DECODER, training_texts

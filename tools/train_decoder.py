@@ -48,7 +48,6 @@ import time
 import numpy as np
 
 EOS = "<|endoftext|>"
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def parse_phases(spec: str) -> list[tuple[int, int, int]]:
@@ -396,7 +395,6 @@ def main(argv=None) -> int:
     p.add_argument("--bench", action="store_true", help="time STEPS steps of each phase, then stop")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(REPO))
     streams = prepare(args.out, args.vocab)
     tok_path = args.out / "tokenizer.json"
     if args.bench:
