@@ -16,12 +16,12 @@ metric (default) and eq. 2 as written, on WikiText-2 and GSM8K.  The first
 evaluation uses ``--heldout`` queries drawn from the following tokens (never
 profiled), each attending to the whole context.
 
-    python tools/bench_layout.py scale --out bench-out/layout-scale.json
-    python tools/bench_layout.py recall --context 3072 --eq2-counts 0.0125,0.025 \
+    python -m tools.bench_layout scale --out bench-out/layout-scale.json
+    python -m tools.bench_layout recall --context 3072 --eq2-counts 0.0125,0.025 \
         --out bench-out/recall-3k.json
-    python tools/bench_layout.py recall --context 16384 --heldout-span 4096 \
+    python -m tools.bench_layout recall --context 16384 --heldout-span 4096 \
         --eq2-counts 0.0125,0.025 --out bench-out/recall-16k.json
-    python tools/bench_layout.py recall --datasets wikitext2 --context 16384 \
+    python -m tools.bench_layout recall --datasets wikitext2 --context 16384 \
         --heldout-span 4096 --taus 0.5,0.6,0.7 --eq2-counts 0.0125,0.025,0.05 \
         --out bench-out/recall-sweep-16k.json
 

@@ -19,7 +19,7 @@ Three measurements, all on text the decoder never trained on
 
 Usage::
 
-    .venv/bin/python tools/eval_decoder.py [--model DIR] [--json docs/data/model/eval.json]
+    .venv/bin/python -m tools.eval_decoder [--model DIR] [--json docs/data/model/eval.json]
 """
 
 from __future__ import annotations

@@ -29,10 +29,10 @@ The recipe (docs/model.md):
 
 Usage (the command that produced the committed model is in docs/model.md)::
 
-    setsid nice -n 19 .venv/bin/python tools/train_decoder.py --out /work/train \\
+    setsid nice -n 19 .venv/bin/python -m tools.train_decoder --out /work/train \\
         --phases 512x16:N1,2048x4:N2,8192x1:N3 > /work/train/log.txt 2>&1 &
 
-    .venv/bin/python tools/train_decoder.py --out /work/train --bench   # tokens/s per phase
+    .venv/bin/python -m tools.train_decoder --out /work/train --bench   # tokens/s per phase
 """
 
 from __future__ import annotations
