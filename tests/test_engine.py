@@ -17,10 +17,10 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
 from swarmfs import _errors as E
 from swarmfs._engine import (READ, WRITE, Engine, assign_buckets, gather_rows,
@@ -269,15 +269,6 @@ def uring_fds() -> int:
     return n
 
 
-def wait_for(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def test_threads_read_concurrently_through_one_engine(disks, engine_kind):
     """Stress: six threads, each with its own buffer, read random plans through
     one engine at once; every byte is right, stats() is readable throughout,
@@ -317,7 +308,7 @@ def test_threads_read_concurrently_through_one_engine(disks, engine_kind):
         assert s.fixed_requests == s.requests      # every thread's ring registered its buffer
         assert set(s.ring_flags) >= {"SINGLE_ISSUER"}
         # the opener's ring stays; the workers' rings went with their threads
-        assert wait_for(lambda: eng.stats().rings == 1), eng.stats().rings
+        wait_until(lambda: eng.stats().rings == 1, what="one ring left")
         assert uring_fds() == before + 1
     eng.close()
     assert uring_fds() == before
@@ -367,7 +358,7 @@ def test_close_waits_for_calls_in_flight_and_later_calls_raise(disks, engine_kin
     for t in threads:
         t.start()
     go.wait(10)
-    assert wait_for(lambda: outcome["ok"] >= 8)
+    wait_until(lambda: outcome["ok"] >= 8, what="8 reads done")
     eng.close()
     assert eng._ptr is None
     for t in threads:
@@ -376,7 +367,7 @@ def test_close_waits_for_calls_in_flight_and_later_calls_raise(disks, engine_kin
     with pytest.raises(E.SwarmError, match="closed"):
         eng.stats()
     eng.close()                                   # idempotent
-    assert wait_for(lambda: uring_fds() == before)
+    wait_until(lambda: uring_fds() == before, what="the rings' fds closed")
 
 
 def _testbed():
@@ -754,11 +745,12 @@ def test_fixed_buffer_registration_follows_the_threads_that_use_it(disks):
     step.set()
     t.join()
     assert seen["after_release"] == base + 64          # dropped there on its next call
-    assert wait_for(lambda: vm_pin_kib() == base and eng.stats().rings == 1)
+    wait_until(lambda: vm_pin_kib() == base and eng.stats().rings == 1,
+               what="the pinned memory given back and one ring left")
     s = eng.stats()
     assert s.fixed_requests == s.requests == 2
     eng.close()
-    assert wait_for(lambda: vm_pin_kib() == base)
+    wait_until(lambda: vm_pin_kib() == base, what="the pinned memory given back")
 
 
 def test_buffers_registered_and_released_from_many_threads_stay_correct(disks):
@@ -804,4 +796,4 @@ def test_buffers_registered_and_released_from_many_threads_stay_correct(disks):
     assert s.errors == 0 and s.buffer_register_errors == 0
     assert s.fixed_requests > s.requests // 2
     eng.close()
-    assert wait_for(lambda: vm_pin_kib() == base), vm_pin_kib()   # ring exit is async
+    wait_until(lambda: vm_pin_kib() == base, what="the pinned memory given back")  # async
