@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 from conftest import random_clusters, random_kv
-from fuzz_store import _raw_manifest
+from tools.fuzz_store import _raw_manifest
 
 from swarmfs import Store
 from swarmfs import _disks as D
@@ -139,7 +139,7 @@ def test_freed_space_is_not_reused_while_the_previous_generation_may_be_read(tmp
 
 
 def test_manifest_free_list_overlapping_data_is_refused(tmp_path, rng):
-    from fuzz_store import reseal_manifest
+    from tools.fuzz_store import reseal_manifest
     path, _ = _store(tmp_path, rng)
     m = _raw_manifest(path)
     m["disks"][0]["free"] = [[12288, 512, 0]]
