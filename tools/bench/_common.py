@@ -34,6 +34,14 @@ real context), the I/O is that of a 4 KiB-entry model.
 first pass, default WikiText-2).  Decode-step queries are held out: positions
 ``start + S + 8 i`` (never profiled), each attending to the S context tokens.
 
+**Harness.**  Every figure is a click command made by :func:`command` (or
+:func:`ablation_command`): the options all figures share become one frozen
+:class:`BenchConfig` passed down explicitly (no module state); its own options
+follow.  Run them as ``python -m tools.bench.<figure>`` from the repository
+root.  Layouts are memoised with ``joblib.Memory`` (:func:`build_layout`),
+tables are printed with tabulate (:func:`table`), and figures are drawn with
+:func:`figure`, :func:`lines` and :func:`variant_bars`.
+
 Not a test: nothing here asserts on timings.
 """
 
@@ -658,7 +666,8 @@ class Bench:
         one block: its steps replayed back to back, untimed for
         ``cfg.warmup_s`` seconds (default :data:`WARMUP_S`), then timed,
         cycling through the steps until at least ``cfg.block_s`` seconds
-        (default :data:`BLOCK_S`) and one full pass have elapsed.  A step is its plan executed by ``Store.execute`` (one batched submission
+        (default :data:`BLOCK_S`) and one full pass have elapsed.  A step
+        is its plan executed by ``Store.execute`` (one batched submission
         plus the gather into rows; checksums off, as fio reads).
 
         Why blocks: blk-throttle (the testbed's SSD emulation) grants I/O in

@@ -60,8 +60,9 @@ def method_layouts(cfg, trace, start, S, methods, *, ratio=0.1, swarm_kw=None, v
         lays[m], _ = C.build_layout(m, trace, start, S, cache=cfg.cache, ratio=ratio,
                                     **kw.get(m, {}))
     if verbose:
+        sums = {m: lay.summary() for m, lay in lays.items()}
         rows = [(m, s["clusters"], f"{s['size_mean']:.1f}", f"{s['replication']:.2f}",
-                 f"{s['build_s']:.1f}") for m, s in ((m, lay.summary()) for m, lay in lays.items())]
+                 f"{s['build_s']:.1f}") for m, s in sums.items()]
         print(C.table(rows, ("layout", "clusters", "mean size", "replication", "build s")),
               file=sys.stderr)
     return lays
