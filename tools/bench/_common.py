@@ -483,7 +483,8 @@ class Bench:
 
     All layers hold the same entries (the context's K/V, widened to 4 KiB);
     layer i is variant i's grouping, written one after another on the same
-    disks (eq. 7's global pointer continues across layers).
+    disks (eq. 7's global pointer continues across layers).  ``cfg`` gives
+    the engine queue depth and the streaming block and warm-up times.
     """
 
     def __init__(self, path, disks: Disks, trace: Trace, start: int, S: int,
