@@ -35,9 +35,9 @@ cluster hit rate and per-layer retrieval latency.  ``reuse``: time to the
 first new token from a stored document (``SwarmCache.from_store``) against a
 fresh prefill.
 
-    /work/bench-exclusive tools/dev run python tools/bench_decode.py quality \\
+    /work/bench-exclusive tools/dev run python -m tools.bench_decode quality \\
         --out docs/data/decode-quality.json
-    /work/bench-exclusive tools/dev run python tools/bench_decode.py throughput \\
+    /work/bench-exclusive tools/dev run python -m tools.bench_decode throughput \\
         --out docs/data/decode-throughput.json
 """
 
