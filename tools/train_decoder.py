@@ -403,7 +403,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", default="",
                    help="copy augmentation: comma-separated FROM_STEP:PROB[:MODE], the probability "
                         "that a window gets a copy from that step on; MODE span (default: a copied "
-                        "span) or double (a passage followed by itself); see batch_for")
+                        "span), double (a passage followed by itself) or random (random token ids "
+                        "followed by themselves); see batch_for")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ckpt-every", type=float, default=180.0, help="seconds between checkpoints")
