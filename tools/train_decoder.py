@@ -138,7 +138,8 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
     seq/2 tokens followed by itself (the stronger signal: up to half of the
     targets are copies, at distances up to seq/2); with ``"random"`` that
     passage is uniformly random token ids (below ``vocab``), which only
-    copying predicts (the synthetic task on which induction heads form).
+    copying predicts (the synthetic task on which induction heads form);
+    with ``"pure"`` the whole window is such a passage followed by itself.
     """
     rng = np.random.default_rng([seed, step])
     rows = []
@@ -147,7 +148,12 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
         start = int(rng.integers(0, s.size - seq - 1))
         row = s[start:start + seq + 1].astype(np.int64)
         if repeat_prob > 0 and rng.random() < repeat_prob:
-            if repeat_mode in ("double", "random"):
+            if repeat_mode == "pure":
+                # the whole window is random token ids followed by themselves
+                n = (seq + 1) // 2
+                row[:] = rng.integers(0, vocab, seq + 1)
+                row[n:2 * n] = row[:n]
+            elif repeat_mode in ("double", "random"):
                 # a passage followed by itself, then the rest of the window: up to
                 # half of the window's targets are copies at one distance; "random":
                 # the passage is uniformly random tokens, predictable only by copying
@@ -403,8 +409,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", default="",
                    help="copy augmentation: comma-separated FROM_STEP:PROB[:MODE], the probability "
                         "that a window gets a copy from that step on; MODE span (default: a copied "
-                        "span), double (a passage followed by itself) or random (random token ids "
-                        "followed by themselves); see batch_for")
+                        "span), double (a passage followed by itself), random (random token ids "
+                        "followed by themselves, then text) or pure (the whole window so); see "
+                        "batch_for")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ckpt-every", type=float, default=180.0, help="seconds between checkpoints")
