@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _errors as E
-from .layout._place import copy_locations, stripe_counts
+from ._placement import copy_locations, stripe_counts
 
 __all__ = ["LayerIndex", "concat_ranges"]
 
