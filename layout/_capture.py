@@ -103,26 +103,32 @@ class Capture:
 
     @property
     def num_layers(self) -> int:
+        """Layers L of the capture."""
         return int(self.k.shape[0])
 
     @property
     def num_kv_heads(self) -> int:
+        """KV heads H_kv per layer."""
         return int(self.k.shape[1])
 
     @property
     def num_query_heads(self) -> int:
+        """Query heads H_q per layer."""
         return int(self.q.shape[1])
 
     @property
     def num_tokens(self) -> int:
+        """Tokens S captured."""
         return int(self.k.shape[2])
 
     @property
     def head_dim(self) -> int:
+        """Head dimension d."""
         return int(self.k.shape[3])
 
     @property
     def scaling(self) -> float:
+        """Softmax scale of the model's attention (default d**-0.5)."""
         return float(self.meta.get("scaling", self.head_dim ** -0.5))
 
     def kv(self, layer: int) -> np.ndarray:

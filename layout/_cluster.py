@@ -164,6 +164,7 @@ class NeighbourGraph:
 
     @property
     def num_edges(self) -> int:
+        """Undirected edges (pairs with d < tau)."""
         return int(self.sim.nnz // 2)
 
 
@@ -639,6 +640,7 @@ class Clustering:
 
     @property
     def num_clusters(self) -> int:
+        """Clusters C."""
         return int(self.ptr.shape[0] - 1)
 
     @property

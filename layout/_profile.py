@@ -67,6 +67,7 @@ class Profile:
 
     @property
     def num_queries(self) -> int:
+        """Profiled query positions."""
         return int(self.queries.shape[0])
 
     def activation_counts(self) -> np.ndarray:

@@ -61,6 +61,7 @@ class RecallReport:
 
     @property
     def mean(self) -> float:
+        """Mean recall over the held-out queries."""
         return float(self.recall.mean())
 
     @property

@@ -16,6 +16,8 @@ ENGINE_OPT = click.option("--engine", type=click.Choice(["auto", "io_uring", "th
                           default=None, help="I/O engine (default: $SWARMFS_ENGINE or auto).")
 
 
+__all__ = ["main"]
+
 #: exit statuses: 0 ok, 1 a user error or damaged store (SwarmError), 2 a
 #: malformed command line (click), 3 an internal error (a bug in swarmfs)
 EXIT_USER, EXIT_USAGE, EXIT_INTERNAL = 1, 2, 3

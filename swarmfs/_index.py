@@ -171,6 +171,7 @@ class LayerIndex:
     # -- lookups -----------------------------------------------------------
     @errors.boundary
     def check_cluster(self, cid: int) -> int:
+        """``cid`` as an int, or OutOfRangeError naming the layer if no such cluster."""
         cid = errors.as_index(cid, "cluster id", store=self.store, layer=self.layer)
         if not 0 <= cid < self.num_clusters:
             raise errors.OutOfRangeError(f"cluster {cid} does not exist "
@@ -180,6 +181,7 @@ class LayerIndex:
 
     @errors.boundary
     def check_tokens(self, tokens) -> np.ndarray:
+        """``tokens`` as int64 [n], or OutOfRangeError naming the first outside [0, S)."""
         t = errors.as_int_array(tokens, "token positions", store=self.store, layer=self.layer)
         if t.size and (t.min() < 0 or t.max() >= self.num_tokens):
             bad = t[(t < 0) | (t >= self.num_tokens)][0]

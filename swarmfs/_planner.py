@@ -73,10 +73,12 @@ class Plan:
 
     @property
     def num_requests(self) -> int:
+        """Read requests of the plan (after coalescing)."""
         return int(self.disk.shape[0])
 
     @property
     def num_entries(self) -> int:
+        """Distinct entries the plan reads."""
         return int(self.tokens.shape[0])
 
     @property

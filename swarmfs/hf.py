@@ -274,40 +274,50 @@ class SwarmLayer(CacheLayerMixin):
         self.in_flight = False       # updated, not yet attended (misuse detection)
 
     def lazy_initialization(self, key_states, value_states) -> None:
+        """transformers' Cache API: note the device on first update."""
         self.device = key_states.device
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        """transformers' Cache API: take this step's K/V [1, H_kv, T, d] and return what attention reads (the SwarmCache lays out at prefill, retrieves at decode)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         return self.cache._update(self, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """transformers' Cache API: (kv length, kv offset) for the attention mask."""
         return self.seen + query_length, 0
 
     def get_seq_length(self) -> int:
+        """transformers' Cache API: tokens seen by this layer."""
         return self.seen
 
     def get_max_length(self) -> int:
+        """transformers' Cache API: -1, no maximum length."""
         return -1
 
     def reset(self) -> None:
+        """Not supported: raises ConfigError (the prefix is on the disks)."""
         raise errors.ConfigError("a SwarmCache cannot be reset; make a new one (or from_store)",
                             layer=self.layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Not supported: raises ConfigError (the prefix is on the disks)."""
         raise errors.ConfigError("a SwarmCache cannot be cropped (its prefix is on the disks)",
                             layer=self.layer_idx)
 
     def reorder_cache(self, beam_idx) -> None:
+        """Not supported (beam search): raises ConfigError."""
         raise errors.ConfigError("a SwarmCache serves one sequence; beam search is not supported",
                             layer=self.layer_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Batch size 1 only: ConfigError unless ``repeats`` is 1."""
         if repeats != 1:
             raise errors.ConfigError("a SwarmCache serves batch size 1", layer=self.layer_idx)
 
     def batch_select_indices(self, indices) -> None:
+        """Not supported (batch size 1): raises ConfigError."""
         raise errors.ConfigError("a SwarmCache serves batch size 1", layer=self.layer_idx)
 
 
