@@ -39,6 +39,7 @@ import time
 import numpy as np
 
 from .._errors import LayoutError, ShapeError
+from ._cluster import _CSR
 
 __all__ = [
     "METHODS",
@@ -59,7 +60,7 @@ METHODS = ("swarm", "no_cluster", "infllm", "pqcache", "quest", "medoid_only", "
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Layout(_CSR):
     """How one method groups a layer's entries, and its index data.
 
     Attributes:
@@ -86,16 +87,6 @@ class Layout:
     freq: np.ndarray
     params: dict
     seconds: float
-
-    @property
-    def num_clusters(self) -> int:
-        """Clusters C of the layout."""
-        return int(self.ptr.shape[0] - 1)
-
-    @property
-    def sizes(self) -> np.ndarray:
-        """int64 [C] cluster sizes in entries."""
-        return np.diff(self.ptr)
 
     @property
     def num_tokens(self) -> int:

@@ -75,6 +75,11 @@ _register_lock = threading.Lock()
 _registered = False
 
 
+def _dim(array: str, axis: int, doc: str) -> property:
+    """A read-only int property: ``self.<array>.shape[axis]``."""
+    return property(lambda self: int(getattr(self, array).shape[axis]), doc=doc)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Capture:
     """Q, K, V of every captured layer over one long context.
@@ -101,30 +106,11 @@ class Capture:
     token_ids: np.ndarray
     meta: dict
 
-    @property
-    def num_layers(self) -> int:
-        """Layers L of the capture."""
-        return int(self.k.shape[0])
-
-    @property
-    def num_kv_heads(self) -> int:
-        """KV heads H_kv per layer."""
-        return int(self.k.shape[1])
-
-    @property
-    def num_query_heads(self) -> int:
-        """Query heads H_q per layer."""
-        return int(self.q.shape[1])
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens S captured."""
-        return int(self.k.shape[2])
-
-    @property
-    def head_dim(self) -> int:
-        """Head dimension d."""
-        return int(self.k.shape[3])
+    num_layers = _dim("k", 0, "Layers L of the capture.")
+    num_kv_heads = _dim("k", 1, "KV heads H_kv per layer.")
+    num_query_heads = _dim("q", 1, "Query heads H_q per layer.")
+    num_tokens = _dim("k", 2, "Tokens S captured.")
+    head_dim = _dim("k", 3, "Head dimension d.")
 
     @property
     def scaling(self) -> float:

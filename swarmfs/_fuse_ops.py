@@ -571,19 +571,15 @@ class SwarmFS(pyfuse3.Operations):
                 items.append((clusters_ino, name + b".npy"))
         return items
 
-    # -- everything that would change the tree ----------------------------------
-    setattr = _erofs("setattr")
-    mknod = _erofs("mknod")
-    mkdir = _erofs("mkdir")
-    unlink = _erofs("unlink")
-    rmdir = _erofs("rmdir")
-    symlink = _erofs("symlink")
-    rename = _erofs("rename")
-    link = _erofs("link")
-    write = _erofs("write")
-    create = _erofs("create")
-    setxattr = _erofs("setxattr")
-    removexattr = _erofs("removexattr")
+    # -- everything that would change the tree: EROFS (set below) --------------
+
+
+#: The operations that would change the tree; each refuses with EROFS.
+_CHANGING = ("setattr", "mknod", "mkdir", "unlink", "rmdir", "symlink", "rename", "link",
+             "write", "create", "setxattr", "removexattr")
+for _op in _CHANGING:
+    setattr(SwarmFS, _op, _erofs(_op))
+del _op
 
 
 def _invalidate(items) -> int:

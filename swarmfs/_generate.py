@@ -28,7 +28,7 @@ from . import _defaults as defaults
 from . import _errors as errors
 
 __all__ = ["default_model_dir", "heldout_input", "load_model", "recall_report", "run_demo",
-           "run_evaluate", "run_generate"]
+           "run_evaluate", "run_generate", "teacher_force"]
 
 
 def default_model_dir() -> pathlib.Path:
@@ -192,6 +192,28 @@ def _nll(logits, targets) -> np.ndarray:
     return (-lp.gather(-1, targets[:, None])[:, 0]).numpy().astype(np.float64)
 
 
+def teacher_force(model, ctx, cont, cache, steps: int):
+    """Prefill ``ctx`` [1, S] into ``cache``, then decode ``steps`` tokens one
+    step each, fed the true continuation ``cont`` [n] (teacher forcing).
+
+    Returns:
+        (logits [steps + 1, vocab] torch: the prefill's last position and each
+        step's, prefill seconds, per-step milliseconds [steps]).
+    """
+    import torch
+    t0 = time.perf_counter()
+    out = model(ctx, cache=cache, use_cache=True)
+    prefill_s = time.perf_counter() - t0
+    logits = [out.logits[0, -1]]
+    step_ms = []
+    for t in range(steps):
+        t0 = time.perf_counter()
+        out = model(cont[t:t + 1][None], cache=cache, use_cache=True)
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        logits.append(out.logits[0, -1])
+    return torch.stack(logits), prefill_s, step_ms
+
+
 def recall_report(cache, ratio: float, context: int) -> dict:
     """Attention-mass recall of every recorded retrieval against the oracle.
 
@@ -267,31 +289,15 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
         nll_dense = _nll(logits, cont)
         del logits
         # dense per-token decode time (DynamicCache, in DRAM), for the step-time ratio
-        dc = DynamicCache()
-        model(ctx, cache=dc, use_cache=True)
-        dense_ms = []
-        for t in range(min(n, 16)):
-            t0 = time.perf_counter()
-            model(cont[t:t + 1][None], cache=dc, use_cache=True)
-            dense_ms.append((time.perf_counter() - t0) * 1e3)
-        del dc
+        _, _, dense_ms = teacher_force(model, ctx, cont, DynamicCache(), min(n, 16))
         from . import hf
         hf.enable(model)
         with _StoreDir(store) as path:
             cache = _open_cache(model, path, ratio=ratio, disks=disks, force=force,
                                 engine=engine, prefetch=prefetch, record=True)
             with cache:
-                t0 = time.perf_counter()
-                out = model(ctx, cache=cache, use_cache=True)
-                prefill_s = time.perf_counter() - t0
-                step_logits = [out.logits[0, -1]]
-                swarm_ms = []
-                for t in range(n - 1):
-                    t0 = time.perf_counter()
-                    out = model(cont[t:t + 1][None], cache=cache, use_cache=True)
-                    swarm_ms.append((time.perf_counter() - t0) * 1e3)
-                    step_logits.append(out.logits[0, -1])
-                nll_swarm = _nll(torch.stack(step_logits), cont)
+                step_logits, prefill_s, swarm_ms = teacher_force(model, ctx, cont, cache, n - 1)
+                nll_swarm = _nll(step_logits, cont)
                 rec = recall_report(cache, ratio, S)
                 summ = cache.summary()
                 steps = cache.step_table()

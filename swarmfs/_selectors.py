@@ -217,7 +217,6 @@ def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: in
                                    f"window {w} must be >= 0")
     w = min(w, S)
     budget = min(budget, S)
-    C = scores.shape[0]
     if ptr.shape[0] and (ptr[0] != 0 or ptr[-1] != members.shape[0]):
         raise InvalidArgumentError("select_clusters: pointers do not cover the members")
     if members.size and (members.min() < 0 or members.max() >= S):
@@ -311,63 +310,54 @@ class MedoidSelector:
         self.store = store
         self.score = score
         self.index = index
-        self._i8 = {}
         self.scale = float(store.head_dim) ** -0.5
-        self._m = {}
-        self._mt = {}
-        self._pk = {}
+        self._derived = {}      # {(what, layer): (layer index, array)}
+
+    def _cached(self, what: str, layer, li, make):
+        """``make()`` for the layer index ``li``, made once per index object:
+        a retrieval that started on an older index keeps using that index."""
+        hit = self._derived.get((what, layer))
+        if hit is not None and hit[0] is li:
+            return hit[1]
+        out = make()
+        self._derived[(what, layer)] = (li, out)
+        return out
 
     def _medoids(self, layer, li=None):
         """The medoid keys [C, H_kv*d] of a layer index ``li`` (default the
-        store's current one).  Cached per layer and index object, so a
-        retrieval that started on an older index keeps using that index."""
+        store's current one)."""
         li = self.store.layer(layer) if li is None else li
-        hit = self._m.get(layer)
-        if hit is not None and hit[0] is li:
-            return hit[1]
-        m = np.ascontiguousarray(li.medoid_keys.view(self.store.np_dtype)).reshape(
-            li.num_clusters, -1)
-        self._m[layer] = (li, m)
-        return m
+        return self._cached("medoids", layer, li, lambda: np.ascontiguousarray(
+            li.medoid_keys.view(self.store.np_dtype)).reshape(li.num_clusters, -1))
 
     def _head_major(self, layer, li, m):
-        hit = self._mt.get(layer)
-        if hit is not None and hit[0] is li:
-            return hit[1]
+        """fp32 keys head-major [H_kv, C, d], made once per layer index."""
         H = self.store.num_kv_heads
-        mt = np.ascontiguousarray(m.reshape(m.shape[0], H, -1).transpose(1, 0, 2))
-        self._mt[layer] = (li, mt)
-        return mt
+        return self._cached("head_major", layer, li, lambda: np.ascontiguousarray(
+            m.reshape(m.shape[0], H, -1).transpose(1, 0, 2)))
 
     def _packed(self, layer, li, m):
         """The index in ``pack_medoids`` layout, made once per layer index."""
-        hit = self._pk.get(layer)
-        if hit is not None and hit[0] is li:
-            return hit[1]
         from ._kernels import pack_medoids
-        pk = pack_medoids(m, self.store.num_kv_heads)
-        self._pk[layer] = (li, pk)
-        return pk
+        return self._cached("packed", layer, li,
+                            lambda: pack_medoids(m, self.store.num_kv_heads))
 
     def _int8(self, layer, li, m):
         """The ``pack_medoids_i8`` index, made once per layer index (None when
         the exact index is asked for or runs instead: the "logit" score, a
         head size not a multiple of 4, the NEON path)."""
-        from ._kernels import kernel_path
+        from ._kernels import kernel_path, pack_medoids_i8
         if self.index != "int8" or self.score != "prob" or self.store.head_dim % 4:
             return None
         if kernel_path() == "neon":      # no NEON int8 kernel yet: the exact NEON one
             return None
-        hit = self._i8.get(layer)
-        if hit is not None and hit[0] is li:
-            return hit[1]
-        from ._kernels import pack_medoids_i8
-        bf16 = m.dtype.name == "bfloat16"
-        if m.dtype == np.float32:
-            m = np.clip(m, -65504.0, 65504.0).astype(np.float16)
-        ix = pack_medoids_i8(m, self.store.num_kv_heads, bf16=bf16)
-        self._i8[layer] = (li, ix)
-        return ix
+
+        def make():
+            bf16 = m.dtype.name == "bfloat16"
+            m16 = np.clip(m, -65504.0, 65504.0).astype(np.float16) \
+                if m.dtype == np.float32 else m
+            return pack_medoids_i8(m16, self.store.num_kv_heads, bf16=bf16)
+        return self._cached("int8", layer, li, make)
 
     def scores(self, layer: int, q: np.ndarray, li=None) -> np.ndarray:
         """Medoid scores float32 [B, C] of queries float32 [B, H_q, d] (the
@@ -424,18 +414,18 @@ class MedoidSelector:
 
     def invalidate(self, layer: int) -> None:
         """Drop the cached index of a layer (it changed on disk)."""
-        self._m.pop(layer, None)
-        self._mt.pop(layer, None)
-        self._pk.pop(layer, None)
-        self._i8.pop(layer, None)
+        for key in [k for k in self._derived if k[1] == layer]:
+            self._derived.pop(key, None)
 
     def dram_bytes(self, layer: int) -> int:
         """Bytes of the layer's medoid index and the copies made of it
         (head-major, packed, int8)."""
-        extra = sum(c[layer][1].nbytes for c in (self._mt, self._pk) if layer in c)
-        if layer in self._i8:
-            ix = self._i8[layer][1]
-            extra += ix.data.nbytes + ix.scales.nbytes + ix.sums.nbytes
+        extra = 0
+        for (what, lay), (_, x) in list(self._derived.items()):
+            if lay != layer or what == "medoids":
+                continue
+            extra += x.data.nbytes + x.scales.nbytes + x.sums.nbytes if what == "int8" \
+                else x.nbytes
         return int(self._medoids(layer).nbytes + extra)
 
 

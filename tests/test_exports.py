@@ -100,8 +100,9 @@ def test_exported_names_have_docstrings(name):
             for m, f in vars(obj).items():
                 if m.startswith("_"):
                     continue
-                f = f.fget if isinstance(f, property) else getattr(f, "__func__", f)
-                if inspect.isfunction(f) and not (f.__doc__ or "").strip():
+                f = getattr(f, "__func__", f)              # static and class methods
+                if (isinstance(f, property) or inspect.isfunction(f)) and \
+                        not (f.__doc__ or "").strip():
                     bare.append(f"{x}.{m}")
     assert not bare, f"{name}: no docstring on {bare}"
 
