@@ -595,7 +595,8 @@ def generate(model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store
         with open(prompt_file, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
-        raise errors.InvalidArgumentError(f"cannot read --prompt-file {prompt_file}: {exc}") from None
+        raise errors.InvalidArgumentError(f"cannot read --prompt-file {prompt_file}: "
+                                          f"{exc}") from None
     dk = list(disk_paths) or disks or 4
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()

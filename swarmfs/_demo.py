@@ -112,7 +112,7 @@ def build_store(cap, store_path, *, disks=4, params: LayoutParams = LayoutParams
     S = cap.num_tokens if context is None else int(context)
     if not 0 < S <= cap.num_tokens:
         raise errors.LayoutError(f"context of {S} tokens outside the capture's "
-                            f"{cap.num_tokens}")
+                                 f"{cap.num_tokens}")
     meta = cap.meta
     dtype = str(cap.k.dtype) if str(cap.k.dtype) in ("float16", "float32") else "bfloat16"
     store = Store.create(store_path, disks=disks, num_layers=cap.num_layers,
@@ -207,12 +207,12 @@ def run_demo(workdir: str, *, model=None, text=None, text_source=None, disks: in
     if os.path.isdir(workdir) and os.listdir(workdir) and \
             not os.path.exists(os.path.join(workdir, "manifest.json")):
         raise errors.StoreExistsError("demo directory is not empty and holds no swarmfs store; "
-                                 "choose another --dir", store=workdir)
+                                      "choose another --dir", store=workdir)
     if int(eval_queries) < 1:
         raise errors.ConfigError(f"--eval-queries must be at least 1, got {eval_queries}")
     if int(context) + int(eval_queries) < _capture.MIN_TOKENS:
         raise errors.ConfigError(f"--context {context} plus --eval-queries {eval_queries} is below "
-                            f"the minimum of {_capture.MIN_TOKENS} tokens")
+                                 f"the minimum of {_capture.MIN_TOKENS} tokens")
     t0 = time.perf_counter()
     total = context + eval_queries
     cap = _capture.capture(model, text, max_tokens=total, progress=progress,
@@ -220,7 +220,7 @@ def run_demo(workdir: str, *, model=None, text=None, text_source=None, disks: in
     if cap.num_tokens < total:
         if cap.num_tokens <= eval_queries + 256:
             raise errors.ModelError(f"text gives {cap.num_tokens} tokens; the demo needs at "
-                               f"least {eval_queries + 257} (context + held-out queries)")
+                                    f"least {eval_queries + 257} (context + held-out queries)")
         import warnings
         warnings.warn(f"swarmfs demo: the text gives {cap.num_tokens} tokens; storing a "
                       f"context of {cap.num_tokens - eval_queries} instead of {context}",

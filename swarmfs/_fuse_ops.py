@@ -237,7 +237,8 @@ class SwarmFS(pyfuse3.Operations):
     # -- namespace ---------------------------------------------------------------
     @_handler
     async def lookup(self, parent_inode, name, ctx=None):
-        """FUSE lookup: the entry of ``name`` in directory ``parent_inode`` (lookup count +1); ENOENT if none."""
+        """FUSE lookup: the entry of ``name`` in directory ``parent_inode``
+        (lookup count +1); ENOENT if none."""
         tree, parent = self._resolve(parent_inode)
         if parent.kind not in DIR_KINDS:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
@@ -402,7 +403,8 @@ class SwarmFS(pyfuse3.Operations):
 
     @_handler
     async def read(self, fh, off, size):
-        """FUSE read: ``size`` bytes at ``off`` of the open file ``fh`` (the full length except at EOF)."""
+        """FUSE read: ``size`` bytes at ``off`` of the open file ``fh`` (the
+        full length except at EOF)."""
         try:
             node, tree, snapshot, stream = self._handles[fh]
         except KeyError:

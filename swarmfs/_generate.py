@@ -43,7 +43,7 @@ def default_model_dir() -> pathlib.Path:
         DEFAULT_DECODER = None
     if DEFAULT_DECODER is None or not pathlib.Path(DEFAULT_DECODER, "config.json").exists():
         raise errors.ModelError("no default decoder is installed (swarmfs.models.DEFAULT_DECODER); "
-                           "pass --model DIR (a local transformers causal LM)")
+                                "pass --model DIR (a local transformers causal LM)")
     return pathlib.Path(DEFAULT_DECODER)
 
 
@@ -248,7 +248,8 @@ def recall_report(cache, ratio: float, context: int) -> dict:
 
 
 def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=4,
-                 ratio: float = defaults.RATIO, force: bool = False, engine=None, prefetch: str = "none",
+                 ratio: float = defaults.RATIO, force: bool = False, engine=None,
+                 prefetch: str = "none",
                  dtype=None, model=None, tok=None, max_context: int | None = None) -> dict:
     """Teacher-force the last ``evaluate`` tokens of ``text`` densely and
     through swarmfs; compare perplexities and attention-mass recall.
@@ -276,7 +277,8 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
     n = int(evaluate)
     if isinstance(evaluate, bool) or n < 1 or n > ids.shape[1] - 2:
         raise errors.InvalidArgumentError(f"--evaluate {evaluate} must be in [1, "
-                                     f"{ids.shape[1] - 2}] for a text of {ids.shape[1]} tokens")
+                                          f"{ids.shape[1] - 2}] for a text of {ids.shape[1]} "
+                                          "tokens")
     ctx, cont = ids[:, :-n], ids[0, -n:]
     if max_context is not None and ctx.shape[1] > max_context:
         ctx = ctx[:, -max_context:]
@@ -345,7 +347,7 @@ def heldout_input(tok, kind: str, tokens: int) -> str:
         chars *= 2
     if len(ids) < tokens:
         raise errors.InvalidArgumentError(f"the held-out {kind} text has {len(ids)} tokens, "
-                                     f"fewer than the {tokens} asked for")
+                                          f"fewer than the {tokens} asked for")
     return tok.decode(ids[:tokens])
 
 

@@ -91,7 +91,7 @@ class LayerIndex:
 
     def _fail(self, msg):
         raise errors.ManifestError(f"inconsistent index: {msg}", store=self.store,
-                              layer=self.layer)
+                                   layer=self.layer)
 
     def _check_shapes(self) -> None:
         C, N, S = self.num_clusters, self.ndisks, self.num_tokens
@@ -141,8 +141,8 @@ class LayerIndex:
             k = int(np.flatnonzero((off < np.uint64(DATA_START)) | (off > end) |
                                    (ln > end - np.minimum(off, end)))[0])
             raise errors.ManifestError(f"inconsistent index: extent at offset {int(off[k])} lies "
-                                  "outside the disk's allocated space", store=self.store,
-                                  layer=self.layer, cluster=int(cc[k]), disk=int(dd[k]))
+                                       "outside the disk's allocated space", store=self.store,
+                                       layer=self.layer, cluster=int(cc[k]), disk=int(dd[k]))
         # overlaps: sort by (disk, offset); each extent must end before the next
         key = np.lexsort((off, dd))
         d_s, o_s, l_s = dd[key], off[key], ln[key]
@@ -150,8 +150,8 @@ class LayerIndex:
         if np.any(same & (o_s[:-1] + l_s[:-1] > o_s[1:])):
             k = int(key[1:][np.flatnonzero(same & (o_s[:-1] + l_s[:-1] > o_s[1:]))[0]])
             raise errors.ManifestError(f"inconsistent index: two extents overlap at offset "
-                                  f"{int(off[k])}", store=self.store, layer=self.layer,
-                                  cluster=int(cc[k]), disk=int(dd[k]))
+                                       f"{int(off[k])}", store=self.store, layer=self.layer,
+                                       cluster=int(cc[k]), disk=int(dd[k]))
         for d, fr in enumerate(self._free or []):
             if not fr:
                 continue
@@ -164,9 +164,9 @@ class LayerIndex:
             if np.any(hit):
                 k = int(np.flatnonzero(sel)[np.flatnonzero(hit)[0]])
                 raise errors.ManifestError(f"inconsistent index: extent at offset {int(off[k])} "
-                                      "lies in space the manifest lists as free",
-                                      store=self.store, layer=self.layer,
-                                      cluster=int(cc[k]), disk=d)
+                                           "lies in space the manifest lists as free",
+                                           store=self.store, layer=self.layer,
+                                           cluster=int(cc[k]), disk=d)
 
     # -- lookups -----------------------------------------------------------
     @errors.boundary
@@ -175,8 +175,8 @@ class LayerIndex:
         cid = errors.as_index(cid, "cluster id", store=self.store, layer=self.layer)
         if not 0 <= cid < self.num_clusters:
             raise errors.OutOfRangeError(f"cluster {cid} does not exist "
-                                    f"(layer has {self.num_clusters})",
-                                    store=self.store, layer=self.layer)
+                                         f"(layer has {self.num_clusters})",
+                                         store=self.store, layer=self.layer)
         return cid
 
     @errors.boundary
@@ -186,7 +186,7 @@ class LayerIndex:
         if t.size and (t.min() < 0 or t.max() >= self.num_tokens):
             bad = t[(t < 0) | (t >= self.num_tokens)][0]
             raise errors.OutOfRangeError(f"token {int(bad)} is outside [0, {self.num_tokens})",
-                                    store=self.store, layer=self.layer)
+                                         store=self.store, layer=self.layer)
         return t
 
     @errors.boundary

@@ -11,9 +11,9 @@ A :class:`DecodeSession` drives one layer of a decode loop over a
   relation the offline profile counts.  After W steps eq. 9 gives
   d(e_new, C_i) = 1 - f(e_new, m_i) / W; the entry joins every cluster with
   d < tau (at most ``max_joins``, the closest first: controlled replication),
-  or, if none, a new cluster of such entries (``new_cluster_size`` of them).  Matured entries are written in
-  batches with :meth:`Store.append`, which puts entry |C_i| of cluster i on
-  disk (id_i + |C_i|) mod N.
+  or, if none, a new cluster of such entries (``new_cluster_size`` of them).
+  Matured entries are written in batches with :meth:`Store.append`, which
+  puts entry |C_i| of cluster i on disk (id_i + |C_i|) mod N.
 * **Cache replacement**: each step a selected cluster's frequency f_i rises by
   one and a cached cluster that was not selected loses one; the hot set is
   re-chosen among the cached and the just-selected clusters under the DRAM
@@ -183,15 +183,15 @@ class DecodeSession:
         qf = self.r.queries(q)
         if qf.shape[0] != 1:
             raise errors.ShapeError(f"a step takes one query [H_q, d], got {qf.shape[0]}",
-                               layer=self.layer)
+                                    layer=self.layer)
         row = None
         if k_new is not None or v_new is not None:
             row = self._new_row(k_new, v_new)
         lock = self.r.step_lock(self.layer)
         if not lock.acquire(blocking=False):
             raise errors.ConcurrentUseError("another thread is stepping this layer (one "
-                                       "DecodeSession.step per layer at a time)",
-                                       layer=self.layer)
+                                            "DecodeSession.step per layer at a time)",
+                                            layer=self.layer)
         try:
             return self._step(qf[0], row, retrieval)
         finally:
@@ -207,8 +207,8 @@ class DecodeSession:
                     ret.index is not self.r.index(self.layer) \
                     or hasattr(ret.k, "detach"):
                 raise errors.SwarmError("the given retrieval is not a numpy retrieval of this "
-                                   "layer's current index (retrieve with torch=False after "
-                                   "the previous step)", layer=self.layer)
+                                        "layer's current index (retrieve with torch=False after "
+                                        "the previous step)", layer=self.layer)
         li = self.r.index(self.layer)
         self._check_layer(li)
         S = li.num_tokens
@@ -279,7 +279,7 @@ class DecodeSession:
         if li.num_clusters != self.freq.shape[0] or \
                 li.num_clusters != self.pend_f.shape[1]:
             raise errors.SwarmError("the layer changed under this DecodeSession (another writer "
-                               "appended to it); start a new session", layer=self.layer)
+                                    "appended to it); start a new session", layer=self.layer)
 
     def _new_row(self, k_new, v_new) -> np.ndarray:
         """One entry row (uint8 [1, entry_bytes]) from K and V [H_kv, d] in the
@@ -294,7 +294,7 @@ class DecodeSession:
                 tname = str(x.dtype).removeprefix("torch.")
                 if tname != self.store.dtype:
                     raise errors.ShapeError(f"{name} is torch {tname}; the store holds "
-                                       f"{self.store.dtype}", layer=self.layer)
+                                            f"{self.store.dtype}", layer=self.layer)
                 x = x.detach().cpu().contiguous()
                 if tname == "bfloat16":
                     import torch
@@ -304,7 +304,7 @@ class DecodeSession:
             x = np.asarray(x)
             if x.shape != (H, d) or x.dtype != want:
                 raise errors.ShapeError(f"{name} must be [{H}, {d}] {self.store.dtype}, got "
-                                   f"{x.shape} {x.dtype}", layer=self.layer)
+                                        f"{x.shape} {x.dtype}", layer=self.layer)
             if not np.isfinite(x.astype(np.float32)).all():
                 raise errors.ShapeError(f"{name} holds NaN or inf", layer=self.layer)
             arrs.append(x)
@@ -372,7 +372,7 @@ class DecodeSession:
         lock = self.r.step_lock(self.layer)
         if not lock.acquire(blocking=False):
             raise errors.ConcurrentUseError("another thread is stepping this layer",
-                                       layer=self.layer)
+                                            layer=self.layer)
         try:
             return self._flush_matured(force=True)
         finally:
@@ -458,11 +458,11 @@ def pipelined_step(sessions: list, queries, attend, new_kv=None) -> PipelinedSte
         new_kv = None if new_kv is None else [None if x is None else tuple(x) for x in new_kv]
     except TypeError:
         raise errors.InvalidArgumentError("sessions, queries and new_kv must be lists (new_kv "
-                                     "of (k_new, v_new) pairs or None)") from None
+                                          "of (k_new, v_new) pairs or None)") from None
     n = len(sessions)
     if n == 0 or len(queries) != n or (new_kv is not None and len(new_kv) != n):
         raise errors.InvalidArgumentError("sessions, queries (and new_kv) must be non-empty "
-                                     "lists of one length")
+                                          "lists of one length")
     if not all(isinstance(x, DecodeSession) for x in sessions):
         raise errors.InvalidArgumentError("sessions must be DecodeSession objects")
     if new_kv is not None and any(x is not None and len(x) != 2 for x in new_kv):

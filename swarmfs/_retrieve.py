@@ -163,7 +163,7 @@ class _LayerState:
         want_hot = np.asarray(li.hot if hot is None else hot, dtype=bool)
         if want_hot.shape != (li.num_clusters,):
             raise errors.InvalidArgumentError(f"hot-cluster mask of shape {want_hot.shape} for "
-                                         f"{li.num_clusters} clusters", layer=layer)
+                                              f"{li.num_clusters} clusters", layer=layer)
         hot_ids = np.flatnonzero(want_hot)
         toks = np.union1d(self.window, li.members[li.cluster_copies(hot_ids)])
         rows = np.empty((0, store.entry_bytes), np.uint8)
@@ -203,7 +203,7 @@ class _LayerState:
             slots = self.slot[dram]
             if slots.size and slots.min() < 0:
                 raise errors.InternalError("a resident token has no DRAM slot",
-                                      layer=self.li.layer)
+                                           layer=self.li.layer)
             self.refs[dram] += 1
             return ssd, dram, slots, self.rows
 
@@ -223,7 +223,7 @@ class _LayerState:
                 at = np.minimum(np.searchsorted(src_toks, new), max(src_toks.shape[0] - 1, 0))
                 if src_toks.shape[0] == 0 or np.any(src_toks[at] != new):
                     raise errors.InternalError("rows of a newly resident token are missing",
-                                          layer=self.li.layer)
+                                               layer=self.li.layer)
             np.add.at(self.refs, toks, 1)
             if new.size:
                 need = new.shape[0] - self.free.shape[0]
@@ -246,7 +246,7 @@ class _LayerState:
             np.add.at(self.refs, toks, -1)
             if self.refs[toks].min() < 0:
                 raise errors.InternalError("a DRAM reference count went negative",
-                                      layer=self.li.layer)
+                                           layer=self.li.layer)
             gone = np.unique(toks[self.refs[toks] == 0])
             if gone.size:
                 self.free = np.concatenate([self.free, self.slot[gone]])
@@ -476,12 +476,12 @@ class Retriever:
         want = np.asarray(want, dtype=bool)
         if want.shape != st.hot.shape:
             raise errors.InvalidArgumentError(f"hot mask of shape {want.shape} for "
-                                         f"{st.hot.shape[0]} clusters", layer=layer)
+                                              f"{st.hot.shape[0]} clusters", layer=layer)
         if retrieval.layer != layer or retrieval.index is not st.li:
             # rows of another layer or generation (the layer was rewritten or
             # appended to since): admitting them would serve stale bytes
             raise errors.InvalidArgumentError("the retrieval is not of this layer's current "
-                                         "index (retrieve again after refresh)", layer=layer)
+                                              "index (retrieve again after refresh)", layer=layer)
         with st.lock:
             admitted = np.flatnonzero(want & ~st.hot)
             evicted = np.flatnonzero(st.hot & ~want)
@@ -491,7 +491,7 @@ class Retriever:
             if toks.size and (at.max() >= retrieval.positions.shape[0] or
                               np.any(retrieval.positions[at] != toks)):
                 raise errors.InvalidArgumentError("an admitted cluster was not read by the given "
-                                             "retrieval", layer=layer)
+                                                  "retrieval", layer=layer)
             st.evict(evicted)
             if admitted.size:
                 st.admit(admitted, toks, retrieval.rows_of(at))
@@ -652,7 +652,7 @@ class Retriever:
                 import torch as _torch
                 if str(x.dtype) != f"torch.{self.store.dtype}" or x.device.type != "cpu":
                     raise errors.InvalidArgumentError(f"out {name} is {x.dtype} on {x.device}; "
-                                                 f"need {self.store.dtype} on the CPU")
+                                                      f"need {self.store.dtype} on the CPU")
                 a = x.view(_torch.int16).numpy().view(self.store.np_dtype) \
                     if self.store.dtype == "bfloat16" else x.numpy()
             else:
@@ -666,7 +666,7 @@ class Retriever:
                     f"{getattr(a, 'dtype', type(a))}")
             if a.shape[1] < n:
                 raise errors.InvalidArgumentError(f"out {name} holds {a.shape[1]} entries; this "
-                                             f"retrieval returns {n}")
+                                                  f"retrieval returns {n}")
             arrs.append(a)
         if arrs[0].shape != arrs[1].shape:
             raise errors.InvalidArgumentError("out k and v differ in shape")

@@ -279,7 +279,9 @@ class SwarmLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """transformers' Cache API: take this step's K/V [1, H_kv, T, d] and return what attention reads (the SwarmCache lays out at prefill, retrieves at decode)."""
+        """transformers' Cache API: take this step's K/V [1, H_kv, T, d] and
+        return what attention reads (the SwarmCache lays out at prefill,
+        retrieves at decode)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         return self.cache._update(self, key_states, value_states)
@@ -299,17 +301,17 @@ class SwarmLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Not supported: raises ConfigError (the prefix is on the disks)."""
         raise errors.ConfigError("a SwarmCache cannot be reset; make a new one (or from_store)",
-                            layer=self.layer_idx)
+                                 layer=self.layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Not supported: raises ConfigError (the prefix is on the disks)."""
         raise errors.ConfigError("a SwarmCache cannot be cropped (its prefix is on the disks)",
-                            layer=self.layer_idx)
+                                 layer=self.layer_idx)
 
     def reorder_cache(self, beam_idx) -> None:
         """Not supported (beam search): raises ConfigError."""
         raise errors.ConfigError("a SwarmCache serves one sequence; beam search is not supported",
-                            layer=self.layer_idx)
+                                 layer=self.layer_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Batch size 1 only: ConfigError unless ``repeats`` is 1."""
@@ -374,20 +376,20 @@ class SwarmCache(Cache):
         if method not in METHODS:
             raise errors.InvalidArgumentError(f"method must be one of {METHODS}, got {method!r}")
         if method != "swarm" and _opened is not None:
-            raise errors.InvalidArgumentError("from_store serves swarm layouts only (the baselines' "
-                                         "indexes are not stored)")
+            raise errors.InvalidArgumentError("from_store serves swarm layouts only (the "
+                                              "baselines' indexes are not stored)")
         self.method = method
         if hot_budget is not None and (isinstance(hot_budget, bool) or not isinstance(
                 hot_budget, (int, float)) or not 0 <= hot_budget <= 1):
             raise errors.InvalidArgumentError(f"hot_budget must be a fraction in [0, 1], got "
-                                         f"{hot_budget!r}")
+                                              f"{hot_budget!r}")
         self.hot_budget = hot_budget
         self._index: dict[int, object] = {}
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise errors.InvalidArgumentError(f"ratio must be a number in (0, 1], got {ratio!r}")
         if prefetch not in ("none", "previous"):
             raise errors.InvalidArgumentError(f"prefetch must be 'none' or 'previous', got "
-                                         f"{prefetch!r}")
+                                              f"{prefetch!r}")
         self.ratio = float(ratio)
         self.params = dataclasses.replace(layout or LayoutParams(), ratio=self.ratio)
         self.prefetch_mode = prefetch
@@ -409,9 +411,10 @@ class SwarmCache(Cache):
             self.store, self.path = store, store.path
             if store.layers:
                 raise errors.StoreExistsError("the Store given to SwarmCache already holds layers; "
-                                         "use SwarmCache.from_store", store=store.path)
+                                              "use SwarmCache.from_store", store=store.path)
             if not store.writable:
-                raise errors.InvalidArgumentError("the Store must be open writable", store=store.path)
+                raise errors.InvalidArgumentError("the Store must be open writable",
+                                                  store=store.path)
             if self.config is None:
                 raise errors.ConfigError("SwarmCache needs the model config for a new store")
             num_layers = int(self.config.num_hidden_layers)
@@ -420,12 +423,12 @@ class SwarmCache(Cache):
             self.path = os.path.abspath(os.fspath(store))
             if self.config is None:
                 raise errors.ConfigError("SwarmCache needs the model config for a new store "
-                                    "(SwarmCache(path, model.config)); reopen a stored prefix "
-                                    "with SwarmCache.from_store(path)", store=self.path)
+                                         "(SwarmCache(path, model.config)); reopen a stored prefix "
+                                         "with SwarmCache.from_store(path)", store=self.path)
             if not force and os.path.exists(os.path.join(self.path, "manifest.json")):
                 raise errors.StoreExistsError("a store already exists here (reopen it with "
-                                         "SwarmCache.from_store, or force=True to replace it)",
-                                         store=self.path)
+                                              "SwarmCache.from_store, or force=True to replace it)",
+                                              store=self.path)
             num_layers = int(self.config.num_hidden_layers)
         else:
             raise errors.InvalidArgumentError(f"store must be a path or a Store, got {store!r}")
@@ -475,11 +478,11 @@ class SwarmCache(Cache):
         st = self.store
         if sorted(st.layers) != list(range(st.num_layers)):
             raise errors.ShapeError(f"the store holds layers {st.layers}, not all "
-                               f"{st.num_layers}: the prefill did not finish", store=st.path)
+                                    f"{st.num_layers}: the prefill did not finish", store=st.path)
         lens = {st.num_tokens(i) for i in st.layers}
         if len(lens) != 1:
-            raise errors.ShapeError(f"the store's layers hold different token counts {sorted(lens)}",
-                               store=st.path)
+            raise errors.ShapeError(f"the store's layers hold different token counts "
+                                    f"{sorted(lens)}", store=st.path)
         return lens.pop()
 
     def _model_shape(self):
@@ -498,16 +501,16 @@ class SwarmCache(Cache):
             ("head_dim", st.head_dim, d), ("query heads", stored_q, Hq)) if a != b]
         if diffs:
             raise errors.ShapeError("the store's entry shape differs from the model's (" +
-                               "; ".join(diffs) + ")", store=st.path)
+                                    "; ".join(diffs) + ")", store=st.path)
 
     # -- per-layer update -----------------------------------------------------
     def _check_kv(self, layer: int, k, v) -> None:
         if k.ndim != 4 or k.shape != v.shape:
             raise errors.ShapeError(f"key/value shapes {tuple(k.shape)} / {tuple(v.shape)} are "
-                               "not [B, H_kv, T, d]", layer=layer, store=self.path)
+                                    "not [B, H_kv, T, d]", layer=layer, store=self.path)
         if k.shape[0] != 1:
             raise errors.ShapeError(f"a SwarmCache serves batch size 1, got {k.shape[0]}",
-                               layer=layer, store=self.path)
+                                    layer=layer, store=self.path)
         if self.store is None:
             return
         st = self.store
@@ -521,16 +524,17 @@ class SwarmCache(Cache):
             diffs.append(f"dtype: store {st.dtype}, model {name}")
         if diffs:
             raise errors.ShapeError("the store's entries differ from the model's (" +
-                               "; ".join(diffs) + ")", layer=layer, store=st.path)
+                                    "; ".join(diffs) + ")", layer=layer, store=st.path)
 
     def _check_window(self, layer: int, total: int) -> None:
         sw = getattr(self.config, "sliding_window", None) if self.config is not None else None
         use = getattr(self.config, "use_sliding_window", True) if self.config is not None \
             else False
         if sw and use and total > int(sw):
-            raise errors.ConfigError(f"context of {total} tokens exceeds the model's sliding window "
-                                f"{sw}; SwarmCache serves full-attention layers only",
-                                layer=layer, store=self.path)
+            raise errors.ConfigError(f"context of {total} tokens exceeds the model's sliding "
+                                     f"window {sw}; SwarmCache serves full-attention layers "
+                                     "only",
+                                     layer=layer, store=self.path)
 
     def _update(self, lay: SwarmLayer, k, v):
         if self._closed:
@@ -557,7 +561,7 @@ class SwarmCache(Cache):
         L, Hkv, d, Hq = self._model_shape()
         if k.shape[1] != Hkv or k.shape[3] != d:
             raise errors.ShapeError(f"key shape {tuple(k.shape)} does not match the config "
-                               f"(H_kv {Hkv}, head_dim {d})", layer=0, store=self.path)
+                                    f"(H_kv {Hkv}, head_dim {d})", layer=0, store=self.path)
         self.store = Store.create(self.path, disks=self._disks, num_layers=L,
                                   num_kv_heads=Hkv, head_dim=d, dtype=_dtype_name(k),
                                   num_query_heads=Hq, force=self._force, engine=self._engine,
