@@ -269,11 +269,13 @@ class DecodeSession:
         idle[sel] = False
         self.freq[sel] += 1.0
         self.freq[idle] = np.maximum(self.freq[idle] - 1.0, 0.0)
-        cand = hot.copy()
-        cand[sel] = True
-        return hot_clusters(self.freq, ret.index.sizes, budget_bytes=self.hot_budget,
-                            entry_bytes=self.store.entry_bytes, t_base_us=self.t_base,
-                            t_transfer_us=self.t_transfer, exclude=~cand)
+        cand = np.union1d(np.flatnonzero(hot), sel)     # ascending: ties keep id order
+        want = np.zeros_like(hot)
+        want[cand] = hot_clusters(self.freq[cand], ret.index.sizes[cand],
+                                  budget_bytes=self.hot_budget,
+                                  entry_bytes=self.store.entry_bytes, t_base_us=self.t_base,
+                                  t_transfer_us=self.t_transfer)
+        return want
 
     def _check_layer(self, li) -> None:
         if li.num_clusters != self.freq.shape[0] or \

@@ -24,7 +24,7 @@ import numpy as np
 from . import _errors as errors
 from . import _stages as stages
 from ._defaults import RATIO
-from ._selectors import FusedSelector, MedoidSelector, Selector
+from ._selectors import MedoidSelector, Selector
 # their former home: tests and benchmarks import them from here
 from ._selectors import group_queries, score_medoids, select_clusters  # noqa: F401
 from ._store import Store, to_torch
@@ -344,6 +344,7 @@ class Retriever:
         self.policy, self.dedup, self.max_gap = policy, dedup, max_gap
         self._hot = dict(hot or {})
         self.selector = selector if selector is not None else MedoidSelector(store, score)
+        self._fused = stages.fuses(self.selector)     # scores and chooses in one pass
         self._layers: dict[int, _LayerState] = {}
         self._lock = threading.Lock()
         self._step_locks: dict[int, threading.Lock] = {}
@@ -604,9 +605,7 @@ class Retriever:
         budget = self._budget(layer, li, budget)
         qf = self.queries(q)                                              # query
         window = self._window(st, budget)
-        fused = isinstance(self.selector, FusedSelector) and \
-            self.selector.kind == "clusters"
-        scores = None if fused else stages.score(self.selector, layer, qf, li)   # score
+        scores = None if self._fused else stages.score(self.selector, layer, qf, li)  # score
         t1 = time.perf_counter()
         clusters, copies = stages.select(self.selector, layer, qf, li, budget=budget,
                                          window=window, scores=scores)    # select
