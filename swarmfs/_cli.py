@@ -176,7 +176,7 @@ def verify(store, layers, as_json, engine):
 
     from ._store import Store
     with Store.open(store, engine=engine, damaged=True) as s:
-        total = sum(int(x["end"]) for x in s.manifest["disks"])
+        total = sum(d.end for d in s.committed.disks)
         with tqdm(total=total, unit="B", unit_scale=True, desc="verify",
                   disable=as_json or not sys.stderr.isatty()) as bar:
             bad = s.verify(layers=list(layers) or None, progress=bar.update)

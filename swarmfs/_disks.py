@@ -155,8 +155,9 @@ def create_disks(path: str, disk_paths: list, *, force: bool, disk_size, block_s
 
     Args:
         make_manifest: callable(uuid bytes, capacities, block size) -> the
-            sealed generation-0 manifest (its model goes into the
-            superblocks, its checksum into the commit records).
+            sealed generation-0 :class:`~swarmfs._manifest.Manifest` (its
+            model goes into the superblocks, its checksum into the commit
+            records).
 
     Returns:
         The manifest to write.
@@ -202,7 +203,8 @@ def create_disks(path: str, disk_paths: list, *, force: bool, disk_size, block_s
             buf = tmp.alloc(F.SUPERBLOCK_SIZE * n, register=False)
             for i in range(n):
                 sb = F.pack_superblock(store_uuid=uid, disk_index=i, disk_count=n,
-                                       block_size=bs, capacity=caps[i], model=m["model"])
+                                       block_size=bs, capacity=caps[i],
+                                       model=m.model.to_dict())
                 buf.array[i * F.SUPERBLOCK_SIZE:(i + 1) * F.SUPERBLOCK_SIZE] = \
                     np.frombuffer(sb, dtype=np.uint8)
             tmp.execute(WRITE, np.arange(n), np.zeros(n), [F.SUPERBLOCK_SIZE] * n,
@@ -216,7 +218,7 @@ def create_disks(path: str, disk_paths: list, *, force: bool, disk_size, block_s
     return m
 
 
-def write_commit_records(engine, fds, uid: bytes, manifest: dict, state: int, *,
+def write_commit_records(engine, fds, uid: bytes, manifest, state: int, *,
                          both: bool = False) -> None:
     """Write the commit record of ``manifest`` (its generation, checksum and
     disk ends) to slot ``generation mod 2`` of every disk (both slots with
@@ -226,15 +228,15 @@ def write_commit_records(engine, fds, uid: bytes, manifest: dict, state: int, *,
         DiskFullError, IOFailedError: a write failed.
     """
     n = len(fds)
-    gen = int(manifest["generation"])
+    gen = manifest.generation
     slots = [0, 1] if both else [gen % 2]
     buf = engine.alloc(F.COMMIT_SIZE * n * len(slots), register=False)
     try:
         disk, off, dst = [], [], []
         for i in range(n):
             rec = F.pack_commit(store_uuid=uid, disk_index=i, generation=gen,
-                                manifest_sum=F.manifest_sum(manifest),
-                                disk_end=int(manifest["disks"][i]["end"]), state=state)
+                                manifest_sum=manifest.checksum_u64,
+                                disk_end=manifest.disks[i].end, state=state)
             for s in slots:
                 k = len(disk)
                 buf.array[k * F.COMMIT_SIZE:(k + 1) * F.COMMIT_SIZE] = \
@@ -250,7 +252,7 @@ def write_commit_records(engine, fds, uid: bytes, manifest: dict, state: int, *,
         buf.release()
 
 
-def check_header(raw: bytes, i: int, p: str, m: dict, *, store) -> dict:
+def check_header(raw: bytes, i: int, p: str, m, *, store) -> dict:
     """Check one disk's superblock and commit records against the manifest:
     UUID, disk index and count, block size, capacity, the model identity
     (dtype, KV heads, head_dim, entry bytes, layers), and the generation.
@@ -267,8 +269,8 @@ def check_header(raw: bytes, i: int, p: str, m: dict, *, store) -> dict:
     """
     kw = dict(disk=i, path=p, store=store)
     sb = F.unpack_superblock(raw, **kw)
-    uid = bytes.fromhex(m["uuid"])
-    n = len(m["disks"])
+    uid = bytes.fromhex(m.uuid)
+    n = len(m.disks)
     if sb["uuid"] != uid:
         raise E.DiskMismatchError(f"disk belongs to another store (UUID {sb['uuid'].hex()}, "
                                   f"manifest {uid.hex()})", **kw)
@@ -276,18 +278,18 @@ def check_header(raw: bytes, i: int, p: str, m: dict, *, store) -> dict:
         raise E.DiskMismatchError(
             f"disk carries index {sb['disk_index']} of {sb['disk_count']} but is listed "
             f"as {i} of {n} (disks swapped?)", **kw)
-    if sb["block_size"] != int(m["block_size"]):
-        raise E.ManifestError(f"manifest block size {m['block_size']} differs from the "
+    if sb["block_size"] != m.block_size:
+        raise E.ManifestError(f"manifest block size {m.block_size} differs from the "
                               f"superblock's {sb['block_size']} (manifest edited?)", **kw)
-    if sb["capacity"] != int(m["disks"][i]["capacity"]):
-        raise E.ManifestError(f"manifest capacity {m['disks'][i]['capacity']} differs from "
+    if sb["capacity"] != m.disks[i].capacity:
+        raise E.ManifestError(f"manifest capacity {m.disks[i].capacity} differs from "
                               f"the superblock's {sb['capacity']} (manifest edited?)", **kw)
     for k, v in sb["model"].items():
-        if m["model"][k] != v:
-            raise E.ManifestError(f"manifest says model.{k} = {m['model'][k]!r} but the "
+        if getattr(m.model, k) != v:
+            raise E.ManifestError(f"manifest says model.{k} = {getattr(m.model, k)!r} but the "
                                   f"disks' superblocks say {v!r} (manifest edited?); the "
                                   "bytes would be misread, so the store is refused", **kw)
-    g, h = int(m["generation"]), F.manifest_sum(m)
+    g, h = m.generation, m.checksum_u64
     recs = []
     for s in (0, 1):
         lo = F.COMMIT_OFF + s * F.COMMIT_SIZE
@@ -320,7 +322,7 @@ def check_header(raw: bytes, i: int, p: str, m: dict, *, store) -> dict:
                               f"generation {g} (a disk from another copy or time?)", **kw)
 
 
-def open_disks(path: str, manifest: dict, *, writable: bool,
+def open_disks(path: str, manifest, *, writable: bool,
                damaged: bool = False) -> tuple[list[int], dict]:
     """Open every disk of a (schema-checked) manifest and check superblock,
     commit records and length.
@@ -340,8 +342,8 @@ def open_disks(path: str, manifest: dict, *, writable: bool,
     m = manifest
     fds, problems = [], {}
     try:
-        for i, rec in enumerate(m["disks"]):
-            p = rec["path"] if os.path.isabs(rec["path"]) else os.path.join(path, rec["path"])
+        for i, rec in enumerate(m.disks):
+            p = m.disk_path(path, i)
             fd = None
             try:
                 fd = open_disk(p, write=writable, disk=i, store=path)
@@ -351,13 +353,13 @@ def open_disks(path: str, manifest: dict, *, writable: bool,
                                                "superblock", disk=i, path=p, store=path)
                 raw = read_header(fd, disk=i, path=p, store=path)
                 check_header(raw, i, p, m, store=path)
-                if size < int(rec["end"]):
+                if size < rec.end:
                     raise E.DiskTruncatedError(
-                        f"disk is {size} bytes but holds data up to byte {rec['end']} "
+                        f"disk is {size} bytes but holds data up to byte {rec.end} "
                         "(truncated)", disk=i, path=p, store=path, offset=size)
-                if logical_block_size(fd) > int(m["block_size"]):
+                if logical_block_size(fd) > m.block_size:
                     raise E.DiskMismatchError(f"disk's logical block size exceeds the "
-                                              f"store block size {m['block_size']}",
+                                              f"store block size {m.block_size}",
                                               disk=i, path=p, store=path)
             except E.SwarmError as exc:
                 if not damaged:
@@ -494,16 +496,15 @@ class ReaderLease:
                 self._held.clear()
 
 
-def truncate_to(fds, manifest: dict) -> None:
+def truncate_to(fds, manifest) -> None:
     """Give back the space a failed write allocated on growing file disks:
     cut each regular-file disk without a fixed capacity back to its
     committed end (nothing beyond it is referenced).  Best effort."""
-    for fd, d in zip(fds, manifest["disks"]):
+    for fd, d in zip(fds, manifest.disks):
         try:
             st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and not int(d["capacity"]) and \
-                    st.st_size > int(d["end"]):
-                os.ftruncate(fd, int(d["end"]))
+            if stat.S_ISREG(st.st_mode) and not d.capacity and st.st_size > d.end:
+                os.ftruncate(fd, d.end)
         except OSError as exc:
-            warnings.warn(f"could not give back space on disk {d['index']}: {exc}",
+            warnings.warn(f"could not give back space on disk {d.index}: {exc}",
                           stacklevel=2)

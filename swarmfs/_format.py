@@ -1,4 +1,5 @@
-"""On-disk format: disk superblocks, commit records, the manifest, and
+"""On-disk format: disk superblocks, commit records, the manifest file (its
+bytes, JSON and checksum; its fields are the model in ``_manifest``), and
 per-layer index files.
 
 A store is a directory plus N disks (regular files or block devices)::
@@ -310,21 +311,18 @@ def parse_json(data: bytes, what: str, **kw):
     return v
 
 
-def _manifest_checksum(m: dict) -> str:
+def manifest_checksum(m: dict) -> str:
+    """The manifest's checksum rule: XXH3-64 (hex) of the JSON of every
+    other field, keys sorted (so key order does not matter)."""
     body = {k: v for k, v in m.items() if k != "checksum"}
     return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode())
-
-
-def manifest_sum(m: dict) -> int:
-    """The manifest's checksum as an integer (what the commit records hold)."""
-    return int(m["checksum"], 16)
 
 
 def seal_manifest(manifest: dict) -> dict:
     """A copy of ``manifest`` with its ``checksum`` (XXH3-64 of the rest)."""
     m = dict(manifest)
     m.pop("checksum", None)
-    m["checksum"] = _manifest_checksum(m)
+    m["checksum"] = manifest_checksum(m)
     return m
 
 
@@ -333,6 +331,13 @@ def write_manifest(store_dir: str, manifest: dict) -> dict:
     content in ``"checksum"``, so an edited or corrupt manifest is refused).
     Returns the manifest as written."""
     m = seal_manifest(manifest)
+    write_sealed_manifest(store_dir, m)
+    return m
+
+
+def write_sealed_manifest(store_dir: str, m: dict) -> None:
+    """Atomically replace ``STORE/manifest.json`` with ``m`` as it is (its
+    ``checksum`` already computed: :func:`seal_manifest`)."""
     data = json.dumps(m, indent=1, sort_keys=False).encode() + b"\n"
     atomic_write(os.path.join(store_dir, MANIFEST), data)
     # leftovers of writers that crashed before their rename
@@ -348,16 +353,36 @@ def write_manifest(store_dir: str, manifest: dict) -> dict:
                     pass
             except PermissionError:
                 pass
-    return m
+
+
+def check_format(m, store_dir) -> None:
+    """A parsed manifest is a swarmfs manifest of this format version.
+
+    Raises:
+        ManifestError: not a JSON object of format "swarmfs", format 1 (with
+            the request to rebuild) or another version.
+    """
+    if not isinstance(m, dict) or m.get("format") != "swarmfs":
+        raise E.ManifestError("manifest.json is not a swarmfs manifest", store=store_dir)
+    version = m.get("format_version")
+    if type(version) is int and version == 1:       # not True, which equals 1
+        raise E.ManifestError("store " + _OLD_VERSION_HINT, store=store_dir)
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise E.ManifestError(f"format version {m.get('format_version')!r} is not "
+                              f"supported (this swarmfs reads {FORMAT_VERSION})",
+                              store=store_dir)
 
 
 def read_manifest(store_dir: str) -> dict:
-    """Read and check ``STORE/manifest.json`` (bounded read, checksum, schema).
+    """Read ``STORE/manifest.json`` as JSON and check its format version and
+    checksum (bounded read).  The fields are checked by the one validating
+    loader, ``_manifest.Manifest.load`` (``_manifest.read_manifest`` does
+    both).
 
     Raises:
         StoreNotFoundError: no directory or no manifest.
         ManifestError: unreadable, not JSON, an unsupported format version,
-            a failed checksum, or a field of the wrong type or range.
+            or a failed checksum.
         IOFailedError: the kernel failed the read.
     """
     store_dir = os.fspath(store_dir)
@@ -388,140 +413,19 @@ def read_manifest(store_dir: str) -> dict:
     data = read_bounded(path, cap=MAX_MANIFEST_BYTES, what="manifest.json",
                         store=store_dir)
     m = parse_json(data, "manifest.json", store=store_dir)
-    if not isinstance(m, dict) or m.get("format") != "swarmfs":
-        raise E.ManifestError("manifest.json is not a swarmfs manifest", store=store_dir)
-    if m.get("format_version") == 1:
-        raise E.ManifestError("store " + _OLD_VERSION_HINT, store=store_dir)
-    if m.get("format_version") != FORMAT_VERSION or \
-            isinstance(m.get("format_version"), bool):
-        raise E.ManifestError(f"format version {m.get('format_version')!r} is not "
-                              f"supported (this swarmfs reads {FORMAT_VERSION})",
-                              store=store_dir)
+    check_format(m, store_dir)
     try:
-        ok = m.get("checksum") == _manifest_checksum(m)
+        ok = m.get("checksum") == manifest_checksum(m)
     except (ValueError, TypeError, RecursionError):
         ok = False
     if not ok:
         raise E.ManifestError("manifest.json fails its checksum (edited or corrupt); "
                               "restore it from a backup", store=store_dir)
-    check_manifest(m, store_dir)
     return m
 
 
-_HEX16 = re.compile(r"[0-9a-f]{16}")
-_HEX32 = re.compile(r"[0-9a-f]{32}")
-_LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,5}")
-_INDEX_NAME = re.compile(r"layer-([0-9]{3,})\.g([0-9]{8,})\.safetensors")
-_U63 = (1 << 63) - 1
-_I31 = (1 << 31) - 1
-
-
-def check_manifest(m: dict, store_dir) -> None:
-    """Schema checks of a manifest: every field's type and range, and the
-    fields' consistency with each other (the one validating loader; the
-    disks and index files are checked against it at open).
-
-    Raises:
-        ManifestError: naming the first field that is wrong.
-    """
-    def fail(msg, **kw):
-        raise E.ManifestError(f"manifest.json: {msg}", store=store_dir, **kw)
-
-    def integer(x, what, lo=0, hi=_U63, **kw):
-        if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
-            fail(f"{what} must be an integer in [{lo}, {hi}], got {x!r}"[:300], **kw)
-        return x
-
-    if not isinstance(m.get("uuid"), str) or not _HEX32.fullmatch(m["uuid"]):
-        fail("uuid must be 32 hex digits")
-    if not isinstance(m.get("checksum"), str) or not _HEX16.fullmatch(m["checksum"]):
-        fail("checksum must be 16 hex digits")
-    model = m.get("model")
-    if not isinstance(model, dict):
-        fail("model is missing")
-    for k in ("num_layers", "num_kv_heads", "head_dim", "num_query_heads"):
-        integer(model.get(k), f"model.{k}", 1, 1 << 16)
-    integer(model.get("entry_bytes"), "model.entry_bytes", 1, 1 << 30)
-    if not isinstance(model.get("dtype"), str) or model["dtype"] not in DTYPES:
-        fail(f"model.dtype {model.get('dtype')!r} is not one of {sorted(DTYPES)}"[:300])
-    if model.get("name") is not None and not isinstance(model["name"], str):
-        fail("model.name must be a string or null")
-    if model["num_query_heads"] % model["num_kv_heads"]:
-        fail("model.num_query_heads is not a multiple of num_kv_heads")
-    if model["entry_bytes"] != 2 * model["num_kv_heads"] * model["head_dim"] * \
-            DTYPES[model["dtype"]]:
-        fail("model.entry_bytes does not match 2 x num_kv_heads x head_dim x itemsize")
-    bs = integer(m.get("block_size"), "block_size", 512, SUPERBLOCK_SIZE)
-    if bs & (bs - 1):
-        fail(f"block_size {bs} is not a power of two")
-    gen = integer(m.get("generation"), "generation")
-    integer(m.get("p_global"), "p_global")
-    dram = m.get("dram")
-    if not isinstance(dram, dict):
-        fail("dram must be an object")
-    integer(dram.get("local_window"), "dram.local_window", 0, _I31)
-    disks = m.get("disks")
-    if not isinstance(disks, list) or not 1 <= len(disks) <= 256:
-        fail("disks must be a list of 1 to 256 disks")
-    for i, d in enumerate(disks):
-        if not isinstance(d, dict) or not isinstance(d.get("path"), str) or not d["path"] \
-                or "\0" in d["path"] or len(d["path"]) > 4096:
-            fail("disk record has no valid path", disk=i)
-        if d.get("index") != i or isinstance(d.get("index"), bool):
-            fail(f"disks[{i}].index must be {i}", disk=i)
-        end = integer(d.get("end"), f"disks[{i}].end", DATA_START, 1 << 62, disk=i)
-        if end % bs:
-            fail(f"disks[{i}].end is not block aligned", disk=i)
-        cap = integer(d.get("capacity"), f"disks[{i}].capacity", 0, 1 << 62, disk=i)
-        if cap and cap < end:
-            fail(f"disks[{i}].end is beyond its capacity", disk=i)
-        free = d.get("free", [])
-        if not isinstance(free, list) or len(free) > 1 << 20:
-            fail(f"disks[{i}].free must be a list", disk=i)
-        prev = DATA_START
-        for r in free:
-            if not isinstance(r, list) or len(r) != 3:
-                fail(f"disks[{i}].free holds a malformed range", disk=i)
-            off = integer(r[0], f"disks[{i}].free offset", DATA_START, end, disk=i)
-            ln = integer(r[1], f"disks[{i}].free length", 1, end - off, disk=i)
-            integer(r[2], f"disks[{i}].free generation", 0, gen, disk=i)
-            if off % bs or ln % bs or off < prev:
-                fail(f"disks[{i}].free ranges are unaligned, unsorted or overlap",
-                     disk=i)
-            prev = off + ln
-    layers = m.get("layers")
-    if not isinstance(layers, dict):
-        fail("layers must be an object")
-    for k, rec in layers.items():
-        if not _LAYER_KEY.fullmatch(k) or not int(k) < model["num_layers"]:
-            fail(f"layer key {k!r} is not a layer of the model"[:300])
-        layer = int(k)
-        if not isinstance(rec, dict) or not isinstance(rec.get("index"), dict):
-            fail("layer record has no index", layer=layer)
-        S = integer(rec.get("num_tokens"), f"layers[{k}].num_tokens", 1, _I31, layer=layer)
-        C = integer(rec.get("num_clusters"), f"layers[{k}].num_clusters", 1, _I31,
-                    layer=layer)
-        M = integer(rec.get("num_copies"), f"layers[{k}].num_copies", 1, _I31, layer=layer)
-        integer(rec.get("local_window"), f"layers[{k}].local_window", 0, _I31, layer=layer)
-        integer(rec.get("hot_clusters"), f"layers[{k}].hot_clusters", 0, C, layer=layer)
-        lgen = integer(rec.get("generation"), f"layers[{k}].generation", 1, gen, layer=layer)
-        if M < S or M < C:
-            fail(f"layers[{k}] has fewer copies than tokens or clusters", layer=layer)
-        r = rec.get("replication")
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or \
-                abs(r - round(M / S, 6)) > 1e-5:
-            fail(f"layers[{k}].replication does not match num_copies / num_tokens",
-                 layer=layer)
-        idx = rec["index"]
-        name = idx.get("file")
-        mm = _INDEX_NAME.fullmatch(name) if isinstance(name, str) else None
-        if mm is None or int(mm.group(1)) != layer or int(mm.group(2)) != lgen:
-            fail(f"layers[{k}].index.file is not layer-{layer:03d}.g{lgen:08d}.safetensors",
-                 layer=layer)
-        if not isinstance(idx.get("xxh3"), str) or not _HEX16.fullmatch(idx["xxh3"]):
-            fail(f"layers[{k}].index.xxh3 must be 16 hex digits", layer=layer)
-        integer(idx.get("bytes"), f"layers[{k}].index.bytes", 1, MAX_INDEX_BYTES,
-                layer=layer)
+#: file name of a layer's index file: layer-LLL.gGGGGGGGG.safetensors
+INDEX_NAME_RE = re.compile(r"layer-([0-9]{3,})\.g([0-9]{8,})\.safetensors")
 
 
 # -- per-layer index files ------------------------------------------------------
@@ -553,8 +457,8 @@ INDEX_META = ("format", "format_version", "uuid", "layer", "generation", "num_to
 
 def save_index(store_dir: str, layer: int, generation: int, arrays: dict, *,
                meta: dict) -> dict:
-    """Write one layer's index file durably; returns its manifest record
-    ``{"file": name, "xxh3": hex, "bytes": n}``.  ``meta`` gives the store's
+    """Write one layer's index file durably; returns its manifest record's
+    fields ``{"file": name, "xxh3": hex, "bytes": n}``.  ``meta`` gives the store's
     identity (uuid, num_disks, dtype, num_kv_heads, head_dim, entry_bytes),
     stored in the file's own metadata with the layer's counts."""
     from safetensors.numpy import save
@@ -615,14 +519,15 @@ def _header_meta(head: bytes, size: int, name: str, kw: dict):
     return header_len
 
 
-def check_index_header(store_dir: str, layer: int, record: dict, *, expect: dict) -> None:
+def check_index_header(store_dir: str, layer: int, record, *, expect: dict) -> None:
     """Read only the header of a layer's index file and check its metadata
-    against ``expect`` (cheap; done for every layer at open).
+    against ``expect`` (cheap; done for every layer at open).  ``record``
+    is the manifest's :class:`~swarmfs._manifest.IndexRecord`.
 
     Raises:
         ManifestError: missing, wrong size, or metadata that disagrees.
     """
-    name = record["file"]
+    name = record.file
     kw = dict(store=store_dir, layer=layer)
     path = os.path.join(store_dir, INDEX_DIR, name)
     try:
@@ -635,9 +540,9 @@ def check_index_header(store_dir: str, layer: int, record: dict, *, expect: dict
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise E.ManifestError(f"index file {name} is not a regular file", **kw)
-        if st.st_size != record["bytes"]:
+        if st.st_size != record.bytes:
             raise E.ManifestError(f"index file {name} is {st.st_size} bytes, the manifest "
-                                  f"says {record['bytes']} (corrupt or replaced)", **kw)
+                                  f"says {record.bytes} (corrupt or replaced)", **kw)
         head = os.pread(fd, 8, 0)
         n = _header_meta(head, st.st_size, name, kw)
         raw = os.pread(fd, n, 8)
@@ -650,8 +555,9 @@ def check_index_header(store_dir: str, layer: int, record: dict, *, expect: dict
                 expect, kw)
 
 
-def load_index(store_dir: str, layer: int, record: dict, *, expect: dict) -> dict:
-    """Read one layer's index file (bounded), check its XXH3-64, its own
+def load_index(store_dir: str, layer: int, record, *, expect: dict) -> dict:
+    """Read one layer's index file (bounded; ``record`` is the manifest's
+    :class:`~swarmfs._manifest.IndexRecord`), check its XXH3-64, its own
     metadata against ``expect`` (the manifest's counts and generation, the
     superblocks' identity) and its arrays' dtypes, ranks and sizes.
 
@@ -661,13 +567,13 @@ def load_index(store_dir: str, layer: int, record: dict, *, expect: dict) -> dic
     """
     from safetensors.numpy import load
 
-    name = record["file"]
+    name = record.file
     kw = dict(store=store_dir, layer=layer)
     path = os.path.join(store_dir, INDEX_DIR, name)
-    data = read_bounded(path, cap=int(record.get("bytes") or MAX_INDEX_BYTES),
+    data = read_bounded(path, cap=int(record.bytes or MAX_INDEX_BYTES),
                         what=f"index file {name}", store=store_dir, layer=layer,
                         missing=E.ManifestError(f"index file {name} is missing", **kw))
-    if len(data) != record.get("bytes") or xxhash.xxh3_64_hexdigest(data) != record["xxh3"]:
+    if len(data) != record.bytes or xxhash.xxh3_64_hexdigest(data) != record.xxh3:
         raise E.ManifestError(f"index file {name} fails its checksum", **kw)
     n = _header_meta(data[:8], len(data), name, kw)
     meta = parse_json(data[8:8 + n], f"index file {name}", **kw)
@@ -696,12 +602,12 @@ def _index_files(store_dir: str):
     except OSError:
         return
     for name in names:
-        mm = _INDEX_NAME.fullmatch(name)
+        mm = INDEX_NAME_RE.fullmatch(name)
         if mm:
             yield name, int(mm.group(1)), int(mm.group(2))
 
 
-def check_orphan_indexes(store_dir: str, m: dict) -> None:
+def check_orphan_indexes(store_dir: str, layers, generation: int) -> None:
     """Refuse a manifest that lost a layer record: a committed index file
     (generation <= the manifest's) of a layer the manifest does not list.
     Uncommitted leftovers (newer generations) are ignored.
@@ -710,7 +616,7 @@ def check_orphan_indexes(store_dir: str, m: dict) -> None:
         ManifestError: naming the layer and the file.
     """
     for name, layer, gen in _index_files(store_dir):
-        if str(layer) not in m["layers"] and gen <= int(m["generation"]):
+        if layer not in layers and gen <= generation:
             raise E.ManifestError(f"index file {name} holds committed data of layer "
                                   f"{layer}, which the manifest does not list (layer record "
                                   "removed?)", store=store_dir, layer=layer)

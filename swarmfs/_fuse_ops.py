@@ -519,17 +519,16 @@ class SwarmFS(pyfuse3.Operations):
                 last = exc
                 continue
             try:
-                m = side.manifest
-                if m.get("uuid") != old.uuid or len(m["disks"]) != old.num_disks:
+                m = side.committed
+                if m.uuid != old.uuid or len(m.disks) != old.num_disks:
                     raise E.MountError("the store was replaced since it was mounted; "
                                        "remount to see it", store=self.store.path)
-                if m.get("generation") == old.generation and \
-                        all(m["layers"].get(str(l)) == r for l, r in old.layer_records.items()) \
-                        and len(m["layers"]) == len(old.layer_records):
+                if m.generation == old.generation and \
+                        all(m.layers.get(l) == r for l, r in old.layer_records.items()) \
+                        and len(m.layers) == len(old.layer_records):
                     return None
                 indexes = {}
-                for k, rec in m["layers"].items():
-                    l = int(k)
+                for l, rec in m.layers.items():
                     if old.layer_records.get(l) == rec:
                         indexes[l] = old.load_layer(l)
                     else:

@@ -49,6 +49,8 @@ import threading
 
 import numpy as np
 
+from ._manifest import Manifest
+
 __all__ = ["Node", "Tree", "LookupCounts", "encode", "decode", "npy_header", "npy_descr",
            "tokens_text", "tokens_text_size", "ROOT_INODE"]
 
@@ -354,7 +356,9 @@ class Tree:
 
     Args:
         store: the open store that serves reads (its engine, disks, shape).
-        manifest: the generation's manifest (default ``store.manifest``).
+        manifest: the generation's manifest (a
+            :class:`~swarmfs._manifest.Manifest`, or ``Store.manifest``'s
+            dict; default ``store.committed``).
         indexes: ``{layer: LayerIndex}`` of the generation (default: loaded
             from ``store`` now).
         prev: the previous generation's Tree, whose versions this one
@@ -380,7 +384,9 @@ class Tree:
                  mtime_ns: int = 0, store_stats=None):
         self.store = store
         self._store_stats = store_stats or (prev._store_stats if prev else store.stats)
-        m = store.manifest if manifest is None else manifest
+        m = store.committed if manifest is None else manifest
+        if isinstance(m, dict):
+            m = Manifest.load(m, store.path)
         self._mount_stats = mount_stats or (prev._mount_stats if prev else dict)
         self.kv_blksize = int(kv_blksize)
         self.entry_bytes = int(store.entry_bytes)
@@ -388,8 +394,8 @@ class Tree:
         self.num_disks = int(store.num_disks)
         if self.num_disks > _MAX_DISKS:
             raise ValueError(f"a mount serves at most {_MAX_DISKS} disks")
-        self.generation = int(m.get("generation", 0))
-        self.layers = sorted(int(k) for k in m["layers"])
+        self.generation = m.generation
+        self.layers = sorted(m.layers)
         if self.layers and max(self.layers) >= MAX_LAYERS:
             raise ValueError(f"a mount serves layers below {MAX_LAYERS}")
         if indexes is None:
@@ -402,14 +408,13 @@ class Tree:
         self.layer_width = max(2, len(str(max(int(store.num_layers) - 1, 0))))
         self._cluster_width = {l: max(6, len(str(c - 1))) for l, c in self._num_clusters.items()}
         self.mtime_ns = int(mtime_ns)
-        self._disk_recs = m["disks"]
-        self.uuid = m.get("uuid")
+        self._disk_recs = m.disks
+        self.uuid = m.uuid
         #: the manifest's layer records (a new generation reuses the index of
         #: a layer whose record did not change)
-        self.layer_records = {l: m["layers"][str(l)] for l in self.layers}
-        self.manifest_bytes = json.dumps(m, indent=1, sort_keys=False).encode() + b"\n"
-        self.total_kv_bytes = sum(int(r["num_copies"]) for r in m["layers"].values()) \
-            * self.entry_bytes
+        self.layer_records = {l: m.layers[l] for l in self.layers}
+        self.manifest_bytes = m.to_json()
+        self.total_kv_bytes = sum(r.num_copies for r in m.layers.values()) * self.entry_bytes
         # versions: manifest, per layer (medoids.npy), per cluster
         if prev is None:
             self.manifest_ver = 1
@@ -716,7 +721,7 @@ class Tree:
         return {"index": i, "path": self.store.disk_paths[i],
                 "size": _device_size(self.store.disk_paths[i]),
                 "block_size": int(self.store.block_size),
-                "used_bytes": int(rec["end"]), "capacity": int(rec["capacity"]) or None,
+                "used_bytes": rec.end, "capacity": rec.capacity or None,
                 "bytes_read": int(st.bytes), "requests": int(st.requests),
                 "busy_us": float(st.busy_us)}
 

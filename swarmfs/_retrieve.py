@@ -349,7 +349,7 @@ class Retriever:
         self._lock = threading.Lock()
         self._step_locks: dict[int, threading.Lock] = {}
         self._pool = None
-        self.group = store.model.get("num_query_heads", store.num_kv_heads) // store.num_kv_heads
+        self.group = store.model.num_query_heads // store.num_kv_heads
 
     @property
     def sparsity(self) -> float:
@@ -437,7 +437,7 @@ class Retriever:
                 if st is None:
                     W = self.local_window
                     if W is None:
-                        W = self.store.layer_info(layer)["local_window"]
+                        W = self.store.layer_record(layer).local_window
                     st = _LayerState(self.store, layer, W, self._hot.get(layer),
                                      self.selector)
                     self._layers[layer] = st

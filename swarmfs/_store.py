@@ -1,51 +1,40 @@
 """The cluster-addressed store: KV clusters striped over N disks.
 
-``Store.create`` makes a store (superblocks, empty manifest); ``write_layer``
-places a layer's clusters by eq. 7, writes them with batched O_DIRECT writes
-and commits a new manifest atomically; ``read_cluster``/``read_entries`` read
-back with one batched submission per call.  See ``_format`` for the on-disk
-format and ``_planner`` for read planning.
+``Store`` is the facade: ``Store.create`` makes a store (superblocks, empty
+manifest), ``Store.open`` checks it (manifest, disks, index headers) and
+holds the reader lease; ``write_layer``/``append`` run a write transaction
+(``_write.Transaction``: placement by eq. 7, batched O_DIRECT writes, one
+atomic commit); ``read_cluster``/``read_entries`` plan (``_planner``) and
+hand the plan to the executor (``_executor.Executor``: one batched
+submission, checksums, damage location).  The manifest is a frozen
+``_manifest.Manifest``; ``_format`` has the bytes on the disks.
 """
 
 from __future__ import annotations
 
 import collections.abc
-import contextlib
-import json
 import dataclasses
-import fcntl
 import os
 import shutil
 import threading
 import time
-import warnings
 import weakref
 
 import numpy as np
 
 from . import _errors as E
 from . import _format as F
-from ._engine import (READ, Engine, EngineStats, device_size, gather_rows,
-                      verify_rows,
-                      xxh3_ranges, xxh3_rows)
+from . import _write
+from ._disks import ReaderLease, create_disks, open_disks
+from ._engine import Engine, EngineStats, device_size
+from ._executor import Executor
 from ._index import LayerIndex
+from ._manifest import LayerRecord, Manifest, ModelIdentity, read_manifest, write_manifest
 from ._planner import MAX_REQUEST, Plan, plan_reads
-from ._disks import (ReaderLease, create_disks, open_disks, truncate_to,
-                     write_commit_records)
-from ._write import (append_tokens, as_bytes_rows, chunk_bounds, clusters_csr, free_extents,
-                     place_layer, write_extents)
-from .layout._place import PLACEMENTS
 
 __all__ = ["Store", "StoreStats"]
 
-_POOL_KEEP = 4               # staging buffers kept for reuse
 _OPEN_RETRIES = 8            # opens that race a writer's commits
-_PROBE_LIMIT = 4096          # per-entry probes when locating a failed read
-
-
-#: fields of a layer's manifest record that write_layer sets itself
-_LAYER_RECORD_KEYS = frozenset({"num_tokens", "num_clusters", "num_copies", "replication",
-                                "hot_clusters", "index", "generation", "local_window"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +82,8 @@ class Store:
 
     Attributes:
         path: the store directory.
+        model: the model identity (:class:`~swarmfs._manifest.ModelIdentity`:
+            name, shape, dtype, entry bytes).
         num_layers, num_kv_heads, head_dim: model shape.
         dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``.
         entry_bytes: bytes of one KV entry: 2 x num_kv_heads x head_dim x itemsize.
@@ -107,32 +98,30 @@ class Store:
     def __init__(self, path, manifest, fds, *, engine_kind, queue_depth, verify,
                  writable):
         self.path = os.path.abspath(path)
-        self._m = manifest
+        self._m: Manifest = manifest
         self._fds = fds
         self.writable = writable
-        model = manifest["model"]
-        self.model = dict(model)
-        self.num_layers = int(model["num_layers"])
-        self.num_kv_heads = int(model["num_kv_heads"])
-        self.head_dim = int(model["head_dim"])
-        self.dtype = model["dtype"]
+        model = manifest.model
+        self.model = model
+        self.num_layers = model.num_layers
+        self.num_kv_heads = model.num_kv_heads
+        self.head_dim = model.head_dim
+        self.dtype = model.dtype
         self.np_dtype = F.numpy_dtype(self.dtype)
         self.entry_shape = (2, self.num_kv_heads, self.head_dim)
-        self.entry_bytes = int(model["entry_bytes"])
-        self.block_size = int(manifest["block_size"])
-        self.num_disks = len(manifest["disks"])
-        self.disk_paths = [self._disk_path(d) for d in manifest["disks"]]
+        self.entry_bytes = model.entry_bytes
+        self.block_size = manifest.block_size
+        self.num_disks = len(manifest.disks)
+        self.disk_paths = [manifest.disk_path(self.path, d) for d in range(self.num_disks)]
         self.verify_checksums = bool(verify)
         self.engine = Engine(fds, kind=engine_kind, queue_depth=queue_depth,
                              block_sizes=[self.block_size] * self.num_disks,
                              names=self.disk_paths, store=self.path)
+        self._executor = Executor(self.engine, fds, path=self.path,
+                                  disk_paths=self.disk_paths, entry_bytes=self.entry_bytes,
+                                  block_size=self.block_size)
         self._layers: dict[int, LayerIndex] = {}
         self._lock = threading.RLock()
-        self._pool: list = []
-        self._pool_lock = threading.Lock()
-        self._counters = dict(cluster_reads=0, entry_reads=0, entries_returned=0,
-                              bytes_returned=0, bytes_read=0, checksum_failures=0)
-        self._counter_lock = threading.Lock()
         self._writer_mutex = threading.Lock()
         self._closed = False
         self.disk_problems: dict = {}
@@ -173,24 +162,9 @@ class Store:
             DiskFullError: preallocation failed for lack of space.
         """
         path = os.path.abspath(path)
-        if not isinstance(dtype, str) or dtype not in F.DTYPES:
-            raise E.ShapeError(f"unsupported dtype {dtype!r}; use one of {sorted(F.DTYPES)}")
-        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or \
-                    not 0 < v <= 1 << 16:
-                raise E.ShapeError(f"{name} must be a positive integer <= 65536, got {v!r}")
-        if num_query_heads is not None and (
-                isinstance(num_query_heads, bool) or
-                not isinstance(num_query_heads, (int, np.integer)) or
-                not 0 < num_query_heads <= 1 << 16 or num_query_heads % num_kv_heads):
-            raise E.ShapeError(f"num_query_heads must be a positive multiple of "
-                               f"num_kv_heads, got {num_query_heads!r}")
-        if 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype] > 1 << 30:
-            raise E.ShapeError(f"an entry of 2 x {num_kv_heads} x {head_dim} {dtype} is over "
-                               "1 GiB")
-        if model_name is not None and not isinstance(model_name, str):
-            raise E.InvalidArgumentError(f"model_name must be a string, got {model_name!r}")
+        model = ModelIdentity.new(name=model_name, num_layers=num_layers,
+                                  num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                  num_query_heads=num_query_heads, dtype=dtype)
         for name, v in (("disk_size", disk_size), ("block_size", block_size)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
                                   or v < 0 or v > 1 << 62):
@@ -220,10 +194,7 @@ class Store:
         created = not os.path.exists(path)
         os.makedirs(path, exist_ok=True)
         try:
-            return cls._create(path, disks=disks, num_layers=num_layers,
-                               num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                               model_name=model_name, num_query_heads=num_query_heads,
-                               disk_size=disk_size, block_size=block_size, force=force,
+            return cls._create(path, disks=disks, model=model, disk_size=disk_size, block_size=block_size, force=force,
                                engine=engine, queue_depth=queue_depth, verify=verify)
         except BaseException:
             if created:      # leave nothing behind for a store that never existed
@@ -231,8 +202,8 @@ class Store:
             raise
 
     @classmethod
-    def _create(cls, path, *, disks, num_layers, num_kv_heads, head_dim, dtype, model_name,
-                num_query_heads, disk_size, block_size, force, engine, queue_depth, verify):
+    def _create(cls, path, *, disks, model, disk_size, block_size, force, engine, queue_depth,
+                verify):
         if isinstance(disks, (int, np.integer)):
             disks = int(disks)
             if not 1 <= disks <= 256:
@@ -243,33 +214,16 @@ class Store:
             disk_paths = [os.path.abspath(str(p)) for p in disks]
             if not 1 <= len(disk_paths) <= 256 or len(set(disk_paths)) != len(disk_paths):
                 raise E.ShapeError("disks must be 1 to 256 distinct paths", store=path)
-        entry_bytes = 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype]
 
         def make_manifest(uid, caps, bs):
-            return F.seal_manifest({
-                "format": "swarmfs",
-                "format_version": F.FORMAT_VERSION,
-                "uuid": uid.hex(),
-                "generation": 0,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "model": {"name": model_name, "num_layers": int(num_layers),
-                          "num_kv_heads": int(num_kv_heads), "head_dim": int(head_dim),
-                          "num_query_heads": int(num_query_heads or num_kv_heads),
-                          "dtype": dtype, "entry_bytes": entry_bytes},
-                "block_size": bs,
-                "p_global": 0,
-                "disks": [{"index": i, "path": cls._rel(path, p), "end": F.DATA_START,
-                           "capacity": caps[i], "free": []}
-                          for i, p in enumerate(disk_paths)],
-                "layers": {},
-                "dram": {"local_window": 256},
-            })
+            return Manifest.new(path, uuid=uid.hex(), model=model, block_size=bs,
+                                disk_paths=[cls._rel(path, p) for p in disk_paths],
+                                capacities=caps)
 
         manifest = create_disks(path, disk_paths, force=force, disk_size=disk_size,
                                 block_size=block_size, engine=engine,
                                 make_manifest=make_manifest)
-        F.check_manifest(manifest, path)
-        F.write_manifest(path, manifest)
+        write_manifest(path, manifest)
         return cls.open(path, engine=engine, queue_depth=queue_depth, verify=verify,
                         writable=True)
 
@@ -277,10 +231,6 @@ class Store:
     def _rel(store, p):
         rp = os.path.relpath(p, store)
         return rp if not rp.startswith("..") else p
-
-    def _disk_path(self, rec):
-        p = rec["path"]
-        return p if os.path.isabs(p) else os.path.join(self.path, p)
 
     @classmethod
     @E.boundary
@@ -333,7 +283,7 @@ class Store:
             raise E.InvalidArgumentError("a damaged store can only be opened read-only")
         path = os.path.abspath(path)
         for attempt in range(_OPEN_RETRIES):
-            m = F.read_manifest(path)
+            m = read_manifest(path)
             try:
                 return cls._open_once(path, m, engine=engine, queue_depth=queue_depth,
                                       verify=verify, writable=writable, preload=preload,
@@ -341,11 +291,8 @@ class Store:
             except (E.ManifestError, E.DiskMismatchError):
                 # a writer may have committed between our manifest read and the
                 # disk/index checks: retry on the newer manifest, else report
-                try:
-                    now = F.read_manifest(path)
-                except E.SwarmError:
-                    raise
-                if now.get("checksum") == m.get("checksum") or attempt == _OPEN_RETRIES - 1:
+                now = read_manifest(path)
+                if now.checksum == m.checksum or attempt == _OPEN_RETRIES - 1:
                     raise
                 time.sleep(0.001 * (attempt + 1))
 
@@ -364,13 +311,13 @@ class Store:
         try:
             # claim the generation, then make sure no writer could have reused
             # its space before the claim was visible (two commits later)
-            store._lease.hold(int(m["generation"]))
-            now = F.read_manifest(path)
-            if int(now["generation"]) > int(m["generation"]) + 1:
+            store._lease.hold(m.generation)
+            now = read_manifest(path)
+            if now.generation > m.generation + 1:
                 raise E.ManifestError("the store moved on while opening", store=path)
             for layer in store.layers:
                 store._check_index_header(layer)
-            F.check_orphan_indexes(path, m)
+            F.check_orphan_indexes(path, m.layers, m.generation)
             if preload:
                 for layer in store.layers:
                     store.layer(layer)
@@ -385,10 +332,7 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        with self._pool_lock:
-            for b in self._pool:
-                b.release()
-            self._pool.clear()
+        self._executor.close()
         self.engine.close()
         for fd in self._fds:
             os.close(fd)
@@ -403,18 +347,22 @@ class Store:
     # -- description ----------------------------------------------------------
     @property
     def uuid(self) -> str:
-        return self._m["uuid"]
+        return self._m.uuid
 
     @property
     def manifest(self) -> dict:
-        """A copy of the committed manifest."""
-        import copy
-        return copy.deepcopy(self._m)
+        """A copy of the committed manifest, as its JSON dict."""
+        return self._m.to_dict()
+
+    @property
+    def committed(self) -> Manifest:
+        """The committed manifest this Store reads (frozen; a commit replaces it)."""
+        return self._m
 
     @property
     def layers(self) -> list[int]:
         """Layers that hold data, ascending."""
-        return sorted(int(k) for k in self._m["layers"])
+        return sorted(self._m.layers)
 
     def _check_layer(self, layer) -> int:
         if self._closed:
@@ -423,23 +371,23 @@ class Store:
         if not 0 <= layer < self.num_layers:
             raise E.OutOfRangeError(f"layer {layer} outside [0, {self.num_layers})",
                                     store=self.path, layer=layer)
-        if str(layer) not in self._m["layers"]:
+        if layer not in self._m.layers:
             raise E.OutOfRangeError("layer holds no data", store=self.path, layer=layer)
         return layer
 
     def _index_expect(self, layer: int) -> dict:
         """What a layer's index-file metadata must say (manifest counts and
         generation; identity as the superblocks pinned it at open)."""
-        rec = self._m["layers"][str(layer)]
-        return dict(uuid=self._m["uuid"], generation=rec["generation"],
-                    num_tokens=rec["num_tokens"], num_clusters=rec["num_clusters"],
-                    num_copies=rec["num_copies"], hot_clusters=rec["hot_clusters"],
+        rec = self._m.layers[layer]
+        return dict(uuid=self._m.uuid, generation=rec.generation,
+                    num_tokens=rec.num_tokens, num_clusters=rec.num_clusters,
+                    num_copies=rec.num_copies, hot_clusters=rec.hot_clusters,
                     num_disks=self.num_disks,
                     dtype=self.dtype, num_kv_heads=self.num_kv_heads,
                     head_dim=self.head_dim, entry_bytes=self.entry_bytes)
 
     def _check_index_header(self, layer: int) -> None:
-        F.check_index_header(self.path, layer, self._m["layers"][str(layer)]["index"],
+        F.check_index_header(self.path, layer, self._m.layers[layer].index,
                              expect=self._index_expect(layer))
 
     @E.boundary
@@ -460,7 +408,7 @@ class Store:
             li = self._layers.get(layer)
             if li is None:
                 m = self._m
-                gen = int(m["generation"])
+                gen = m.generation
                 self._lease.acquire(gen)      # released when the LayerIndex is garbage
                 try:
                     li = self._load_layer(layer, m)
@@ -472,54 +420,62 @@ class Store:
                 self._layers[layer] = li
         return li
 
-    def _load_layer(self, layer: int, m: dict) -> LayerIndex:
+    def _load_layer(self, layer: int, m: Manifest) -> LayerIndex:
         """Load and check a layer's index as manifest ``m`` records it."""
-        rec = m["layers"][str(layer)]
-        name = rec["index"]["file"]
+        rec = m.layers[layer]
+        name = rec.index.file
         if not os.path.lexists(os.path.join(self.path, F.INDEX_DIR, name)):
             try:
-                now = F.read_manifest(self.path)
+                now = read_manifest(self.path)
             except E.SwarmError:
                 now = None
-            if now is not None and now.get("generation") != m["generation"]:
+            if now is not None and now.generation != m.generation:
                 raise E.ManifestError(
                     f"index file {name} is gone: the store was rewritten (now "
-                    f"generation {now['generation']}) since this Store was opened "
-                    f"at generation {m['generation']}; open it again",
+                    f"generation {now.generation}) since this Store was opened "
+                    f"at generation {m.generation}; open it again",
                     store=self.path, layer=layer)
             raise E.ManifestError(f"index file {name} is missing (deleted?); the "
                                   "layer cannot be read", store=self.path,
                                   layer=layer)
-        arrays = F.load_index(self.path, layer, rec["index"],
+        arrays = F.load_index(self.path, layer, rec.index,
                               expect=self._index_expect(layer))
         try:
-            li = LayerIndex(layer, arrays, num_tokens=rec["num_tokens"],
+            li = LayerIndex(layer, arrays, num_tokens=rec.num_tokens,
                             ndisks=self.num_disks, entry_bytes=self.entry_bytes,
                             block_size=self.block_size, store=self.path,
-                            disk_end=[int(d["end"]) for d in m["disks"]],
-                            free=[d.get("free", []) for d in m["disks"]])
+                            disk_end=[d.end for d in m.disks],
+                            free=[d.free for d in m.disks])
         except (ValueError, IndexError, TypeError, OverflowError) as exc:
             raise E.ManifestError(f"index of the layer is inconsistent: {exc}",
                                   store=self.path, layer=layer) from exc
-        if li.num_clusters != rec["num_clusters"] or \
-                li.num_copies != rec["num_copies"] or \
-                int(li.hot.astype(np.int64).sum()) != rec["hot_clusters"]:
+        if li.num_clusters != rec.num_clusters or li.num_copies != rec.num_copies or \
+                int(li.hot.astype(np.int64).sum()) != rec.hot_clusters:
             raise E.ManifestError("index arrays disagree with the manifest's "
                                   "cluster/copy counts", store=self.path, layer=layer)
         return li
 
     @E.boundary
+    def layer_record(self, layer: int) -> LayerRecord:
+        """The manifest record of a layer (:class:`~swarmfs._manifest.LayerRecord`).
+
+        Raises:
+            OutOfRangeError: the layer does not exist or holds no data.
+        """
+        return self._m.layers[self._check_layer(layer)]
+
+    @E.boundary
     def layer_info(self, layer: int) -> dict:
-        """The manifest record of a layer."""
-        return dict(self._m["layers"][str(self._check_layer(layer))])
+        """The manifest record of a layer, as its JSON dict."""
+        return self._m.layers[self._check_layer(layer)].to_dict()
 
     @E.boundary
     def num_clusters(self, layer: int) -> int:
-        return int(self._m["layers"][str(self._check_layer(layer))]["num_clusters"])
+        return self._m.layers[self._check_layer(layer)].num_clusters
 
     @E.boundary
     def num_tokens(self, layer: int) -> int:
-        return int(self._m["layers"][str(self._check_layer(layer))]["num_tokens"])
+        return self._m.layers[self._check_layer(layer)].num_tokens
 
     @E.boundary
     def cluster_tokens(self, layer: int, cid: int) -> np.ndarray:
@@ -536,42 +492,6 @@ class Store:
             li.num_clusters, self.num_kv_heads, self.head_dim)
 
     # -- writing -------------------------------------------------------------
-    @contextlib.contextmanager
-    def _write_lock(self):
-        """Serialise writers: threads of this Store wait for each other, another
-        process holding the store's flock makes this one fail.  Inside, the
-        manifest is re-read, so a writer always extends the latest committed
-        state, also when another process committed since this Store opened."""
-        if not self.writable:
-            raise E.SwarmError("store is open read-only (open with writable=True)",
-                               store=self.path)
-        with self._writer_mutex:
-            fd = os.open(os.path.join(self.path, ".lock"),
-                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    raise E.SwarmError("another process is writing this store",
-                                       store=self.path)
-                self._adopt_latest()
-                yield
-            finally:
-                os.close(fd)
-
-    def _adopt_latest(self) -> None:
-        """Take the committed manifest as the base (another writer may have
-        committed since this Store read it)."""
-        m = F.read_manifest(self.path)
-        if m.get("generation") != self._m.get("generation") or m != self._m:
-            if m.get("uuid") != self._m.get("uuid") or len(m["disks"]) != self.num_disks:
-                raise E.ManifestError("the store was replaced since it was opened; reopen it",
-                                      store=self.path)
-            self._m = m
-            self._lease.hold(int(m["generation"]))
-            with self._lock:
-                self._layers.clear()
-
     @E.boundary
     def write_layer(self, layer: int, kv, clusters, medoids=None, *, hot=None,
                     freq=None, local_window: int | None = None, extra: dict | None = None,
@@ -615,175 +535,51 @@ class Store:
             if local_window < 0:
                 raise E.OutOfRangeError(f"local_window must be >= 0, got {local_window}",
                                         store=self.path, layer=layer)
-        if extra is not None:
-            if not isinstance(extra, dict):
-                raise E.ShapeError(f"extra must be a dict, got {type(extra).__name__}",
-                                   store=self.path, layer=layer)
-            clash = sorted(set(extra) & _LAYER_RECORD_KEYS)
-            if clash:
-                raise E.ShapeError(f"extra may not set the layer record's own fields {clash} "
-                                   "(use the keyword arguments)", store=self.path, layer=layer)
-            if F.json_depth(extra) > 16:
-                raise E.ShapeError("extra is nested deeper than 16 levels", store=self.path,
-                                   layer=layer)
-            try:
-                json.dumps(extra)
-            except (TypeError, ValueError) as exc:
-                raise E.ShapeError(f"extra is not JSON-serialisable: {exc}",
-                                   store=self.path, layer=layer) from None
-        rows = as_bytes_rows(kv, self.entry_shape, self.dtype, layer=layer, store=self.path)
-        S = rows.shape[0]
-        ptr, members = clusters_csr(clusters, layer=layer, store=self.path)
-        C = ptr.shape[0] - 1
-        if members.min() < 0 or members.max() >= S:
-            raise E.ShapeError(f"a cluster member is outside [0, {S})", store=self.path,
-                               layer=layer)
-        if np.bincount(members, minlength=S).min() == 0:
-            t = int(np.flatnonzero(np.bincount(members, minlength=S) == 0)[0])
-            raise E.ShapeError(f"token {t} is in no cluster (every entry must be stored)",
-                               store=self.path, layer=layer)
-        cl = np.repeat(np.arange(C), np.diff(ptr))
-        key = cl * np.int64(S) + members
-        if np.unique(key).shape[0] != key.shape[0]:
-            raise E.ShapeError("a token appears twice in one cluster", store=self.path,
-                               layer=layer)
-        medoids = (members[ptr[:-1]] if medoids is None
-                   else E.as_int_array(medoids, "medoids", store=self.path, layer=layer))
-        if medoids.shape[0] != C:
-            raise E.ShapeError(f"{medoids.shape[0]} medoids for {C} clusters",
-                               store=self.path, layer=layer)
-        is_med = members == medoids[cl]
-        if np.bincount(cl[is_med], minlength=C).min() == 0:
-            c = int(np.flatnonzero(np.bincount(cl[is_med], minlength=C) == 0)[0])
-            raise E.ShapeError("medoid is not a member of its cluster", store=self.path,
-                               layer=layer, cluster=c)
-        if hot is None:
-            hot = np.zeros(C, np.uint8)
-        else:
-            hot = np.asarray(hot).reshape(-1)
-            if hot.size and (hot.dtype.kind not in "biu" or not np.isin(hot, (0, 1)).all()):
-                raise E.ShapeError("hot must be a boolean (0/1) mask", store=self.path,
-                                   layer=layer)
-            hot = hot.astype(np.uint8)
-        try:
-            freq = np.zeros(C, np.float32) if freq is None else \
-                np.asarray(freq, dtype=np.float32).reshape(-1)
-        except (TypeError, ValueError):
-            raise E.ShapeError("freq must be numbers", store=self.path, layer=layer) from None
-        if freq.size and (not np.isfinite(freq).all() or freq.min() < 0):
-            raise E.ShapeError("freq must be finite and >= 0", store=self.path, layer=layer)
-        if placement not in PLACEMENTS:
-            raise E.LayoutError(f"unknown placement {placement!r}; use one of {PLACEMENTS}",
-                                store=self.path, layer=layer)
-        if hot.shape[0] != C or freq.shape[0] != C:
-            raise E.ShapeError("hot and freq need one value per cluster", store=self.path,
-                               layer=layer)
+        rows, ptr, members, medoids, hot, freq = _write.check_layer_input(
+            kv, clusters, medoids, hot, freq, extra, placement, entry_shape=self.entry_shape,
+            dtype=self.dtype, layer=layer, store=self.path)
+        with self._transaction() as tx:
+            old = None
+            if layer in self._m.layers:
+                try:
+                    old = self.layer(layer)
+                except E.SwarmError:
+                    old = None       # an unreadable old index: leave its space alone
+            _write.write_layer(tx, old, layer, rows, ptr, members, medoids, hot, freq,
+                               local_window, extra, placement)
 
-        with self._write_lock():
-            try:
-                self._write_layer_locked(layer, rows, ptr, members, medoids, hot, freq,
-                                         local_window, extra, placement)
-            except BaseException:
-                self._give_back_space()
-                raise
+    # -- the write transaction -------------------------------------------------
+    def _transaction(self) -> _write.Transaction:
+        """A :class:`~swarmfs._write.Transaction` on this store (enter it)."""
+        if not self.writable:
+            raise E.SwarmError("store is open read-only (open with writable=True)",
+                               store=self.path)
+        return _write.Transaction(self.path, fds=self._fds, engine=self.engine,
+                                  staging=self._executor.staging, lease=self._lease,
+                                  writer_mutex=self._writer_mutex,
+                                  disk_paths=self.disk_paths, adopt=self._adopt,
+                                  publish=self._publish)
 
-    def _write_layer_locked(self, layer, rows, ptr, members, medoids, hot, freq,
-                            local_window, extra, placement) -> None:
-        token_xxh = xxh3_rows(rows, self.entry_bytes)
-        half = self.entry_bytes // 2
-        medoid_keys = np.ascontiguousarray(rows[medoids, :half])
-        gen = int(self._m["generation"]) + 1
-        pl, disks = place_layer(self, np.diff(ptr), gen, p_global=int(self._m["p_global"]),
-                                policy=placement, layer=layer)
-        extent_xxh = write_extents(self, rows, ptr, members, pl, layer)
-        for fd in self._fds:
-            os.fdatasync(fd)
-        if str(layer) in self._m["layers"]:
-            # the layer's previous extents are no longer referenced
-            try:
-                old = self.layer(layer)
-            except E.SwarmError:
-                old = None           # an unreadable old index: leave its space alone
-            if old is not None:
-                oc, od = np.nonzero(old.counts > 0)
-                disks = free_extents(disks, oc, od, old.extent_off[oc, od],
-                                     old.counts[oc, od] * self.entry_bytes, gen,
-                                     self.block_size, self._lease.oldest_reader())
-        arrays = dict(members_ptr=ptr, members=members, medoid=medoids,
-                      start_disk=pl.start_disk, extent_off=pl.extent_off,
-                      extent_xxh=extent_xxh, token_xxh=token_xxh,
-                      medoid_keys=medoid_keys, hot=hot, freq=freq)
-        lw = local_window if local_window is not None else self._m["dram"]["local_window"]
-        self._commit_layer(layer, arrays, disks=disks, p_global=pl.p_global,
-                           record={"local_window": int(lw), **(extra or {})})
+    def _adopt(self, m: Manifest) -> None:
+        """Take the committed manifest a writer re-read under the lock as the
+        base (another writer may have committed since this Store read it)."""
+        if m != self._m:
+            if m.uuid != self._m.uuid or len(m.disks) != self.num_disks:
+                raise E.ManifestError("the store was replaced since it was opened; reopen it",
+                                      store=self.path)
+            self._m = m
+            self._lease.hold(m.generation)
+            with self._lock:
+                self._layers.clear()
 
-    def _give_back_space(self) -> None:
-        """After a failed write: nothing it wrote is referenced; cut growing
-        file disks back to the committed end (caller holds the write lock)."""
-        truncate_to(self._fds, self._m)
-
-    def _commit_layer(self, layer: int, arrays: dict, *, disks: list, p_global: int,
-                      record: dict) -> None:
-        """Make a layer's new arrays the committed state: index file (fsync),
-        prepared commit records on every disk (fdatasync), the manifest
-        (atomic rename), then the records marked committed.  Caller holds
-        the write lock and has fdatasync'ed the data."""
-        m = self.manifest
-        gen = int(m["generation"]) + 1
-        meta = dict(uuid=m["uuid"], num_disks=self.num_disks, dtype=self.dtype,
-                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                    entry_bytes=self.entry_bytes)
-        F.remove_uncommitted_indexes(self.path, gen)
-        try:
-            rec = F.save_index(self.path, layer, gen, arrays, meta=meta)
-        except OSError as exc:
-            raise _metadata_error(exc, self.path, layer) from exc
-        index_path = os.path.join(self.path, F.INDEX_DIR, rec["file"])
-        old = m["layers"].get(str(layer))
-        S = int(arrays["token_xxh"].shape[0])
-        M = int(arrays["members"].shape[0])
-        m["generation"] = gen
-        m["p_global"] = int(p_global)
-        m["disks"] = [dict(d) for d in disks]
-        m["layers"][str(layer)] = {
-            **(old or {}), **record,
-            "num_tokens": S, "num_clusters": int(arrays["members_ptr"].shape[0] - 1),
-            "num_copies": M, "replication": round(M / S, 6),
-            "hot_clusters": int(np.asarray(arrays["hot"]).sum()),
-            "index": rec, "generation": gen,
-        }
-        keep = {r["index"]["file"] for r in m["layers"].values()}
-        if old is not None:
-            keep.add(old["index"]["file"])   # readers of the previous generation
-        m = F.seal_manifest(m)
-        try:
-            F.check_manifest(m, self.path)      # never commit what open() would refuse
-        except E.ManifestError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(index_path)
-            raise E.ShapeError(f"refusing to commit layer {layer}: {exc}", store=self.path,
-                               layer=layer) from None
-        uid = bytes.fromhex(m["uuid"])
-        try:
-            write_commit_records(self.engine, self._fds, uid, m, F.PREPARED)
-            self._m = F.write_manifest(self.path, m)
-        except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(index_path)
-            if isinstance(exc, OSError):
-                raise _metadata_error(exc, self.path, layer) from exc
-            raise
-        self._lease.hold(gen)
+    def _publish(self, m: Manifest, layer: int) -> None:
+        """A transaction committed ``m`` (which rewrote ``layer``)."""
+        self._m = m
+        self._lease.hold(m.generation)
         with self._lock:
             self._layers.pop(layer, None)
             for li in self._layers.values():    # other layers: still current at gen
-                self._lease.move(li._claim, gen)
-        try:
-            write_commit_records(self.engine, self._fds, uid, self._m, F.COMMITTED)
-        except (E.SwarmError, OSError) as exc:   # committed already; only weaker checks
-            warnings.warn(f"generation {gen} is committed but marking it on the disks "
-                          f"failed: {exc}", stacklevel=3)
-        F.remove_stale_indexes(self.path, keep)
+                self._lease.move(li._claim, m.generation)
 
     @E.boundary
     def append(self, layer: int, kv, joins=None, *, group: int = 64,
@@ -819,37 +615,8 @@ class Store:
             OutOfRangeError: a cluster id that does not exist.
             DiskFullError, IOFailedError: nothing is committed.
         """
-        return append_tokens(self, layer, kv, joins, group=group, expect_tokens=expect_tokens)
-
-    def _check_capacity(self, new_end, layer):
-        for i, d in enumerate(self._m["disks"]):
-            cap = int(d["capacity"])
-            if cap and int(new_end[i]) > cap:
-                raise E.DiskFullError(f"layer needs bytes up to {int(new_end[i])} but the "
-                                      f"disk holds {cap}", disk=i, path=self.disk_paths[i],
-                                      store=self.path, layer=layer)
-
-    # -- reading ---------------------------------------------------------------
-    @contextlib.contextmanager
-    def _staging(self, nbytes: int):
-        """A page-aligned (registered where possible) buffer of >= nbytes."""
-        buf = None
-        with self._pool_lock:
-            for i, b in enumerate(self._pool):
-                if b.size >= nbytes:
-                    buf = self._pool.pop(i)
-                    break
-        if buf is None:
-            size = max(1 << 20, 1 << max(int(nbytes) - 1, 1).bit_length())
-            buf = self.engine.alloc(size)
-        try:
-            yield buf
-        finally:
-            with self._pool_lock:
-                self._pool.append(buf)
-                if len(self._pool) > _POOL_KEEP:
-                    self._pool.sort(key=lambda b: b.size)
-                    self._pool.pop(0).release()
+        return _write.append_tokens(self, layer, kv, joins, group=group,
+                                    expect_tokens=expect_tokens, begin=self._transaction)
 
     @E.boundary
     def plan(self, layer: int, tokens, *, max_gap: int = 0, max_request: int = MAX_REQUEST,
@@ -912,93 +679,8 @@ class Store:
             DiskTruncatedError, IOFailedError: the read failed.
         """
         verify = self.verify_checksums if verify is None else verify
-        Eb = self.entry_bytes
-        with self._staging(plan.staging_bytes) as buf:
-            if plan.num_requests:
-                try:
-                    self.engine.execute(READ, plan.disk, plan.offset, plan.length, plan.dst,
-                                        buf, layer=li.layer, cluster=cluster, check=False)
-                except (E.DiskTruncatedError, E.IOFailedError) as exc:
-                    raise self._locate_damage(li, copies[plan.copy], exc) from exc
-            copy_ids = copies[plan.copy]
-            if verify and plan.num_entries:
-                bad = verify_rows(buf.array, plan.src, Eb, li.token_xxh[li.members[copy_ids]])
-                if bad.size:
-                    self._count(checksum_failures=int(bad.size))
-                    c = int(copy_ids[bad[0]])
-                    raise E.ChecksumError(
-                        f"entry of token {int(li.members[c])} at offset "
-                        f"{int(li.copy_off[c])} fails its checksum"
-                        + (f" ({bad.size} entries)" if bad.size > 1 else ""),
-                        store=self.path, disk=int(li.copy_disk[c]),
-                        path=self.disk_paths[int(li.copy_disk[c])], layer=li.layer,
-                        cluster=int(li.copy_cluster[c]), offset=int(li.copy_off[c]))
-            src = plan.src if order is None else plan.src[order]
-            if consume is not None:     # the caller places the entries itself
-                consume(buf.array, src)
-                self._count(bytes_read=int(plan.staging_bytes),
-                            entries_returned=int(src.shape[0]),
-                            bytes_returned=int(src.shape[0]) * Eb)
-                return None
-            rows = gather_rows(buf.array, src, Eb, out)
-        self._count(bytes_read=int(plan.staging_bytes), entries_returned=rows.shape[0],
-                    bytes_returned=rows.nbytes)
-        return rows
-
-    def _disk_size(self, d: int) -> int:
-        try:
-            return device_size(self._fds[d])
-        except OSError:
-            return 0
-
-    def _locate_damage(self, li: LayerIndex, copy_ids: np.ndarray,
-                       exc: E.SwarmError) -> E.SwarmError:
-        """The error of a failed batched read, located: which entry (disk,
-        layer, cluster, token) and the byte offset of the damage itself, not
-        the start of the merged request that failed.  Truncation is found
-        from the disk's size; other failures by re-reading the batch's
-        entries on the failing disk one at a time (error path only)."""
-        d = exc.disk
-        if d is None or not 0 <= d < self.num_disks:
-            return exc
-        Eb, bs = self.entry_bytes, self.block_size
-        on = copy_ids[li.copy_disk[copy_ids] == d]
-        on = on[np.argsort(li.copy_off[on], kind="stable")]
-        kw = dict(store=self.path, disk=d, path=self.disk_paths[d], layer=li.layer)
-        size = self._disk_size(d)
-        past = on[li.copy_off[on] + np.uint64(Eb) > np.uint64(size)]
-        if past.size:
-            c = int(past[0])
-            off = int(li.copy_off[c])
-            return E.DiskTruncatedError(
-                f"disk ends at byte {size} (truncated): the entry of token "
-                f"{int(li.members[c])} at offset {off} needs bytes up to {off + Eb}"
-                + (f"; {past.size} entries of this read lie past the end"
-                   if past.size > 1 else ""),
-                cluster=int(li.copy_cluster[c]), offset=max(off, size), **kw)
-        import mmap
-        for c in on[:_PROBE_LIMIT]:
-            off = int(li.copy_off[c])
-            a, e = off // bs * bs, -(-(off + Eb) // bs) * bs
-            m = mmap.mmap(-1, e - a)
-            try:
-                n = os.preadv(self._fds[d], [m], a)
-                err = None if n == e - a else "short read"
-            except OSError as oe:
-                err, n = oe, None
-            finally:
-                m.close()
-            if err is None:
-                continue
-            what = (f"read of the entry of token {int(li.members[c])} at offset {off} "
-                    "failed: ")
-            if isinstance(err, OSError):
-                return E.IOFailedError(what + (err.strerror or str(err)), errno=err.errno,
-                                       cluster=int(li.copy_cluster[c]), offset=off, **kw)
-            return E.DiskTruncatedError(what + f"the disk ends at byte {a + n}",
-                                        cluster=int(li.copy_cluster[c]),
-                                        offset=max(off, a + n), **kw)
-        return exc
+        return self._executor.execute(li, plan, copies, verify=bool(verify), order=order,
+                                      out=out, cluster=cluster, consume=consume)
 
     def _check_plan_args(self, max_gap, max_request, policy, dedup=True) -> None:
         """Planner options, checked before planning (InvalidArgumentError)."""
@@ -1015,11 +697,6 @@ class Store:
         if not isinstance(dedup, (bool, np.bool_)):
             raise E.InvalidArgumentError(f"dedup must be True or False, got {dedup!r}",
                                          store=self.path)
-
-    def _count(self, **kw) -> None:
-        with self._counter_lock:
-            for k, v in kw.items():
-                self._counters[k] += v
 
     def _rows_to_entries(self, rows: np.ndarray, *, torch: bool, pinned: bool):
         n = rows.shape[0]
@@ -1056,7 +733,7 @@ class Store:
                           entry_bytes=self.entry_bytes, block_size=self.block_size,
                           max_request=MAX_REQUEST)
         rows = self.execute(li, plan, copies, verify=verify, cluster=cid)
-        self._count(cluster_reads=1)
+        self._executor.count(cluster_reads=1)
         return self._rows_to_entries(rows, torch=torch, pinned=pinned)
 
     @E.boundary
@@ -1115,7 +792,7 @@ class Store:
                           block_size=self.block_size, policy=policy, max_gap=max_gap)
         order = np.searchsorted(plan.tokens, t)
         rows = self.execute(li, plan, copies, order=order, verify=verify)
-        self._count(entry_reads=1)
+        self._executor.count(entry_reads=1)
         return self._rows_to_entries(rows, torch=torch, pinned=pinned)
 
     # -- verification -----------------------------------------------------------
@@ -1160,7 +837,8 @@ class Store:
                                          f"{layers!r}", store=self.path)
         todo = self.layers if layers is None else [self._check_layer(x) for x in layers]
         failures = []
-        sizes = np.array([self._disk_size(d) for d in range(self.num_disks)], np.uint64)
+        sizes = np.array([self._executor.disk_size(d) for d in range(self.num_disks)],
+                         np.uint64)
         gone = np.zeros(self.num_disks, bool)
         for d, exc in self.disk_problems.items():
             gone[d] = not isinstance(exc, (E.DiskTruncatedError, E.DiskMismatchError))
@@ -1173,157 +851,39 @@ class Store:
                                      error=f"layer index unusable: {exc.message}",
                                      entries=None, tokens=[], lost=[]))
                 continue
-            failures += self._verify_layer(li, sizes, gone, max_batch, progress)
+            failures += self._executor.verify_layer(li, sizes, gone, self.disk_problems,
+                                                    max_batch, progress)
         return failures
-
-    def _verify_layer(self, li: LayerIndex, sizes, gone, max_batch, progress) -> list:
-        Eb, bs = self.entry_bytes, np.uint64(self.block_size)
-        cc, dd = np.nonzero(li.counts > 0)
-        nbytes = li.counts[cc, dd].astype(np.uint64) * np.uint64(Eb)
-        alen = (nbytes + bs - np.uint64(1)) // bs * bs
-        offs = li.extent_off[cc, dd]
-        # (extent k) -> error text and damage offset; entries damaged per extent
-        errors: dict[int, tuple[str, int]] = {}
-        bad_entries: dict[int, np.ndarray] = {}
-        past = offs + nbytes > sizes[dd]
-        for k in np.flatnonzero(gone[dd]):
-            errors[int(k)] = (f"disk unavailable: {self.disk_problems[int(dd[k])].message}",
-                              int(offs[k]))
-        for k in np.flatnonzero(past & ~gone[dd]):
-            k, size = int(k), int(sizes[dd[k]])
-            cp = self._extent_copies(li, int(cc[k]), int(dd[k]))
-            inside = cp[li.copy_off[cp] + np.uint64(Eb) <= np.uint64(size)]
-            bad = np.setdiff1d(cp, inside[~self._bad_entries(li, inside)])
-            bad_entries[k] = bad[np.argsort(li.copy_off[bad], kind="stable")]
-            errors[k] = (f"{bad.size} of {cp.size} entries lie past the end of the disk "
-                         f"or fail their checksums (disk is {size} bytes: truncated)",
-                         _damage_offset(int(li.copy_off[bad_entries[k][0]]), Eb, size))
-        readable = np.flatnonzero(~past & ~gone[dd])
-        cuts = chunk_bounds(alen[readable], max_batch)
-        for a, b in zip(cuts[:-1], cuts[1:]):
-            ks = readable[int(a):int(b)]
-            lens = alen[ks]
-            dst = np.zeros(ks.shape[0], dtype=np.uint64)
-            np.cumsum(lens[:-1], out=dst[1:])
-            with self._staging(int(lens.sum())) as buf:
-                try:
-                    self.engine.execute(READ, dd[ks], offs[ks], lens, dst, buf,
-                                        layer=li.layer)
-                    ok = np.ones(ks.shape[0], bool)
-                except E.SwarmError:
-                    ok = self._reread_each(li, ks, cc, dd, offs, lens, dst, buf, errors)
-                got = xxh3_ranges(buf.array, dst, nbytes[ks])
-                mism = np.flatnonzero(ok & (got != li.extent_xxh[cc[ks], dd[ks]]))
-                for j in mism:
-                    k = int(ks[j])
-                    cp = self._extent_copies(li, int(cc[k]), int(dd[k]))
-                    src = dst[j] + (li.copy_off[cp] - offs[k])
-                    eh = xxh3_ranges(buf.array, src, np.full(cp.shape[0], Eb, np.uint64))
-                    badc = cp[eh != li.token_xxh[li.members[cp]]]
-                    if badc.size:
-                        bad_entries[k] = badc
-                        errors[k] = (f"{badc.size} of {cp.size} entries fail their checksums",
-                                     int(li.copy_off[badc[0]]))
-                    else:
-                        errors[k] = ("extent checksum mismatch, but every entry matches its "
-                                     "own checksum (the stored extent checksum is wrong)",
-                                     int(offs[k]))
-            if progress is not None:
-                progress(int(lens.sum()))
-        self._count(checksum_failures=len(errors))
-        # entries damaged per extent, and tokens with no intact copy left
-        bad_copy = np.zeros(li.num_copies, bool)
-        for k in errors:
-            if k not in bad_entries:
-                bad_entries[k] = self._extent_copies(li, int(cc[k]), int(dd[k]))
-            bad_copy[bad_entries[k]] = True
-        intact = np.bincount(li.members[~bad_copy], minlength=li.num_tokens)
-        out = []
-        for k in sorted(errors, key=lambda k: (int(cc[k]), int(dd[k]))):
-            d = int(dd[k])
-            toks = np.unique(li.members[bad_entries[k]])
-            out.append(dict(layer=li.layer, cluster=int(cc[k]), disk=d,
-                            path=self.disk_paths[d], offset=errors[k][1],
-                            extent_offset=int(offs[k]), error=errors[k][0],
-                            entries=int(bad_entries[k].size), tokens=toks.tolist(),
-                            lost=toks[intact[toks] == 0].tolist()))
-        return out
-
-    def _reread_each(self, li, ks, cc, dd, offs, lens, dst, buf, errors) -> np.ndarray:
-        """A failed batch, read again one extent at a time (error path):
-        returns which extents read; failures go to ``errors``."""
-        ok = np.zeros(ks.shape[0], bool)
-        for j, k in enumerate(ks):
-            try:
-                self.engine.execute(READ, dd[k:k + 1], offs[k:k + 1], lens[j:j + 1],
-                                    dst[j:j + 1], buf)
-                ok[j] = True
-            except E.SwarmError as exc:
-                exc = self._locate_damage(
-                    li, self._extent_copies(li, int(cc[k]), int(dd[k])), exc)
-                errors[int(k)] = (f"read failed: {exc.message}",
-                                  exc.offset if exc.offset is not None else int(offs[k]))
-        return ok
-
-    def _bad_entries(self, li: LayerIndex, cp: np.ndarray) -> np.ndarray:
-        """Entry-by-entry check of copies ``cp`` (error path: one batched
-        read of their blocks); returns a bool mask of the damaged ones."""
-        if not cp.size:
-            return np.zeros(0, bool)
-        Eb, bs = self.entry_bytes, self.block_size
-        off = li.copy_off[cp].astype(np.int64)
-        a = off // bs * bs
-        ln = -(-(off + Eb) // bs) * bs - a
-        dst = np.zeros(cp.shape[0], np.uint64)
-        np.cumsum(ln[:-1], out=dst[1:])
-        with self._staging(int(ln.sum())) as buf:
-            try:
-                self.engine.execute(READ, li.copy_disk[cp], a.astype(np.uint64), ln, dst, buf,
-                                    layer=li.layer)
-            except E.SwarmError:
-                return np.ones(cp.shape[0], bool)
-            eh = xxh3_ranges(buf.array, dst + (off - a).astype(np.uint64),
-                             np.full(cp.shape[0], Eb, np.uint64))
-        return eh != li.token_xxh[li.members[cp]]
-
-    @staticmethod
-    def _extent_copies(li: LayerIndex, c: int, d: int) -> np.ndarray:
-        cp = li.cluster_copies([c])
-        return cp[li.copy_disk[cp] == d]
 
     @E.boundary
     def stats(self) -> StoreStats:
         """Counters since open, as a :class:`StoreStats`."""
-        with self._counter_lock:
-            counters = dict(self._counters)
         return StoreStats(engine=self.engine.stats(), verify_checksums=self.verify_checksums,
-                          **counters)
+                          **self._executor.counters())
 
     @E.boundary
     def info(self) -> dict:
         """JSON-ready summary: disks, sizes, layers, clusters, replication, engine."""
         m = self._m
-        layers = {}
-        for k, rec in sorted(m["layers"].items(), key=lambda kv: int(kv[0])):
-            layers[k] = {x: rec[x] for x in ("num_tokens", "num_clusters", "num_copies",
-                                             "replication", "local_window", "hot_clusters")}
-        disks = []
-        for i, d in enumerate(m["disks"]):
-            disks.append({"index": i, "path": self.disk_paths[i], "used_bytes": int(d["end"]),
-                          "capacity": int(d["capacity"]) or None,
-                          "size": _size_or_none(self.disk_paths[i])})
-        copies = sum(r["num_copies"] for r in m["layers"].values())
-        tokens = sum(r["num_tokens"] for r in m["layers"].values())
+        layers = {str(k): {x: getattr(rec, x) for x in (
+            "num_tokens", "num_clusters", "num_copies", "replication", "local_window",
+            "hot_clusters")} for k, rec in sorted(m.layers.items())}
+        disks = [{"index": i, "path": self.disk_paths[i], "used_bytes": d.end,
+                  "capacity": d.capacity or None, "size": _size_or_none(self.disk_paths[i])}
+                 for i, d in enumerate(m.disks)]
+        recs = m.layers.values()
+        copies = sum(r.num_copies for r in recs)
+        tokens = sum(r.num_tokens for r in recs)
         return {
-            "path": self.path, "uuid": m["uuid"], "format_version": m["format_version"],
-            "generation": m["generation"], "model": m["model"],
+            "path": self.path, "uuid": m.uuid, "format_version": F.FORMAT_VERSION,
+            "generation": m.generation, "model": m.model.to_dict(),
             "block_size": self.block_size, "entry_bytes": self.entry_bytes,
-            "allocated_bytes": sum(int(d["end"]) - F.DATA_START for d in m["disks"]),
+            "allocated_bytes": sum(d.end - F.DATA_START for d in m.disks),
             "engine": self.engine.kind, "queue_depth": self.engine.queue_depth,
             "verify_checksums": self.verify_checksums,
             "num_disks": self.num_disks, "disks": disks,
-            "num_layers_stored": len(m["layers"]),
-            "clusters": sum(r["num_clusters"] for r in m["layers"].values()),
+            "num_layers_stored": len(m.layers),
+            "clusters": sum(r.num_clusters for r in recs),
             "entries": tokens, "copies": copies,
             "replication": round(copies / tokens, 4) if tokens else None,
             "kv_bytes": copies * self.entry_bytes,
@@ -1334,22 +894,6 @@ class Store:
 def _drop_claim(lease, claim: list) -> None:
     """Release a garbage LayerIndex's claim on its generation."""
     lease.release(claim[0])
-
-
-def _damage_offset(off: int, entry_bytes: int, disk_size: int) -> int:
-    """First damaged byte of an entry at ``off``: inside the disk, the entry
-    itself (a checksum failure); cut by the disk's end, the end."""
-    return off if off + entry_bytes <= disk_size else max(off, disk_size)
-
-
-def _metadata_error(exc: OSError, store, layer) -> E.SwarmError:
-    """An OSError while writing the index or manifest, as a SwarmError."""
-    import errno
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return E.DiskFullError(f"no space for the index or manifest in the store "
-                               f"directory: {exc.strerror}", store=store, layer=layer)
-    return E.IOFailedError(f"cannot write the index or manifest: {exc.strerror}",
-                           errno=exc.errno, store=store, layer=layer)
 
 
 def _size_or_none(p):

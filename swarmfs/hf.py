@@ -495,7 +495,7 @@ class SwarmCache(Cache):
     def _check_config_against_store(self) -> None:
         L, Hkv, d, Hq = self._model_shape()
         st = self.store
-        stored_q = int(st.model.get("num_query_heads", st.num_kv_heads))
+        stored_q = st.model.num_query_heads
         diffs = [f"{what}: store {a}, model {b}" for what, a, b in (
             ("layers", st.num_layers, L), ("KV heads", st.num_kv_heads, Hkv),
             ("head_dim", st.head_dim, d), ("query heads", stored_q, Hq)) if a != b]

@@ -1,17 +1,19 @@
+"""What the test modules share: the engine parametrisation, seeded random
+stores, the real MiniLM layer (captured once per session) and the
+poll-with-deadline helper (tests never sleep a fixed time)."""
+
 import os
-import pathlib
-import sys
+import time
 
 import numpy as np
 import pytest
 
+from tools._shared_data import data_dir
+
 ENGINES = ["io_uring", "threads"]
 
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-from _shared_data import data_dir  # noqa: E402
-
 DATA = data_dir()
+WIKI = DATA / "wikitext2_raw_test.raw"
 
 
 @pytest.fixture(params=ENGINES)
@@ -54,3 +56,36 @@ def same_bits(a, b):
 
 def is_root():
     return os.geteuid() == 0
+
+
+def wait_until(pred, timeout: float = 10.0, what: str = "the condition",
+               interval: float = 0.005):
+    """Poll ``pred()`` until it returns a true value and return that value.
+
+    The one way tests wait for something another thread or process does: no
+    fixed sleeps; ``interval`` only yields the CPU between polls.
+
+    Raises:
+        AssertionError: ``timeout`` seconds passed first (names ``what``).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def minilm_layer2():
+    """MiniLM layer 2 over 2304 tokens of real text (WikiText-2, else stdlib
+    docstrings): q [12, 2304, 32], k [12, 2304, 32] fp32 and the softmax
+    scaling.  Captured once per session; capture windows start at 0, so a
+    prefix of it is the capture of that prefix."""
+    pytest.importorskip("torch")
+    from swarmfs.layout._capture import capture, read_text, stdlib_text
+    text = read_text(WIKI, max_chars=30_000) if WIKI.is_file() else stdlib_text(30_000)
+    cap = capture(text=text, max_tokens=2304, layers=[2], progress=False)
+    return cap.q[0], cap.k[0], cap.scaling

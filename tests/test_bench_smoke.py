@@ -5,18 +5,15 @@ on a real MiniLM trace of 4096 tokens captured into a temporary cache, and
 must write its JSON and PNG with sane fields.  Nothing here looks at timings.
 """
 
+import importlib
 import json
 import math
-import sys
-from pathlib import Path
+import re
 
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.model
-
-BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench"
-sys.path.insert(0, str(BENCH))
 
 FIGURES = ["fig11_methods", "fig12_clustering", "fig13_placement", "fig14_retrieval",
            "fig16_prefix_batch", "fig17_ssd_type", "fig18_num_disks", "fig19_tau",
@@ -27,8 +24,8 @@ FIGURES = ["fig11_methods", "fig12_clustering", "fig13_placement", "fig14_retrie
 def env(tmp_path_factory):
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
-    import _common as C
     from swarmfs._errors import ModelError
+    from tools.bench import _common as C
     from swarmfs.layout._capture import default_model_path
     try:
         default_model_path()
@@ -80,14 +77,14 @@ def test_widening_keeps_every_score(env, rng):
 @pytest.mark.parametrize("name", FIGURES)
 def test_figure_smoke_run(env, name):
     C, cache, out = env
-    mod = __import__(name)
+    mod = importlib.import_module(f"tools.bench.{name}")
     prefix = out / f"{name}-smoke"
     p = mod.main(["--smoke", "--disks", "files:2", "--cache", str(cache),
                   "--out", str(prefix)])
     j = json.loads(prefix.with_suffix(".json").read_text())
     assert prefix.with_suffix(".png").stat().st_size > 1000
     assert j["figure"] == name.split("_")[0] and "command" in j and "machine" in j
-    assert j["command"].startswith(f"python tools/bench/{name}.py --smoke")
+    assert j["command"].startswith(f"python -m tools.bench.{name} --smoke")
     same = json.loads(json.dumps(p, default=C._json_default))
     assert all(j[k] == v for k, v in same.items() if k not in ("command", "machine"))
     check = globals().get(f"_check_{name.split('_')[0]}")
@@ -172,11 +169,17 @@ def _check_table4(j):
 
 def test_summary_tables_from_smoke_outputs(env):
     _, _, out = env
-    import run_all
+    from tools.bench import run_all
     if not (out / "fig11_methods-smoke.json").exists():
         pytest.skip("runs after the figure smoke runs")
     md = run_all.summary(smoke=True, outdir=out)
-    assert "### Fig. 11" in md and "### Table 4" in md and "| SWARM |" in md
+    assert "### Fig. 11" in md and "### Table 4" in md
+    # Fig. 11's table: a header, the alignment row, one row per method
+    lines = md.split("### Fig. 11")[1].split("\n\n")[1].splitlines()
+    assert lines[0].startswith("| dataset") and re.fullmatch(r"\|(:?-+:?\|)+", lines[1])
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    assert [c[1] for c in cells] == ["SWARM", "No Cluster", "InfLLM", "PQCache", "Quest"]
+    assert all(len(c) == 13 for c in cells)
 
 
 @pytest.mark.parametrize("name", ["fig11_methods", "fig20_sparsity"])
@@ -184,7 +187,7 @@ def test_step_view_smoke_run(env, name):
     """The step-time view (selection + planning + I/O + assembly per method)
     on two 'profiles' of plain file disks, side by side."""
     C, cache, out = env
-    mod = __import__(name)
+    mod = importlib.import_module(f"tools.bench.{name}")
     prefix = out / f"{name}-step-smoke"
     mod.main(["--smoke", "--cache", str(cache), "--out", str(prefix),
               "--step-profiles", "two=files:2,one=files:1"])

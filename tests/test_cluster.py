@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from conftest import DATA
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from swarmfs.layout._cluster import (
@@ -20,8 +19,6 @@ from swarmfs.layout._cluster import (
 from swarmfs.layout._profile import Profile, profile_layer
 
 from swarmfs._errors import LayoutError, ShapeError
-
-WIKI = DATA / "wikitext2_raw_test.raw"
 
 
 # -- a literal transcription of Algorithm 1, for reference --------------------
@@ -264,14 +261,10 @@ def test_clustering_invariants(prof, tau, max_size, max_rep, idle_group):
 
 # -- real data: MiniLM over real text ----------------------------------------
 
-@pytest.fixture(scope="module")
-def real_layer():
+@pytest.fixture
+def real_layer(minilm_layer2):
     """MiniLM layer 2 over 2304 tokens of real text: 2048 context + 256 held out."""
-    pytest.importorskip("torch")
-    from swarmfs.layout._capture import capture, read_text, stdlib_text
-    text = read_text(WIKI, max_chars=30_000) if WIKI.is_file() else stdlib_text(30_000)
-    cap = capture(text=text, max_tokens=2304, layers=[2], progress=False)
-    return cap.q[0], cap.k[0], cap.scaling
+    return minilm_layer2
 
 
 @pytest.mark.model

@@ -7,11 +7,12 @@ import threading
 import numpy as np
 import pytest
 from conftest import random_clusters, random_kv
-from fuzz_store import _raw_manifest
 
 from swarmfs import Store
 from swarmfs import _disks as D
 from swarmfs import _errors as E
+from swarmfs import _format as F
+from tools.fuzz_store import _raw_manifest
 
 
 def _store(tmp_path, rng, ndisks=2):
@@ -139,7 +140,7 @@ def test_freed_space_is_not_reused_while_the_previous_generation_may_be_read(tmp
 
 
 def test_manifest_free_list_overlapping_data_is_refused(tmp_path, rng):
-    from fuzz_store import reseal_manifest
+    from tools.fuzz_store import reseal_manifest
     path, _ = _store(tmp_path, rng)
     m = _raw_manifest(path)
     m["disks"][0]["free"] = [[12288, 512, 0]]
@@ -177,3 +178,77 @@ def test_an_open_reader_keeps_its_generation_readable(tmp_path, rng):
         w.write_layer(0, other, cl)
     assert max(d["end"] for d in w.manifest["disks"]) <= held     # reused once released
     w.close()
+
+
+# -- _disks on its own: what may be overwritten, headers, giving space back ------
+
+def test_check_reusable_refuses_data_unless_forced(tmp_path, rng):
+    empty, data = tmp_path / "empty.img", tmp_path / "data.img"
+    empty.write_bytes(b"")
+    payload = rng.integers(0, 256, 10000, dtype=np.uint8).tobytes()
+    data.write_bytes(payload)
+    _, paths = _store(tmp_path, rng)
+    theirs = paths[1]
+    for path, ok in ((empty, True), (data, False), (theirs, False)):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if ok:
+                D.check_reusable(fd, str(path), 3, "st", False)
+            else:
+                with pytest.raises(E.StoreExistsError) as ei:
+                    D.check_reusable(fd, str(path), 3, "st", False)
+                assert ei.value.disk == 3 and ei.value.path == str(path)
+                assert ("another swarmfs store" in str(ei.value)) == (path == theirs)
+                assert ("holds 10000 bytes" in str(ei.value)) == (path == data)
+            D.check_reusable(fd, str(path), 3, "st", True)      # force: anything goes
+        finally:
+            os.close(fd)
+    # through Store.create: refused, the file untouched, no store left behind
+    # (the new disk d0.img it opened first stays as an empty file)
+    with pytest.raises(E.StoreExistsError) as ei:
+        Store.create(tmp_path / "new", disks=[tmp_path / "d0.img", data], num_layers=1,
+                     num_kv_heads=1, head_dim=8)
+    assert ei.value.disk == 1 and data.read_bytes() == payload
+    assert not (tmp_path / "new").exists()
+    assert not (tmp_path / "d0.img").exists() or (tmp_path / "d0.img").stat().st_size == 0
+
+
+def test_read_header_reads_the_superblock_and_commit_slots(tmp_path, rng):
+    _, paths = _store(tmp_path, rng)
+    path = paths[0]
+    with open(path, "rb") as f:
+        want = f.read(F.HEADER_BYTES)
+    fd = D.open_disk(path)
+    try:
+        raw = D.read_header(fd)
+        assert raw == want and len(raw) == F.HEADER_BYTES
+        assert F.unpack_superblock(raw)["disk_index"] == 0
+        slots = [F.unpack_commit(raw[F.COMMIT_OFF + i * F.COMMIT_SIZE:][:F.COMMIT_SIZE])
+                 for i in range(2)]
+        assert max(c["generation"] for c in slots if c) >= 1
+    finally:
+        os.close(fd)
+    short = tmp_path / "short.img"
+    short.write_bytes(want[:1000])
+    fd = os.open(short, os.O_RDONLY)
+    try:
+        assert D.read_header(fd) == want[:1000]           # short disk: short read
+    finally:
+        os.close(fd)
+
+
+def test_truncate_to_cuts_growing_file_disks_back_to_their_end(tmp_path):
+    paths = [tmp_path / f"d{i}.img" for i in range(3)]
+    for p in paths:
+        p.write_bytes(b"\1" * 20000)
+    disks = [{"index": 0, "end": 12288, "capacity": 0},       # grown past its end: cut
+             {"index": 1, "end": 12288, "capacity": 20000},   # fixed capacity: kept
+             {"index": 2, "end": 30000, "capacity": 0}]       # shorter than its end: kept
+    fds = [os.open(p, os.O_RDWR) for p in paths]
+    try:
+        D.truncate_to(fds, {"disks": disks})
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert [p.stat().st_size for p in paths] == [12288, 20000, 20000]
+    assert paths[0].read_bytes() == b"\1" * 12288

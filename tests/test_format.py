@@ -7,12 +7,15 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
 import xxhash
 from conftest import random_clusters, random_kv, same_bits
-from fuzz_store import _raw_manifest, reseal_manifest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
+from tools.fuzz_store import _raw_manifest, reseal_manifest
 
 from swarmfs import Store
 from swarmfs import _errors as E
@@ -289,6 +292,11 @@ def test_format_1_stores_are_refused_cleanly(st):
     reseal_manifest(path, m)
     with pytest.raises(E.ManifestError, match="older swarmfs.*rebuild"):
         Store.open(path)
+    for wrong in (True, 2.0, "2", None):         # True == 1 and 2.0 == 2 in Python
+        m["format_version"] = wrong
+        reseal_manifest(path, m)
+        with pytest.raises(E.ManifestError, match="format version .* is not supported"):
+            Store.open(path)
     raw = bytearray(F.pack_superblock(store_uuid=b"x" * 16, disk_index=0, disk_count=1,
                                       block_size=512, model=m["model"]))
     raw[8:12] = struct.pack("<I", 1)
@@ -320,3 +328,141 @@ def test_index_file_replaced_by_a_fifo(st):
     os.mkfifo(p)
     with pytest.raises(E.ManifestError, match="regular file"):
         Store.open(path)
+
+
+# -- records: round trip and single-byte corruption (hypothesis) -----------------
+
+_MODELS = hst.fixed_dictionaries({
+    "dtype": hst.sampled_from(sorted(F.DTYPES)),
+    "num_layers": hst.integers(1, 2**16), "num_kv_heads": hst.integers(1, 64),
+    "head_dim": hst.sampled_from([8, 16, 64, 128, 256]),
+    "num_query_heads": hst.integers(1, 128)})
+
+
+def _superblock_args(draw_model, count, idx, bs_log2, uuid, cap, created):
+    model = dict(draw_model, entry_bytes=2 * draw_model["num_kv_heads"] *
+                 draw_model["head_dim"] * F.DTYPES[draw_model["dtype"]])
+    return dict(store_uuid=uuid, disk_index=idx % count, disk_count=count,
+                block_size=1 << bs_log2, model=model, capacity=cap, created_ns=created)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_MODELS, hst.integers(1, 256), hst.integers(0, 255), hst.integers(9, 12),
+       hst.binary(min_size=16, max_size=16), hst.integers(0, 2**63), hst.integers(0, 2**63))
+def test_superblock_round_trip(model, count, idx, bs_log2, uuid, cap, created):
+    a = _superblock_args(model, count, idx, bs_log2, uuid, cap, created)
+    raw = F.pack_superblock(**a)
+    assert len(raw) == F.SUPERBLOCK_SIZE
+    got = F.unpack_superblock(raw)
+    assert got == dict(uuid=uuid, disk_index=a["disk_index"], disk_count=count,
+                       block_size=a["block_size"], data_start=F.DATA_START,
+                       created_ns=created, capacity=cap, model=a["model"])
+
+
+@settings(max_examples=5, deadline=None)
+@given(_MODELS, hst.integers(1, 256), hst.integers(0, 255), hst.integers(9, 12),
+       hst.binary(min_size=16, max_size=16), hst.integers(1, 255))
+def test_every_single_byte_corruption_of_a_superblock_is_detected(model, count, idx,
+                                                                  bs_log2, uuid, xor):
+    raw = F.pack_superblock(**_superblock_args(model, count, idx, bs_log2, uuid, 0, 1))
+    buf = bytearray(raw)
+    for pos in range(F.SUPERBLOCK_SIZE):       # every byte: fields, padding, checksum
+        buf[pos] ^= xor
+        with pytest.raises(E.DiskMismatchError):
+            F.unpack_superblock(bytes(buf), disk=3)
+        buf[pos] ^= xor
+    assert F.unpack_superblock(bytes(buf))["disk_count"] == count
+
+
+@settings(max_examples=60, deadline=None)
+@given(hst.binary(min_size=16, max_size=16), hst.integers(0, 255), hst.integers(0, 2**64 - 1),
+       hst.integers(0, 2**64 - 1), hst.integers(0, 2**64 - 1),
+       hst.sampled_from([F.PREPARED, F.COMMITTED]))
+def test_commit_record_round_trip(uuid, idx, gen, msum, end, state):
+    raw = F.pack_commit(store_uuid=uuid, disk_index=idx, generation=gen, manifest_sum=msum,
+                        disk_end=end, state=state)
+    assert len(raw) == F.COMMIT_SIZE
+    assert F.unpack_commit(raw) == dict(state=state, uuid=uuid, disk_index=idx,
+                                        generation=gen, manifest_sum=msum, disk_end=end)
+
+
+@settings(max_examples=5, deadline=None)
+@given(hst.binary(min_size=16, max_size=16), hst.integers(0, 2**64 - 1), hst.integers(1, 255))
+def test_every_single_byte_corruption_of_a_commit_record_is_detected(uuid, gen, xor):
+    raw = F.pack_commit(store_uuid=uuid, disk_index=1, generation=gen, manifest_sum=7,
+                        disk_end=F.DATA_START, state=F.COMMITTED)
+    buf = bytearray(raw)
+    for pos in range(F.COMMIT_SIZE):
+        buf[pos] ^= xor
+        assert F.unpack_commit(bytes(buf)) is None, pos      # torn or corrupt: ignored
+        buf[pos] ^= xor
+    assert F.unpack_commit(bytes(buf))["generation"] == gen
+
+
+def _index_arrays(rng, C, N, S, width):
+    sizes = rng.integers(1, 9, C)
+    ptr = np.concatenate([[0], np.cumsum(sizes)])
+    members = rng.integers(0, S, ptr[-1])
+    return {"members_ptr": ptr, "members": members, "medoid": members[ptr[:-1]],
+            "start_disk": rng.integers(0, N, C),
+            "extent_off": F.DATA_START + 512 * rng.integers(0, 1 << 20, (C, N)),
+            "extent_xxh": rng.integers(0, 2**63, (C, N), dtype=np.uint64),
+            "token_xxh": rng.integers(0, 2**63, S, dtype=np.uint64),
+            "medoid_keys": rng.integers(0, 256, (C, width), dtype=np.uint8),
+            "hot": rng.integers(0, 2, C), "freq": rng.random(C)}
+
+
+_META = dict(uuid="ab" * 16, num_disks=3, dtype="float16", num_kv_heads=2, head_dim=8,
+             entry_bytes=64)
+
+
+@settings(max_examples=25, deadline=None)
+@given(hst.integers(1, 12), hst.integers(1, 40), hst.integers(0, 2**31), hst.integers(0, 10**6))
+def test_index_file_extent_records_round_trip(C, S, seed, gen):
+    """Every array of a layer's index file (cluster table, extents, checksums)
+    comes back bit-exact, in the stored dtype."""
+    rng = np.random.default_rng(seed)
+    d = tempfile.mkdtemp()
+    try:
+        a = _index_arrays(rng, C, 3, S, 16)
+        rec = F.save_index(d, 4, gen, a, meta=_META)
+        expect = dict(_META, generation=gen, num_tokens=S, num_clusters=C,
+                      num_copies=len(a["members"]), hot_clusters=int(a["hot"].sum()))
+        got = F.load_index(d, 4, rec, expect=expect)
+        for k, dt in F.INDEX_ARRAYS.items():
+            assert got[k].dtype == np.dtype(dt)
+            assert np.array_equal(got[k], np.asarray(a[k]).astype(dt)), k
+    finally:
+        shutil.rmtree(d)
+
+
+@pytest.fixture(scope="module")
+def index_file(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("index"))
+    a = _index_arrays(np.random.default_rng(5), 6, 3, 20, 16)
+    rec = F.save_index(d, 2, 9, a, meta=_META)
+    path = os.path.join(d, F.INDEX_DIR, rec["file"])
+    with open(path, "rb") as f:
+        data = f.read()
+    expect = dict(_META, generation=9, num_tokens=20, num_clusters=6,
+                  num_copies=len(a["members"]), hot_clusters=int(a["hot"].sum()))
+    return d, rec, path, data, expect
+
+
+@settings(max_examples=150, deadline=None)
+@given(hst.data())
+def test_every_single_byte_corruption_of_an_index_file_is_detected(index_file, data):
+    d, rec, path, raw, expect = index_file
+    pos = data.draw(hst.integers(0, len(raw) - 1), label="byte")
+    xor = data.draw(hst.integers(1, 255), label="xor")
+    bad = bytearray(raw)
+    bad[pos] ^= xor
+    with open(path, "wb") as f:
+        f.write(bad)
+    try:
+        with pytest.raises(E.ManifestError):
+            F.load_index(d, 2, rec, expect=expect)
+    finally:
+        with open(path, "wb") as f:
+            f.write(raw)
+    assert F.load_index(d, 2, rec, expect=expect)["members_ptr"][-1] == expect["num_copies"]

@@ -41,7 +41,7 @@ from swarmfs import _fuse_tree as T  # noqa: E402
 from swarmfs._fuse import MountError, umount  # noqa: E402
 from swarmfs._fuse_stream import KVReader, Stream  # noqa: E402
 
-from conftest import random_clusters, random_kv, same_bits  # noqa: E402
+from conftest import random_clusters, random_kv, same_bits, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.fuse
 
@@ -51,14 +51,6 @@ BIG = 40_000                 # entries of layer 1's cluster 0 (128 B each: 5 MiB
 
 
 # -- helpers ---------------------------------------------------------------------
-
-def _wait(pred, timeout=DEADLINE, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
 
 def _mounted(mnt):
     try:
@@ -664,7 +656,8 @@ def test_bfloat16_descr_and_checksum_failure_gives_eio(workdir, rng):
             assert f.read() == good.tobytes()
         with open(os.path.join(m.mnt, "stats.json")) as f:
             assert json.load(f)["mount"]["checksum_failures"] >= 1
-        _wait(lambda: "checksum" in m.output(), what="the checksum failure in the log")
+        wait_until(lambda: "checksum" in m.output(), timeout=DEADLINE,
+                   what="the checksum failure in the log")
 
 
 def test_sigterm_unmounts_cleanly(store, workdir):
@@ -732,7 +725,7 @@ def test_background_mount_and_umount(store, workdir):
                     return f.read().split(") ")[1].startswith("Z")
             except FileNotFoundError:
                 return True
-        _wait(gone, what="the mount daemon to exit")
+        wait_until(gone, what="the mount daemon to exit", timeout=DEADLINE)
     finally:
         if _in_mountinfo(mnt):
             subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
@@ -855,8 +848,8 @@ def test_follow_shows_appends_and_open_files_keep_their_generation(workdir, rng)
                     gens[gen] = cs
                     C = len(cs)
                     # new clusters appear, within a second of the commit
-                    _wait(lambda: os.path.exists(os.path.join(cl, f"{C - 1:06d}.npy")),
-                          timeout=1.0, what=f"cluster {C - 1} of generation {gen}")
+                    wait_until(lambda: os.path.exists(os.path.join(cl, f"{C - 1:06d}.npy")),
+                               timeout=1.0, what=f"cluster {C - 1} of generation {gen}")
                     assert time.monotonic() - t_commit < 1.0
                     names = os.listdir(cl)
                     assert len(names) == C and f"{C - 1:06d}.npy" in names
@@ -868,8 +861,9 @@ def test_follow_shows_appends_and_open_files_keep_their_generation(workdir, rng)
                                 a = f.read()
                             b = np.load(os.path.join(cl, f"{c:06d}.npy")).tobytes()
                             return a == cs[c] and b == cs[c]
-                        _wait(current, timeout=max(0.05, 1.0 - (time.monotonic() - t_commit)),
-                              what=f"cluster {c} of generation {gen}")
+                        wait_until(current,
+                                   timeout=max(0.05, 1.0 - (time.monotonic() - t_commit)),
+                                   what=f"cluster {c} of generation {gen}")
                         assert os.stat(os.path.join(cl, f"{c:06d}.npy")).st_size == \
                             len(T.npy_header("<f2", (len(cs[c]) // w.entry_bytes, 2, H, d))) \
                             + len(cs[c])
@@ -878,8 +872,8 @@ def test_follow_shows_appends_and_open_files_keep_their_generation(workdir, rng)
                 # a layer written while mounted appears too
                 w.write_layer(1, random_kv(rng, 200, H, d, "float16"),
                               [np.arange(0, 120), np.arange(120, 200)])
-                _wait(lambda: os.path.isdir(os.path.join(m.mnt, "layers", "01")),
-                      timeout=1.0, what="layer 1")
+                wait_until(lambda: os.path.isdir(os.path.join(m.mnt, "layers", "01")),
+                           timeout=1.0, what="layer 1")
                 assert os.listdir(os.path.join(m.mnt, "layers", "01", "clusters")) == \
                     ["000000.npy", "000001.npy"] or sorted(
                         os.listdir(os.path.join(m.mnt, "layers", "01", "clusters"))) == \
@@ -917,8 +911,9 @@ def test_snapshot_keeps_the_mount_time_view(workdir, rng):
         with Store.open(path, writable=True) as w:
             w.append(0, random_kv(rng, 100, 2, 16, "float16"), group=50)
         # the following mount is the witness that the commit is visible
-        _wait(lambda: os.path.exists(os.path.join(f.mnt, "layers", "00", "clusters",
-                                                  "000009.npy")), what="the append")
+        wait_until(lambda: os.path.exists(os.path.join(f.mnt, "layers", "00", "clusters",
+                                                       "000009.npy")),
+                   timeout=DEADLINE, what="the append")
         assert len(os.listdir(cl)) == 8 and not os.path.exists(os.path.join(cl, "000008.npy"))
         with open(os.path.join(m.mnt, "manifest.json")) as fh:
             assert json.load(fh)["generation"] == gen0
@@ -940,8 +935,8 @@ def test_a_damaged_new_manifest_keeps_the_shown_generation(workdir, rng):
         with open(tmp, "wb") as f:
             f.write(good[:len(good) // 2])          # a torn manifest, committed by rename
         os.replace(tmp, mf)
-        _wait(lambda: "cannot show the store's new generation" in m.output(),
-              what="the refresh failure in the log")
+        wait_until(lambda: "cannot show the store's new generation" in m.output(),
+                   what="the refresh failure in the log", timeout=DEADLINE)
         assert sorted(os.listdir(cl)) == [f"{c:06d}.npy" for c in range(6)]
         assert np.load(os.path.join(cl, "000002.npy")).tobytes() == g0[2]
         with open(os.path.join(m.mnt, "stats.json")) as f:
@@ -953,5 +948,5 @@ def test_a_damaged_new_manifest_keeps_the_shown_generation(workdir, rng):
         os.replace(tmp, mf)
         with Store.open(path, writable=True) as w:
             w.append(0, random_kv(rng, 10, 2, 16, "float16"), group=10)
-        _wait(lambda: os.path.exists(os.path.join(cl, "000006.npy")), timeout=5.0,
-              what="the next good generation")
+        wait_until(lambda: os.path.exists(os.path.join(cl, "000006.npy")), timeout=5.0,
+                   what="the next good generation")

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import fuzz_store as FZ
+from tools import fuzz_store as FZ
 
 
 @pytest.fixture(scope="module")

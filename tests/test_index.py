@@ -3,6 +3,9 @@ allocated space before use (issue 9, item 4)."""
 
 import numpy as np
 import pytest
+from conftest import random_clusters
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from swarmfs import _errors as E
 from swarmfs import _format as F
@@ -78,3 +81,58 @@ def test_lookups_raise_only_swarm_errors():
     with pytest.raises(E.SwarmError):
         concat_ranges([1, 2], [1])
     assert concat_ranges([5, 0], [2, 1]).tolist() == [5, 6, 0]
+
+
+# -- CSR invariants (hypothesis) ----------------------------------------------------
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 16), st.integers(1, 6), st.integers(16, 60), st.integers(0, 40),
+       st.integers(0, 2**31))
+def test_csr_lookups_agree_with_the_cluster_table(C, N, S, extra, seed):
+    """Per copy: its cluster, slot, disk (round-robin from the start disk) and
+    byte offset (its extent's offset + slot // N entries); per token: exactly
+    the copies that hold it; per cluster: its entries per disk sum to its size."""
+    rng = np.random.default_rng(seed)
+    Eb, bs = 64, 512
+    clusters = random_clusters(rng, S, C, extra)        # every token, some replicated
+    sizes = np.array([len(c) for c in clusters])
+    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    members = np.concatenate(clusters).astype(np.int32)
+    pl = place_clusters(sizes, ndisks=N, entry_bytes=Eb, block_size=bs,
+                        disk_end=np.full(N, F.DATA_START, np.uint64))
+    a = dict(members_ptr=ptr, members=members, medoid=members[ptr[:-1]].copy(),
+             start_disk=pl.start_disk.astype(np.int32), extent_off=pl.extent_off,
+             extent_xxh=np.zeros((C, N), np.uint64), token_xxh=np.zeros(S, np.uint64),
+             medoid_keys=np.zeros((C, Eb // 2), np.uint8), hot=np.zeros(C, np.uint8),
+             freq=np.zeros(C, np.float32))
+    li = LayerIndex(0, a, num_tokens=S, ndisks=N, entry_bytes=Eb, block_size=bs,
+                    disk_end=[int(x) for x in pl.disk_end], free=[[] for _ in range(N)])
+    M = int(ptr[-1])
+    assert li.num_copies == M and li.num_clusters == C and li.replication == M / S
+    cl = np.repeat(np.arange(C), sizes)
+    slot = np.arange(M) - ptr[cl]
+    assert np.array_equal(li.copy_cluster, cl) and np.array_equal(li.copy_slot, slot)
+    disk = (a["start_disk"][cl] + slot) % N
+    assert np.array_equal(li.copy_disk, disk)
+    assert np.array_equal(li.copy_off.astype(np.int64),
+                          a["extent_off"][cl, disk].astype(np.int64) + (slot // N) * Eb)
+    # entries per cluster per disk: round-robin, summing to the cluster's size
+    assert np.array_equal(li.counts.sum(axis=1), sizes)
+    for c in range(C):
+        want = np.bincount(disk[cl == c], minlength=N)
+        assert np.array_equal(li.counts[c], want)
+        assert li.counts[c].max() - li.counts[c].min() <= 1
+        assert np.array_equal(li.cluster_copies([c]), np.arange(ptr[c], ptr[c + 1]))
+    # no two copies share a byte of the same disk
+    key = li.copy_disk.astype(np.int64) * (1 << 40) + li.copy_off.astype(np.int64)
+    assert np.unique(key).shape[0] == M
+    # token -> copies is the inverse of copy -> token
+    assert li.tok_ptr[0] == 0 and li.tok_ptr[-1] == M and (np.diff(li.tok_ptr) >= 0).all()
+    assert np.array_equal(np.sort(li.tok_copy), np.arange(M))
+    for t in range(S):
+        copies = li.tok_copy[li.tok_ptr[t]:li.tok_ptr[t + 1]]
+        assert np.array_equal(np.sort(copies), np.flatnonzero(members == t))
+    toks = rng.integers(0, S, 5)
+    got = li.token_copies(toks)
+    assert np.array_equal(np.sort(got), np.sort(np.concatenate(
+        [np.flatnonzero(members == t) for t in toks])))

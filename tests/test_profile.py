@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from conftest import DATA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from swarmfs.layout._capture import Capture
@@ -24,17 +23,12 @@ from swarmfs.layout._profile import (
 
 from swarmfs._errors import LayoutError, ShapeError
 
-WIKI = DATA / "wikitext2_raw_test.raw"
 
-
-@pytest.fixture(scope="module")
-def real_qk():
+@pytest.fixture
+def real_qk(minilm_layer2):
     """Layer-2 queries/keys of MiniLM over 1024 tokens of real text."""
-    pytest.importorskip("torch")
-    from swarmfs.layout._capture import capture, read_text, stdlib_text
-    text = read_text(WIKI, max_chars=20_000) if WIKI.is_file() else stdlib_text(20_000)
-    cap = capture(text=text, max_tokens=1024, layers=[2], progress=False)
-    return cap.q[0], cap.k[0], cap.scaling
+    q, k, scaling = minilm_layer2
+    return q[:, :1024], k[:, :1024], scaling
 
 
 def brute_force(q, k, scaling, ratio, positions):

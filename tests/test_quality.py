@@ -7,24 +7,17 @@ import types
 
 import numpy as np
 import pytest
-from conftest import DATA
 from swarmfs.layout._cluster import cluster
 from swarmfs.layout._profile import profile_layer
 from swarmfs.layout._quality import block_clustering, evaluate_recall
 
 from swarmfs._errors import LayoutError, ShapeError
 
-WIKI = DATA / "wikitext2_raw_test.raw"
 
-
-@pytest.fixture(scope="module")
-def real_layer():
+@pytest.fixture
+def real_layer(minilm_layer2):
     """MiniLM layer 2 over 2304 tokens of real text: 2048 context + 256 held out."""
-    pytest.importorskip("torch")
-    from swarmfs.layout._capture import capture, read_text, stdlib_text
-    text = read_text(WIKI, max_chars=30_000) if WIKI.is_file() else stdlib_text(30_000)
-    cap = capture(text=text, max_tokens=2304, layers=[2], progress=False)
-    return cap.q[0], cap.k[0], cap.scaling
+    return minilm_layer2
 
 
 def hand_layout():

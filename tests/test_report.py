@@ -5,7 +5,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmfs._report import attention_recall, evaluate_query
+from swarmfs._report import (attention_logits, attention_recall, evaluate_query, summarize,
+                             token_mass)
 
 
 def test_each_position_counts_once():
@@ -20,13 +21,22 @@ def test_each_position_counts_once():
 
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 60), st.integers(0, 2**31))
-def test_recall_is_at_most_one(S, seed):
+def test_recall_is_the_definition(S, seed):
+    """Recall = mass of the distinct positions / mass of the oracle's top
+    max(budget, n distinct) tokens, written out with a sort."""
     rng = np.random.default_rng(seed)
     mass = rng.random(S)
     pos = rng.integers(0, S, rng.integers(0, 2 * S + 1))
-    r, got, top = attention_recall(mass, pos, int(rng.integers(1, S + 1)))
-    assert 0.0 <= r <= 1.0 + 1e-12
-    assert abs(got - mass[np.unique(pos)].sum()) < 1e-9
+    budget = int(rng.integers(1, S + 1))
+    r, got, top = attention_recall(mass, pos, budget)
+    distinct = np.unique(pos)
+    want_got = mass[distinct].sum()
+    want_top = np.sort(mass)[::-1][:min(max(budget, distinct.size), S)].sum()
+    assert abs(got - want_got) < 1e-9 and abs(top - want_top) < 1e-9
+    assert abs(r - want_got / want_top) < 1e-9 and r <= 1.0 + 1e-12
+    # the oracle's own selection has recall 1
+    oracle = np.argsort(-mass, kind="stable")[:budget]
+    assert abs(attention_recall(mass, oracle, budget)[0] - 1.0) < 1e-12
 
 
 def test_evaluate_query_ignores_duplicate_copies(rng):
@@ -41,3 +51,50 @@ def test_evaluate_query_ignores_duplicate_copies(rng):
     assert a["recall"] == b["recall"] <= 1.0 and a["entries"] == b["entries"] == len(pos)
     full = evaluate_query(q, k, v, np.arange(S), scaling=d ** -0.5, ratio=1.0)
     assert full["recall"] == 1.0 and full["rel_error"] < 1e-6
+
+
+def test_logits_and_mass_follow_gqa(rng):
+    """Query head h reads KV head h // (H_q / H_kv); mass = softmax over keys,
+    mean over query heads."""
+    Hq, H, n, S, d = 6, 2, 3, 11, 4
+    q = rng.standard_normal((Hq, n, d)).astype(np.float32)
+    k = rng.standard_normal((H, S, d)).astype(np.float32)
+    lg = attention_logits(q, k, 0.5)
+    assert lg.shape == (Hq, n, S) and lg.dtype == np.float32
+    for h in range(Hq):
+        assert np.allclose(lg[h], 0.5 * q[h] @ k[h // 3].T, rtol=1e-5, atol=1e-5)
+    m = token_mass(lg)
+    e = np.exp(lg.astype(np.float64) - lg.max(axis=2, keepdims=True))
+    assert np.allclose(m, (e / e.sum(axis=2, keepdims=True)).mean(axis=0), atol=1e-6)
+    assert np.allclose(m.sum(axis=1), 1.0, atol=1e-5)
+
+
+def test_relative_error_is_that_of_the_restricted_attention(rng):
+    Hq, H, S, d = 4, 2, 40, 8
+    q = rng.standard_normal((Hq, d)).astype(np.float32)
+    k = rng.standard_normal((H, S, d)).astype(np.float32)
+    v = rng.standard_normal((H, S, d)).astype(np.float32)
+    pos = np.array([3, 7, 20, 21, 39])
+    out = evaluate_query(q, k, v, pos, scaling=d ** -0.5, ratio=0.25)
+
+    def attend(idx):
+        o = []
+        for h in range(Hq):
+            x = (k[h // 2, idx] @ q[h]) * d ** -0.5
+            p = np.exp(x - x.max())
+            o.append((p / p.sum()) @ v[h // 2, idx])
+        return np.stack(o)
+    full = attend(np.arange(S))
+    want = np.linalg.norm(attend(pos) - full) / np.linalg.norm(full)
+    assert abs(out["rel_error"] - want) < 1e-5 and out["budget"] == 10
+    assert out["entries"] == 5 and out["recall"] < 1.0
+    # the K/V read back from a store are what is scored: wrong bytes show
+    bad = evaluate_query(q, k, v, pos, k_ret=k[:, pos], v_ret=v[:, pos] + 1.0,
+                         scaling=d ** -0.5, ratio=0.25)
+    assert bad["rel_error"] > out["rel_error"] + 0.1 and bad["recall"] == out["recall"]
+
+
+def test_summarize_averages_numbers_only():
+    rows = [{"recall": 0.5, "entries": 4, "name": "a"}, {"recall": 1.0, "entries": 6,
+                                                          "name": "b"}]
+    assert summarize(rows) == {"recall": 0.75, "entries": 5.0}

@@ -53,12 +53,44 @@ def test_retrieve_returns_window_and_selected_clusters_bit_exact(store, rng):
     assert same_bits(out.k, kv[out.positions][:, 0].transpose(1, 0, 2))
     assert same_bits(out.v, kv[out.positions][:, 1].transpose(1, 0, 2))
     st_ = out.stats
-    assert st_.entries == st_.entries_dram + st_.entries_ssd
-    assert st_.entries >= r.budget(0) or out.clusters.size == li.num_clusters
+    # entries are distinct (a token in several selected clusters counts once)
+    assert st_.entries == len(want) == st_.entries_dram + st_.entries_ssd
     assert sum(st_.disk_bytes) == st_.bytes_read
     # the clusters are the best-scoring ones
     sc = r.score(0, q)[0]
     assert sc[out.clusters].min() >= np.delete(sc, out.clusters).max()
+    # the budget ceil(r S) is met by the last cluster chosen, not before it
+    # (distinct entries: counting replicas twice would stop early)
+    assert out.clusters.size < li.num_clusters
+    last = out.clusters[np.argmin(sc[out.clusters])]
+    before = set(win.tolist()).union(*(cl[c].tolist() for c in out.clusters if c != last))
+    assert len(before) < r.budget(0) <= len(want)
+
+
+def test_budget_counts_distinct_entries(tmp_path, rng):
+    """Every cluster repeats 20 tokens of the local window (replicas): the
+    budget ceil(r S) counts each entry once, so a selection that counted the
+    copies again would stop after half the clusters it needs."""
+    s = Store.create(tmp_path / "st", disks=3, num_layers=1, num_kv_heads=H, head_dim=D,
+                     num_query_heads=HQ, dtype="float16")
+    kv = random_kv(rng, S, H, D, "float16")
+    own = np.array_split(np.arange(S), 40)                      # disjoint, 50 each
+    cl = [np.concatenate([o, np.setdiff1d(S - 1 - rng.choice(48, 20, replace=False), o)])
+          for o in own]
+    s.write_layer(0, kv, cl, local_window=64)
+    r = Retriever(s, sparsity=0.2)
+    for _ in range(3):
+        q = rng.standard_normal((HQ, D))
+        out = r.retrieve(0, q, torch=False)
+        win = set(r.window(0).tolist())
+        got = set(out.positions.tolist())
+        assert got == win.union(*(cl[c].tolist() for c in out.clusters))
+        assert out.stats.entries == len(got) == out.positions.shape[0]
+        sc = r.score(0, q)[0]
+        last = out.clusters[np.argmin(sc[out.clusters])]
+        before = win.union(*(cl[c].tolist() for c in out.clusters if c != last))
+        assert len(before) < r.budget(0) <= len(got)
+    s.close()
 
 
 def test_hot_clusters_and_window_are_served_from_dram(store, rng):

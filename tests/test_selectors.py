@@ -202,3 +202,46 @@ def test_int8_index_recall_on_a_real_fp16_layout(real_fp16_store):
 def test_medoid_selector_refuses_an_unknown_index():
     with pytest.raises(InvalidArgumentError):
         MedoidSelector(None, index="int4")
+
+
+# -- MedoidSelector against the rule written out in numpy --------------------------
+
+@pytest.fixture(scope="module")
+def small_fp16_store(tmp_path_factory):
+    rng = np.random.default_rng(3)
+    S, H, Hq, d = 600, 2, 8, 16
+    s = Store.create(tmp_path_factory.mktemp("medoid") / "st", disks=2, num_layers=1,
+                     num_kv_heads=H, head_dim=d, num_query_heads=Hq, dtype="float16")
+    kv = random_kv(rng, S, H, d, "float16")
+    s.write_layer(0, kv, random_clusters(rng, S, 40, 60), local_window=16)
+    yield s, kv
+    s.close()
+
+
+@pytest.mark.parametrize("score", ["prob", "logit"])
+def test_exact_medoid_scores_are_the_per_head_rule(small_fp16_store, rng, score):
+    """"prob": per query head, softmax over the clusters of q_h . k_medoid
+    (scaled by head_dim**-0.5; query head h reads KV head h // 4), summed over
+    heads; "logit": the plain sum of those logits.  ``select`` picks what
+    :func:`select_clusters` picks from those scores."""
+    s, kv = small_fp16_store
+    li = s.layer(0)
+    sel = MedoidSelector(s, score=score, index="exact")
+    q = rng.standard_normal((3, 8, 16)).astype(np.float32)
+    kmed = kv[li.medoid, 0].astype(np.float64)                   # [C, H, d]
+    logits = np.einsum("bhd,chd->bhc", q.astype(np.float64), kmed[:, np.arange(8) // 4])
+    if score == "prob":
+        x = logits * 16 ** -0.5
+        e = np.exp(x - x.max(axis=2, keepdims=True))
+        want = (e / e.sum(axis=2, keepdims=True)).sum(axis=1)
+    else:
+        want = logits.sum(axis=1)
+    got = sel.scores(0, q)
+    assert got.shape == (3, li.num_clusters)
+    assert np.allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+    for b in range(3):
+        chosen = sel.select(0, q[b:b + 1], budget=120, window=16)[0]
+        ref = select_clusters(got[b], li.members_ptr, li.members, num_tokens=600,
+                              budget=120, window=16)
+        assert chosen.clusters.tolist() == ref.clusters.tolist()
+        assert chosen.entries == ref.entries >= 120

@@ -10,31 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import importlib.util
 import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
-TESTBED = TOOLS / "testbed"
+from tools import _testbed as T
 
-
-def _load_module():
-    spec = importlib.util.spec_from_file_location("_testbed", TOOLS / "_testbed.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("_testbed", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-T = _load_module()
+TESTBED = Path(__file__).resolve().parent.parent / "tools" / "testbed"
 
 
 def _why_not() -> str | None:
@@ -74,14 +63,6 @@ def assert_nothing_left(name, backing):
         assert not os.path.exists(cg), cg
     assert not os.path.exists(T.state_path(name))
     assert glob.glob(os.path.join(backing, f"{name}-disk*.img")) == []
-
-
-def wait_for(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -223,7 +204,8 @@ def test_down_after_crash_with_state(name, backing):
     sleeper = subprocess.Popen([sys.executable, str(TESTBED), "--name", name, "run", "--",
                                 "sleep", "60"])
     try:
-        wait_for(lambda: sleeper.pid in T._procs(os.path.dirname(procs)))
+        wait_until(lambda: sleeper.pid in T._procs(os.path.dirname(procs)),
+                   what="the sleeper in the cgroup")
         report = json.loads(cli(name, "down", "--json").stdout)
         assert sleeper.pid in report["procs_moved"]
         assert sorted(report["devices_detached"]) == sorted(state["devices"])

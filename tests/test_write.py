@@ -1,4 +1,7 @@
-"""Writing: non-finite values refused, free-space allocation (issue 9, items 11, 13)."""
+"""Writing: non-finite values refused, free-space allocation (issue 9, items 11, 13);
+the write transaction (issue 12)."""
+
+import os
 
 import numpy as np
 import pytest
@@ -66,3 +69,112 @@ def test_free_extents_merges_and_gives_back_the_tail():
     out = free_extents([_disk(65536, [[61440, 4096, 0]])], [], [], [], [], gen=5,
                        block_size=512)
     assert out[0]["free"] == [] and out[0]["end"] == 61440
+
+
+# -- the write transaction (issue 12) -------------------------------------------------
+
+def test_write_module_reaches_into_no_store_private_state():
+    """_write.py uses the Store only through its public API: no attribute
+    starting with an underscore on ``store`` (the Transaction gets what it
+    needs passed in)."""
+    import ast
+    import inspect
+
+    from swarmfs import _write
+    tree = ast.parse(inspect.getsource(_write))
+    private = [f"line {n.lineno}: {n.value.id}.{n.attr}" for n in ast.walk(tree)
+               if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+               and n.value.id in ("store", "s") and n.attr.startswith("_")]
+    assert private == []
+    # and the bound-store idiom is gone
+    assert "self = store" not in inspect.getsource(_write)
+
+
+def _small_store(tmp_path, **kw):
+    from swarmfs import Store
+    s = Store.create(tmp_path / "st", disks=2, num_layers=1, num_kv_heads=1, head_dim=8,
+                     dtype="float32", **kw)
+    kv = np.arange(40 * 16, dtype=np.float32).reshape(40, 2, 1, 8)
+    s.write_layer(0, kv, np.array_split(np.arange(40), 4))
+    return s, kv
+
+
+def test_a_transaction_holds_the_write_lock_against_other_writers(tmp_path):
+    from swarmfs import Store
+    s, kv = _small_store(tmp_path)
+    other = Store.open(tmp_path / "st", writable=True)
+    with s._transaction() as tx:
+        assert tx.base == s.committed and tx.generation == s.committed.generation + 1
+        with pytest.raises(E.SwarmError, match="another process is writing"):
+            other.append(0, kv[:1], [[0]])
+    other.append(0, kv[:1], [[0]])                 # released on exit
+    assert other.committed.generation == s.committed.generation + 1
+    other.close()
+    s.close()
+
+
+def test_a_failed_transaction_commits_nothing_and_gives_space_back(tmp_path):
+    s, kv = _small_store(tmp_path)
+    before = s.committed
+    sizes = [os.path.getsize(p) for p in s.disk_paths]
+    with pytest.raises(RuntimeError, match="boom"):
+        with s._transaction() as tx:
+            rows = kv.reshape(40, -1).view(np.uint8)
+            ptr = np.array([0, 40], np.int64)
+            pl = tx.place(np.array([40]), p_global=tx.base.p_global, layer=0)
+            assert [d.end for d in tx.disks] != [d.end for d in before.disks]
+            tx.write_extents(rows, ptr, np.arange(40), pl, 0)
+            assert max(os.path.getsize(p) for p in s.disk_paths) > max(sizes)
+            raise RuntimeError("boom")
+    assert s.committed == before
+    assert [os.path.getsize(p) for p in s.disk_paths] == [d.end for d in before.disks]
+    assert s.read_entries(0, np.arange(40)).tobytes() == kv.tobytes()
+    s.close()
+
+
+def test_a_transaction_commit_publishes_the_new_manifest(tmp_path):
+    s, kv = _small_store(tmp_path)
+    before = s.committed
+    s.append(0, kv[:3], [[1], [], [1, 2]])
+    m = s.committed
+    assert m.generation == before.generation + 1
+    assert m.layers[0].num_tokens == 43 and m.layers[0].generation == m.generation
+    # cluster 1 and 2 grew: their old extents are free (quarantined at this generation)
+    freed = [r for d in m.disks for r in d.free if r[2] == m.generation]
+    assert freed and all(r not in before.disks[i].free for i, d in enumerate(m.disks)
+                         for r in d.free if r[2] == m.generation)
+    from swarmfs._manifest import read_manifest
+    assert read_manifest(s.path) == m
+    s.close()
+
+
+def test_allocate_and_free_keep_manifest_records(tmp_path):
+    """The free-extent bookkeeping works on the manifest's frozen records as
+    on their JSON dicts, with the same result."""
+    from swarmfs._manifest import DiskRecord
+    dicts = [_disk(100 << 10, [[12288, 4096, 0], [20480, 8192, 0], [40960, 2048, 0]])]
+    recs = [DiskRecord(index=0, path="d", end=100 << 10, capacity=0,
+                       free=((12288, 4096, 0), (20480, 8192, 0), (40960, 2048, 0)))]
+    for need in (2048, 8192, 16384):
+        b1, o1 = allocate(dicts, np.array([need], np.uint64), gen=5)
+        b2, o2 = allocate(recs, np.array([need], np.uint64), gen=5)
+        assert int(b1[0]) == int(b2[0]) and o2[0].to_dict() == o1[0]
+        assert isinstance(o2[0], DiskRecord)
+    f1 = free_extents(dicts, [0], [0], [61440], [4096], gen=3, block_size=512)
+    f2 = free_extents(recs, [0], [0], [61440], [4096], gen=3, block_size=512)
+    assert f2[0].to_dict() == f1[0] and recs[0].free[0] == (12288, 4096, 0)
+
+
+def test_a_transaction_commits_once_and_only_inside_its_lock(tmp_path):
+    s, kv = _small_store(tmp_path)
+    tx = s._transaction()
+    with pytest.raises(E.InternalError, match="outside an open write transaction"):
+        tx.commit(0, {}, p_global=0)
+    with tx:
+        pass
+    with pytest.raises(E.InternalError, match="entered once"):
+        with tx:
+            pass
+    s.append(0, kv[:1], [[0]])                     # the lock was released both times
+    assert s.num_tokens(0) == 41
+    s.close()

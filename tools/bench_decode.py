@@ -35,9 +35,9 @@ cluster hit rate and per-layer retrieval latency.  ``reuse``: time to the
 first new token from a stored document (``SwarmCache.from_store``) against a
 fresh prefill.
 
-    /work/bench-exclusive tools/dev run python tools/bench_decode.py quality \\
+    /work/bench-exclusive tools/dev run python -m tools.bench_decode quality \\
         --out docs/data/decode-quality.json
-    /work/bench-exclusive tools/dev run python tools/bench_decode.py throughput \\
+    /work/bench-exclusive tools/dev run python -m tools.bench_decode throughput \\
         --out docs/data/decode-throughput.json
 """
 
@@ -440,21 +440,21 @@ def _lru_session():
         selected clusters that fit the DRAM budget (instead of eq. 6's
         frequency/size score); hits counted as in DecodeSession."""
 
-        def _replace_locked(self, st, ret):
+        def choose_hot(self, hot, ret):
             sel = ret.clusters
             self.lookups += int(sel.size)
-            self.hits += int(st.hot[sel].sum()) if sel.size else 0
+            self.hits += int(hot[sel].sum()) if sel.size else 0
             if not hasattr(self, "_last"):
-                self._last = np.zeros(st.hot.shape[0], np.int64)
+                self._last = np.zeros(hot.shape[0], np.int64)
                 self._clock = 0
             self._clock += 1
             self._last[sel] = self._clock
-            cand = np.union1d(np.flatnonzero(st.hot), sel)
+            cand = np.union1d(np.flatnonzero(hot), sel)
             order = cand[np.argsort(-self._last[cand], kind="stable")]
-            cum = np.cumsum(st.sizes[order] * self.store.entry_bytes)
-            want = np.zeros_like(st.hot)
+            cum = np.cumsum(ret.index.sizes[order] * self.store.entry_bytes)
+            want = np.zeros_like(hot)
             want[order[cum <= self.hot_budget]] = True
-            return self.r.set_hot(self.layer, want, ret)
+            return want
 
     return LRUSession
 

@@ -28,8 +28,8 @@ measured alone, then while the other thread keeps the slow disk busy; p50 and
 p99 and their ratio.  A third row serialises both readers with one lock
 around ``execute`` (what one engine mutex held across the I/O does).
 
-    tools/dev run python tools/bench_engine.py --out bench-out/engine
-    tools/dev run python tools/bench_engine.py isolation --out bench-out/engine-isolation
+    tools/dev run python -m tools.bench_engine --out bench-out/engine
+    tools/dev run python -m tools.bench_engine isolation --out bench-out/engine-isolation
 
 writes <out>.json (and <out>.png for throughput).  A benchmark, not a test:
 nothing asserts.
@@ -227,8 +227,7 @@ def percentile(xs, q):
 
 
 def isolation(a):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _testbed as T
+    from tools import _testbed as T
     name = f"swarmfs-bench-isolation-{os.getpid()}"
     backing = os.path.join(a.dir, "isolation-backing")
     healthy = ensure_disks(os.path.join(a.dir, "isolation-healthy"), 1, 64 << 20)[0]

@@ -16,12 +16,12 @@ metric (default) and eq. 2 as written, on WikiText-2 and GSM8K.  The first
 evaluation uses ``--heldout`` queries drawn from the following tokens (never
 profiled), each attending to the whole context.
 
-    python tools/bench_layout.py scale --out bench-out/layout-scale.json
-    python tools/bench_layout.py recall --context 3072 --eq2-counts 0.0125,0.025 \
+    python -m tools.bench_layout scale --out bench-out/layout-scale.json
+    python -m tools.bench_layout recall --context 3072 --eq2-counts 0.0125,0.025 \
         --out bench-out/recall-3k.json
-    python tools/bench_layout.py recall --context 16384 --heldout-span 4096 \
+    python -m tools.bench_layout recall --context 16384 --heldout-span 4096 \
         --eq2-counts 0.0125,0.025 --out bench-out/recall-16k.json
-    python tools/bench_layout.py recall --datasets wikitext2 --context 16384 \
+    python -m tools.bench_layout recall --datasets wikitext2 --context 16384 \
         --heldout-span 4096 --taus 0.5,0.6,0.7 --eq2-counts 0.0125,0.025,0.05 \
         --out bench-out/recall-sweep-16k.json
 
@@ -46,7 +46,7 @@ import tempfile
 import time
 
 import numpy as np
-from _shared_data import data_dir
+from tools._shared_data import data_dir
 
 DATA = data_dir()
 TEXTS = {"wikitext2": DATA / "wikitext2_raw_test.raw", "gsm8k": DATA / "gsm8k_test.jsonl"}
@@ -118,9 +118,10 @@ def cmd_scale(args) -> dict:
     cap = cached_capture("wikitext2", max(sizes), [args.layer], args.cache)
     rows = []
     for S in sizes:
-        out = subprocess.run([sys.executable, __file__, "_scale_worker", "--capture", str(cap),
+        out = subprocess.run([sys.executable, "-m", "tools.bench_layout", "_scale_worker", "--capture", str(cap),
                               "--tokens", str(S), "--layer", str(args.layer)],
-                             check=True, capture_output=True, text=True)
+                             check=True, capture_output=True, text=True,
+                             cwd=pathlib.Path(__file__).resolve().parents[1])
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(f"S={S:>6}  profile {row['profile_s']:5.1f} s  graph {row['graph_s']:5.1f} s  "

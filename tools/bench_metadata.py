@@ -5,7 +5,7 @@ Prints one JSON line of medians (wall µs/ms, CPU µs from getrusage).  To
 compare two versions side by side, run it alternately with PYTHONPATH set to
 each source tree (from a directory outside both), under /work/bench-exclusive.
 
-    tools/dev run python tools/bench_metadata.py /tmp/bench-st
+    tools/dev run python -m tools.bench_metadata /tmp/bench-st
 """
 
 import json

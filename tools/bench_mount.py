@@ -26,7 +26,7 @@ and measures, side by side in every run (median of --runs):
 
 Writes everything to --out as JSON and prints a table.
 
-    python tools/bench_mount.py --dir /tmp/swarmfs-bench --runs 5 --out bench_mount.json
+    python -m tools.bench_mount --dir /tmp/swarmfs-bench --runs 5 --out bench_mount.json
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ scalar); ``--paths avx512,avx2`` measures each named path (forced with
 Planning: ``plan_reads`` for 100K selected entries (30% with a second copy)
 over 4 disks: dedup (eq. 8), entry buckets (§6.1), coalescing.
 
-    tools/dev run python tools/bench_select.py --out bench-out/select
+    tools/dev run python -m tools.bench_select --out bench-out/select
 """
 
 from __future__ import annotations
@@ -378,7 +378,7 @@ def main(argv=None):
     with open(a.out + ".json", "w") as f:
         json.dump({"selection": rows, "planning": plan, "cluster_sizes": sizes,
                    "cpu_flags": cpu_flags(), "auto_path": auto, "paths": paths,
-                   "command": "tools/bench_select.py " + " ".join(argv or sys.argv[1:])},
+                   "command": "python -m tools.bench_select " + " ".join(argv or sys.argv[1:])},
                   f, indent=1)
     print(f"wrote {a.out}.json")
 

@@ -19,7 +19,7 @@ Three measurements, all on text the decoder never trained on
 
 Usage::
 
-    .venv/bin/python tools/eval_decoder.py [--model DIR] [--json docs/data/model/eval.json]
+    .venv/bin/python -m tools.eval_decoder [--model DIR] [--json docs/data/model/eval.json]
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import time
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = ("python", "wikitext2", "shakespeare", "gsm8k")
 
 
@@ -98,7 +97,6 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=pathlib.Path, default=None)
     args = p.parse_args(argv)
-    sys.path.insert(0, str(REPO))
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from swarmfs.models import DEFAULT_DECODER, training_texts

@@ -24,7 +24,7 @@ recomputed; a rolled-back manifest; special files (a FIFO, /dev/zero, a
 directory, a symlink loop) in place of the manifest, an index file or a
 disk; deeply nested JSON.
 
-    tools/dev run python tools/fuzz_store.py --cases 10000 --seed 1
+    tools/dev run python -m tools.fuzz_store --cases 10000 --seed 1
 """
 
 from __future__ import annotations

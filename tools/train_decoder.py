@@ -29,10 +29,10 @@ The recipe (docs/model.md):
 
 Usage (the command that produced the committed model is in docs/model.md)::
 
-    setsid nice -n 19 .venv/bin/python tools/train_decoder.py --out /work/train \\
+    setsid nice -n 19 .venv/bin/python -m tools.train_decoder --out /work/train \\
         --phases 512x16:N1,2048x4:N2,8192x1:N3 > /work/train/log.txt 2>&1 &
 
-    .venv/bin/python tools/train_decoder.py --out /work/train --bench   # tokens/s per phase
+    .venv/bin/python -m tools.train_decoder --out /work/train --bench   # tokens/s per phase
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ import time
 import numpy as np
 
 EOS = "<|endoftext|>"
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def parse_phases(spec: str) -> list[tuple[int, int, int]]:
@@ -396,7 +395,6 @@ def main(argv=None) -> int:
     p.add_argument("--bench", action="store_true", help="time STEPS steps of each phase, then stop")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(REPO))
     streams = prepare(args.out, args.vocab)
     tok_path = args.out / "tokenizer.json"
     if args.bench:

@@ -34,12 +34,19 @@ real context), the I/O is that of a 4 KiB-entry model.
 first pass, default WikiText-2).  Decode-step queries are held out: positions
 ``start + S + 8 i`` (never profiled), each attending to the S context tokens.
 
+**Harness.**  Every figure is a click command made by :func:`command` (or
+:func:`ablation_command`): the options all figures share become one frozen
+:class:`BenchConfig` passed down explicitly (no module state); its own options
+follow.  Run them as ``python -m tools.bench.<figure>`` from the repository
+root.  Layouts are memoised with ``joblib.Memory`` (:func:`build_layout`),
+tables are printed with tabulate (:func:`table`), and figures are drawn with
+:func:`figure`, :func:`lines` and :func:`variant_bars`.
+
 Not a test: nothing here asserts on timings.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -52,15 +59,13 @@ import statistics
 import sys
 import time
 
+import click
 import numpy as np
 
-TOOLS = pathlib.Path(__file__).resolve().parents[1]
-REPO = TOOLS.parent
-if str(TOOLS) not in sys.path:          # for _testbed and bench_select (tools/)
-    sys.path.insert(0, str(TOOLS))
+from tools import _testbed
+from tools._shared_data import data_dir
 
-from _shared_data import data_dir  # noqa: E402  (tools/ is on sys.path now)
-
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DATA = data_dir()
 #: dataset name -> file in ../shared/data, in trace order
 DATASETS = {"wikitext2": "wikitext2_raw_test.raw",
@@ -83,6 +88,45 @@ QUERY_STRIDE = 8            # held-out decode positions start + S + 8 i
 BLOCK_S = 2.5
 #: untimed replay before each block (s): drains the throttle's burst credit
 WARMUP_S = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What a figure's command line chose (one per run; every figure takes
+    these options, see :func:`command`).
+
+    Attributes:
+        name: the figure's module, e.g. ``"fig11_methods"`` (output name).
+        disks: ``testbed`` | ``testbed:NAME`` | ``files:N`` | comma list of paths.
+        out: output prefix (``.json``, ``.png``); None: ``bench-out/eval/NAME``.
+        smoke: tiny sizes on file disks (CI): checks the harness only.
+        queries, reps: held-out queries per point and timed repetitions
+            (None: the figure's default).
+        qd: engine queue depth (SQEs per ring).
+        cache: trace, layout (joblib) and store directory.
+        trace_tokens: tokens to capture at least (None: what the figure needs).
+        block_s: seconds per timed block (see :meth:`Bench.stream`).
+        warmup_s: untimed replay before a block (s).
+        command: the command line, recorded in the JSON.
+    """
+    name: str
+    disks: str = "testbed"
+    out: pathlib.Path | None = None
+    smoke: bool = False
+    queries: int | None = None
+    reps: int | None = None
+    qd: int = 128
+    cache: pathlib.Path = CACHE
+    trace_tokens: int | None = None
+    block_s: float = BLOCK_S
+    warmup_s: float = WARMUP_S
+    command: str = ""
+
+    def prefix(self, name: str | None = None) -> pathlib.Path:
+        """The output prefix of ``name`` (default this figure's)."""
+        if self.out is not None:
+            return pathlib.Path(self.out)
+        return OUT / ((name or self.name) + ("-smoke" if self.smoke else ""))
 
 
 # -- trace ---------------------------------------------------------------------
@@ -273,13 +317,22 @@ def _source_hash() -> str:
     return _sha(*(p.read_bytes() for p in files))
 
 
-def build_layout(method: str, trace: Trace, start: int, S: int, *, ratio: float = 0.1,
-                 cache: pathlib.Path | None = None, profile_start: int | None = None,
-                 **kw):
+def _layout_cache(cache: pathlib.Path):
+    """The layout builder memoised on disk (``joblib.Memory`` under
+    ``CACHE/joblib``), keyed by its arguments except the trace itself (the
+    trace file's name stands for it)."""
+    import joblib
+    return joblib.Memory(pathlib.Path(cache) / "joblib", verbose=0).cache(
+        _build_layout, ignore=["trace", "cache"])
+
+
+def build_layout(method: str, trace: Trace, start: int, S: int, *, cache: pathlib.Path,
+                 ratio: float = 0.1, profile_start: int | None = None, **kw):
     """One method's layout of the context [start, start+S), cached on disk.
 
     Args:
         method: one of ``layout._baselines.METHODS``.
+        cache: the cache directory (``BenchConfig.cache``).
         ratio: profile sparsity ratio (SWARM-style methods).
         profile_start: start of another S-token slice of the trace whose
             queries profile this context (dataset shift, §8.4).
@@ -288,46 +341,42 @@ def build_layout(method: str, trace: Trace, start: int, S: int, *, ratio: float 
     Returns:
         (:class:`swarmfs.layout._baselines.Layout`, cache hit: bool).
     """
+    build = _layout_cache(cache)
+    args = dict(method=method, trace=trace, trace_id=trace.path.name, start=int(start),
+                S=int(S), ratio=float(ratio), profile_start=profile_start,
+                params=json.dumps(kw, sort_keys=True), source=_source_hash(), cache=cache)
+    hit = build.check_call_in_cache(**args)
+    return build(**args), hit
+
+
+def _build_layout(method, trace, trace_id, start, S, ratio, profile_start, params, source,
+                  cache):
+    """The uncached build behind :func:`build_layout` (``trace_id`` and
+    ``source`` only key the cache)."""
     from swarmfs.layout import _baselines as B
-    key = _sha(trace.path.name, start, S, method, ratio, profile_start,
-               json.dumps(kw, sort_keys=True), _source_hash())
-    d = (cache or CACHE) / "layouts"
-    d.mkdir(parents=True, exist_ok=True)
-    npz, meta = d / f"{method}-{S}-{key}.npz", d / f"{method}-{S}-{key}.json"
-    if npz.is_file() and meta.is_file():
-        m = json.loads(meta.read_text())
-        with np.load(npz) as z:
-            return B.Layout.from_arrays(method, m["kind"], dict(z), m["params"],
-                                        m["seconds"]), True
+    kw = json.loads(params)
     k = trace.k[:, start:start + S]
     q = trace.q[:, start:start + S]
     pq = None if profile_start is None else trace.q[:, profile_start:profile_start + S]
     common = {"ratio": ratio, "scaling": trace.scaling, "profile_q": pq}
     seg = kw.pop("segment", None)
     if seg and S > seg:
-        lay = _segmented(method, trace, start, S, int(seg), ratio, cache, kw)
-    elif method == "swarm":
-        lay = B.swarm(q, k, **common, **kw)
-    elif method == "no_replica":
-        lay = B.no_replica(q, k, **common, **kw)
-    elif method == "medoid_only":
-        lay = B.medoid_only(q, k, **common, **kw)
-    elif method == "no_cluster":
-        lay = B.token_order(S, **kw)
-    elif method == "quest":
-        lay = B.quest_pages(k, **kw)
-    elif method == "infllm":
-        lay = B.infllm_blocks(q, k, **kw)
-    elif method == "pqcache":
-        lay = B.kmeans_clusters(k, **kw)
-    else:
-        raise SystemExit(f"unknown method {method!r}")
-    tmp = npz.with_suffix(".tmp.npz")
-    np.savez(tmp, **lay.arrays())
-    tmp.replace(npz)
-    meta.write_text(json.dumps({"kind": lay.kind, "params": lay.params,
-                                "seconds": lay.seconds, "summary": lay.summary()}))
-    return lay, False
+        return _segmented(method, trace, start, S, int(seg), ratio, cache, kw)
+    if method == "swarm":
+        return B.swarm(q, k, **common, **kw)
+    if method == "no_replica":
+        return B.no_replica(q, k, **common, **kw)
+    if method == "medoid_only":
+        return B.medoid_only(q, k, **common, **kw)
+    if method == "no_cluster":
+        return B.token_order(S, **kw)
+    if method == "quest":
+        return B.quest_pages(k, **kw)
+    if method == "infllm":
+        return B.infllm_blocks(q, k, **kw)
+    if method == "pqcache":
+        return B.kmeans_clusters(k, **kw)
+    raise SystemExit(f"unknown method {method!r}")
 
 
 def _segmented(method, trace, start, S, seg, ratio, cache, kw):
@@ -396,7 +445,6 @@ def resolve_disks(spec: str) -> Disks:
     """``testbed`` / ``testbed:NAME`` (devices of an up testbed), ``files:N``
     (N file disks inside each store directory) or a comma list of paths."""
     if spec.startswith("testbed"):
-        import _testbed
         name = spec.split(":", 1)[1] if ":" in spec else _testbed.DEFAULT_NAME
         st = _testbed.load_state(name)
         if not st or not st.get("complete"):
@@ -435,15 +483,16 @@ class Bench:
 
     All layers hold the same entries (the context's K/V, widened to 4 KiB);
     layer i is variant i's grouping, written one after another on the same
-    disks (eq. 7's global pointer continues across layers).
+    disks (eq. 7's global pointer continues across layers).  ``cfg`` gives
+    the engine queue depth and the streaming block and warm-up times.
     """
 
     def __init__(self, path, disks: Disks, trace: Trace, start: int, S: int,
-                 variants: list, *, ratio: float = 0.1, queue_depth: int = 128,
-                 kv=None):
+                 variants: list, *, cfg: BenchConfig, ratio: float = 0.1, kv=None):
         from swarmfs import Store
         from swarmfs._demo import LayoutParams, local_window
         self.trace, self.start, self.S, self.ratio = trace, start, S, ratio
+        self.cfg = cfg
         self.variants = {v.name: v for v in variants}
         owners = [v for v in variants if v.store_as is None]
         path = pathlib.Path(path)
@@ -454,7 +503,7 @@ class Bench:
                                   num_kv_heads=WIDE_HEADS, head_dim=WIDE_DIM,
                                   num_query_heads=WIDE_HEADS, dtype="float16",
                                   model_name="all-MiniLM-L6-v2 KV in 4 KiB entries",
-                                  force=True, queue_depth=queue_depth, verify=True)
+                                  force=True, queue_depth=cfg.qd, verify=True)
         tmp = None
         if kv is None:
             if S * ENTRY_BYTES > (1 << 30):
@@ -616,9 +665,10 @@ class Bench:
         ``recorded`` is ``{name: [step metrics from record/record_read]}``.
         For each repetition the variants run in a fresh random order, each as
         one block: its steps replayed back to back, untimed for
-        :data:`WARMUP_S` seconds, then timed, cycling through the steps until
-        at least :data:`BLOCK_S` seconds and one full pass have elapsed.  A
-        step is its plan executed by ``Store.execute`` (one batched submission
+        ``cfg.warmup_s`` seconds (default :data:`WARMUP_S`), then timed,
+        cycling through the steps until at least ``cfg.block_s`` seconds
+        (default :data:`BLOCK_S`) and one full pass have elapsed.  A step
+        is its plan executed by ``Store.execute`` (one batched submission
         plus the gather into rows; checksums off, as fio reads).
 
         Why blocks: blk-throttle (the testbed's SSD emulation) grants I/O in
@@ -647,12 +697,12 @@ class Bench:
                     steps = recorded[n]
                     t0 = time.perf_counter()
                     i = 0
-                    while time.perf_counter() - t0 < WARMUP_S:
+                    while time.perf_counter() - t0 < self.cfg.warmup_s:
                         self._replay(steps[i % len(steps)])
                         i += 1
                     t0 = time.perf_counter()
                     times, done = [], []
-                    while len(times) < len(steps) or time.perf_counter() - t0 < BLOCK_S:
+                    while len(times) < len(steps) or time.perf_counter() - t0 < self.cfg.block_s:
                         st = steps[len(times) % len(steps)]
                         times.append(self._replay(st))
                         done.append(st)
@@ -715,8 +765,8 @@ class Bench:
         Each step is ``Retriever.retrieve(layer, q, out=bufs)``: selection
         (scoring + cluster choice), planning, the batched read and the
         assembly into the caller's reused K/V buffers, back to back, cycling
-        through the queries: untimed for :data:`WARMUP_S` seconds, then timed
-        for at least :data:`BLOCK_S` seconds and one full pass (as
+        through the queries: untimed for ``cfg.warmup_s`` seconds, then timed
+        for at least ``cfg.block_s`` seconds and one full pass (as
         :meth:`stream`, for blk-throttle's quanta).  Checksums are off, as in
         :meth:`stream`.
 
@@ -730,12 +780,12 @@ class Bench:
         try:
             t0 = time.perf_counter()
             i = 0
-            while time.perf_counter() - t0 < WARMUP_S:
+            while time.perf_counter() - t0 < self.cfg.warmup_s:
                 r.retrieve(L, queries[i % len(queries)], torch=False, out=bufs)
                 i += 1
             parts, useful = [], 0
             t0 = time.perf_counter()
-            while len(parts) < len(queries) or time.perf_counter() - t0 < BLOCK_S:
+            while len(parts) < len(queries) or time.perf_counter() - t0 < self.cfg.block_s:
                 s = r.retrieve(L, queries[len(parts) % len(queries)], torch=False,
                                out=bufs).stats
                 parts.append((s.score_us + s.select_us, s.plan_us, s.io_us, s.assemble_us,
@@ -849,7 +899,6 @@ def fio_ceiling(disks: Disks, *, bs="128k", qd: int = 32, runtime_s: float = 3) 
     (``tools/_testbed.ceiling``); None for file disks (smoke runs)."""
     if disks.testbed is None or disks.paths is None:
         return None
-    import _testbed
     r = _testbed.ceiling(disks.paths, bs, qd, runtime_s=runtime_s,
                          cgroup=disks.testbed["cgroup"]["path"])
     return {k: r[k] for k in ("bs", "qd", "ndevices", "gb_per_s", "iops", "limit_gb_per_s",
@@ -865,64 +914,99 @@ def ceilings(disks: Disks, smoke: bool) -> dict:
 
 # -- CLI, output -----------------------------------------------------------------------
 
-def parser(doc: str, *, disks: str = "testbed", prog: str | None = None
-           ) -> argparse.ArgumentParser:
-    """The options every figure takes; ``prog`` defaults to the caller's file."""
-    if prog is None:
-        prog = pathlib.Path(sys._getframe(1).f_globals.get("__file__") or sys.argv[0]).name
-    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0],
-                                 epilog=doc.split("\n", 1)[1] if "\n" in doc else None,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--disks", default=disks,
-                    help="testbed | testbed:NAME | files:N | comma list of devices/files")
-    ap.add_argument("--out", default=None, help="output prefix (.json, .png)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny sizes on file disks (CI): checks the harness, not performance")
-    ap.add_argument("--queries", type=int, default=None, help="held-out queries per point")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per query")
-    ap.add_argument("--qd", type=int, default=128, help="engine queue depth")
-    ap.add_argument("--cache", type=pathlib.Path, default=CACHE,
-                    help="trace/layout cache and store directories")
-    ap.add_argument("--trace-tokens", type=int, default=None,
-                    help="tokens to capture (default: what the figure needs)")
-    ap.add_argument("--block-s", type=float, default=None,
-                    help=f"seconds per timed block (default {BLOCK_S}; smoke 0)")
-    ap.add_argument("--warmup-s", type=float, default=None,
-                    help=f"untimed replay before a block (default {WARMUP_S}; smoke 0)")
-    return ap
+def _options(disks: str) -> list:
+    """The click options every figure takes (fields of :class:`BenchConfig`)."""
+    return [
+        click.Option(["--disks"], default=disks, show_default=True,
+                     help="testbed | testbed:NAME | files:N | comma list of devices/files"),
+        click.Option(["--out"], type=click.Path(path_type=pathlib.Path), default=None,
+                     help="output prefix (.json, .png)"),
+        click.Option(["--smoke"], is_flag=True,
+                     help="tiny sizes on file disks (CI): checks the harness, not performance"),
+        click.Option(["--queries"], type=int, default=None, help="held-out queries per point"),
+        click.Option(["--reps"], type=int, default=None, help="timed repetitions per query"),
+        click.Option(["--qd"], type=int, default=128, show_default=True,
+                     help="engine queue depth"),
+        click.Option(["--cache"], type=click.Path(path_type=pathlib.Path), default=CACHE,
+                     show_default=True, help="trace/layout cache and store directories"),
+        click.Option(["--trace-tokens"], type=int, default=None,
+                     help="tokens to capture (default: what the figure needs)"),
+        click.Option(["--block-s"], type=float, default=None,
+                     help=f"seconds per timed block (default {BLOCK_S}; smoke 0)"),
+        click.Option(["--warmup-s"], type=float, default=None,
+                     help=f"untimed replay before a block (default {WARMUP_S}; smoke 0)"),
+    ]
 
 
-COMMAND: str | None = None
+_SHARED = ("disks", "out", "smoke", "queries", "reps", "qd", "cache", "trace_tokens",
+           "block_s", "warmup_s")
 
 
-def parse(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """Parse the arguments and remember the command line for the JSON."""
-    global COMMAND
-    argv = list(sys.argv[1:] if argv is None else argv)
-    COMMAND = " ".join([f"python tools/bench/{pathlib.Path(ap.prog).name}"] + argv)
-    return ap.parse_args(argv)
+def _help(doc: str) -> str:
+    """A module docstring as click help: indented command examples kept as
+    they are (click's ``\\b`` marker), the rest re-wrapped."""
+    paras = doc.strip().split("\n\n")
+    return "\n\n".join("\b\n" + p if p.startswith("    ") else p for p in paras)
 
 
-def setup(args, name: str, *, trace_tokens: int) -> tuple[Trace, Disks, pathlib.Path]:
-    """Load the trace, resolve the disks, pick the output prefix."""
-    global CACHE, BLOCK_S, WARMUP_S
-    CACHE = args.cache
-    BLOCK_S = args.block_s if args.block_s is not None else (0.0 if args.smoke else BLOCK_S)
-    WARMUP_S = args.warmup_s if args.warmup_s is not None else (0.0 if args.smoke else WARMUP_S)
-    out = pathlib.Path(args.out) if args.out else OUT / (name + ("-smoke" if args.smoke else ""))
+def command(name: str, doc: str, *, disks: str = "testbed"):
+    """Make ``f(cfg, **options)`` a figure's click command.
+
+    The command takes the options every figure takes (``--disks --out
+    --smoke --queries --reps --qd --cache --trace-tokens --block-s
+    --warmup-s``), frozen into a :class:`BenchConfig` passed as ``cfg``, plus
+    the figure's own ``@click.option``\\ s (written below this decorator),
+    passed by name.  Run it with :func:`run`.
+    """
+    def deco(f):
+        own = list(reversed(getattr(f, "__click_params__", [])))
+
+        def callback(**kw):
+            shared = {k: kw.pop(k) for k in _SHARED}
+            argv = click.get_current_context().obj or []
+            smoke = shared["smoke"]
+            for k, default in (("block_s", BLOCK_S), ("warmup_s", WARMUP_S)):
+                if shared[k] is None:
+                    shared[k] = 0.0 if smoke else default
+            cfg = BenchConfig(name=name, command=" ".join(
+                [f"python -m tools.bench.{name}"] + list(argv)), **shared)
+            return f(cfg, **kw)
+
+        return click.Command(name, callback=callback, params=_options(disks) + own,
+                             help=_help(doc))
+    return deco
+
+
+def run(cmd: click.Command, argv=None):
+    """Run a figure's command: from the shell (``argv`` None) as a program
+    that exits; with ``argv`` (tests, run_all) it returns the payload and
+    raises instead of exiting."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    prog = f"python -m tools.bench.{cmd.name}"
+    if argv is None:
+        return cmd.main(args=args, prog_name=prog, obj=args)
+    return cmd.main(args=args, prog_name=prog, obj=args, standalone_mode=False)
+
+
+def setup(cfg: BenchConfig, name: str, *, trace_tokens: int
+          ) -> tuple[Trace, Disks, pathlib.Path]:
+    """Load the trace, resolve the disks (file disks for a smoke run that
+    names the testbed), pick the output prefix of ``name``."""
+    out = cfg.prefix(name)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tr = load_trace(max(args.trace_tokens or 0, trace_tokens), cache=args.cache,
-                    progress=not args.smoke)
-    if args.smoke and args.disks.startswith("testbed"):
-        args.disks = "files:2"
-    return tr, resolve_disks(args.disks), out
+    tr = load_trace(max(cfg.trace_tokens or 0, trace_tokens), cache=cfg.cache,
+                    progress=not cfg.smoke)
+    spec = "files:2" if cfg.smoke and cfg.disks.startswith("testbed") else cfg.disks
+    return tr, resolve_disks(spec), out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Ablation:
-    """What an ablation figure (Figs. 12-14) starts from: its arguments, the
-    trace, the disks, the output prefix, one context and the query count."""
-    args: argparse.Namespace
+    """What an ablation figure (Figs. 12-14) starts from: its configuration,
+    the trace, the disks, the output prefix, one context and the query count."""
+    cfg: BenchConfig
+    dataset: str
+    ratio: float
     trace: Trace
     disks: Disks
     out: pathlib.Path
@@ -935,33 +1019,36 @@ class Ablation:
                **extra) -> dict:
         """Write the figure's JSON (``extra`` after the common fields) and plot."""
         payload = {"figure": figure, "title": title, "tokens": self.S,
-                   "dataset": self.args.dataset, "ratio": self.args.ratio,
+                   "dataset": self.dataset, "ratio": self.ratio,
                    "disks": self.disks.describe(), "queries": self.queries, "reps": self.reps,
                    "ceiling": ceiling, "variants": variants, "ratios": ratios, **extra}
-        write_json(self.out, payload)
+        write_json(self.cfg, self.out, payload)
         plot(payload, self.out)
         return payload
 
 
-def ablation_setup(doc: str, name: str, argv=None) -> Ablation:
-    """Parse the common ablation arguments (``--tokens``, ``--dataset``,
-    ``--ratio``) and load one context: 128K tokens of WikiText-2, 24 held-out
-    queries and 3 repetitions by default; 2K, 3 and 1 with ``--smoke``."""
-    ap = parser(doc, prog=f"{name}.py")
-    ap.add_argument("--tokens", type=int, default=None)
-    ap.add_argument("--dataset", default="wikitext2")
-    ap.add_argument("--ratio", type=float, default=0.1)
-    a = parse(ap, argv)
-    S = a.tokens or (2048 if a.smoke else 131072)
-    trace, disks, out = setup(a, name, trace_tokens=4096 if a.smoke else 0)
-    start, S = context(trace, S, a.dataset)
-    return Ablation(a, trace, disks, out, start, S,
-                    queries=a.queries or (3 if a.smoke else 24),
-                    reps=a.reps or (1 if a.smoke else 3))
+def ablation_command(name: str, doc: str):
+    """:func:`command` for an ablation figure: also ``--tokens``,
+    ``--dataset``, ``--ratio``; the function gets an :class:`Ablation` with
+    one loaded context: 128K tokens of WikiText-2, 24 held-out queries and 3
+    repetitions by default; 2K, 3 and 1 with ``--smoke``."""
+    def deco(f):
+        @click.option("--ratio", type=float, default=0.1, show_default=True)
+        @click.option("--dataset", default="wikitext2", show_default=True)
+        @click.option("--tokens", type=int, default=None, help="context length S")
+        def body(cfg, tokens, dataset, ratio):
+            S = tokens or (2048 if cfg.smoke else 131072)
+            trace, disks, out = setup(cfg, name, trace_tokens=4096 if cfg.smoke else 0)
+            start, S = context(trace, S, dataset)
+            return f(Ablation(cfg, dataset, ratio, trace, disks, out, start, S,
+                              queries=cfg.queries or (3 if cfg.smoke else 24),
+                              reps=cfg.reps or (1 if cfg.smoke else 3)))
+        return command(name, doc)(body)
+    return deco
 
 
-def store_dir(args, name: str) -> pathlib.Path:
-    d = args.cache / "stores" / name
+def store_dir(cfg: BenchConfig, name: str) -> pathlib.Path:
+    d = cfg.cache / "stores" / name
     d.parent.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -980,11 +1067,13 @@ def _meminfo(key: str) -> int:
     return 0
 
 
-def write_json(out: pathlib.Path, payload: dict) -> pathlib.Path:
+def write_json(cfg: BenchConfig, out: pathlib.Path, payload: dict) -> pathlib.Path:
+    """The figure's JSON with the command line, the machine, the streaming
+    settings and the trace recipe added."""
     payload = dict(payload)
-    payload.setdefault("command", COMMAND or " ".join(sys.argv))
+    payload.setdefault("command", cfg.command or " ".join(sys.argv))
     payload.setdefault("machine", machine())
-    payload.setdefault("stream", {"block_s": BLOCK_S, "warmup_s": WARMUP_S})
+    payload.setdefault("stream", {"block_s": cfg.block_s, "warmup_s": cfg.warmup_s})
     payload.setdefault("trace_recipe", __doc__.split("**Trace.**")[1].split("**Contexts")[0]
                        .strip().replace("\n", " "))
     p = out.with_suffix(".json")
@@ -1007,6 +1096,17 @@ def _json_default(x):
     raise TypeError(type(x))
 
 
+# -- tables and plots ------------------------------------------------------------------
+
+def table(rows, headers, *, markdown: bool = False, align=None) -> str:
+    """Rows as a table (``tabulate``): GitHub Markdown (``markdown=True``,
+    the summary of docs/benchmarks.md §7) or plain columns (progress on
+    stderr).  Cells are written as given (format numbers before)."""
+    from tabulate import tabulate
+    return tabulate(rows, headers, tablefmt="pipe" if markdown else "simple",
+                    colalign=align, disable_numparse=True)
+
+
 def pyplot():
     import matplotlib
     matplotlib.use("Agg")
@@ -1020,6 +1120,53 @@ def save_fig(fig, out: pathlib.Path) -> pathlib.Path:
     fig.savefig(p, dpi=100)
     print(f"wrote {p}", file=sys.stderr)
     return p
+
+
+@contextlib.contextmanager
+def figure(out: pathlib.Path, panels: int, size: tuple, title: str, *, grid: str | None = "both",
+           legend: float | None = None):
+    """One figure of ``panels`` side by side: yields the axes (a list); on
+    exit every panel gets a light grid (``grid``: ``"both"``, ``"y"`` or
+    None) and a legend of font size ``legend`` (None: none), the figure its
+    title, and it is saved as ``out.png``."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, panels, figsize=size, squeeze=False)
+    axes = list(axes[0])
+    yield axes
+    for ax in axes:
+        if grid:
+            ax.grid(axis=grid, alpha=.3)
+        if legend:
+            ax.legend(fontsize=legend)
+    fig.suptitle(title, fontsize=11)
+    save_fig(fig, out)
+
+
+def lines(ax, x, series: dict, style: str = "o-", *, scale: float = 1.0):
+    """One line per label: ``series`` is ``{label: y values}`` over ``x``
+    (each y divided by ``scale``, e.g. 1e3 for µs to ms)."""
+    for label, ys in series.items():
+        ax.plot(x, [y / scale for y in ys], style, label=label)
+
+
+def variant_bars(p: dict, out: pathlib.Path, labels: dict, panels, title: str,
+                 size=(12, 3.8), *, tick_size: float | None = None):
+    """The ablation figures (12-14): one bar panel per measure over the
+    variants of ``p["variants"]``.  ``panels`` is ``[(key, scale, title,
+    ceiling)]``: the variant's ``key`` divided by ``scale``, with the fio
+    ceiling lines of ``p["ceiling"]`` when ``ceiling``."""
+    names = list(p["variants"])
+    lab = [labels.get(n, n) for n in names]
+    with figure(out, len(panels), size, title, grid="y") as axes:
+        for i, (ax, (key, scale, sub, ceil)) in enumerate(zip(axes, panels)):
+            ax.bar(lab, [p["variants"][n][key] / scale for n in names], color=f"C{i}")
+            if ceil:
+                ceiling_lines(ax, p["ceiling"])
+                if p["ceiling"]:
+                    ax.legend(fontsize=7)
+            ax.set_title(sub, fontsize=10)
+            if tick_size:
+                ax.tick_params(axis="x", labelsize=tick_size)
 
 
 def ceiling_lines(ax, ceil: dict, *, unit: float = 1.0):

@@ -20,9 +20,9 @@ decode steps (``Retriever.retrieve(out=...)``: selection + planning + I/O +
 assembly) of every method on each device profile, side by side
 (``_common.stream_steps``), with CPU µs beside I/O µs; JSON ``fig11_step``.
 
-    tools/testbed run -- python tools/bench/fig11_methods.py
-    python tools/bench/fig11_methods.py --smoke --disks files:2
-    python tools/bench/fig11_methods.py --step-profiles \
+    tools/testbed run -- python -m tools.bench.fig11_methods
+    python -m tools.bench.fig11_methods --smoke --disks files:2
+    python -m tools.bench.fig11_methods --step-profiles \
         pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast
 """
 
@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import sys
 
-import _common as C
+import click
 import numpy as np
+
+from tools.bench import _common as C
 
 METHODS = ("swarm", "no_cluster", "infllm", "pqcache", "quest")
 LABELS = {"swarm": "SWARM", "no_cluster": "No Cluster", "infllm": "InfLLM",
@@ -42,11 +44,12 @@ PAPER_BW_RATIO = {"no_cluster": 3.95, "infllm": 2.67, "pqcache": 1.55}
 PAPER_IO_RATIO = 2.41
 
 
-def method_layouts(trace, start, S, methods, *, ratio=0.1, swarm_kw=None, verbose=True):
+def method_layouts(cfg, trace, start, S, methods, *, ratio=0.1, swarm_kw=None, verbose=True):
     """Layouts of the given methods for one context (cached).  PQCache gets
     SWARM's mean cluster size, so both indexes hold about as many vectors."""
     lays = {}
-    sw, _ = C.build_layout("swarm", trace, start, S, ratio=ratio, **(swarm_kw or {}))
+    sw, _ = C.build_layout("swarm", trace, start, S, cache=cfg.cache, ratio=ratio,
+                           **(swarm_kw or {}))
     lays["swarm"] = sw
     mean_size = round(float(sw.sizes.mean()), 1)
     kw = {"infllm": {"block": 64, "reps": 4}, "pqcache": {"mean_size": mean_size},
@@ -54,13 +57,14 @@ def method_layouts(trace, start, S, methods, *, ratio=0.1, swarm_kw=None, verbos
     for m in methods:
         if m == "swarm":
             continue
-        lays[m], _ = C.build_layout(m, trace, start, S, ratio=ratio, **kw.get(m, {}))
+        lays[m], _ = C.build_layout(m, trace, start, S, cache=cfg.cache, ratio=ratio,
+                                    **kw.get(m, {}))
     if verbose:
-        for m, lay in lays.items():
-            s = lay.summary()
-            print(f"  layout {m:12s} {s['clusters']:8d} clusters, mean {s['size_mean']:6.1f}, "
-                  f"replication {s['replication']:.2f}, built in {s['build_s']:.1f} s",
-                  file=sys.stderr)
+        sums = {m: lay.summary() for m, lay in lays.items()}
+        rows = [(m, s["clusters"], f"{s['size_mean']:.1f}", f"{s['replication']:.2f}",
+                 f"{s['build_s']:.1f}") for m, s in sums.items()]
+        print(C.table(rows, ("layout", "clusters", "mean size", "replication", "build s")),
+              file=sys.stderr)
     return lays
 
 
@@ -69,14 +73,14 @@ def measure(bench, names, positions, reps, *, seed=0, label=""):
     return bench.measure(names, list(positions), reps, seed=seed, progress=label)
 
 
-def run_methods(a, trace, disks, start, S, methods, *, ratio=0.1, nq, reps, label,
+def run_methods(cfg, trace, disks, start, S, methods, *, ratio=0.1, nq, reps, label,
                 store="methods", swarm_kw=None, layouts=None):
     """Build (or load) every method's layout of one context, store them as
     layers of one store on ``disks`` and measure them side by side."""
-    lays = layouts or method_layouts(trace, start, S, methods, ratio=ratio, swarm_kw=swarm_kw)
-    bench = C.Bench(C.store_dir(a, store), disks, trace, start, S,
-                    [C.Variant(m, lays[m]) for m in methods], ratio=ratio,
-                    queue_depth=a.qd)
+    lays = layouts or method_layouts(cfg, trace, start, S, methods, ratio=ratio,
+                                     swarm_kw=swarm_kw)
+    bench = C.Bench(C.store_dir(cfg, store), disks, trace, start, S,
+                    [C.Variant(m, lays[m]) for m in methods], ratio=ratio, cfg=cfg)
     pos = C.query_positions(trace, start, S, nq)
     try:
         res = measure(bench, methods, pos, reps, label=label)
@@ -101,7 +105,7 @@ def step_profiles(spec: str | None) -> dict:
     return out
 
 
-def run_steps(a, trace, profiles: dict, start, S, methods, *, ratio=0.1, nq, reps, label,
+def run_steps(cfg, trace, profiles: dict, start, S, methods, *, ratio=0.1, nq, reps, label,
               store="steps", layouts) -> dict:
     """The step-time view: whole decode steps (selection + planning + I/O +
     assembly, ``Retriever.retrieve(out=...)``) of every method on every
@@ -111,9 +115,9 @@ def run_steps(a, trace, profiles: dict, start, S, methods, *, ratio=0.1, nq, rep
     benches = {}
     try:
         for pname, disks in profiles.items():
-            benches[pname] = C.Bench(C.store_dir(a, f"{store}-{pname}"), disks, trace, start, S,
-                                     [C.Variant(m, layouts[m]) for m in methods], ratio=ratio,
-                                     queue_depth=a.qd)
+            benches[pname] = C.Bench(C.store_dir(cfg, f"{store}-{pname}"), disks, trace, start,
+                                     S, [C.Variant(m, layouts[m]) for m in methods],
+                                     ratio=ratio, cfg=cfg)
         pos = C.query_positions(trace, start, S, nq)
         first = next(iter(benches.values()))
         acc = {}
@@ -147,17 +151,13 @@ def step_ratios(res: dict) -> dict:
 
 def print_steps(title: str, pt: dict):
     """Per profile and method: step time, CPU µs beside I/O µs, and the parts."""
-    for pn, pr in pt["profiles"].items():
-        print(f"  {title} [{pn}] {'method':11s} {'step us':>9s} {'CPU us':>8s} {'I/O us':>8s}"
-              f" {'select':>8s} {'plan':>7s} {'assemble':>8s} {'err':>6s} {'x SWARM':>7s}",
-              file=sys.stderr)
-        for m, x in pr["methods"].items():
-            rat = pr["ratios"].get(m, {}).get("step_ratio", 1.0)
-            print(f"  {title} [{pn}] {m:11s} {x['step_us_median']:9.0f} "
-                  f"{x['cpu_us_median']:8.0f} {x['io_us_median']:8.0f} "
-                  f"{x['select_us_median']:8.0f} {x['plan_us_median']:7.0f} "
-                  f"{x['assemble_us_median']:8.0f} {x['rel_error_mean']:6.3f} {rat:7.2f}",
-                  file=sys.stderr)
+    rows = [(f"{title} [{pn}]", m, f"{x['step_us_median']:.0f}", f"{x['cpu_us_median']:.0f}",
+             f"{x['io_us_median']:.0f}", f"{x['select_us_median']:.0f}",
+             f"{x['plan_us_median']:.0f}", f"{x['assemble_us_median']:.0f}",
+             f"{x['rel_error_mean']:.3f}", f"{pr['ratios'].get(m, {}).get('step_ratio', 1.0):.2f}")
+            for pn, pr in pt["profiles"].items() for m, x in pr["methods"].items()]
+    print(C.table(rows, ("point", "method", "step us", "CPU us", "I/O us", "select", "plan",
+                         "assemble", "err", "x SWARM")), file=sys.stderr)
 
 
 def ratios(res: dict) -> dict:
@@ -186,65 +186,66 @@ def ratios(res: dict) -> dict:
     return out
 
 
-def main(argv=None):
-    ap = C.parser(__doc__)
-    ap.add_argument("--tokens", type=int, default=None, help="context length S")
-    ap.add_argument("--datasets", default=None)
-    ap.add_argument("--ratio", type=float, default=0.1)
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--step-profiles", default=None, metavar="NAME=DISKS,...",
-                    help="only the step-time view (selection + planning + I/O + assembly) "
-                         "on these device profiles side by side, e.g. "
-                         "pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast")
-    a = C.parse(ap, argv)
-    S = a.tokens or (2048 if a.smoke else 131072)
-    datasets = (a.datasets or ("wikitext2" if a.smoke else "wikitext2,shakespeare,gsm8k")
+@C.command("fig11_methods", __doc__)
+@click.option("--tokens", type=int, default=None, help="context length S")
+@click.option("--datasets", default=None, help="comma list (default all three; smoke wikitext2)")
+@click.option("--ratio", type=float, default=0.1, show_default=True)
+@click.option("--methods", default=",".join(METHODS), show_default=True)
+@click.option("--step-profiles", default=None, metavar="NAME=DISKS,...",
+              help="only the step-time view (selection + planning + I/O + assembly) "
+                   "on these device profiles side by side, e.g. "
+                   "pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast")
+def cli(cfg, tokens, datasets, ratio, methods, step_profiles):
+    S = tokens or (2048 if cfg.smoke else 131072)
+    datasets = (datasets or ("wikitext2" if cfg.smoke else "wikitext2,shakespeare,gsm8k")
                 ).split(",")
-    nq = a.queries or (3 if a.smoke else 24)
-    reps = a.reps or (1 if a.smoke else 3)
-    methods = a.methods.split(",")
-    if a.step_profiles:
-        return main_steps(a, S, datasets, nq, reps, methods)
-    trace, disks, out = C.setup(a, "fig11_methods",
-                                trace_tokens=(4096 if a.smoke else 0))
-    ceil_before = C.ceilings(disks, a.smoke)
+    nq = cfg.queries or (3 if cfg.smoke else 24)
+    reps = cfg.reps or (1 if cfg.smoke else 3)
+    methods = methods.split(",")
+    if step_profiles:
+        return main_steps(cfg, S, datasets, nq, reps, methods, ratio, step_profiles)
+    trace, disks, out = C.setup(cfg, "fig11_methods", trace_tokens=(4096 if cfg.smoke else 0))
+    ceil_before = C.ceilings(disks, cfg.smoke)
     results = {}
     for ds in datasets:
         start, S = C.context(trace, S, ds)
         print(f"fig11: {ds}, S = {S}, {disks.count} disks", file=sys.stderr)
-        results[ds] = run_methods(a, trace, disks, start, S, methods, ratio=a.ratio, nq=nq,
+        results[ds] = run_methods(cfg, trace, disks, start, S, methods, ratio=ratio, nq=nq,
                                   reps=reps, label=f"fig11 {ds}", store="fig11")
         _print(ds, results[ds]["methods"], results[ds]["ratios"])
-    ceil_after = C.ceilings(disks, a.smoke)
+    ceil_after = C.ceilings(disks, cfg.smoke)
     avg = _average(results, methods)
-    payload = {"figure": "fig11", "title": "methods at r = 10%", "ratio": a.ratio,
+    payload = {"figure": "fig11", "title": "methods at r = 10%", "ratio": ratio,
                "tokens": S, "disks": disks.describe(), "queries": nq, "reps": reps,
                "ceiling_before": ceil_before, "ceiling_after": ceil_after,
                "datasets": results, "average": avg,
                "paper": {"bw_ratio": PAPER_BW_RATIO, "io_ratio": PAPER_IO_RATIO}}
-    C.write_json(out, payload)
+    C.write_json(cfg, out, payload)
     plot(payload, out)
     return payload
 
 
-def main_steps(a, S, datasets, nq, reps, methods):
+def main(argv=None):
+    return C.run(cli, argv)
+
+
+def main_steps(cfg, S, datasets, nq, reps, methods, ratio, spec):
     """Fig. 11's step-time view: every method at r on each profile, per dataset."""
-    a.disks = a.step_profiles.split(",")[0].partition("=")[2]  # not the default
-    trace, _, out = C.setup(a, "fig11_step", trace_tokens=(4096 if a.smoke else 0))
-    profiles = step_profiles(a.step_profiles)
+    trace, _, out = C.setup(cfg, "fig11_step", trace_tokens=(4096 if cfg.smoke else 0))
+    profiles = step_profiles(spec)
     results = {}
     for ds in datasets:
         start, S = C.context(trace, S, ds)
-        lays = method_layouts(trace, start, S, methods, ratio=a.ratio)
-        results[ds] = run_steps(a, trace, profiles, start, S, methods, ratio=a.ratio, nq=nq,
+        lays = method_layouts(cfg, trace, start, S, methods, ratio=ratio)
+        results[ds] = run_steps(cfg, trace, profiles, start, S, methods, ratio=ratio, nq=nq,
                                 reps=reps, label=f"fig11 step {ds}", store="fig11-step",
                                 layouts=lays)
         print_steps(ds, results[ds])
     payload = {"figure": "fig11", "view": "step", "title": "decode step time per method",
-               "ratio": a.ratio, "tokens": S, "queries": nq, "reps": reps,
+               "ratio": ratio, "tokens": S, "queries": nq, "reps": reps,
                "profiles": {pn: d.describe() for pn, d in profiles.items()},
                "datasets": results}
-    C.write_json(out, payload)
+    C.write_json(cfg, out, payload)
     plot_steps(payload, out)
     return payload
 
@@ -252,25 +253,22 @@ def main_steps(a, S, datasets, nq, reps, methods):
 def plot_steps(p, out):
     """Stacked step time (select, plan, I/O, assemble medians) per method,
     one panel per profile, at r (first dataset)."""
-    plt = C.pyplot()
     pt = next(iter(p["datasets"].values()))
     profs = list(pt["profiles"])
-    fig, axes = plt.subplots(1, len(profs), figsize=(6 * len(profs), 4), squeeze=False)
-    for ax, pn in zip(axes[0], profs):
-        ms = list(pt["profiles"][pn]["methods"])
-        bottom = np.zeros(len(ms))
-        for part in ("select_us", "plan_us", "io_us", "assemble_us"):
-            v = np.array([pt["profiles"][pn]["methods"][m][f"{part}_median"] for m in ms]) / 1e3
-            ax.bar([LABELS.get(m, m) for m in ms], v, bottom=bottom, label=part[:-3])
-            bottom += v
-        ax.plot([LABELS.get(m, m) for m in ms],
-                [pt["profiles"][pn]["methods"][m]["step_us_median"] / 1e3 for m in ms],
-                "k_", ms=20, label="measured step")
-        ax.set_title(f"{pn}: step time (ms, median)", fontsize=10)
-        ax.grid(axis="y", alpha=.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"Fig. 11 step view: S = {p['tokens']}, r = {p['ratio']}", fontsize=11)
-    C.save_fig(fig, out)
+    with C.figure(out, len(profs), (6 * len(profs), 4),
+                  f"Fig. 11 step view: S = {p['tokens']}, r = {p['ratio']}", grid="y",
+                  legend=7) as axes:
+        for ax, pn in zip(axes, profs):
+            res = pt["profiles"][pn]["methods"]
+            lab = [LABELS.get(m, m) for m in res]
+            bottom = np.zeros(len(res))
+            for part in ("select_us", "plan_us", "io_us", "assemble_us"):
+                v = np.array([x[f"{part}_median"] for x in res.values()]) / 1e3
+                ax.bar(lab, v, bottom=bottom, label=part[:-3])
+                bottom += v
+            ax.plot(lab, [x["step_us_median"] / 1e3 for x in res.values()], "k_", ms=20,
+                    label="measured step")
+            ax.set_title(f"{pn}: step time (ms, median)", fontsize=10)
 
 
 def _average(results, methods):
@@ -293,53 +291,49 @@ def _average(results, methods):
 
 
 def _print(ds, res, rat):
-    print(f"  {'method':12s} {'I/O ms':>8s} {'score ms':>8s} {'GB/s':>6s} {'good':>6s} "
-          f"{'req KiB':>7s} {'recall':>6s} {'err':>6s} {'index MB':>8s}", file=sys.stderr)
-    for m, r in res.items():
-        print(f"  {m:12s} {r['io_us_median'] / 1e3:8.2f} {r['score_us_median'] / 1e3:8.2f} "
-              f"{r['eff_gbps_median']:6.3f} {r['goodput_gbps_median'] or 0:6.3f} "
-              f"{r['mean_request_kib_median']:7.1f} "
-              f"{r['recall_mean']:6.3f} {r['rel_error_mean']:6.3f} "
-              f"{r['index_bytes'] / 1e6:8.1f}", file=sys.stderr)
+    rows = [(m, f"{r['io_us_median'] / 1e3:.2f}", f"{r['score_us_median'] / 1e3:.2f}",
+             f"{r['eff_gbps_median']:.3f}", f"{r['goodput_gbps_median'] or 0:.3f}",
+             f"{r['mean_request_kib_median']:.1f}", f"{r['recall_mean']:.3f}",
+             f"{r['rel_error_mean']:.3f}", f"{r['index_bytes'] / 1e6:.1f}")
+            for m, r in res.items()]
+    print(C.table(rows, ("method", "I/O ms", "score ms", "GB/s", "good", "req KiB", "recall",
+                         "err", "index MB")), file=sys.stderr)
     for m, x in rat.items():
         print(f"  SWARM vs {m}: bandwidth x{x['bw_ratio']:.2f}, I/O time x{x['io_ratio']:.2f}",
               file=sys.stderr)
 
 
 def plot(p, out):
-    plt = C.pyplot()
     ds = list(p["datasets"])
     methods = list(next(iter(p["datasets"].values()))["methods"])
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    d = p["disks"]
     w = 0.8 / len(methods)
     x = np.arange(len(ds))
-    for i, m in enumerate(methods):
-        rows = [p["datasets"][d]["methods"][m] for d in ds]
-        io = [r["io_us_median"] / 1e3 for r in rows]
-        b = axes[0].bar(x + i * w, io, w, label=LABELS.get(m, m))
-        if m == "no_cluster":
-            axes[0].bar(x + i * w, [r["score_us_median"] / 1e3 for r in rows], w, bottom=io,
-                        color=b[0].get_facecolor(), alpha=0.4, hatch="//",
-                        label="No Cluster key scan")
-        b = axes[1].bar(x + i * w, [r["eff_gbps_median"] for r in rows], w,
+    with C.figure(out, 3, (15, 4.2), f"Fig. 11: S = {p['tokens']}, r = {p['ratio']}, "
+                  f"{d['count']} x {d['profile'] or 'file'} disks, 4 KiB entries",
+                  grid="y") as axes:
+        for i, m in enumerate(methods):
+            rows = [p["datasets"][k]["methods"][m] for k in ds]
+            io = [r["io_us_median"] / 1e3 for r in rows]
+            b = axes[0].bar(x + i * w, io, w, label=LABELS.get(m, m))
+            if m == "no_cluster":
+                axes[0].bar(x + i * w, [r["score_us_median"] / 1e3 for r in rows], w,
+                            bottom=io, color=b[0].get_facecolor(), alpha=0.4, hatch="//",
+                            label="No Cluster key scan")
+            axes[1].bar(x + i * w, [r["eff_gbps_median"] for r in rows], w,
                         label=LABELS.get(m, m))
-        axes[1].bar(x + i * w, [r.get("goodput_gbps_median") or 0 for r in rows], w * 0.5,
-                    color="black", alpha=0.45,
-                    label="top-k goodput (inner bars)" if i == 0 else None)
-        axes[2].bar(x + i * w, [r["recall_mean"] for r in rows], w, label=LABELS.get(m, m))
-    C.ceiling_lines(axes[1], p["ceiling_before"])
-    for ax, t in zip(axes, ("I/O time per decode step (ms, median)",
-                            "effective bandwidth; inner: top-k goodput (GB/s)",
-                            "attention-mass recall vs oracle top-k")):
-        ax.set_xticks(x + 0.4 - w / 2, ds)
-        ax.set_title(t, fontsize=10)
-        ax.grid(axis="y", alpha=.3)
-    axes[0].legend(fontsize=7)
-    axes[1].legend(fontsize=7)
-    d = p["disks"]
-    fig.suptitle(f"Fig. 11: S = {p['tokens']}, r = {p['ratio']}, {d['count']} x "
-                 f"{d['profile'] or 'file'} disks, 4 KiB entries", fontsize=11)
-    C.save_fig(fig, out)
+            axes[1].bar(x + i * w, [r.get("goodput_gbps_median") or 0 for r in rows], w * 0.5,
+                        color="black", alpha=0.45,
+                        label="top-k goodput (inner bars)" if i == 0 else None)
+            axes[2].bar(x + i * w, [r["recall_mean"] for r in rows], w, label=LABELS.get(m, m))
+        C.ceiling_lines(axes[1], p["ceiling_before"])
+        for ax, t in zip(axes, ("I/O time per decode step (ms, median)",
+                                "effective bandwidth; inner: top-k goodput (GB/s)",
+                                "attention-mass recall vs oracle top-k")):
+            ax.set_xticks(x + 0.4 - w / 2, ds)
+            ax.set_title(t, fontsize=10)
+        axes[0].legend(fontsize=7)
+        axes[1].legend(fontsize=7)
 
 
 if __name__ == "__main__":

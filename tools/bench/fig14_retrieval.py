@@ -9,14 +9,14 @@ max/mean disk load.  Note: without dedup every selected copy is read where it
 lies, so the copy policy has nothing to choose and Static and No Dedup
 produce the same plan in this planner.
 
-    tools/testbed run -- python tools/bench/fig14_retrieval.py
+    tools/testbed run -- python -m tools.bench.fig14_retrieval
 """
 
 from __future__ import annotations
 
 import sys
 
-import _common as C
+from tools.bench import _common as C
 
 POLICIES = {"swarm": {"policy": "balanced", "dedup": True},
             "static": {"policy": "first", "dedup": False},
@@ -27,16 +27,16 @@ LABELS = {"swarm": "SWARM", "static": "Static", "no_balance": "No Balance",
 PAPER = {"latency_ratio_mean": 2.57, "volume_ratio_mean": 1.24}
 
 
-def main(argv=None):
-    ab = C.ablation_setup(__doc__, "fig14_retrieval", argv)
-    a, trace, disks = ab.args, ab.trace, ab.disks
+@C.ablation_command("fig14_retrieval", __doc__)
+def cli(ab):
+    cfg, trace, disks = ab.cfg, ab.trace, ab.disks
     start, S, nq, reps = ab.start, ab.S, ab.queries, ab.reps
-    sw = C.build_layout("swarm", trace, start, S, ratio=a.ratio)[0]
-    ceil = C.ceilings(disks, a.smoke)
+    sw = C.build_layout("swarm", trace, start, S, cache=cfg.cache, ratio=ab.ratio)[0]
+    ceil = C.ceilings(disks, cfg.smoke)
     variants = [C.Variant(n, sw, store_as=None if n == "swarm" else "swarm", **kw)
                 for n, kw in POLICIES.items()]
-    bench = C.Bench(C.store_dir(a, "fig14"), disks, trace, start, S, variants,
-                    ratio=a.ratio, queue_depth=a.qd)
+    bench = C.Bench(C.store_dir(cfg, "fig14"), disks, trace, start, S, variants,
+                    ratio=ab.ratio, cfg=cfg)
     pos = C.query_positions(trace, start, S, nq)
     res = bench.measure(list(POLICIES), list(pos), reps, accuracy=False, progress="fig14")
     bench.close()
@@ -54,23 +54,15 @@ def main(argv=None):
                      paper=PAPER)
 
 
+def main(argv=None):
+    return C.run(cli, argv)
+
+
 def plot(p, out):
-    plt = C.pyplot()
-    names = list(p["variants"])
-    v = p["variants"]
-    lab = [LABELS[n] for n in names]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
-    axes[0].bar(lab, [v[n]["io_us_median"] / 1e3 for n in names], color="C0")
-    axes[0].set_title("I/O time per step (ms, median)", fontsize=10)
-    axes[1].bar(lab, [v[n]["bytes_read_median"] / 1e6 for n in names], color="C1")
-    axes[1].set_title("I/O volume per step (MB)", fontsize=10)
-    axes[2].bar(lab, [v[n]["max_mean_load_median"] for n in names], color="C2")
-    axes[2].set_title("max / mean disk load", fontsize=10)
-    for ax in axes:
-        ax.grid(axis="y", alpha=.3)
-    fig.suptitle(f"Fig. 14: retrieval, S = {p['tokens']}, {p['disks']['count']} disks",
-                 fontsize=11)
-    C.save_fig(fig, out)
+    C.variant_bars(p, out, LABELS, [("io_us_median", 1e3, "I/O time per step (ms, median)", 0),
+                                    ("bytes_read_median", 1e6, "I/O volume per step (MB)", 0),
+                                    ("max_mean_load_median", 1, "max / mean disk load", 0)],
+                   f"Fig. 14: retrieval, S = {p['tokens']}, {p['disks']['count']} disks")
 
 
 if __name__ == "__main__":

@@ -10,44 +10,45 @@ is replaced).  Contexts longer than 256K tokens are laid out per 128K-token
 segment (``_common._segmented``).  Also records the selection latency (medoid scoring + cluster
 choice) and the medoid index size at each length, used by Table 4.
 
-    tools/testbed run -- python tools/bench/fig16_prefix_batch.py
+    tools/testbed run -- python -m tools.bench.fig16_prefix_batch
 """
 
 from __future__ import annotations
 
 import sys
 
-import _common as C
+import click
 import numpy as np
+
+from tools.bench import _common as C
 
 #: longest context laid out in one piece; longer ones per SEGMENT tokens
 FULL_MAX = 262144
 SEGMENT = 131072
 
 
-def main(argv=None):
-    ap = C.parser(__doc__)
-    ap.add_argument("--tokens", default=None, help="comma list of prefix lengths")
-    ap.add_argument("--batches", default="1,4,8")
-    ap.add_argument("--ratio", type=float, default=0.1)
-    a = C.parse(ap, argv)
-    sizes = [int(x) for x in (a.tokens or ("1024,2048" if a.smoke else
-                                           "131072,262144,524288,1048576")).split(",")]
-    batches = [int(x) for x in a.batches.split(",")]
-    nsteps = a.queries or (2 if a.smoke else 4)         # batched steps per point
-    reps = a.reps or (1 if a.smoke else 2)
+@C.command("fig16_prefix_batch", __doc__)
+@click.option("--tokens", default=None, help="comma list of prefix lengths")
+@click.option("--batches", default="1,4,8", show_default=True)
+@click.option("--ratio", type=float, default=0.1, show_default=True)
+def cli(cfg, tokens, batches, ratio):
+    sizes = [int(x) for x in (tokens or ("1024,2048" if cfg.smoke else
+                                         "131072,262144,524288,1048576")).split(",")]
+    batches = [int(x) for x in batches.split(",")]
+    nsteps = cfg.queries or (2 if cfg.smoke else 4)         # batched steps per point
+    reps = cfg.reps or (1 if cfg.smoke else 2)
     need = max(sizes) + C.QUERY_STRIDE * nsteps * max(batches) + 8
-    trace, disks, out = C.setup(a, "fig16_prefix_batch", trace_tokens=max(need, 4096))
-    ceil_before = C.ceilings(disks, a.smoke)
+    trace, disks, out = C.setup(cfg, "fig16_prefix_batch", trace_tokens=max(need, 4096))
+    ceil_before = C.ceilings(disks, cfg.smoke)
     rows = []
     for S in sizes:
         start, S = C.context(trace, S, "wikitext2")
         with C.timer(f"fig16 layout S={S}"):
-            lay, hit = C.build_layout("swarm", trace, start, S, ratio=a.ratio,
+            lay, hit = C.build_layout("swarm", trace, start, S, cache=cfg.cache, ratio=ratio,
                                       **({"segment": SEGMENT} if S > FULL_MAX else {}))
         with C.timer(f"fig16 store S={S}"):
-            bench = C.Bench(C.store_dir(a, "fig16"), disks, trace, start, S,
-                            [C.Variant("swarm", lay)], ratio=a.ratio, queue_depth=a.qd)
+            bench = C.Bench(C.store_dir(cfg, "fig16"), disks, trace, start, S,
+                            [C.Variant("swarm", lay)], ratio=ratio, cfg=cfg)
         pos = C.query_positions(trace, start, S, nsteps * max(batches))
         rec = {f"B={B}": [bench.record("swarm", list(pos[i * B:(i + 1) * B]),
                                        accuracy=(B == 1)) for i in range(nsteps)]
@@ -70,35 +71,37 @@ def main(argv=None):
                   f"{r['eff_gbps_median']:.3f} GB/s, read {r['bytes_read_median'] / 1e6:.1f} MB,"
                   f" {r['requests_median']:.0f} requests", file=sys.stderr)
         bench.close()
-    payload = {"figure": "fig16", "title": "prefix length x batch size", "ratio": a.ratio,
+    payload = {"figure": "fig16", "title": "prefix length x batch size", "ratio": ratio,
                "disks": disks.describe(), "steps_per_point": nsteps, "reps": reps,
-               "ceiling_before": ceil_before, "ceiling_after": C.ceilings(disks, a.smoke),
+               "ceiling_before": ceil_before, "ceiling_after": C.ceilings(disks, cfg.smoke),
                "rows": rows}
-    C.write_json(out, payload)
+    C.write_json(cfg, out, payload)
     plot(payload, out)
     return payload
 
 
+def main(argv=None):
+    return C.run(cli, argv)
+
+
 def plot(p, out):
-    plt = C.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for B in sorted({r["batch"] for r in p["rows"]}):
-        rr = [r for r in p["rows"] if r["batch"] == B]
-        x = [r["tokens"] / 1024 for r in rr]
-        axes[0].plot(x, [r["io_us_median"] / 1e3 for r in rr], "o-", label=f"batch {B}")
-        axes[1].plot(x, [r["eff_gbps_median"] for r in rr], "o-", label=f"batch {B}")
-    C.ceiling_lines(axes[1], p["ceiling_before"])
-    axes[0].set_ylabel("I/O time per step (ms, median)")
-    axes[1].set_ylabel("effective bandwidth (GB/s, median)")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prefix length (K tokens)")
-        ax.grid(alpha=.3)
-        ax.legend(fontsize=8)
-    axes[0].set_yscale("log")
-    axes[1].set_ylim(bottom=0)
-    fig.suptitle(f"Fig. 16: SWARM, r = {p['ratio']}, {p['disks']['count']} disks", fontsize=11)
-    C.save_fig(fig, out)
+    batches = sorted({r["batch"] for r in p["rows"]})
+    rows = {B: [r for r in p["rows"] if r["batch"] == B] for B in batches}
+    x = [r["tokens"] / 1024 for r in rows[batches[0]]]
+    with C.figure(out, 2, (11, 4), f"Fig. 16: SWARM, r = {p['ratio']}, "
+                  f"{p['disks']['count']} disks", legend=8) as axes:
+        C.lines(axes[0], x, {f"batch {B}": [r["io_us_median"] for r in rr]
+                             for B, rr in rows.items()}, scale=1e3)
+        C.lines(axes[1], x, {f"batch {B}": [r["eff_gbps_median"] for r in rr]
+                             for B, rr in rows.items()})
+        C.ceiling_lines(axes[1], p["ceiling_before"])
+        axes[0].set_ylabel("I/O time per step (ms, median)")
+        axes[1].set_ylabel("effective bandwidth (GB/s, median)")
+        for ax in axes:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prefix length (K tokens)")
+        axes[0].set_yscale("log")
+        axes[1].set_ylim(bottom=0)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ every method at each prefix length on the first 4 devices, as in Fig. 11.
 ``--merge`` combines the per-profile JSON files into the figure.  run_all.py
 runs it on the main (pm9a3) testbed and on a temporary 900p testbed.
 
-    tools/testbed run -- python tools/bench/fig17_ssd_type.py            # pm9a3
+    tools/testbed run -- python -m tools.bench.fig17_ssd_type            # pm9a3
     tools/testbed --name swarmfs-900p up --disks 4 --size 2G --profile 900p
     SWARMFS_TESTBED_NAME=swarmfs-900p tools/testbed run -- \\
-        python tools/bench/fig17_ssd_type.py --disks testbed:swarmfs-900p
-    python tools/bench/fig17_ssd_type.py --merge
+        python -m tools.bench.fig17_ssd_type --disks testbed:swarmfs-900p
+    python -m tools.bench.fig17_ssd_type --merge
 """
 
 from __future__ import annotations
@@ -18,50 +18,54 @@ from __future__ import annotations
 import json
 import sys
 
-import _common as C
-from fig11_methods import LABELS, METHODS, run_methods
+import click
+
+from tools.bench import _common as C
+from tools.bench.fig11_methods import LABELS, METHODS, run_methods
 
 
-def main(argv=None):
-    ap = C.parser(__doc__)
-    ap.add_argument("--tokens", default=None, help="comma list of prefix lengths")
-    ap.add_argument("--ndisks", type=int, default=4)
-    ap.add_argument("--ratio", type=float, default=0.1)
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--merge", action="store_true", help="only combine per-profile results")
-    a = C.parse(ap, argv)
-    base = C.OUT / ("fig17_ssd_type" + ("-smoke" if a.smoke else ""))
-    if a.out:
-        base = C.pathlib.Path(a.out)
-    if a.merge:
-        return merge(base)
-    sizes = [int(x) for x in (a.tokens or ("1024,2048" if a.smoke else
-                                           "16384,32768,65536,131072")).split(",")]
-    nq = a.queries or (2 if a.smoke else 12)
-    reps = a.reps or (1 if a.smoke else 2)
-    methods = a.methods.split(",")
-    trace, disks, _ = C.setup(a, "fig17_ssd_type", trace_tokens=4096 if a.smoke else 0)
-    d = disks.first(min(a.ndisks, disks.count))
+@C.command("fig17_ssd_type", __doc__)
+@click.option("--tokens", default=None, help="comma list of prefix lengths")
+@click.option("--ndisks", type=int, default=4, show_default=True)
+@click.option("--ratio", type=float, default=0.1, show_default=True)
+@click.option("--methods", default=",".join(METHODS), show_default=True)
+@click.option("--merge", is_flag=True, help="only combine per-profile results")
+def cli(cfg, tokens, ndisks, ratio, methods, merge):
+    base = cfg.prefix()
+    if merge:
+        return merge_profiles(cfg, base)
+    sizes = [int(x) for x in (tokens or ("1024,2048" if cfg.smoke else
+                                         "16384,32768,65536,131072")).split(",")]
+    nq = cfg.queries or (2 if cfg.smoke else 12)
+    reps = cfg.reps or (1 if cfg.smoke else 2)
+    methods = methods.split(",")
+    trace, disks, _ = C.setup(cfg, "fig17_ssd_type", trace_tokens=4096 if cfg.smoke else 0)
+    d = disks.first(min(ndisks, disks.count))
     profile = (d.testbed or {}).get("profile") or "files"
-    ceil = C.ceilings(d, a.smoke)
+    ceil = C.ceilings(d, cfg.smoke)
     points = []
     for S in sizes:
         start, S = C.context(trace, S, "wikitext2")
         print(f"fig17: {profile}, S = {S}, {d.count} disks", file=sys.stderr)
-        r = run_methods(a, trace, d, start, S, methods, ratio=a.ratio, nq=nq, reps=reps,
+        r = run_methods(cfg, trace, d, start, S, methods, ratio=ratio, nq=nq, reps=reps,
                         label=f"fig17 {profile} S={S}", store=f"fig17-{profile}")
         points.append(r)
         for m, x in r["methods"].items():
             print(f"  {m:12s} I/O {x['io_us_median'] / 1e3:8.2f} ms, "
                   f"{x['eff_gbps_median']:.3f} GB/s", file=sys.stderr)
-    payload = {"figure": "fig17", "profile": profile, "ratio": a.ratio,
+    payload = {"figure": "fig17", "profile": profile, "ratio": ratio,
                "disks": d.describe(), "queries": nq, "reps": reps, "ceiling": ceil,
-               "ceiling_after": C.ceilings(d, a.smoke), "points": points}
-    C.write_json(C.pathlib.Path(f"{base}-{profile}"), payload)
-    return merge(base)
+               "ceiling_after": C.ceilings(d, cfg.smoke), "points": points}
+    C.write_json(cfg, C.pathlib.Path(f"{base}-{profile}"), payload)
+    return merge_profiles(cfg, base)
 
 
-def merge(base):
+def main(argv=None):
+    return C.run(cli, argv)
+
+
+def merge_profiles(cfg, base):
+    """Combine the per-profile JSON files ``BASE-<profile>.json`` into the figure."""
     parts = {}
     for p in sorted(base.parent.glob(base.name + "-*.json")):
         j = json.loads(p.read_text())
@@ -75,32 +79,27 @@ def merge(base):
                                           "eff_gbps": x["eff_gbps_median"]}
                                       for m, x in pt["methods"].items()}}
                                   for pt in j["points"]] for prof, j in parts.items()}}
-    C.write_json(base, payload)
+    C.write_json(cfg, base, payload)
     plot(payload, base)
     return payload
 
 
 def plot(p, out):
-    plt = C.pyplot()
     profs = list(p["profiles"])
-    fig, axes = plt.subplots(1, len(profs), figsize=(5.5 * len(profs), 4), squeeze=False)
-    for ax, prof in zip(axes[0], profs):
-        j = p["profiles"][prof]
-        pts = j["points"]
-        x = [pt["tokens"] / 1024 for pt in pts]
-        for m in pts[0]["methods"]:
-            ax.plot(x, [pt["methods"][m]["eff_gbps_median"] for pt in pts], "o-",
-                    label=LABELS.get(m, m))
-        C.ceiling_lines(ax, j.get("ceiling"))
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prefix length (K tokens)")
-        ax.set_ylabel("effective bandwidth (GB/s, median)")
-        ax.set_ylim(bottom=0)
-        ax.set_title(f"{j['disks']['count']} x {prof}", fontsize=10)
-        ax.grid(alpha=.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("Fig. 17: SSD type", fontsize=11)
-    C.save_fig(fig, out)
+    with C.figure(out, len(profs), (5.5 * len(profs), 4), "Fig. 17: SSD type",
+                  legend=7) as axes:
+        for ax, prof in zip(axes, profs):
+            j = p["profiles"][prof]
+            pts = j["points"]
+            C.lines(ax, [pt["tokens"] / 1024 for pt in pts],
+                    {LABELS.get(m, m): [pt["methods"][m]["eff_gbps_median"] for pt in pts]
+                     for m in pts[0]["methods"]})
+            C.ceiling_lines(ax, j.get("ceiling"))
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prefix length (K tokens)")
+            ax.set_ylabel("effective bandwidth (GB/s, median)")
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{j['disks']['count']} x {prof}", fontsize=10)
 
 
 if __name__ == "__main__":

@@ -7,39 +7,40 @@ Fig. 11, with the fio ceiling of those N devices measured in the same run.
 Targets: SWARM's effective bandwidth at 8 disks >= 7x that at 1 disk, and
 >= 90% of the fio 128 KiB ceiling at 4 and 8 disks.
 
-    tools/testbed run -- python tools/bench/fig18_num_disks.py
+    tools/testbed run -- python -m tools.bench.fig18_num_disks
 """
 
 from __future__ import annotations
 
 import sys
 
-import _common as C
-from fig11_methods import LABELS, METHODS, method_layouts, run_methods
+import click
+
+from tools.bench import _common as C
+from tools.bench.fig11_methods import LABELS, METHODS, method_layouts, run_methods
 
 
-def main(argv=None):
-    ap = C.parser(__doc__)
-    ap.add_argument("--tokens", type=int, default=None)
-    ap.add_argument("--counts", default=None, help="comma list of disk counts")
-    ap.add_argument("--dataset", default="wikitext2")
-    ap.add_argument("--ratio", type=float, default=0.1)
-    ap.add_argument("--methods", default=",".join(METHODS))
-    a = C.parse(ap, argv)
-    S = a.tokens or (2048 if a.smoke else 65536)
-    counts = [int(x) for x in (a.counts or ("1,2" if a.smoke else "1,2,4,8")).split(",")]
-    nq = a.queries or (3 if a.smoke else 16)
-    reps = a.reps or (1 if a.smoke else 4)
-    methods = a.methods.split(",")
-    trace, disks, out = C.setup(a, "fig18_num_disks", trace_tokens=4096 if a.smoke else 0)
-    start, S = C.context(trace, S, a.dataset)
-    lays = method_layouts(trace, start, S, methods, ratio=a.ratio)
+@C.command("fig18_num_disks", __doc__)
+@click.option("--tokens", type=int, default=None, help="context length S")
+@click.option("--counts", default=None, help="comma list of disk counts")
+@click.option("--dataset", default="wikitext2", show_default=True)
+@click.option("--ratio", type=float, default=0.1, show_default=True)
+@click.option("--methods", default=",".join(METHODS), show_default=True)
+def cli(cfg, tokens, counts, dataset, ratio, methods):
+    S = tokens or (2048 if cfg.smoke else 65536)
+    counts = [int(x) for x in (counts or ("1,2" if cfg.smoke else "1,2,4,8")).split(",")]
+    nq = cfg.queries or (3 if cfg.smoke else 16)
+    reps = cfg.reps or (1 if cfg.smoke else 4)
+    methods = methods.split(",")
+    trace, disks, out = C.setup(cfg, "fig18_num_disks", trace_tokens=4096 if cfg.smoke else 0)
+    start, S = C.context(trace, S, dataset)
+    lays = method_layouts(cfg, trace, start, S, methods, ratio=ratio)
     points = []
     for n in counts:
         d = disks.first(n)
         print(f"fig18: {n} disks, S = {S}", file=sys.stderr)
-        ceil = C.ceilings(d, a.smoke)
-        r = run_methods(a, trace, d, start, S, methods, ratio=a.ratio, nq=nq, reps=reps,
+        ceil = C.ceilings(d, cfg.smoke)
+        r = run_methods(cfg, trace, d, start, S, methods, ratio=ratio, nq=nq, reps=reps,
                         label=f"fig18 N={n}", store="fig18", layouts=lays)
         r.update(disks=n, ceiling=ceil)
         points.append(r)
@@ -49,12 +50,16 @@ def main(argv=None):
                   f"{x['eff_gbps_median']:.3f} GB/s"
                   + (f" = {frac:.0%} of fio 128k" if frac else ""), file=sys.stderr)
     targets = _targets(points)
-    payload = {"figure": "fig18", "title": "number of SSDs", "tokens": S, "ratio": a.ratio,
-               "dataset": a.dataset, "disks": disks.describe(), "queries": nq, "reps": reps,
+    payload = {"figure": "fig18", "title": "number of SSDs", "tokens": S, "ratio": ratio,
+               "dataset": dataset, "disks": disks.describe(), "queries": nq, "reps": reps,
                "points": points, "targets": targets}
-    C.write_json(out, payload)
+    C.write_json(cfg, out, payload)
     plot(payload, out)
     return payload
+
+
+def main(argv=None):
+    return C.run(cli, argv)
 
 
 def _targets(points):
@@ -77,33 +82,28 @@ def _targets(points):
 
 
 def plot(p, out):
-    plt = C.pyplot()
     pts = p["points"]
     n = [x["disks"] for x in pts]
     methods = list(pts[0]["methods"])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for m in methods:
-        axes[0].plot(n, [x["methods"][m]["eff_gbps_median"] for x in pts], "o-",
-                     label=LABELS.get(m, m))
-        axes[1].plot(n, [x["methods"][m]["io_us_median"] / 1e3 for x in pts], "o-",
-                     label=LABELS.get(m, m))
-    if pts[0].get("ceiling"):
-        axes[0].plot(n, [x["ceiling"]["bw_128k"]["gb_per_s"] for x in pts], "k--",
-                     label="fio 128 KiB ceiling")
-        axes[0].plot(n, [x["ceiling"]["iops_4k"]["gb_per_s"] for x in pts], "k:",
-                     label="fio 4 KiB ceiling")
-    axes[0].set_ylabel("effective bandwidth (GB/s, median)")
-    axes[1].set_ylabel("I/O time per step (ms, median)")
-    axes[1].set_yscale("log")
-    axes[0].set_ylim(bottom=0)
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(n, [str(x) for x in n])
-        ax.set_xlabel("SSDs")
-        ax.grid(alpha=.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"Fig. 18: S = {p['tokens']}, r = {p['ratio']}", fontsize=11)
-    C.save_fig(fig, out)
+    with C.figure(out, 2, (11, 4), f"Fig. 18: S = {p['tokens']}, r = {p['ratio']}",
+                  legend=7) as axes:
+        C.lines(axes[0], n, {LABELS.get(m, m): [x["methods"][m]["eff_gbps_median"] for x in pts]
+                             for m in methods})
+        C.lines(axes[1], n, {LABELS.get(m, m): [x["methods"][m]["io_us_median"] for x in pts]
+                             for m in methods}, scale=1e3)
+        if pts[0].get("ceiling"):
+            axes[0].plot(n, [x["ceiling"]["bw_128k"]["gb_per_s"] for x in pts], "k--",
+                         label="fio 128 KiB ceiling")
+            axes[0].plot(n, [x["ceiling"]["iops_4k"]["gb_per_s"] for x in pts], "k:",
+                         label="fio 4 KiB ceiling")
+        axes[0].set_ylabel("effective bandwidth (GB/s, median)")
+        axes[1].set_ylabel("I/O time per step (ms, median)")
+        axes[1].set_yscale("log")
+        axes[0].set_ylim(bottom=0)
+        for ax in axes:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(n, [str(x) for x in n])
+            ax.set_xlabel("SSDs")
 
 
 if __name__ == "__main__":

@@ -9,47 +9,47 @@ the clusters come from a different text's attention, the held-out decode
 queries are the context's own continuation.  Reported: I/O time, effective
 bandwidth, recall, clusters and replication.
 
-    tools/testbed run -- python tools/bench/fig19_tau.py
+    tools/testbed run -- python -m tools.bench.fig19_tau
 """
 
 from __future__ import annotations
 
 import sys
 
-import _common as C
-from fig11_methods import measure
+import click
+
+from tools.bench import _common as C
+from tools.bench.fig11_methods import measure
 
 PAIRS = "wikitext2:wikitext2,shakespeare:shakespeare,gsm8k:gsm8k," \
         "shakespeare:wikitext2,gsm8k:wikitext2,wikitext2:gsm8k"
 
 
-def main(argv=None):
-    ap = C.parser(__doc__)
-    ap.add_argument("--tokens", type=int, default=None)
-    ap.add_argument("--taus", default=None)
-    ap.add_argument("--pairs", default=None, help="context:profile dataset pairs")
-    ap.add_argument("--ratio", type=float, default=0.1)
-    a = C.parse(ap, argv)
-    S = a.tokens or (2048 if a.smoke else 32768)
-    taus = [float(x) for x in (a.taus or ("0.5,0.7" if a.smoke else
-                                          "0.3,0.45,0.6,0.75,0.9")).split(",")]
-    pairs = [tuple(p.split(":")) for p in (a.pairs or ("wikitext2:wikitext2" if a.smoke
-                                                       else PAIRS)).split(",")]
-    nq = a.queries or (2 if a.smoke else 12)
-    reps = a.reps or (1 if a.smoke else 2)
-    trace, disks, out = C.setup(a, "fig19_tau", trace_tokens=4096 if a.smoke else 0)
-    ceil = C.ceilings(disks, a.smoke)
+@C.command("fig19_tau", __doc__)
+@click.option("--tokens", type=int, default=None, help="context length S")
+@click.option("--taus", default=None, help="comma list of tau")
+@click.option("--pairs", default=None, help="context:profile dataset pairs")
+@click.option("--ratio", type=float, default=0.1, show_default=True)
+def cli(cfg, tokens, taus, pairs, ratio):
+    S = tokens or (2048 if cfg.smoke else 32768)
+    taus = [float(x) for x in (taus or ("0.5,0.7" if cfg.smoke else
+                                        "0.3,0.45,0.6,0.75,0.9")).split(",")]
+    pairs = [tuple(p.split(":")) for p in (pairs or ("wikitext2:wikitext2" if cfg.smoke
+                                                     else PAIRS)).split(",")]
+    nq = cfg.queries or (2 if cfg.smoke else 12)
+    reps = cfg.reps or (1 if cfg.smoke else 2)
+    trace, disks, out = C.setup(cfg, "fig19_tau", trace_tokens=4096 if cfg.smoke else 0)
+    ceil = C.ceilings(disks, cfg.smoke)
     rows = []
     for ctx, prof in pairs:
         start, S = C.context(trace, S, ctx)
         pstart = None if prof == ctx else C.context(trace, S, prof)[0]
         lays = {}
         for tau in taus:
-            lays[f"tau={tau}"] = C.build_layout("swarm", trace, start, S, ratio=a.ratio,
-                                                tau=tau, profile_start=pstart)[0]
-        bench = C.Bench(C.store_dir(a, "fig19"), disks, trace, start, S,
-                        [C.Variant(n, lay) for n, lay in lays.items()], ratio=a.ratio,
-                        queue_depth=a.qd)
+            lays[f"tau={tau}"] = C.build_layout("swarm", trace, start, S, cache=cfg.cache,
+                                                ratio=ratio, tau=tau, profile_start=pstart)[0]
+        bench = C.Bench(C.store_dir(cfg, "fig19"), disks, trace, start, S,
+                        [C.Variant(n, lay) for n, lay in lays.items()], ratio=ratio, cfg=cfg)
         pos = C.query_positions(trace, start, S, nq)
         res = measure(bench, list(lays), pos, reps, label=f"fig19 {ctx}<-{prof}")
         bench.close()
@@ -65,38 +65,36 @@ def main(argv=None):
                   f"recall {r['recall_mean']:.3f}, {r['layout']['clusters']} clusters, "
                   f"replication {r['layout']['replication']:.2f}", file=sys.stderr)
     payload = {"figure": "fig19", "title": "tau sensitivity with dataset shift", "tokens": S,
-               "ratio": a.ratio, "disks": disks.describe(), "queries": nq, "reps": reps,
+               "ratio": ratio, "disks": disks.describe(), "queries": nq, "reps": reps,
                "ceiling": ceil, "rows": rows}
-    C.write_json(out, payload)
+    C.write_json(cfg, out, payload)
     plot(payload, out)
     return payload
 
 
+def main(argv=None):
+    return C.run(cli, argv)
+
+
 def plot(p, out):
-    plt = C.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    pairs = []
-    for r in p["rows"]:
-        if (r["context"], r["profile"]) not in pairs:
-            pairs.append((r["context"], r["profile"]))
-    for ctx, prof in pairs:
-        rr = [r for r in p["rows"] if r["context"] == ctx and r["profile"] == prof]
-        t = [r["tau"] for r in rr]
-        lab = ctx if ctx == prof else f"{ctx} (profiled on {prof})"
-        ls = "o-" if ctx == prof else "s--"
-        axes[0].plot(t, [r["io_us_median"] / 1e3 for r in rr], ls, label=lab)
-        axes[1].plot(t, [r["eff_gbps_median"] for r in rr], ls, label=lab)
-        axes[2].plot(t, [r["recall_mean"] for r in rr], ls, label=lab)
-    C.ceiling_lines(axes[1], p["ceiling"])
-    for ax, yl in zip(axes, ("I/O time per step (ms, median)", "effective bandwidth (GB/s)",
-                             "attention-mass recall")):
-        ax.set_xlabel("tau")
-        ax.set_ylim(bottom=0)
-        ax.set_ylabel(yl)
-        ax.grid(alpha=.3)
-    axes[2].legend(fontsize=7)
-    fig.suptitle(f"Fig. 19: tau, S = {p['tokens']}, {p['disks']['count']} disks", fontsize=11)
-    C.save_fig(fig, out)
+    pairs = list(dict.fromkeys((r["context"], r["profile"]) for r in p["rows"]))
+    with C.figure(out, 3, (15, 4), f"Fig. 19: tau, S = {p['tokens']}, "
+                  f"{p['disks']['count']} disks") as axes:
+        for ctx, prof in pairs:
+            rr = [r for r in p["rows"] if r["context"] == ctx and r["profile"] == prof]
+            t = [r["tau"] for r in rr]
+            lab = ctx if ctx == prof else f"{ctx} (profiled on {prof})"
+            ls = "o-" if ctx == prof else "s--"
+            for ax, key, scale in zip(axes, ("io_us_median", "eff_gbps_median", "recall_mean"),
+                                      (1e3, 1, 1)):
+                C.lines(ax, t, {lab: [r[key] for r in rr]}, ls, scale=scale)
+        C.ceiling_lines(axes[1], p["ceiling"])
+        for ax, yl in zip(axes, ("I/O time per step (ms, median)",
+                                 "effective bandwidth (GB/s)", "attention-mass recall")):
+            ax.set_xlabel("tau")
+            ax.set_ylim(bottom=0)
+            ax.set_ylabel(yl)
+        axes[2].legend(fontsize=7)
 
 
 if __name__ == "__main__":

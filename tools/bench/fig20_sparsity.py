@@ -17,8 +17,8 @@ Fig. 11), per r and profile, and the iso-accuracy is taken on step time
 (selection + planning + I/O + assembly) per profile; JSON ``fig20_step``
 (docs/benchmarks.md §7, "Step time as a serving engine sees it").
 
-    tools/testbed run -- python tools/bench/fig20_sparsity.py
-    tools/testbed --name evalstep-pm9a3 run -- python tools/bench/fig20_sparsity.py \
+    tools/testbed run -- python -m tools.bench.fig20_sparsity
+    tools/testbed --name evalstep-pm9a3 run -- python -m tools.bench.fig20_sparsity \
         --tokens 131072 --ratios 0.05,0.1,0.2 --reps 3 \
         --step-profiles pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast
 """
@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import sys
 
-import _common as C
+import click
 import numpy as np
-from fig11_methods import (
+
+from tools.bench import _common as C
+from tools.bench.fig11_methods import (
     LABELS,
     METHODS,
     method_layouts,
@@ -40,36 +42,36 @@ from fig11_methods import (
 )
 
 
-def main(argv=None):
-    ap = C.parser(__doc__)
-    ap.add_argument("--tokens", type=int, default=None)
-    ap.add_argument("--ratios", default=None)
-    ap.add_argument("--dataset", default="wikitext2")
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--step-profiles", default=None, metavar="NAME=DISKS,...",
-                    help="only the step-time view (selection + planning + I/O + assembly) "
-                         "on these device profiles side by side, e.g. "
-                         "pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast")
-    a = C.parse(ap, argv)
-    S = a.tokens or (2048 if a.smoke else 65536)
-    ratios = [float(x) for x in (a.ratios or ("0.05,0.1" if a.smoke else
-                                              "0.02,0.05,0.1,0.2,0.3")).split(",")]
-    nq = a.queries or (2 if a.smoke else 12)
-    reps = a.reps or (1 if a.smoke else 2)
-    methods = a.methods.split(",")
-    if a.step_profiles:
-        return main_steps(a, S, ratios, nq, reps, methods)
-    trace, disks, out = C.setup(a, "fig20_sparsity", trace_tokens=4096 if a.smoke else 0)
-    start, S = C.context(trace, S, a.dataset)
-    base = method_layouts(trace, start, S, methods, ratio=0.1)
-    ceil = C.ceilings(disks, a.smoke)
+@C.command("fig20_sparsity", __doc__)
+@click.option("--tokens", type=int, default=None, help="context length S")
+@click.option("--ratios", default=None, help="comma list of sparsity ratios r")
+@click.option("--dataset", default="wikitext2", show_default=True)
+@click.option("--methods", default=",".join(METHODS), show_default=True)
+@click.option("--step-profiles", default=None, metavar="NAME=DISKS,...",
+              help="only the step-time view (selection + planning + I/O + assembly) "
+                   "on these device profiles side by side, e.g. "
+                   "pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast")
+def cli(cfg, tokens, ratios, dataset, methods, step_profiles):
+    S = tokens or (2048 if cfg.smoke else 65536)
+    ratios = [float(x) for x in (ratios or ("0.05,0.1" if cfg.smoke else
+                                            "0.02,0.05,0.1,0.2,0.3")).split(",")]
+    nq = cfg.queries or (2 if cfg.smoke else 12)
+    reps = cfg.reps or (1 if cfg.smoke else 2)
+    methods = methods.split(",")
+    if step_profiles:
+        return main_steps(cfg, S, ratios, nq, reps, methods, dataset, step_profiles)
+    trace, disks, out = C.setup(cfg, "fig20_sparsity", trace_tokens=4096 if cfg.smoke else 0)
+    start, S = C.context(trace, S, dataset)
+    base = method_layouts(cfg, trace, start, S, methods, ratio=0.1)
+    ceil = C.ceilings(disks, cfg.smoke)
     points = []
     for r in ratios:
         lays = dict(base)
         if "swarm" in methods and r != 0.1:
-            lays["swarm"] = C.build_layout("swarm", trace, start, S, ratio=r)[0]
+            lays["swarm"] = C.build_layout("swarm", trace, start, S, cache=cfg.cache,
+                                           ratio=r)[0]
         print(f"fig20: r = {r}, S = {S}", file=sys.stderr)
-        pt = run_methods(a, trace, disks, start, S, methods, ratio=r, nq=nq, reps=reps,
+        pt = run_methods(cfg, trace, disks, start, S, methods, ratio=r, nq=nq, reps=reps,
                          label=f"fig20 r={r}", store="fig20", layouts=lays)
         pt["ratio"] = r
         points.append(pt)
@@ -79,29 +81,33 @@ def main(argv=None):
                   file=sys.stderr)
     iso = iso_accuracy(points, methods)
     payload = {"figure": "fig20", "title": "sparsity ratio", "tokens": S,
-               "dataset": a.dataset, "disks": disks.describe(), "queries": nq, "reps": reps,
+               "dataset": dataset, "disks": disks.describe(), "queries": nq, "reps": reps,
                "ceiling": ceil, "points": points, "iso_accuracy": iso}
-    C.write_json(out, payload)
+    C.write_json(cfg, out, payload)
     plot(payload, out)
     return payload
 
 
-def main_steps(a, S, ratios, nq, reps, methods):
+def main(argv=None):
+    return C.run(cli, argv)
+
+
+def main_steps(cfg, S, ratios, nq, reps, methods, dataset, spec):
     """Fig. 20's step-time view: every method at every r on each device
     profile (side by side), and the step time each baseline needs to be as
     accurate as SWARM at r = 10%, per profile."""
-    a.disks = a.step_profiles.split(",")[0].partition("=")[2]  # not the default
-    trace, _, out = C.setup(a, "fig20_step", trace_tokens=4096 if a.smoke else 0)
-    profiles = step_profiles(a.step_profiles)
-    start, S = C.context(trace, S, a.dataset)
-    base = method_layouts(trace, start, S, methods, ratio=0.1)
+    trace, _, out = C.setup(cfg, "fig20_step", trace_tokens=4096 if cfg.smoke else 0)
+    profiles = step_profiles(spec)
+    start, S = C.context(trace, S, dataset)
+    base = method_layouts(cfg, trace, start, S, methods, ratio=0.1)
     points = []
     for r in ratios:
         lays = dict(base)
         if "swarm" in methods and r != 0.1:
-            lays["swarm"] = C.build_layout("swarm", trace, start, S, ratio=r)[0]
+            lays["swarm"] = C.build_layout("swarm", trace, start, S, cache=cfg.cache,
+                                           ratio=r)[0]
         print(f"fig20 step view: r = {r}, S = {S}", file=sys.stderr)
-        pt = run_steps(a, trace, profiles, start, S, methods, ratio=r, nq=nq, reps=reps,
+        pt = run_steps(cfg, trace, profiles, start, S, methods, ratio=r, nq=nq, reps=reps,
                        label=f"fig20 step r={r}", store="fig20-step", layouts=lays)
         print_steps(f"r={r:.2f}", pt)
         points.append(pt)
@@ -114,10 +120,10 @@ def main_steps(a, S, ratios, nq, reps, methods):
             print(f"  [{pn}] equal accuracy (error): {m:11s} step x SWARM {got}",
                   file=sys.stderr)
     payload = {"figure": "fig20", "view": "step", "title": "decode step time vs sparsity",
-               "tokens": S, "dataset": a.dataset, "queries": nq, "reps": reps,
+               "tokens": S, "dataset": dataset, "queries": nq, "reps": reps,
                "profiles": {pn: d.describe() for pn, d in profiles.items()},
                "points": points, "iso_accuracy": iso}
-    C.write_json(out, payload)
+    C.write_json(cfg, out, payload)
     plot_steps(payload, out)
     return payload
 
@@ -147,33 +153,27 @@ def step_iso_accuracy(points, profile, methods, ref_ratio=0.1):
 
 def plot_steps(p, out):
     """Per profile: step time against r per method, and error against step time."""
-    plt = C.pyplot()
     pts = p["points"]
     profs = list(p["profiles"])
-    fig, axes = plt.subplots(1, len(profs) + 1, figsize=(5 * (len(profs) + 1), 4))
     r = [x["ratio"] for x in pts]
     methods = list(pts[0]["profiles"][profs[0]]["methods"])
-    for ax, pn in zip(axes, profs):
-        for m in methods:
-            ax.plot(r, [x["profiles"][pn]["methods"][m]["step_us_median"] / 1e3 for x in pts],
-                    "o-", label=LABELS.get(m, m))
-        ax.set_title(f"{pn}: step time (ms, median)", fontsize=10)
-        ax.set_xlabel("sparsity ratio r")
-    for pn, style in zip(profs, ("o-", "s--", "^:")):
-        for i, m in enumerate(methods):
-            axes[-1].plot([x["profiles"][pn]["methods"][m]["step_us_median"] / 1e3
-                           for x in pts],
-                          [x["profiles"][pn]["methods"][m]["rel_error_mean"] for x in pts],
-                          style, color=f"C{i}", label=f"{LABELS.get(m, m)} ({pn})")
-    axes[-1].set_xscale("log")
-    axes[-1].set_xlabel("step time (ms)")
-    axes[-1].set_ylabel("attention-output relative error")
-    for ax in axes:
-        ax.grid(alpha=.3)
-        ax.legend(fontsize=6)
-    fig.suptitle(f"Fig. 20 step view: S = {p['tokens']} (select + plan + I/O + assemble)",
-                 fontsize=11)
-    C.save_fig(fig, out)
+    with C.figure(out, len(profs) + 1, (5 * (len(profs) + 1), 4),
+                  f"Fig. 20 step view: S = {p['tokens']} (select + plan + I/O + assemble)",
+                  legend=6) as axes:
+        for ax, pn in zip(axes, profs):
+            C.lines(ax, r, {LABELS.get(m, m): [x["profiles"][pn]["methods"][m]["step_us_median"]
+                                               for x in pts] for m in methods}, scale=1e3)
+            ax.set_title(f"{pn}: step time (ms, median)", fontsize=10)
+            ax.set_xlabel("sparsity ratio r")
+        for pn, style in zip(profs, ("o-", "s--", "^:")):
+            for i, m in enumerate(methods):
+                axes[-1].plot([x["profiles"][pn]["methods"][m]["step_us_median"] / 1e3
+                               for x in pts],
+                              [x["profiles"][pn]["methods"][m]["rel_error_mean"] for x in pts],
+                              style, color=f"C{i}", label=f"{LABELS.get(m, m)} ({pn})")
+        axes[-1].set_xscale("log")
+        axes[-1].set_xlabel("step time (ms)")
+        axes[-1].set_ylabel("attention-output relative error")
 
 
 def iso_accuracy(points, methods, ref_ratio=0.1):
@@ -222,31 +222,27 @@ def iso_accuracy(points, methods, ref_ratio=0.1):
 
 
 def plot(p, out):
-    plt = C.pyplot()
     pts = p["points"]
     r = [x["ratio"] for x in pts]
     methods = list(pts[0]["methods"])
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for m in methods:
-        lab = LABELS.get(m, m)
-        axes[0].plot(r, [x["methods"][m]["io_us_median"] / 1e3 for x in pts], "o-", label=lab)
-        axes[1].plot(r, [x["methods"][m]["eff_gbps_median"] for x in pts], "o-", label=lab)
-        axes[2].plot([x["methods"][m]["io_us_median"] / 1e3 for x in pts],
-                     [x["methods"][m]["rel_error_mean"] for x in pts], "o-", label=lab)
-    C.ceiling_lines(axes[1], p["ceiling"])
-    axes[0].set_xlabel("sparsity ratio r")
-    axes[0].set_ylabel("I/O time per step (ms, median)")
-    axes[1].set_xlabel("sparsity ratio r")
-    axes[1].set_ylabel("effective bandwidth (GB/s, median)")
-    axes[2].set_xlabel("I/O time per step (ms)")
-    axes[2].set_ylabel("attention-output relative error")
-    axes[2].set_xscale("log")
-    for ax in axes:
-        ax.grid(alpha=.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"Fig. 20: S = {p['tokens']}, {p['disks']['count']} disks "
-                 "(right: error vs I/O time, one point per r)", fontsize=11)
-    C.save_fig(fig, out)
+    lab = {LABELS.get(m, m): m for m in methods}
+    with C.figure(out, 3, (15, 4), f"Fig. 20: S = {p['tokens']}, {p['disks']['count']} disks "
+                  "(right: error vs I/O time, one point per r)", legend=7) as axes:
+        C.lines(axes[0], r, {k: [x["methods"][m]["io_us_median"] for x in pts]
+                             for k, m in lab.items()}, scale=1e3)
+        C.lines(axes[1], r, {k: [x["methods"][m]["eff_gbps_median"] for x in pts]
+                             for k, m in lab.items()})
+        for k, m in lab.items():
+            axes[2].plot([x["methods"][m]["io_us_median"] / 1e3 for x in pts],
+                         [x["methods"][m]["rel_error_mean"] for x in pts], "o-", label=k)
+        C.ceiling_lines(axes[1], p["ceiling"])
+        axes[0].set_xlabel("sparsity ratio r")
+        axes[0].set_ylabel("I/O time per step (ms, median)")
+        axes[1].set_xlabel("sparsity ratio r")
+        axes[1].set_ylabel("effective bandwidth (GB/s, median)")
+        axes[2].set_xlabel("I/O time per step (ms)")
+        axes[2].set_ylabel("attention-output relative error")
+        axes[2].set_xscale("log")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ group.  Fig. 17's low-end profile runs on a temporary 4-disk ``900p``
 testbed that this script brings up and always takes down again.
 
     tools/testbed up --disks 8 --size 2G --profile pm9a3
-    tools/testbed run -- python tools/bench/run_all.py
+    tools/testbed run -- python -m tools.bench.run_all
     tools/testbed down
 
-    python tools/bench/run_all.py --smoke --disks files:2     # CI-sized, no root
+    python -m tools.bench.run_all --smoke --disks files:2     # CI-sized, no root
 
 Outputs: ``bench-out/eval/<figure>.json|.png``, ``run_all.json`` (wall time and
 status per figure) and ``summary.md`` (the tables of docs/benchmarks.md §7).
@@ -18,7 +18,6 @@ status per figure) and ``summary.md`` (the tables of docs/benchmarks.md §7).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -27,61 +26,64 @@ import subprocess
 import sys
 import time
 
-import _common as C
+import click
 
-HERE = pathlib.Path(__file__).resolve().parent
-#: (name, script, extra args) in run order
+from tools import _testbed as T
+from tools.bench import _common as C
+from tools.bench.fig11_methods import LABELS
+
+#: (name, module under tools.bench, extra args) in run order
 FIGURES = [
-    ("fig11", "fig11_methods.py", []),
-    ("fig12", "fig12_clustering.py", []),
-    ("fig13", "fig13_placement.py", []),
-    ("fig14", "fig14_retrieval.py", []),
-    ("fig18", "fig18_num_disks.py", []),
-    ("fig20", "fig20_sparsity.py", []),
-    ("fig19", "fig19_tau.py", []),
-    ("fig17", "fig17_ssd_type.py", []),
-    ("fig16", "fig16_prefix_batch.py", []),
-    ("table4", "table4_selection.py", []),
+    ("fig11", "fig11_methods", []),
+    ("fig12", "fig12_clustering", []),
+    ("fig13", "fig13_placement", []),
+    ("fig14", "fig14_retrieval", []),
+    ("fig18", "fig18_num_disks", []),
+    ("fig20", "fig20_sparsity", []),
+    ("fig19", "fig19_tau", []),
+    ("fig17", "fig17_ssd_type", []),
+    ("fig16", "fig16_prefix_batch", []),
+    ("table4", "table4_selection", []),
 ]
 LOW_END = {"name": "swarmfs-900p", "disks": 4, "size": "2G", "profile": "900p"}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--disks", default="testbed")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--only", default=None, help="comma list of figures (fig11,...,table4)")
-    ap.add_argument("--skip", default="")
-    ap.add_argument("--no-900p", action="store_true", help="fig17 on the main testbed only")
-    ap.add_argument("--cache", default=str(C.CACHE))
-    ap.add_argument("--trace-tokens", type=int, default=None,
-                    help="capture this many trace tokens first (default: what fig16 needs)")
-    a = ap.parse_args(argv)
-    only = set(a.only.split(",")) if a.only else None
-    skip = set(filter(None, a.skip.split(",")))
+@click.command(help=__doc__.split("\n")[0])
+@click.option("--disks", default="testbed", show_default=True)
+@click.option("--smoke", is_flag=True)
+@click.option("--only", default=None, help="comma list of figures (fig11,...,table4)")
+@click.option("--skip", default="")
+@click.option("--no-900p", "no_900p", is_flag=True, help="fig17 on the main testbed only")
+@click.option("--cache", default=str(C.CACHE), show_default=True)
+@click.option("--trace-tokens", type=int, default=None,
+              help="capture this many trace tokens first (default: what fig16 needs)")
+@click.pass_context
+def cli(ctx, disks, smoke, only, skip, no_900p, cache, trace_tokens):
+    only = set(only.split(",")) if only else None
+    skip = set(filter(None, skip.split(",")))
     C.OUT.mkdir(parents=True, exist_ok=True)
-    common = ["--disks", a.disks, "--cache", a.cache] + (["--smoke"] if a.smoke else [])
-    log = {"command": " ".join(["run_all.py"] + (argv or sys.argv[1:])),
+    common = ["--disks", disks, "--cache", cache] + (["--smoke"] if smoke else [])
+    log = {"command": " ".join(["python -m tools.bench.run_all"] + list(ctx.obj or [])),
            "machine": C.machine(), "figures": {}}
     t_all = time.perf_counter()
     # the trace first, so no figure pays for it inside its timing
     with _step(log, "trace"):
-        need = a.trace_tokens or (4096 if a.smoke else 1048576 + 4096)
-        C.load_trace(need, cache=pathlib.Path(a.cache), progress=not a.smoke)
-    for name, script, extra in FIGURES:
+        need = trace_tokens or (4096 if smoke else 1048576 + 4096)
+        C.load_trace(need, cache=pathlib.Path(cache), progress=not smoke)
+    for name, module, extra in FIGURES:
         if (only and name not in only) or name in skip:
             continue
-        cmd = [sys.executable, str(HERE / script)] + common + extra
+        cmd = [sys.executable, "-m", f"tools.bench.{module}"] + common + extra
         with _step(log, name):
             _run(cmd, name)
-        if name == "fig17" and not a.smoke and not a.no_900p and a.disks.startswith("testbed"):
+        if name == "fig17" and not smoke and not no_900p and disks.startswith("testbed"):
             with _step(log, "fig17-900p"):
                 _low_end(cmd)
-            _run([sys.executable, str(HERE / script), "--merge"], "fig17-merge")
+            _run([sys.executable, "-m", f"tools.bench.{module}", "--merge"], "fig17-merge")
     log["total_s"] = time.perf_counter() - t_all
-    suffix = "-smoke" if a.smoke else ""
+    suffix = "-smoke" if smoke else ""
     (C.OUT / f"run_all{suffix}.json").write_text(json.dumps(log, indent=1))
-    md = summary(a.smoke)
+    md = summary(smoke)
     (C.OUT / f"summary{suffix}.md").write_text(md)
     print(md)
     print(f"total {log['total_s'] / 60:.1f} min; wrote {C.OUT}/summary{suffix}.md",
@@ -89,6 +91,12 @@ def main(argv=None):
     failed = [k for k, v in log["figures"].items() if v["status"] != "ok"]
     if failed:
         raise SystemExit(f"failed: {', '.join(failed)}")
+
+
+def main(argv=None):
+    args = list(sys.argv[1:] if argv is None else argv)
+    return cli.main(args=args, prog_name="python -m tools.bench.run_all", obj=args,
+                    standalone_mode=argv is None)
 
 
 @contextlib.contextmanager
@@ -108,12 +116,13 @@ def _step(log, name):
 
 
 def _run(cmd, name):
-    subprocess.run(cmd, check=True)
+    """Run one figure as its own process, from the repository root (where
+    ``python -m tools.bench...`` finds the package)."""
+    subprocess.run(cmd, check=True, cwd=C.REPO)
 
 
 def _low_end(cmd):
     """Fig. 17 on a temporary 900p testbed: up, run inside its cgroup, down."""
-    import _testbed as T
     lim = T.limits_for(LOW_END["profile"])
     backing = f"/dev/shm/{LOW_END['name']}"
     T.down(LOW_END["name"], backing)          # leftovers of a crashed run
@@ -123,7 +132,7 @@ def _low_end(cmd):
         cg = os.path.join(st["cgroup"]["path"], "cgroup.procs")
         args = [a if a != "testbed" else f"testbed:{LOW_END['name']}" for a in cmd]
         subprocess.run(["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', cg] + args,
-                       check=True)
+                       check=True, cwd=C.REPO)
     finally:
         rep = T.down(LOW_END["name"], backing)
         print(f"  900p testbed down: {len(rep['devices_detached'])} devices detached",
@@ -141,11 +150,16 @@ def _ms(us):
     return f"{us / 1e3:.2f}" if us is not None else "-"
 
 
+def _md(rows, headers, left: int = 1) -> str:
+    """A Markdown table (tabulate): the first ``left`` columns left-aligned,
+    the rest (numbers) right-aligned."""
+    align = ("left",) * left + ("right",) * (len(headers) - left)
+    return C.table(rows, headers, markdown=True, align=align)
+
+
 def summary(smoke: bool = False, outdir=None) -> str:
     """Markdown tables of every figure's JSON present in ``outdir``
     (default bench-out/eval)."""
-    from fig11_methods import LABELS
-
     def _load(name, smoke):
         return _load_json(name, smoke, outdir)
 
@@ -160,37 +174,39 @@ def summary(smoke: bool = False, outdir=None) -> str:
             out.append(f"fio ceiling in the same run: {c['bw_128k']['gb_per_s']:.3f} GB/s "
                        f"(128 KiB, qd 32/device), {c['iops_4k']['gb_per_s']:.3f} GB/s "
                        f"= {c['iops_4k']['iops'] / 1e3:.0f}k IOPS (4 KiB)\n")
-        out.append("| dataset | method | I/O ms | key-scan ms | eff. GB/s | % of fio 128k "
-                   "| top-k goodput GB/s | MB read | requests | req KiB | recall "
-                   "| rel. error (oracle) | index MiB |")
-        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        rows = []
         for ds, r in f11["datasets"].items():
             for m, x in r["methods"].items():
                 frac = (f"{x['eff_gbps_median'] / c['bw_128k']['gb_per_s']:.0%}"
                         if c else "-")
                 scan = _ms(x["score_us_median"]) if m == "no_cluster" else "-"
-                out.append(f"| {ds} | {LABELS.get(m, m)} | {_ms(x['io_us_median'])} | {scan} "
-                           f"| {x['eff_gbps_median']:.3f} | {frac} "
-                           f"| {x.get('goodput_gbps_median') or 0:.3f} "
-                           f"| {x['bytes_read_median'] / 1e6:.1f} | {x['requests_median']:.0f} "
-                           f"| {x['mean_request_kib_median']:.1f} | {x['recall_mean']:.3f} "
-                           f"| {x['rel_error_mean']:.3f} ({x['oracle_rel_error_mean']:.3f}) "
-                           f"| {x['index_bytes'] / 2**20:.1f} |")
+                rows.append((ds, LABELS.get(m, m), _ms(x["io_us_median"]), scan,
+                             f"{x['eff_gbps_median']:.3f}", frac,
+                             f"{x.get('goodput_gbps_median') or 0:.3f}",
+                             f"{x['bytes_read_median'] / 1e6:.1f}",
+                             f"{x['requests_median']:.0f}",
+                             f"{x['mean_request_kib_median']:.1f}", f"{x['recall_mean']:.3f}",
+                             f"{x['rel_error_mean']:.3f} ({x['oracle_rel_error_mean']:.3f})",
+                             f"{x['index_bytes'] / 2**20:.1f}"))
+        out.append(_md(rows, ("dataset", "method", "I/O ms", "key-scan ms", "eff. GB/s",
+                              "% of fio 128k", "top-k goodput GB/s", "MB read", "requests",
+                              "req KiB", "recall", "rel. error (oracle)", "index MiB"), 2))
         out.append("")
         rat = f11["average"]["ratios"]
         if rat:
             out.append("SWARM over each baseline (mean over datasets of the per-dataset "
                        "median ratios):\n")
-            out.append("| baseline | eff. bandwidth x | paper | top-k goodput x | I/O time x "
-                       "| I/O + selection time x | paper | recall SWARM - baseline |")
-            out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+            rows = []
             for m, x in rat.items():
                 pb = f11["paper"]["bw_ratio"].get(m)
-                out.append(f"| {LABELS.get(m, m)} | {x['bw_ratio']:.2f} | "
-                           f"{pb if pb else '-'} | {_num(x.get('goodput_ratio'))} "
-                           f"| {x['io_ratio']:.2f} | {_num(x.get('io_plus_score_ratio'))} | "
-                           f"{f11['paper']['io_ratio'] if pb else '-'} "
-                           f"| {x['recall_delta']:+.3f} |")
+                rows.append((LABELS.get(m, m), f"{x['bw_ratio']:.2f}", pb if pb else "-",
+                             _num(x.get("goodput_ratio")), f"{x['io_ratio']:.2f}",
+                             _num(x.get("io_plus_score_ratio")),
+                             f11["paper"]["io_ratio"] if pb else "-",
+                             f"{x['recall_delta']:+.3f}"))
+            out.append(_md(rows, ("baseline", "eff. bandwidth x", "paper", "top-k goodput x",
+                                  "I/O time x", "I/O + selection time x", "paper",
+                                  "recall SWARM - baseline")))
             out.append("")
     for name, title, keys in (
             ("fig12_clustering", "Fig. 12: clustering ablations",
@@ -203,29 +219,28 @@ def summary(smoke: bool = False, outdir=None) -> str:
         if not j:
             continue
         out.append(f"### {title} (S = {j['tokens']}, {j['disks']['count']} disks)\n")
-        out.append("| variant | " + " | ".join(keys) + " | vs SWARM |")
-        out.append("|---|" + "---:|" * (len(keys) + 1))
+        rows = []
         for n, x in j["variants"].items():
             rr = j.get("ratios", {}).get(n, {})
             vs = ", ".join(f"{k} {v:.2f}" for k, v in rr.items() if isinstance(v, float)
                            and not k.startswith("paper"))
-            vals = " | ".join(_fmt(k, x.get(k)) for k in keys)
-            out.append(f"| {n} | {vals} | {vs or '-'} |")
+            rows.append((n, *(_fmt(k, x.get(k)) for k in keys), vs or "-"))
+        out.append(_md(rows, ("variant", *keys, "vs SWARM")))
         out.append("")
     f18 = _load("fig18_num_disks", smoke)
     if f18:
         out.append(f"### Fig. 18: number of SSDs (S = {f18['tokens']})\n")
         ms = list(f18["points"][0]["methods"])
-        out.append("| SSDs | fio 128k GB/s | fio 4k GB/s | " +
-                   " | ".join(f"{LABELS.get(m, m)} GB/s" for m in ms) + " | SWARM I/O ms |")
-        out.append("|---:|---:|---:|" + "---:|" * (len(ms) + 1))
+        rows = []
         for p in f18["points"]:
             c = p.get("ceiling") or {}
-            out.append(f"| {p['disks']} | "
-                       f"{c['bw_128k']['gb_per_s']:.3f} | {c['iops_4k']['gb_per_s']:.3f} | "
-                       if c else f"| {p['disks']} | - | - | ")
-            out[-1] += " | ".join(f"{p['methods'][m]['eff_gbps_median']:.3f}" for m in ms) + \
-                f" | {_ms(p['methods']['swarm']['io_us_median'])} |"
+            fio = ((f"{c['bw_128k']['gb_per_s']:.3f}", f"{c['iops_4k']['gb_per_s']:.3f}")
+                   if c else ("-", "-"))
+            rows.append((p["disks"], *fio,
+                         *(f"{p['methods'][m]['eff_gbps_median']:.3f}" for m in ms),
+                         _ms(p["methods"]["swarm"]["io_us_median"])))
+        out.append(_md(rows, ("SSDs", "fio 128k GB/s", "fio 4k GB/s",
+                              *(f"{LABELS.get(m, m)} GB/s" for m in ms), "SWARM I/O ms"), 0))
         out.append("")
         for k, t in f18["targets"].items():
             out.append(f"- {k}: " + ", ".join(f"{a}={_num(b)}" for a, b in t.items()))
@@ -234,14 +249,12 @@ def summary(smoke: bool = False, outdir=None) -> str:
     if f20:
         out.append(f"### Fig. 20: sparsity ratio (S = {f20['tokens']})\n")
         ms = list(f20["points"][0]["methods"])
-        out.append("| r | " + " | ".join(f"{LABELS.get(m, m)} I/O ms / GB/s / recall"
-                                          for m in ms) + " |")
-        out.append("|---:|" + "---:|" * len(ms))
-        for p in f20["points"]:
-            out.append(f"| {p['ratio']} | " + " | ".join(
-                f"{_ms(p['methods'][m]['io_us_median'])} / "
-                f"{p['methods'][m]['eff_gbps_median']:.3f} / {p['methods'][m]['recall_mean']:.3f}"
-                for m in ms) + " |")
+        rows = [(p["ratio"], *(f"{_ms(p['methods'][m]['io_us_median'])} / "
+                               f"{p['methods'][m]['eff_gbps_median']:.3f} / "
+                               f"{p['methods'][m]['recall_mean']:.3f}" for m in ms))
+                for p in f20["points"]]
+        out.append(_md(rows, ("r", *(f"{LABELS.get(m, m)} I/O ms / GB/s / recall"
+                                     for m in ms)), 0))
         iso = f20.get("iso_accuracy") or {}
         if iso:
             out.append("")
@@ -249,31 +262,28 @@ def summary(smoke: bool = False, outdir=None) -> str:
                        f"at r = 0.1 (error {iso['swarm_rel_error']:.3f}"
                        + (f", mass {iso['swarm_mass']:.3f}" if iso.get("swarm_mass") else "")
                        + f"; I/O {_ms(iso['swarm_io_us'])} ms):\n")
-            out.append("| baseline | by | r needed | I/O ms needed | I/O time x SWARM |")
-            out.append("|---|---|---:|---:|---:|")
+            rows = []
             for m, res in iso["methods"].items():
                 for key, x in res.items():
                     if x["reached"]:
-                        low = " (at or below the smallest r)" if x[
-                            "at_or_below_smallest_ratio"] else ""
-                        out.append(f"| {LABELS.get(m, m)} | {key} | {x['ratio_needed']:.3f}"
-                                   f"{low} | {_ms(x['io_us_needed'])} | "
-                                   f"{x['io_ratio_vs_swarm']:.2f} |")
+                        low = (" (at or below the smallest r)"
+                               if x["at_or_below_smallest_ratio"] else "")
+                        rows.append((LABELS.get(m, m), key, f"{x['ratio_needed']:.3f}{low}",
+                                     _ms(x["io_us_needed"]), f"{x['io_ratio_vs_swarm']:.2f}"))
                     else:
-                        out.append(f"| {LABELS.get(m, m)} | {key} | not reached (best "
-                                   f"{x['best']:.3f}) | - | - |")
+                        rows.append((LABELS.get(m, m), key,
+                                     f"not reached (best {x['best']:.3f})", "-", "-"))
+            out.append(_md(rows, ("baseline", "by", "r needed", "I/O ms needed",
+                                  "I/O time x SWARM"), 2))
         out.append("")
     f19 = _load("fig19_tau", smoke)
     if f19:
         out.append(f"### Fig. 19: tau with dataset shift (S = {f19['tokens']})\n")
-        out.append("| context | profiled on | tau | I/O ms | eff. GB/s | recall | clusters "
-                   "| replication |")
-        out.append("|---|---|---:|---:|---:|---:|---:|---:|")
-        for r in f19["rows"]:
-            out.append(f"| {r['context']} | {r['profile']} | {r['tau']} | "
-                       f"{_ms(r['io_us_median'])} | {r['eff_gbps_median']:.3f} | "
-                       f"{r['recall_mean']:.3f} | {r['clusters_total']} | "
-                       f"{r['replication']:.2f} |")
+        rows = [(r["context"], r["profile"], r["tau"], _ms(r["io_us_median"]),
+                 f"{r['eff_gbps_median']:.3f}", f"{r['recall_mean']:.3f}", r["clusters_total"],
+                 f"{r['replication']:.2f}") for r in f19["rows"]]
+        out.append(_md(rows, ("context", "profiled on", "tau", "I/O ms", "eff. GB/s", "recall",
+                              "clusters", "replication"), 2))
         out.append("")
     f17 = _load("fig17_ssd_type", smoke)
     if f17:
@@ -284,33 +294,30 @@ def summary(smoke: bool = False, outdir=None) -> str:
             out.append(f"{prof}" + (f" (fio 128k {c['bw_128k']['gb_per_s']:.3f} GB/s, "
                                     f"4k {c['iops_4k']['gb_per_s']:.3f} GB/s)" if c else "")
                        + ":\n")
-            out.append("| S | " + " | ".join(LABELS.get(m, m) for m in ms) + " |")
-            out.append("|---:|" + "---:|" * len(ms))
-            for p in j["points"]:
-                out.append(f"| {p['tokens']} | " + " | ".join(
-                    f"{p['methods'][m]['eff_gbps_median']:.3f}" for m in ms) + " |")
+            rows = [(p["tokens"], *(f"{p['methods'][m]['eff_gbps_median']:.3f}" for m in ms))
+                    for p in j["points"]]
+            out.append(_md(rows, ("S", *(LABELS.get(m, m) for m in ms)), 0))
             out.append("")
     f16 = _load("fig16_prefix_batch", smoke)
     if f16:
         out.append("### Fig. 16: prefix length x batch (SWARM)\n")
-        out.append("| S | batch | I/O ms | eff. GB/s | MB read | requests | recall (B=1) |")
-        out.append("|---:|---:|---:|---:|---:|---:|---:|")
-        for r in f16["rows"]:
-            out.append(f"| {r['tokens']} | {r['batch']} | {_ms(r['io_us_median'])} | "
-                       f"{r['eff_gbps_median']:.3f} | {r['bytes_read_median'] / 1e6:.1f} | "
-                       f"{r['requests_median']:.0f} | {r['recall_mean_b1']:.3f} |")
+        rows = [(r["tokens"], r["batch"], _ms(r["io_us_median"]), f"{r['eff_gbps_median']:.3f}",
+                 f"{r['bytes_read_median'] / 1e6:.1f}", f"{r['requests_median']:.0f}",
+                 f"{r['recall_mean_b1']:.3f}") for r in f16["rows"]]
+        out.append(_md(rows, ("S", "batch", "I/O ms", "eff. GB/s", "MB read", "requests",
+                              "recall (B=1)"), 0))
         out.append("")
     t4 = _load("table4_selection", smoke)
     if t4:
         out.append("### Table 4: selection latency\n")
-        out.append("| S | naive ms | medoid ms | speedup | medoid index MiB | clusters | "
-                   "paper naive / SWARM ms |")
-        out.append("|---:|---:|---:|---:|---:|---:|---:|")
+        rows = []
         for r in t4["rows"]:
             pp = r.get("paper")
-            out.append(f"| {r['tokens']} | {r['naive_ms']:.3f} | {r['swarm_ms']:.3f} | "
-                       f"{r['speedup']:.1f} | {r['swarm_index_bytes'] / 2**20:.1f} | "
-                       f"{r['clusters']} | {f'{pp[0]} / {pp[1]}' if pp else '-'} |")
+            rows.append((r["tokens"], f"{r['naive_ms']:.3f}", f"{r['swarm_ms']:.3f}",
+                         f"{r['speedup']:.1f}", f"{r['swarm_index_bytes'] / 2**20:.1f}",
+                         r["clusters"], f"{pp[0]} / {pp[1]}" if pp else "-"))
+        out.append(_md(rows, ("S", "naive ms", "medoid ms", "speedup", "medoid index MiB",
+                              "clusters", "paper naive / SWARM ms"), 0))
         out.append("")
     return "\n".join(out)
 

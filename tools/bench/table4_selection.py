@@ -13,44 +13,46 @@ length.  Two measurements:
 
 Index memory: the medoid keys (C x 2 KiB) per layer.
 
-    tools/testbed run -- python tools/bench/table4_selection.py
+    tools/testbed run -- python -m tools.bench.table4_selection
 """
 
 from __future__ import annotations
 
 import sys
 
-import _common as C  # noqa: I001  (puts tools/ on sys.path for bench_select)
+import click
 import numpy as np
-from bench_select import median_ms as _median_ms
+
+from tools.bench import _common as C
+from tools.bench.fig16_prefix_batch import FULL_MAX, SEGMENT
+from tools.bench_select import bench_selection
+from tools.bench_select import median_ms as _median_ms
 
 PAPER = {131072: (1.635, 0.236, 0.053), 262144: (3.136, 0.374, 0.104),
          524288: (6.176, 0.554, 0.207), 1048576: (12.15, 0.999, 0.412)}
 
 
-def main(argv=None):
-    ap = C.parser(__doc__)
-    ap.add_argument("--tokens", default=None)
-    ap.add_argument("--ratio", type=float, default=0.1)
-    ap.add_argument("--no-synthetic", action="store_true")
-    a = C.parse(ap, argv)
+@C.command("table4_selection", __doc__)
+@click.option("--tokens", default=None, help="comma list of prefix lengths")
+@click.option("--ratio", type=float, default=0.1, show_default=True)
+@click.option("--no-synthetic", is_flag=True, help="skip the synthetic measurement")
+def cli(cfg, tokens, ratio, no_synthetic):
     from swarmfs.layout._baselines import flat_keys
 
     from swarmfs._retrieve import group_queries, score_medoids, select_clusters
-    sizes = [int(x) for x in (a.tokens or ("1024,2048" if a.smoke else
-                                           "131072,262144,524288,1048576")).split(",")]
-    reps = a.reps or (5 if a.smoke else 50)
-    nq = a.queries or (2 if a.smoke else 8)
-    trace, _, out = C.setup(a, "table4_selection",
-                                trace_tokens=4096 if a.smoke else max(sizes) + 4096)
+    sizes = [int(x) for x in (tokens or ("1024,2048" if cfg.smoke else
+                                         "131072,262144,524288,1048576")).split(",")]
+    reps = cfg.reps or (5 if cfg.smoke else 50)
+    nq = cfg.queries or (2 if cfg.smoke else 8)
+    trace, _, out = C.setup(cfg, "table4_selection",
+                            trace_tokens=4096 if cfg.smoke else max(sizes) + 4096)
     rows = []
     rng = np.random.default_rng(0)
     for S in sizes:
         start, S = C.context(trace, S, "wikitext2")
-        from fig16_prefix_batch import FULL_MAX, SEGMENT
-        lay, hit = C.build_layout("swarm", trace, start, S, ratio=a.ratio,
+        lay, hit = C.build_layout("swarm", trace, start, S, cache=cfg.cache, ratio=ratio,
                                   **({"segment": SEGMENT} if S > FULL_MAX else {}))
-        budget = int(np.ceil(a.ratio * S))
+        budget = int(np.ceil(ratio * S))
         keys = C.widen_flat(flat_keys(trace.k[:, start:start + S]))             # [S, 1024]
         med = np.ascontiguousarray(keys[lay.medoids])
         sizes_c = lay.sizes
@@ -74,41 +76,40 @@ def main(argv=None):
                "layout_cached": hit, "paper": PAPER.get(S)}
         row["speedup"] = row["naive_ms"] / row["swarm_ms"]
         del keys, med
-        if not a.no_synthetic:
-            import bench_select
-            syn = bench_select.bench_selection(S, max(1, round(float(sizes_c.mean()))),
-                                               reps, rng, r=a.ratio)
+        if not no_synthetic:
+            syn = bench_selection(S, max(1, round(float(sizes_c.mean()))),
+                                  reps, rng, r=ratio)
             row["synthetic"] = syn
         rows.append(row)
         print(f"  S={S:8d}: naive {row['naive_ms']:7.3f} ms, medoids {row['swarm_ms']:6.3f} ms "
               f"(x{row['speedup']:.1f}), index {row['swarm_index_bytes'] / 2**20:.1f} MiB, "
               f"{row['clusters']} clusters", file=sys.stderr)
-    payload = {"figure": "table4", "title": "selection latency", "ratio": a.ratio,
+    payload = {"figure": "table4", "title": "selection latency", "ratio": ratio,
                "queries": nq, "reps": reps, "rows": rows, "paper": PAPER}
-    C.write_json(out, payload)
+    C.write_json(cfg, out, payload)
     plot(payload, out)
     return payload
 
 
+def main(argv=None):
+    return C.run(cli, argv)
+
+
 def plot(p, out):
-    plt = C.pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
     x = [r["tokens"] / 1024 for r in p["rows"]]
-    ax.plot(x, [r["naive_ms"] for r in p["rows"]], "o-", label="naive (all keys)")
-    ax.plot(x, [r["swarm_ms"] for r in p["rows"]], "s-", label="SWARM medoid index")
-    if p["rows"] and "synthetic" in p["rows"][0]:
-        ax.plot(x, [r["synthetic"]["naive_ms"] for r in p["rows"]], "o:",
-                label="naive, synthetic fp32 BLAS")
-        ax.plot(x, [r["synthetic"]["swarm_ms"] for r in p["rows"]], "s:",
-                label="medoids, synthetic")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prefix length (K tokens)")
-    ax.set_ylabel("selection latency (ms, median)")
-    ax.grid(alpha=.3)
-    ax.legend(fontsize=8)
-    ax.set_title("Table 4: selection latency (2 KiB keys, as Qwen3-32B)", fontsize=10)
-    C.save_fig(fig, out)
+    series = {"naive (all keys)": ("naive_ms", "o-"), "SWARM medoid index": ("swarm_ms", "s-")}
+    with C.figure(out, 1, (6, 4), "Table 4: selection latency (2 KiB keys, as Qwen3-32B)",
+                  legend=8) as (ax,):
+        for label, (key, style) in series.items():
+            C.lines(ax, x, {label: [r[key] for r in p["rows"]]}, style)
+        if p["rows"] and "synthetic" in p["rows"][0]:
+            for label, (key, style) in (("naive, synthetic fp32 BLAS", ("naive_ms", "o:")),
+                                        ("medoids, synthetic", ("swarm_ms", "s:"))):
+                C.lines(ax, x, {label: [r["synthetic"][key] for r in p["rows"]]}, style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prefix length (K tokens)")
+        ax.set_ylabel("selection latency (ms, median)")
 
 
 if __name__ == "__main__":

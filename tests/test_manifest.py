@@ -1,0 +1,277 @@
+"""The manifest model (swarmfs/_manifest.py): one validating loader, one
+serialiser, byte-compatible with format version 2 (issue 12).
+
+``tests/data/store-v2`` is a store written by swarmfs before the model
+existed (main at 0cb505d), with::
+
+    rng = np.random.default_rng(3)
+    s = Store.create(root, disks=3, num_layers=3, num_kv_heads=2, head_dim=8,
+                     dtype="float16", model_name="golden", num_query_heads=4)
+    kv = rng.standard_normal((50, 2, 2, 8)).astype(np.float16)
+    s.write_layer(0, kv, np.array_split(np.arange(50), 5), hot=[1, 0, 0, 0, 0],
+                  local_window=16, extra={"note": "first", "profile": {"queries": 7}})
+    s.write_layer(2, kv[:20], [np.arange(20)])
+    s.append(0, kv[:3], [[1], [], [0, 2]])
+    s.write_layer(2, kv[:30], [np.arange(30)])          # rewrite: frees extents
+    s.append(0, kv[:2], [[4], []])
+"""
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swarmfs import Store
+from swarmfs import _errors as E
+from swarmfs import _format as F
+from swarmfs._manifest import Manifest, read_manifest, write_manifest
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "store-v2")
+
+
+def _golden_kv():
+    rng = np.random.default_rng(3)
+    kv = rng.standard_normal((50, 2, 2, 8)).astype(np.float16)
+    return {0: np.concatenate([kv, kv[:3], kv[:2]]), 2: kv[:30]}
+
+
+@pytest.fixture
+def golden(tmp_path):
+    path = str(tmp_path / "st")
+    shutil.copytree(GOLDEN, path)
+    return path
+
+
+# -- byte compatibility with format v2 ------------------------------------------------
+
+def test_an_existing_v2_store_opens_and_reads_back_every_byte(golden):
+    kv = _golden_kv()
+    with Store.open(golden) as s:
+        assert s.layers == [0, 2] and s.committed.generation == 5
+        assert s.model.name == "golden" and s.model.num_query_heads == 4
+        assert s.layer_info(0)["note"] == "first"
+        assert s.layer_info(0)["profile"] == {"queries": 7}
+        for layer, want in kv.items():
+            got = s.read_entries(layer, np.arange(want.shape[0]))
+            assert got.tobytes() == want.tobytes()
+
+
+def test_the_serialiser_writes_the_v2_bytes(golden):
+    raw = open(os.path.join(golden, F.MANIFEST), "rb").read()
+    m = read_manifest(golden)
+    assert m.to_json() == raw
+    assert m.to_dict() == json.loads(raw)
+    assert F.manifest_checksum(m.to_dict()) == m.checksum == json.loads(raw)["checksum"]
+    assert m.sealed() == m
+
+
+def test_writing_an_existing_store_keeps_the_format(golden):
+    kv = _golden_kv()
+    new = np.full((4, 2, 2, 8), 0.5, np.float16)
+    with Store.open(golden, writable=True) as s:
+        s.append(2, new, [[0], [], [0], []])
+        assert s.committed.generation == 6
+    raw = open(os.path.join(golden, F.MANIFEST), "rb").read()
+    d = json.loads(raw)
+    assert read_manifest(golden).to_json() == raw
+    # the checksum rule of format 2: XXH3-64 of the rest, keys sorted
+    import xxhash
+    body = {k: v for k, v in d.items() if k != "checksum"}
+    assert d["checksum"] == xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode())
+    # untouched layer records and their extra fields survive
+    assert d["layers"]["0"]["note"] == "first" and d["layers"]["0"]["local_window"] == 16
+    assert list(d["layers"]["0"])[:3] == ["local_window", "note", "profile"]
+    with Store.open(golden) as s:
+        assert s.read_entries(0, np.arange(55)).tobytes() == kv[0].tobytes()
+        want = np.concatenate([kv[2], new])
+        assert s.read_entries(2, np.arange(34)).tobytes() == want.tobytes()
+
+
+def test_a_new_store_writes_what_the_loader_reads_back(tmp_path):
+    s = Store.create(tmp_path / "st", disks=2, num_layers=2, num_kv_heads=1, head_dim=4,
+                     dtype="float32")
+    s.write_layer(1, np.ones((8, 2, 1, 4), np.float32), [np.arange(8)], extra={"x": [1]})
+    raw = open(tmp_path / "st" / F.MANIFEST, "rb").read()
+    assert s.committed.to_json() == raw and s.manifest == json.loads(raw)
+    assert s.committed == read_manifest(tmp_path / "st")
+    s.close()
+
+
+# -- a strategy of valid manifests -------------------------------------------------
+
+@st.composite
+def manifests(draw):
+    """A valid manifest dict, sealed, keys in swarmfs's order."""
+    dtype = draw(st.sampled_from(sorted(F.DTYPES)))
+    hkv = draw(st.integers(1, 8))
+    hd = draw(st.sampled_from([4, 8, 64, 128]))
+    L = draw(st.integers(1, 6))
+    bs = draw(st.sampled_from([512, 1024, 4096]))
+    gen = draw(st.integers(0, 50))
+    ndisks = draw(st.integers(1, 5))
+    disks = []
+    for i in range(ndisks):
+        end = F.DATA_START + bs * draw(st.integers(0, 64))
+        free, off = [], F.DATA_START
+        for _ in range(draw(st.integers(0, 3))):
+            gap, ln = draw(st.integers(0, 4)) * bs, draw(st.integers(1, 4)) * bs
+            if off + gap + ln > end:
+                break
+            free.append([off + gap, ln, draw(st.integers(0, gen))])
+            off += gap + ln
+        cap = draw(st.sampled_from([0, end, end + 1 << 20]))
+        disks.append({"index": i, "path": draw(st.sampled_from(
+            [f"disks/disk-{i}.img", f"/dev/nvme{i}n1"])), "end": end, "capacity": cap,
+            "free": free})
+    layers = {}
+    if gen:
+        for layer in sorted(draw(st.sets(st.integers(0, L - 1), max_size=L))):
+            S = draw(st.integers(1, 10_000))
+            C = draw(st.integers(1, S))
+            M = S + draw(st.integers(0, S))
+            lgen = draw(st.integers(1, gen))
+            rec = {"local_window": draw(st.integers(0, 4096))}
+            rec.update(draw(st.dictionaries(st.sampled_from(["note", "method", "tau"]),
+                                            st.one_of(st.integers(), st.text(max_size=5),
+                                                      st.lists(st.integers(), max_size=3)),
+                                            max_size=2)))
+            rec.update({"num_tokens": S, "num_clusters": C, "num_copies": M,
+                        "replication": round(M / S, 6),
+                        "hot_clusters": draw(st.integers(0, C)),
+                        "index": {"file": F.index_name(layer, lgen),
+                                  "xxh3": draw(st.from_regex(r"[0-9a-f]{16}", fullmatch=True)),
+                                  "bytes": draw(st.integers(1, 1 << 30))},
+                        "generation": lgen})
+            layers[str(layer)] = rec
+    m = {"format": "swarmfs", "format_version": F.FORMAT_VERSION,
+         "uuid": draw(st.from_regex(r"[0-9a-f]{32}", fullmatch=True)), "generation": gen,
+         "created": "2026-12-01T00:00:00Z",
+         "model": {"name": draw(st.one_of(st.none(), st.text(max_size=8))), "num_layers": L,
+                   "num_kv_heads": hkv, "head_dim": hd,
+                   "num_query_heads": hkv * draw(st.integers(1, 4)), "dtype": dtype,
+                   "entry_bytes": 2 * hkv * hd * F.DTYPES[dtype]},
+         "block_size": bs, "p_global": draw(st.integers(0, 1 << 40)), "disks": disks,
+         "layers": layers, "dram": {"local_window": draw(st.integers(0, 4096))}}
+    return F.seal_manifest(m)
+
+
+_SETTINGS = settings(max_examples=150, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+
+
+@_SETTINGS
+@given(manifests())
+def test_round_trip_is_exact(d):
+    m = Manifest.load(copy.deepcopy(d), "st")
+    assert m.to_dict() == d
+    assert list(m.to_dict()) == list(d)                       # key order too
+    assert m.to_json() == json.dumps(d, indent=1).encode() + b"\n"
+    assert Manifest.load(m.to_dict(), "st") == m
+    assert m.sealed().checksum == d["checksum"]
+    assert m.checksum_u64 == int(d["checksum"], 16)
+    assert sorted(m.layers) == sorted(int(k) for k in d["layers"])
+    for k, rec in d["layers"].items():
+        r = m.layers[int(k)]
+        assert (r.num_tokens, r.num_clusters, r.index.file) == \
+            (rec["num_tokens"], rec["num_clusters"], rec["index"]["file"])
+    assert [x.end for x in m.disks] == [x["end"] for x in d["disks"]]
+    assert m.model.entry_bytes == d["model"]["entry_bytes"]
+
+
+@_SETTINGS
+@given(manifests())
+def test_the_model_is_immutable(d):
+    m = Manifest.load(d, "st")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.generation = 1
+    with pytest.raises(TypeError):
+        m.layers[0] = None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.disks[0].end = 0
+    out = m.to_dict()
+    out["disks"][0]["free"].append([0, 0, 0])            # a copy: the model is unchanged
+    assert m.to_dict() == d
+
+
+_BAD = [None, True, -1, 1.5, "", "x", [], {}, 2 ** 64, "\u00b2"]
+
+
+def _paths(x, prefix=()):
+    if prefix:
+        yield prefix
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _paths(v, prefix + (i,))
+
+
+@_SETTINGS
+@given(manifests(), st.data())
+def test_a_corrupted_field_is_refused_or_round_trips(d, data):
+    """Any field replaced by a value of another type or range: the loader
+    raises ManifestError (nothing else), or accepts a manifest that still
+    round-trips exactly (e.g. a free-text field)."""
+    paths = [p for p in _paths(d) if p[0] != "checksum"]
+    path = data.draw(st.sampled_from(paths))
+    bad = data.draw(st.sampled_from(_BAD))
+    x = copy.deepcopy(d)
+    tgt = x
+    for p in path[:-1]:
+        tgt = tgt[p]
+    tgt[path[-1]] = bad
+    try:
+        m = Manifest.load(x, "st")
+    except E.ManifestError as exc:
+        assert exc.store == "st" and exc.message
+        return
+    assert m.to_dict() == x
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m["model"].update(dtype=["float16"]), "model.dtype"),
+    (lambda m: m["model"].update(num_kv_heads=True), "model.num_kv_heads"),
+    (lambda m: m["model"].update(entry_bytes=7), "entry_bytes does not match"),
+    (lambda m: m.update(block_size=1000), "block_size"),
+    (lambda m: m["disks"][0].update(path="a\0b"), "no valid path"),
+    (lambda m: m["disks"][0].update(end=F.DATA_START + 1), "not block aligned"),
+    (lambda m: m["layers"].update({"\u00b2": m["layers"]["0"]}), "layer key"),
+    (lambda m: m["layers"]["0"].update(num_copies=1), "fewer copies"),
+    (lambda m: m["layers"]["0"].update(replication=9.0), "replication"),
+    (lambda m: m["layers"]["0"]["index"].update(file="layer-001.g00000001.safetensors"),
+     "index.file"),
+    (lambda m: m["dram"].update(local_window=-1), "dram.local_window"),
+])
+def test_named_rejections(edit, match):
+    d = {"format": "swarmfs", "format_version": 2, "uuid": "ab" * 16, "generation": 1,
+         "created": "t",
+         "model": {"name": None, "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
+                   "num_query_heads": 2, "dtype": "float16", "entry_bytes": 64},
+         "block_size": 512, "p_global": 0,
+         "disks": [{"index": 0, "path": "d", "end": 16384, "capacity": 0, "free": []}],
+         "layers": {"0": {"local_window": 4, "num_tokens": 4, "num_clusters": 1,
+                          "num_copies": 4, "replication": 1.0, "hot_clusters": 0,
+                          "index": {"file": "layer-000.g00000001.safetensors",
+                                    "xxh3": "0" * 16, "bytes": 10}, "generation": 1}},
+         "dram": {"local_window": 256}}
+    Manifest.load(F.seal_manifest(d), "st")                 # the base is valid
+    edit(d)
+    with pytest.raises(E.ManifestError, match=match):
+        Manifest.load(F.seal_manifest(d), "st")
+
+
+def test_write_manifest_seals_and_returns_the_written_model(tmp_path):
+    with Store.create(tmp_path / "st", disks=1, num_layers=1, num_kv_heads=1,
+                      head_dim=4) as s:
+        m = s.committed
+    edited = dataclasses.replace(m, p_global=77, checksum="")
+    out = write_manifest(str(tmp_path / "st"), edited)
+    assert out.checksum and out.checksum != m.checksum
+    assert read_manifest(tmp_path / "st") == out and out.p_global == 77
