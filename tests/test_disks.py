@@ -3,6 +3,7 @@ and giving back space (item 13)."""
 
 import os
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from swarmfs import Store
 from swarmfs import _disks as D
 from swarmfs import _errors as E
 from swarmfs import _format as F
+from swarmfs._manifest import DiskRecord
 from tools.fuzz_store import _raw_manifest
 
 
@@ -241,12 +243,12 @@ def test_truncate_to_cuts_growing_file_disks_back_to_their_end(tmp_path):
     paths = [tmp_path / f"d{i}.img" for i in range(3)]
     for p in paths:
         p.write_bytes(b"\1" * 20000)
-    disks = [{"index": 0, "end": 12288, "capacity": 0},       # grown past its end: cut
-             {"index": 1, "end": 12288, "capacity": 20000},   # fixed capacity: kept
-             {"index": 2, "end": 30000, "capacity": 0}]       # shorter than its end: kept
+    disks = [DiskRecord(0, "d0.img", 12288, 0, ()),        # grown past its end: cut
+             DiskRecord(1, "d1.img", 12288, 20000, ()),    # fixed capacity: kept
+             DiskRecord(2, "d2.img", 30000, 0, ())]        # shorter than its end: kept
     fds = [os.open(p, os.O_RDWR) for p in paths]
     try:
-        D.truncate_to(fds, {"disks": disks})
+        D.truncate_to(fds, types.SimpleNamespace(disks=disks))
     finally:
         for fd in fds:
             os.close(fd)

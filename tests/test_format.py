@@ -20,6 +20,7 @@ from tools.fuzz_store import _raw_manifest, reseal_manifest
 from swarmfs import Store
 from swarmfs import _errors as E
 from swarmfs import _format as F
+from swarmfs._manifest import IndexRecord
 
 
 @pytest.fixture
@@ -425,7 +426,7 @@ def test_index_file_extent_records_round_trip(C, S, seed, gen):
     d = tempfile.mkdtemp()
     try:
         a = _index_arrays(rng, C, 3, S, 16)
-        rec = F.save_index(d, 4, gen, a, meta=_META)
+        rec = IndexRecord(**F.save_index(d, 4, gen, a, meta=_META))
         expect = dict(_META, generation=gen, num_tokens=S, num_clusters=C,
                       num_copies=len(a["members"]), hot_clusters=int(a["hot"].sum()))
         got = F.load_index(d, 4, rec, expect=expect)
@@ -440,8 +441,8 @@ def test_index_file_extent_records_round_trip(C, S, seed, gen):
 def index_file(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("index"))
     a = _index_arrays(np.random.default_rng(5), 6, 3, 20, 16)
-    rec = F.save_index(d, 2, 9, a, meta=_META)
-    path = os.path.join(d, F.INDEX_DIR, rec["file"])
+    rec = IndexRecord(**F.save_index(d, 2, 9, a, meta=_META))
+    path = os.path.join(d, F.INDEX_DIR, rec.file)
     with open(path, "rb") as f:
         data = f.read()
     expect = dict(_META, generation=9, num_tokens=20, num_clusters=6,

@@ -254,6 +254,17 @@ def quality(args, model, tok):
     return out
 
 
+def disks_for(args, i: int, n: int):
+    """The disks of the i-th of n stores: ``--disks`` file disks, or the i-th of n
+    equal shares of ``--disk-paths`` (block devices of the testbed, one store per share)."""
+    if not args.disk_paths:
+        return args.disks
+    k = len(args.disk_paths) // n
+    if k == 0:
+        raise SystemExit(f"--disk-paths: {len(args.disk_paths)} paths for {n} stores")
+    return args.disk_paths[i * k:(i + 1) * k]
+
+
 def throughput(args, model, tok):
     """Dense in-DRAM decoding (DynamicCache) and swarmfs decoding (prefetch
     none / previous) step by step in turn, so that they share the machine's
@@ -267,15 +278,15 @@ def throughput(args, model, tok):
     text = texts(args)[args.kinds[0]]
     ctx = token_ids(tok, text, args.offset + args.context)[:, args.offset:]
     out = {"context": args.context, "steps": args.steps, "ratio": args.ratios[0],
-           "kind": args.kinds[0]}
+           "kind": args.kinds[0], "disks": disks_for(args, 0, 2)}
     names = ["dense", "swarm_prefetch_none", "swarm_prefetch_previous"]
     with tempfile.TemporaryDirectory(dir=args.workdir) as wd, contextlib.ExitStack() as ex, \
             torch.no_grad():
         caches = {"dense": DynamicCache()}
-        for pf in ("none", "previous"):
+        for i, pf in enumerate(("none", "previous")):
             caches[f"swarm_prefetch_{pf}"] = ex.enter_context(hf.SwarmCache(
-                pathlib.Path(wd) / pf, model.config, ratio=args.ratios[0], disks=args.disks,
-                prefetch=pf))
+                pathlib.Path(wd) / pf, model.config, ratio=args.ratios[0],
+                disks=disks_for(args, i, 2), prefetch=pf, force=bool(args.disk_paths)))
         nxt, ms = {}, {n: [] for n in names}
         for n in names:
             model.set_attn_implementation("sdpa") if n == "dense" else hf.enable(model)
@@ -565,6 +576,9 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="+",
                     default=["swarm", "quest", "infllm", "pqcache", "sinks", "oracle"])
     ap.add_argument("--disks", type=int, default=4)
+    ap.add_argument("--disk-paths", nargs="+", default=None,
+                    help="throughput: devices (e.g. the testbed's loop devices), split evenly "
+                         "between the two swarmfs stores; overrides --disks")
     ap.add_argument("--online-window", type=int, default=32,
                     help="W for the online run: steps before a new entry joins (eq. 9)")
     ap.add_argument("--workdir", default=None, help="where the stores go (default $TMPDIR)")

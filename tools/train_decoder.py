@@ -110,8 +110,8 @@ def make_config(args, vocab_size: int, eos_id: int):
         vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
-        max_position_embeddings=32768, rope_theta=500000.0,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        max_position_embeddings=32768, rope_theta=float(args.rope_theta),
+        rope_parameters={"rope_type": "default", "rope_theta": float(args.rope_theta)},
         rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
         initializer_range=0.02, use_cache=True, torch_dtype="float32")
@@ -126,7 +126,7 @@ def make_model(config):
 
 
 def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fraction: float,
-              repeat_prob: float = 0.0):
+              repeat_prob: float = 0.0, repeat_mode: str = "span", vocab: int = 8192):
     """The (batch, seq + 1) int64 windows of step ``step`` (deterministic).
 
     With probability ``repeat_prob`` a window gets a repeated span: a span of
@@ -134,6 +134,11 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
     position (anywhere up to the end of the window), so predicting it pays
     off only by attending back to the first occurrence, at any distance (the
     copy augmentation that makes induction heads form within our budget).
+    With ``repeat_mode="double"`` the window starts with a passage of seq/8 to
+    seq/2 tokens followed by itself (the stronger signal: up to half of the
+    targets are copies, at distances up to seq/2); with ``"random"`` that
+    passage is uniformly random token ids (below ``vocab``), which only
+    copying predicts (the synthetic task on which induction heads form).
     """
     rng = np.random.default_rng([seed, step])
     rows = []
@@ -142,22 +147,33 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
         start = int(rng.integers(0, s.size - seq - 1))
         row = s[start:start + seq + 1].astype(np.int64)
         if repeat_prob > 0 and rng.random() < repeat_prob:
-            n = int(rng.integers(16, max(17, seq // 4)))
-            src = int(rng.integers(0, seq + 1 - 2 * n))
-            dst = int(rng.integers(src + n, seq + 2 - n))
-            row[dst:dst + n] = row[src:src + n]
+            if repeat_mode in ("double", "random"):
+                # a passage followed by itself, then the rest of the window: up to
+                # half of the window's targets are copies at one distance; "random":
+                # the passage is uniformly random tokens, predictable only by copying
+                n = int(rng.integers(max(16, seq // 8), seq // 2 + 1))
+                if repeat_mode == "random":
+                    row[:n] = rng.integers(0, vocab, n)
+                row[n:2 * n] = row[:n]
+            else:
+                n = int(rng.integers(16, max(17, seq // 4)))
+                src = int(rng.integers(0, seq + 1 - 2 * n))
+                dst = int(rng.integers(src + n, seq + 2 - n))
+                row[dst:dst + n] = row[src:src + n]
         rows.append(row)
     return np.stack(rows)
 
 
-def repeat_prob_at(spec: str, step: int) -> float:
-    """``"310:0.5,427:1.0"`` -> the copy-augmentation probability at ``step``."""
-    prob = 0.0
+def repeat_at(spec: str, step: int) -> tuple[float, str]:
+    """``"310:0.5,427:1.0,952:0.5:double"`` -> the copy augmentation at ``step``:
+    (probability, mode), each part in force from its step on (mode ``span``
+    when not given)."""
+    prob, mode = 0.0, "span"
     for part in filter(None, spec.split(",")):
-        start, p = part.split(":")
+        start, p, *m = part.split(":")
         if step >= int(start):
-            prob = float(p)
-    return prob
+            prob, mode = float(p), (m[0] if m else "span")
+    return prob, mode
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float, decay: float) -> float:
@@ -259,8 +275,9 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
         lr = lr_at(step, total, args.lr, args.warmup, args.lr_floor, args.decay)
         for g in opt.param_groups:
             g["lr"] = lr
-        rp = repeat_prob_at(args.repeat, step)
-        x = torch.from_numpy(batch_for(streams, args.seed, step, seq, batch, args.prose_fraction, rp))
+        rp, mode = repeat_at(args.repeat, step)
+        x = torch.from_numpy(batch_for(streams, args.seed, step, seq, batch, args.prose_fraction, rp,
+                                       mode, config.vocab_size))
         t0 = time.time()
         logits = model(input_ids=x[:, :-1], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
@@ -301,8 +318,8 @@ def export(args, tok_path: pathlib.Path, dest: pathlib.Path) -> None:
     eos = tok.token_to_id(EOS)
     state = torch.load(args.out / "ckpt" / "last.pt", map_location="cpu", weights_only=False)
     # the model's shape and the phase plan are the checkpoint's, not this command line's
-    for key in ("hidden", "intermediate", "layers", "heads", "kv_heads", "phases"):
-        setattr(args, key, state["args"][key])
+    for key in ("hidden", "intermediate", "layers", "heads", "kv_heads", "phases", "rope_theta"):
+        setattr(args, key, state["args"].get(key, 500000.0))
     model = make_model(make_config(args, tok.get_vocab_size(), eos))
     model.load_state_dict(state["model"])
     dest.mkdir(parents=True, exist_ok=True)
@@ -373,6 +390,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--rope-theta", type=float, default=500000.0,
+                   help="RoPE base; a resumed run may change it (the model re-adapts)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lr-floor", type=float, default=0.1, help="final LR as a fraction of the peak")
     p.add_argument("--warmup", type=int, default=100)
@@ -382,8 +401,10 @@ def main(argv=None) -> int:
     p.add_argument("--prose-fraction", type=float, default=0.35,
                    help="probability that a sequence is drawn from the prose stream")
     p.add_argument("--repeat", default="",
-                   help="copy augmentation: comma-separated FROM_STEP:PROB, the probability that a "
-                        "window gets a copied span from that step on (see batch_for)")
+                   help="copy augmentation: comma-separated FROM_STEP:PROB[:MODE], the probability "
+                        "that a window gets a copy from that step on; MODE span (default: a copied "
+                        "span), double (a passage followed by itself) or random (random token ids "
+                        "followed by themselves); see batch_for")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ckpt-every", type=float, default=180.0, help="seconds between checkpoints")
