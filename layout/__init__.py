@@ -35,3 +35,11 @@ from ._profile import sample_queries as sample_queries
 from ._quality import RecallReport as RecallReport
 from ._quality import block_clustering as block_clustering
 from ._quality import evaluate_recall as evaluate_recall
+
+__all__ = ["Capture", "capture", "default_model_path", "load_capture", "read_text",
+           "save_capture", "stdlib_text", "Clustering", "ClusterStats", "NeighbourGraph",
+           "build_clusters", "cluster", "coactivation_distance", "eq2_tau",
+           "graph_from_distances", "neighbour_graph", "cluster_scores", "hot_clusters",
+           "local_window", "local_window_mask", "Placement", "copy_locations",
+           "place_clusters", "start_disks", "Profile", "profile_capture", "profile_layer",
+           "sample_queries", "RecallReport", "block_clustering", "evaluate_recall"]

@@ -39,6 +39,7 @@ import time
 import numpy as np
 
 from .._errors import LayoutError, ShapeError
+from ._cluster import _CSR
 
 __all__ = [
     "METHODS",
@@ -59,7 +60,7 @@ METHODS = ("swarm", "no_cluster", "infllm", "pqcache", "quest", "medoid_only", "
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Layout(_CSR):
     """How one method groups a layer's entries, and its index data.
 
     Attributes:
@@ -88,15 +89,8 @@ class Layout:
     seconds: float
 
     @property
-    def num_clusters(self) -> int:
-        return int(self.ptr.shape[0] - 1)
-
-    @property
-    def sizes(self) -> np.ndarray:
-        return np.diff(self.ptr)
-
-    @property
     def num_tokens(self) -> int:
+        """Tokens S the layout covers (highest member + 1)."""
         return int(self.members.max()) + 1 if self.members.size else 0
 
     def summary(self) -> dict:
@@ -117,6 +111,7 @@ class Layout:
 
     @classmethod
     def from_arrays(cls, name, kind, arrays, params, seconds) -> Layout:
+        """A Layout from the arrays of a saved one (``index_*`` keys are its index)."""
         index = {k[6:]: np.asarray(v) for k, v in arrays.items() if k.startswith("index_")}
         return cls(name=name, ptr=np.asarray(arrays["ptr"]),
                    members=np.asarray(arrays["members"]),
@@ -395,7 +390,7 @@ def kmeans_clusters(k, *, mean_size: float = 16.0, chunk: int = 4096, iters: int
     of q . k over the cluster).  Members are ordered by distance to the
     centroid, so the medoid (the first) is the member nearest it.
     """
-    from .._retrieve import single_threaded_blas
+    from .._selectors import single_threaded_blas
     t0 = time.perf_counter()
     k = _check_keys(k)
     S = k.shape[1]

@@ -75,6 +75,11 @@ _register_lock = threading.Lock()
 _registered = False
 
 
+def _dim(array: str, axis: int, doc: str) -> property:
+    """A read-only int property: ``self.<array>.shape[axis]``."""
+    return property(lambda self: int(getattr(self, array).shape[axis]), doc=doc)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Capture:
     """Q, K, V of every captured layer over one long context.
@@ -101,28 +106,15 @@ class Capture:
     token_ids: np.ndarray
     meta: dict
 
-    @property
-    def num_layers(self) -> int:
-        return int(self.k.shape[0])
-
-    @property
-    def num_kv_heads(self) -> int:
-        return int(self.k.shape[1])
-
-    @property
-    def num_query_heads(self) -> int:
-        return int(self.q.shape[1])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.k.shape[2])
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.k.shape[3])
+    num_layers = _dim("k", 0, "Layers L of the capture.")
+    num_kv_heads = _dim("k", 1, "KV heads H_kv per layer.")
+    num_query_heads = _dim("q", 1, "Query heads H_q per layer.")
+    num_tokens = _dim("k", 2, "Tokens S captured.")
+    head_dim = _dim("k", 3, "Head dimension d.")
 
     @property
     def scaling(self) -> float:
+        """Softmax scale of the model's attention (default d**-0.5)."""
         return float(self.meta.get("scaling", self.head_dim ** -0.5))
 
     def kv(self, layer: int) -> np.ndarray:

@@ -164,6 +164,7 @@ class NeighbourGraph:
 
     @property
     def num_edges(self) -> int:
+        """Undirected edges (pairs with d < tau)."""
         return int(self.sim.nnz // 2)
 
 
@@ -614,8 +615,24 @@ class ClusterStats:
     cluster_seconds: float
 
 
+
+class _CSR:
+    """Clusters as CSR arrays ``ptr`` [C+1] and ``members`` [M] (a cluster's
+    members are ``members[ptr[c]:ptr[c+1]]``): what a clustering and a
+    baseline layout share."""
+
+    @property
+    def num_clusters(self) -> int:
+        """Clusters C."""
+        return int(self.ptr.shape[0] - 1)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """int64 [C] cluster sizes in entries."""
+        return np.diff(self.ptr)
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class Clustering:
+class Clustering(_CSR):
     """KV clusters of one layer (CSR), ready for ``Store.write_layer``.
 
     Attributes:
@@ -636,15 +653,6 @@ class Clustering:
     freq: np.ndarray
     idle: np.ndarray
     stats: ClusterStats
-
-    @property
-    def num_clusters(self) -> int:
-        return int(self.ptr.shape[0] - 1)
-
-    @property
-    def sizes(self) -> np.ndarray:
-        """int64 [C] cluster sizes."""
-        return np.diff(self.ptr)
 
     def cluster(self, c: int) -> np.ndarray:
         """int64 token ids of cluster ``c`` (medoid first)."""

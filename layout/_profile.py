@@ -28,20 +28,21 @@ dense matrix; ``_cluster`` evaluates them for candidate pairs only.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
 import scipy.sparse as sp
 
+from .._defaults import RATIO
 from .._errors import LayoutError, ShapeError
+from .._selectors import single_threaded_blas as one_blas_thread
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_RATIO", "Profile", "aggregate_scores",
            "entry_bitsets", "one_blas_thread", "pair_intersections", "popcount_rows",
            "profile_capture", "profile_layer", "sample_queries"]
 
 #: Default sparsity ratio r (SWARM §8.1: all methods at 10%).
-DEFAULT_RATIO = 0.10
+DEFAULT_RATIO = RATIO
 #: Default cap on profiled query positions per layer.
 DEFAULT_MAX_QUERIES = 2048
 
@@ -66,6 +67,7 @@ class Profile:
 
     @property
     def num_queries(self) -> int:
+        """Profiled query positions."""
         return int(self.queries.shape[0])
 
     def activation_counts(self) -> np.ndarray:
@@ -142,21 +144,6 @@ def pair_intersections(bits: np.ndarray, i: np.ndarray, j: np.ndarray,
         b = min(a + chunk, i.shape[0])
         out[a:b] = popcount_rows(bits[i[a:b]] & bits[j[a:b]])
     return out
-
-
-def one_blas_thread():
-    """Context in which numpy's BLAS uses one thread (threadpoolctl, if present).
-
-    The products here are skinny ([batch, d] x [d, S]); on a few shared cores a
-    multi-threaded OpenBLAS spends its time synchronising: profiling 16K
-    tokens took 7.4 s with the default pool and 0.49 s on one thread while
-    another process was busy.
-    """
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:                                       # pragma: no cover
-        return contextlib.nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
 
 
 def sample_queries(num_tokens: int, max_queries: int = DEFAULT_MAX_QUERIES,

@@ -1,11 +1,12 @@
 """Retrieval quality of a clustering: attention-mass recall vs the oracle top-k.
 
 Does what decoding does with a SWARM layout (§5.2, §6), with the same
-functions: the local window (:func:`swarmfs._selectors.window_size`) is always
+functions: the local window (:func:`swarmfs._window.window_size`) is always
 in DRAM; clusters are then taken in descending medoid score until the selection
-holds the budget ``ceil(r * S)`` of distinct entries
-(:func:`swarmfs._selectors.select_clusters`: the window counts against it,
-replicas and window entries count once, the last cluster is taken whole).
+holds the budget :func:`swarmfs._window.entry_budget` ``ceil(r * S)`` of
+distinct entries (:func:`swarmfs._stages.choose`, the Retriever's select
+stage: the window counts against it, replicas and window entries count once,
+the last cluster is taken whole).
 
 For a held-out query (one never used for profiling) that sees all ``S``
 context entries, let ``p(j) = (1 / H_q) sum_h softmax_j(q_h . k_{g(h), j} *
@@ -24,13 +25,14 @@ the medoids instead.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
+from .._defaults import LOCAL_WINDOW, RATIO
 from .._errors import LayoutError, ShapeError
-from .._report import attention_recall
-from .._selectors import _select, window_size
+from .._report import attention_recall, oracle_mass
+from .._stages import choose
+from .._window import entry_budget, window_mask, window_size
 from ._profile import aggregate_scores, one_blas_thread
 
 __all__ = ["RecallReport", "block_clustering", "evaluate_recall"]
@@ -59,6 +61,7 @@ class RecallReport:
 
     @property
     def mean(self) -> float:
+        """Mean recall over the held-out queries."""
         return float(self.recall.mean())
 
     @property
@@ -87,8 +90,8 @@ def block_clustering(num_tokens: int, block: int):
     return ns
 
 
-def evaluate_recall(clustering, q_eval, k, *, ratio: float = 0.10,
-                    local_window: int = 256, score: str = "prob",
+def evaluate_recall(clustering, q_eval, k, *, ratio: float = RATIO,
+                    local_window: int = LOCAL_WINDOW, score: str = "prob",
                     scaling: float | None = None, batch: int = 64) -> RecallReport:
     """Attention-mass recall of medoid-based cluster retrieval (see module doc).
 
@@ -130,12 +133,11 @@ def evaluate_recall(clustering, q_eval, k, *, ratio: float = 0.10,
     if score not in ("logit", "prob"):
         raise LayoutError(f"score must be 'logit' or 'prob', got {score!r}")
     scaling = d ** -0.5 if scaling is None else float(scaling)
-    budget = max(1, math.ceil(ratio * S - 1e-9))
+    budget = entry_budget(ratio, S)
     W = window_size(local_window, budget, S)
     sizes = np.diff(ptr)
     kmed = k[:, medoids]                                    # [H_kv, C, d]
-    in_win = np.zeros(S, bool)
-    in_win[S - W:] = True
+    in_win = window_mask(S, W)
     with one_blas_thread():
         return _evaluate(ptr, members, medoids, sizes, q_eval, k, kmed, in_win, budget, W,
                          score, scaling, batch)
@@ -161,17 +163,17 @@ def _evaluate(ptr, members, medoids, sizes, q_eval, k, kmed, in_win, budget, W, 
             for h in range(H_q):
                 ms += qb[h] @ kmed[h // g].T
         for r in range(qb.shape[1]):
-            sel = _select(ms[r], ptr, members, S, budget, W)
-            c = sel.clusters.shape[0]
-            n = sizes[sel.clusters]
-            idx = np.repeat(ptr[sel.clusters] - (np.cumsum(n) - n), n) + np.arange(n.sum())
+            chosen = choose(ms[r], ptr, members, S, budget, W)
+            c = chosen.shape[0]
+            n = sizes[chosen]
+            idx = np.repeat(ptr[chosen] - (np.cumsum(n) - n), n) + np.arange(n.sum())
             toks = np.union1d(members[idx], np.flatnonzero(in_win))
             pr = p[r]
             recall[a + r], _, top = attention_recall(pr, toks, budget)
             m = toks.shape[0]
             selected[a + r] = m
             nread[a + r] = c
-            omass[a + r] = np.partition(pr, S - budget)[S - budget:].sum(dtype=np.float64)
+            omass[a + r] = oracle_mass(pr, budget)
             rest = pr[S - W:S].sum(dtype=np.float64)
             extra = m - W
             if extra > 0:

@@ -47,4 +47,13 @@ from ._retrieve import RetrievalStats as RetrievalStats
 from ._retrieve import Retriever as Retriever
 from ._store import StoreStats as StoreStats
 
+__all__ = ["DiskStats", "Engine", "EngineStats", "ChecksumError", "ConcurrentUseError",
+           "ConfigError", "DiskError", "DiskFullError", "DiskMismatchError",
+           "DiskMissingError", "DiskTruncatedError", "IOFailedError", "InternalError",
+           "InvalidArgumentError", "LayoutError", "ManifestError", "MisalignedRequestError",
+           "ModelError", "MountError", "NotFoundError", "OutOfRangeError", "ShapeError",
+           "StoreExistsError", "StoreNotFoundError", "SwarmError", "LayerIndex",
+           "DecodeSession", "PipelinedStep", "pipelined_step", "StepResult", "Plan",
+           "plan_reads", "Store", "Retrieval", "RetrievalStats", "Retriever", "StoreStats"]
+
 __version__ = "0.1.0"

@@ -9,11 +9,14 @@ import sys
 import click
 import numpy as np
 
-from . import _errors as E
+from . import _defaults as defaults
+from . import _errors as errors
 
 ENGINE_OPT = click.option("--engine", type=click.Choice(["auto", "io_uring", "threads"]),
                           default=None, help="I/O engine (default: $SWARMFS_ENGINE or auto).")
 
+
+__all__ = ["main"]
 
 #: exit statuses: 0 ok, 1 a user error or damaged store (SwarmError), 2 a
 #: malformed command line (click), 3 an internal error (a bug in swarmfs)
@@ -30,7 +33,7 @@ def _fail(exc) -> None:
 
 
 def _internal(exc: BaseException) -> None:
-    what = exc.message if isinstance(exc, E.InternalError) else \
+    what = exc.message if isinstance(exc, errors.InternalError) else \
         f"{type(exc).__name__}: {exc}"
     click.echo(f"swarmfs: internal error: {what}".splitlines()[0], err=True)
     click.echo("swarmfs: this is a bug in swarmfs, not in your input; rerun with "
@@ -56,11 +59,11 @@ class _Group(click.Group):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             sys.exit(1)
-        except E.InternalError as exc:
+        except errors.InternalError as exc:
             if os.environ.get("SWARMFS_DEBUG"):
                 raise
             _internal(exc)
-        except E.SwarmError as exc:
+        except errors.SwarmError as exc:
             if os.environ.get("SWARMFS_DEBUG"):
                 raise
             _fail(exc)
@@ -81,8 +84,8 @@ def _write_out(path: str, write) -> None:
         with open(path, "wb") as f:
             write(f)
     except OSError as exc:
-        cls = E.DiskFullError if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) \
-            else E.IOFailedError
+        cls = errors.DiskFullError if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) \
+            else errors.IOFailedError
         raise cls(f"cannot write the output file: {exc.strerror}", path=path) from None
 
 
@@ -271,15 +274,15 @@ def _too_big():
 def _layout_options(f):
     """Options shared by build and demo (offline layout, SWARM §5)."""
     opts = [
-        click.option("--ratio", type=float, default=0.10, show_default=True,
+        click.option("--ratio", type=float, default=defaults.RATIO, show_default=True,
                      help="Sparsity ratio r: profile top-k and retrieval budget (§8.1)."),
         click.option("--tau", type=float, default=None,
                      help="Clustering radius in (0, 1] (default: the layout's)."),
         click.option("--metric", type=click.Choice(["jaccard", "eq2"]), default=None,
                      help="Co-activation distance (default jaccard; eq2 = paper eq. 2-3)."),
-        click.option("--local-window", type=int, default=256, show_default=True,
+        click.option("--local-window", type=int, default=defaults.LOCAL_WINDOW, show_default=True,
                      help="Tokens kept in DRAM (§5.2)."),
-        click.option("--hot-fraction", type=float, default=0.02, show_default=True,
+        click.option("--hot-fraction", type=float, default=defaults.HOT_FRACTION, show_default=True,
                      help="DRAM budget for hot clusters, fraction of a layer's KV bytes (eq. 6)."),
     ]
     for o in reversed(opts):
@@ -290,13 +293,13 @@ def _layout_options(f):
 def _params(ratio, tau, metric, local_window, hot_fraction):
     from ._demo import LayoutParams
     if not 0 < ratio <= 1:
-        raise E.LayoutError(f"--ratio must be in (0, 1], got {ratio}")
+        raise errors.LayoutError(f"--ratio must be in (0, 1], got {ratio}")
     if tau is not None and not 0 < tau <= 1:
-        raise E.LayoutError(f"--tau must be in (0, 1], got {tau}")
+        raise errors.LayoutError(f"--tau must be in (0, 1], got {tau}")
     if not 0 <= hot_fraction <= 1:      # also refuses NaN
-        raise E.LayoutError(f"--hot-fraction must be in [0, 1], got {hot_fraction}")
+        raise errors.LayoutError(f"--hot-fraction must be in [0, 1], got {hot_fraction}")
     if local_window < 0:
-        raise E.LayoutError(f"--local-window must be >= 0, got {local_window}")
+        raise errors.LayoutError(f"--local-window must be >= 0, got {local_window}")
     return LayoutParams(ratio=ratio, tau=tau, metric=metric, local_window=local_window,
                         hot_fraction=hot_fraction)
 
@@ -325,7 +328,7 @@ def capture(model, text_file, max_tokens, dtype, out):
     try:
         C.save_capture(out, cap)
     except OSError as exc:
-        raise E.IOFailedError(f"cannot write the capture: {exc.strerror}", path=out) from None
+        raise errors.IOFailedError(f"cannot write the capture: {exc.strerror}", path=out) from None
     click.echo(f"wrote {out}: {cap.num_layers} layers, {cap.num_tokens} tokens, "
                f"{cap.num_kv_heads} KV heads / {cap.num_query_heads} query heads x "
                f"{cap.head_dim}, {cap.k.dtype}")
@@ -554,7 +557,7 @@ def _step_table(rows, title, max_rows=24):
 @click.option("--prompt-file", type=click.Path(), required=True, help="Prompt text file.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Tokens to generate (greedy).")
-@click.option("--ratio", type=float, default=0.10, show_default=True,
+@click.option("--ratio", type=float, default=defaults.RATIO, show_default=True,
               help="Sparsity ratio r: profile top-k and per-step entry budget (§8.1).")
 @click.option("--disks", type=int, default=None,
               help="Number of file disks under STORE/disks (default 4; not with --disk).")
@@ -587,12 +590,13 @@ def generate(model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store
         raise click.UsageError("give either --disks N (disk files under STORE/disks) or "
                                "--disk PATH ..., not both")
     if not 0 < ratio <= 1:
-        raise E.LayoutError(f"--ratio must be in (0, 1], got {ratio}")
+        raise errors.LayoutError(f"--ratio must be in (0, 1], got {ratio}")
     try:
         with open(prompt_file, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
-        raise E.InvalidArgumentError(f"cannot read --prompt-file {prompt_file}: {exc}") from None
+        raise errors.InvalidArgumentError(f"cannot read --prompt-file {prompt_file}: "
+                                          f"{exc}") from None
     dk = list(disk_paths) or disks or 4
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()

@@ -19,17 +19,17 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 
 import numpy as np
 
-from . import _errors as E
+from . import _defaults as defaults
+from . import _errors as errors
 from ._report import evaluate_query, summarize
 from ._retrieve import Retriever
-from ._selectors import window_size
 from ._store import Store
+from ._window import entry_budget, stored_window
 
 __all__ = ["LayoutParams", "build_store", "evaluate_store", "run_demo"]
 
@@ -50,23 +50,21 @@ class LayoutParams:
         t_base_us, t_transfer_us: eq. 6 costs: SSD access latency and
             per-entry transfer time (µs).
     """
-    ratio: float = 0.10
+    ratio: float = defaults.RATIO
     tau: float | None = None
     metric: str | None = None
     max_queries: int | None = None
-    local_window: int = 256
-    hot_fraction: float = 0.02
-    t_base_us: float = 80.0
-    t_transfer_us: float = 2.0
+    local_window: int = defaults.LOCAL_WINDOW
+    hot_fraction: float = defaults.HOT_FRACTION
+    t_base_us: float = defaults.T_BASE_US
+    t_transfer_us: float = defaults.T_TRANSFER_US
 
 
 def local_window(params: LayoutParams, num_tokens: int) -> int:
-    """W stored for a context: the retrieval rule
-    :func:`~swarmfs._selectors.window_size` at the layout's budget
-    ceil(r x S) (at most a quarter of it, so that on short contexts the
-    clusters the query selects, not the recency window, fill the budget; the
-    paper's 256-token window is under 1% of its 32K-1M contexts)."""
-    return window_size(params.local_window, math.ceil(params.ratio * num_tokens), num_tokens)
+    """W stored for a context of ``num_tokens`` laid out with ``params``:
+    :func:`swarmfs._window.stored_window` (the retrieval's window rule at the
+    layout's budget ceil(r x S))."""
+    return stored_window(params.local_window, params.ratio, num_tokens)
 
 
 def _layout_layer(q, k, *, params: LayoutParams, scaling: float, layer: int,
@@ -113,8 +111,8 @@ def build_store(cap, store_path, *, disks=4, params: LayoutParams = LayoutParams
     from tqdm import tqdm
     S = cap.num_tokens if context is None else int(context)
     if not 0 < S <= cap.num_tokens:
-        raise E.LayoutError(f"context of {S} tokens outside the capture's "
-                            f"{cap.num_tokens}")
+        raise errors.LayoutError(f"context of {S} tokens outside the capture's "
+                                 f"{cap.num_tokens}")
     meta = cap.meta
     dtype = str(cap.k.dtype) if str(cap.k.dtype) in ("float16", "float32") else "bfloat16"
     store = Store.create(store_path, disks=disks, num_layers=cap.num_layers,
@@ -156,7 +154,7 @@ def evaluate_store(store: Store, cap, *, context: int, eval_positions, ratio: fl
         select_us (score + choice), plan_us, dram_bytes.
     """
     from tqdm import tqdm
-    r = Retriever(store, sparsity=ratio)
+    r = Retriever(store, ratio=ratio)
     out = {}
     S = int(context)
     for layer in tqdm(store.layers, desc="retrieve", unit="layer", disable=None if progress else True):
@@ -203,26 +201,26 @@ def run_demo(workdir: str, *, model=None, text=None, text_source=None, disks: in
     """
     from .layout import _capture
     if not 1 <= int(disks) <= 256:
-        raise E.LayoutError(f"a store has 1 to 256 disks, got {disks}")
+        raise errors.LayoutError(f"a store has 1 to 256 disks, got {disks}")
     if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise E.StoreExistsError("demo directory exists and is not a directory", store=workdir)
+        raise errors.StoreExistsError("demo directory exists and is not a directory", store=workdir)
     if os.path.isdir(workdir) and os.listdir(workdir) and \
             not os.path.exists(os.path.join(workdir, "manifest.json")):
-        raise E.StoreExistsError("demo directory is not empty and holds no swarmfs store; "
-                                 "choose another --dir", store=workdir)
+        raise errors.StoreExistsError("demo directory is not empty and holds no swarmfs store; "
+                                      "choose another --dir", store=workdir)
     if int(eval_queries) < 1:
-        raise E.ConfigError(f"--eval-queries must be at least 1, got {eval_queries}")
+        raise errors.ConfigError(f"--eval-queries must be at least 1, got {eval_queries}")
     if int(context) + int(eval_queries) < _capture.MIN_TOKENS:
-        raise E.ConfigError(f"--context {context} plus --eval-queries {eval_queries} is below "
-                            f"the minimum of {_capture.MIN_TOKENS} tokens")
+        raise errors.ConfigError(f"--context {context} plus --eval-queries {eval_queries} is below "
+                                 f"the minimum of {_capture.MIN_TOKENS} tokens")
     t0 = time.perf_counter()
     total = context + eval_queries
     cap = _capture.capture(model, text, max_tokens=total, progress=progress,
                            text_source=text_source)
     if cap.num_tokens < total:
         if cap.num_tokens <= eval_queries + 256:
-            raise E.ModelError(f"text gives {cap.num_tokens} tokens; the demo needs at "
-                               f"least {eval_queries + 257} (context + held-out queries)")
+            raise errors.ModelError(f"text gives {cap.num_tokens} tokens; the demo needs at "
+                                    f"least {eval_queries + 257} (context + held-out queries)")
         import warnings
         warnings.warn(f"swarmfs demo: the text gives {cap.num_tokens} tokens; storing a "
                       f"context of {cap.num_tokens - eval_queries} instead of {context}",
@@ -243,7 +241,7 @@ def run_demo(workdir: str, *, model=None, text=None, text_source=None, disks: in
     return {
         "model": cap.meta.get("model"), "text": cap.meta.get("text_source"),
         "context_tokens": int(context), "eval_queries": int(eval_queries),
-        "ratio": params.ratio, "budget": int(math.ceil(params.ratio * context)),
+        "ratio": params.ratio, "budget": entry_budget(params.ratio, context),
         "local_window": params.local_window, "disks": disks,
         "store": {"path": info["path"], "engine": info["engine"],
                   "entry_bytes": info["entry_bytes"], "kv_bytes": info["kv_bytes"],

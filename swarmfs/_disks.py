@@ -488,6 +488,7 @@ class ReaderLease:
         return lo
 
     def close(self) -> None:
+        """Release the lease: close its lock file (idempotent)."""
         with self._mutex:
             if self.fd is not None:
                 os.close(self.fd)

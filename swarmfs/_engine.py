@@ -216,6 +216,7 @@ class AlignedBuffer:
         self.address = self.array.ctypes.data
 
     def cdata(self):
+        """The buffer as a cffi ``char *`` (for the native calls)."""
         return ffi.cast("char *", self.address)
 
     def release(self) -> None:
@@ -497,7 +498,7 @@ class Engine:
         return buf
 
     # -- execution -------------------------------------------------------
-    def check(self, disk, off, length, dst=None, *, buf_address: int = 0,
+    def check(self, disk, off, length, buf_off=None, *, buf_address: int = 0,
               layer=None, cluster=None) -> None:
         """Vectorised O_DIRECT alignment and disk-index checks.
 
@@ -518,19 +519,19 @@ class Engine:
         bs = self.block_sizes[disk]
         mis = (np.asarray(off, dtype=np.uint64) % bs != 0) | \
               (np.asarray(length, dtype=np.uint64) % bs != 0)
-        if dst is not None:
-            mis |= (np.asarray(dst, dtype=np.uint64) + np.uint64(buf_address)) % bs != 0
+        if buf_off is not None:
+            mis |= (np.asarray(buf_off, dtype=np.uint64) + np.uint64(buf_address)) % bs != 0
         if mis.any():
             i = int(np.flatnonzero(mis)[0])
             d = int(disk[i])
             raise E.MisalignedRequestError(
                 f"request {i} (offset {int(off[i])}, length {int(length[i])}"
-                + (f", buffer offset {int(dst[i])}" if dst is not None else "")
+                + (f", buffer offset {int(buf_off[i])}" if buf_off is not None else "")
                 + f") is not aligned to the {int(bs[i])}-byte logical block size",
                 store=self.store, disk=d, path=self.names[d], layer=layer,
                 cluster=cluster)
 
-    def execute(self, op: int, disk, off, length, dst, buf: AlignedBuffer, *,
+    def execute(self, op: int, disk, off, length, buf_off, buf: AlignedBuffer, *,
                 layer=None, cluster=None, check: bool = True) -> np.ndarray:
         """Execute a whole plan in one native call.
 
@@ -542,7 +543,7 @@ class Engine:
             disk: int32 [n] disk index per request.
             off: uint64 [n] byte offset on the disk.
             length: uint32 [n] bytes per request.
-            dst: uint64 [n] byte offset into ``buf``.
+            buf_off: uint64 [n] byte offset into ``buf``.
             buf: the buffer all requests read into / write from.
 
         Returns:
@@ -568,13 +569,13 @@ class Engine:
         disk = np.ascontiguousarray(disk, dtype=np.int32)
         off = np.ascontiguousarray(off, dtype=np.uint64)
         length = np.ascontiguousarray(length, dtype=np.uint32)
-        dst = np.ascontiguousarray(dst, dtype=np.uint64)
+        buf_off = np.ascontiguousarray(buf_off, dtype=np.uint64)
         n = disk.shape[0]
-        if not (off.shape[0] == length.shape[0] == dst.shape[0] == n):
+        if not (off.shape[0] == length.shape[0] == buf_off.shape[0] == n):
             raise E.InvalidArgumentError("plan arrays differ in length", store=self.store,
                                          layer=layer, cluster=cluster)
         if check:
-            self.check(disk, off, length, dst, buf_address=buf.address,
+            self.check(disk, off, length, buf_off, buf_address=buf.address,
                        layer=layer, cluster=cluster)
         status = np.empty(n, dtype=np.int32)
         if n == 0:
@@ -584,7 +585,7 @@ class Engine:
             failed = lib.se_execute(
                 ptr, op, n,
                 ffi.from_buffer("int32_t[]", disk), ffi.from_buffer("uint64_t[]", off),
-                ffi.from_buffer("uint32_t[]", length), ffi.from_buffer("uint64_t[]", dst),
+                ffi.from_buffer("uint32_t[]", length), ffi.from_buffer("uint64_t[]", buf_off),
                 buf.cdata(), buf.size, buf.slot,
                 ffi.from_buffer("int32_t[]", status, require_writable=True), info)
         if info.abandoned:

@@ -99,9 +99,9 @@ def _fuse_options(store_path: str, *, allow_other: bool, debug: bool) -> set:
     return opts
 
 
-def _bdi_of(mountpoint: str) -> str | None:
-    """``MAJOR:MINOR`` of the mount at ``mountpoint`` (its backing device
-    info in /sys/class/bdi), from /proc/self/mountinfo: no FUSE request."""
+def _mountinfo(mountpoint: str):
+    """The last record of /proc/self/mountinfo for ``mountpoint``, as (fields
+    before the " - " separator, fields after it), or None (no FUSE request)."""
     want = os.path.abspath(mountpoint)
     try:
         with open("/proc/self/mountinfo") as f:
@@ -110,11 +110,19 @@ def _bdi_of(mountpoint: str) -> str | None:
         return None
     found = None
     for line in lines:
-        fields = line.split()
+        left, _, right = line.partition(" - ")
+        fields = left.split()
         if len(fields) > 4 and re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)),
                                       fields[4]) == want:
-            found = fields[2]
+            found = (fields, right.split())
     return found
+
+
+def _bdi_of(mountpoint: str) -> str | None:
+    """``MAJOR:MINOR`` of the mount at ``mountpoint`` (its backing device
+    info in /sys/class/bdi), from /proc/self/mountinfo: no FUSE request."""
+    rec = _mountinfo(mountpoint)
+    return rec[0][2] if rec else None
 
 
 def _set_kernel_readahead(mountpoint: str, nbytes: int) -> None:
@@ -358,23 +366,11 @@ def _spawn(store_path, mountpoint, *, allow_other, debug, direct_io, threads, re
 def _mount_entry(mountpoint: str):
     """``(fstype, source)`` of the mount at ``mountpoint`` from
     /proc/self/mountinfo, or None."""
-    want = os.path.abspath(mountpoint)
-    try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
+    rec = _mountinfo(mountpoint)
+    if rec is None:
         return None
-    found = None
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields = left.split()
-        if len(fields) < 5:
-            continue
-        mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-        if mp == want:
-            rf = right.split()
-            found = (rf[0] if rf else "", rf[1] if len(rf) > 1 else "")
-    return found
+    rf = rec[1]
+    return (rf[0] if rf else "", rf[1] if len(rf) > 1 else "")
 
 
 def default_log_file(mountpoint) -> str:

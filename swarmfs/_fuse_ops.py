@@ -237,6 +237,8 @@ class SwarmFS(pyfuse3.Operations):
     # -- namespace ---------------------------------------------------------------
     @_handler
     async def lookup(self, parent_inode, name, ctx=None):
+        """FUSE lookup: the entry of ``name`` in directory ``parent_inode``
+        (lookup count +1); ENOENT if none."""
         tree, parent = self._resolve(parent_inode)
         if parent.kind not in DIR_KINDS:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
@@ -262,12 +264,14 @@ class SwarmFS(pyfuse3.Operations):
 
     @_handler
     async def getattr(self, inode, ctx=None):
+        """FUSE getattr: the attributes of ``inode``."""
         self._count("getattrs")
         tree, node = self._resolve(inode)
         return await self._entry(tree, node)
 
     @_handler
     async def opendir(self, inode, ctx):
+        """FUSE opendir: a handle for reading directory ``inode``; ENOTDIR if not one."""
         _, node = self._resolve(inode)
         if node.kind not in DIR_KINDS:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
@@ -333,10 +337,12 @@ class SwarmFS(pyfuse3.Operations):
             c = stop
 
     async def releasedir(self, fh):
+        """FUSE releasedir: nothing to free (directory handles hold no state)."""
         pass
 
     @_handler
     async def statfs(self, ctx):
+        """FUSE statfs: sizes of the store (read-only filesystem)."""
         tree = self.tree
         s = pyfuse3.StatvfsData()
         bs = int(self.store.block_size)
@@ -364,6 +370,7 @@ class SwarmFS(pyfuse3.Operations):
 
     @_handler
     async def open(self, inode, flags, ctx):
+        """FUSE open: a handle for reading ``inode`` (read-only: EACCES/EROFS for writes)."""
         tree, node = self._resolve(inode)
         if node.kind in DIR_KINDS:
             raise pyfuse3.FUSEError(errno.EISDIR)
@@ -396,6 +403,8 @@ class SwarmFS(pyfuse3.Operations):
 
     @_handler
     async def read(self, fh, off, size):
+        """FUSE read: ``size`` bytes at ``off`` of the open file ``fh`` (the
+        full length except at EOF)."""
         try:
             node, tree, snapshot, stream = self._handles[fh]
         except KeyError:
@@ -426,9 +435,11 @@ class SwarmFS(pyfuse3.Operations):
         return head + bytes(await self.kv.read(stream, 0, size - len(head)))
 
     async def flush(self, fh):
+        """FUSE flush: nothing to write back (read-only)."""
         pass
 
     async def release(self, fh):
+        """FUSE release: free the open file ``fh``."""
         entry = self._handles.pop(fh, None)
         if entry is not None:
             if entry[3] is not None:
@@ -561,19 +572,15 @@ class SwarmFS(pyfuse3.Operations):
                 items.append((clusters_ino, name + b".npy"))
         return items
 
-    # -- everything that would change the tree ----------------------------------
-    setattr = _erofs("setattr")
-    mknod = _erofs("mknod")
-    mkdir = _erofs("mkdir")
-    unlink = _erofs("unlink")
-    rmdir = _erofs("rmdir")
-    symlink = _erofs("symlink")
-    rename = _erofs("rename")
-    link = _erofs("link")
-    write = _erofs("write")
-    create = _erofs("create")
-    setxattr = _erofs("setxattr")
-    removexattr = _erofs("removexattr")
+    # -- everything that would change the tree: EROFS (set below) --------------
+
+
+#: The operations that would change the tree; each refuses with EROFS.
+_CHANGING = ("setattr", "mknod", "mkdir", "unlink", "rmdir", "symlink", "rename", "link",
+             "write", "create", "setxattr", "removexattr")
+for _op in _CHANGING:
+    setattr(SwarmFS, _op, _erofs(_op))
+del _op
 
 
 def _invalidate(items) -> int:

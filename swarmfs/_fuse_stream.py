@@ -74,6 +74,7 @@ class BufferPool:
 
     @property
     def idle_bytes(self) -> int:
+        """Bytes held by free buffers kept for reuse."""
         return sum(k * len(v) for k, v in self._free.items())
 
 
@@ -293,6 +294,7 @@ class KVReader:
             self._drop(stream.windows.popleft())
 
     def stats(self) -> dict:
+        """Counters of the reader, pool usage and its settings (a dict copy)."""
         out = dict(self.counters)
         out.update(pool_budget=self.pool.budget, pool_allocated=self.pool.allocated,
                    window_max=self.window_max, depth=self.depth, engines=len(self.engines))

@@ -269,6 +269,7 @@ class LookupCounts:
         return arr
 
     def add(self, ino: int, n: int = 1) -> None:
+        """Add ``n`` to the kernel's lookup count of ``ino``."""
         arr, i = self._slot(ino, True)
         if arr is not None:
             arr[i] += n
@@ -299,6 +300,7 @@ class LookupCounts:
             self.total -= take
 
     def get(self, ino: int) -> int:
+        """The lookup count of ``ino`` (0 if unknown)."""
         arr, i = self._slot(ino, False)
         return int(arr[i]) if arr is not None else 0
 
@@ -472,6 +474,7 @@ class Tree:
 
     # -- layers ---------------------------------------------------------------
     def num_clusters(self, layer: int) -> int:
+        """Clusters of ``layer`` in the mounted generation."""
         return self._num_clusters[layer]
 
     def load_layer(self, layer: int):
@@ -479,6 +482,7 @@ class Tree:
         return self._li[layer]
 
     def cluster_width(self, layer: int) -> int:
+        """Digits of the cluster directory names of ``layer`` (zero-padded)."""
         return self._cluster_width[layer]
 
     def npy_sizes(self, layer: int) -> np.ndarray:
@@ -487,9 +491,11 @@ class Tree:
 
     # -- names ----------------------------------------------------------------
     def layer_name(self, layer: int) -> bytes:
+        """Directory name of ``layer`` (zero-padded decimal)."""
         return b"%0*d" % (self.layer_width, layer)
 
     def cluster_name(self, layer: int, cid: int) -> bytes:
+        """Directory name of cluster ``cid`` of ``layer`` (zero-padded decimal)."""
         return b"%0*d" % (self._cluster_width[layer], cid)
 
     @staticmethod
@@ -636,6 +642,7 @@ class Tree:
                     self.kv_blksize if k in KV_KINDS or k == MEDOIDS else 4096)
 
     def kv_npy_header(self, layer: int, cid: int) -> bytes:
+        """The ``.npy`` header of cluster ``cid``'s KV file (cached per size)."""
         n = int(self._li[layer].sizes[cid])
         h = self._hdr_cache.get(n)
         if h is None:
@@ -645,6 +652,7 @@ class Tree:
         return h
 
     def size(self, node: Node) -> int:
+        """File size in bytes of ``node`` (0 for directories)."""
         k = node.kind
         if k == MANIFEST:
             return len(self.manifest_bytes)
@@ -707,6 +715,7 @@ class Tree:
         return data
 
     def disk_info(self, i: int) -> dict:
+        """What ``disks/<i>/info.json`` holds: path, size, usage and counters of disk ``i``."""
         st = self._store_stats().engine.disks[i]
         rec = self._disk_recs[i]
         return {"index": i, "path": self.store.disk_paths[i],

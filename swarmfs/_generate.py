@@ -24,10 +24,11 @@ import time
 
 import numpy as np
 
-from . import _errors as E
+from . import _defaults as defaults
+from . import _errors as errors
 
 __all__ = ["default_model_dir", "heldout_input", "load_model", "recall_report", "run_demo",
-           "run_evaluate", "run_generate"]
+           "run_evaluate", "run_generate", "teacher_force"]
 
 
 def default_model_dir() -> pathlib.Path:
@@ -41,8 +42,8 @@ def default_model_dir() -> pathlib.Path:
     except ImportError:
         DEFAULT_DECODER = None
     if DEFAULT_DECODER is None or not pathlib.Path(DEFAULT_DECODER, "config.json").exists():
-        raise E.ModelError("no default decoder is installed (swarmfs.models.DEFAULT_DECODER); "
-                           "pass --model DIR (a local transformers causal LM)")
+        raise errors.ModelError("no default decoder is installed (swarmfs.models.DEFAULT_DECODER); "
+                                "pass --model DIR (a local transformers causal LM)")
     return pathlib.Path(DEFAULT_DECODER)
 
 
@@ -65,14 +66,14 @@ def load_model(model_dir=None, dtype: str | None = None):
     from . import hf
     path = pathlib.Path(model_dir) if model_dir is not None else default_model_dir()
     if not (path / "config.json").exists():
-        raise E.ModelError(f"{path} is not a model directory (no config.json)")
+        raise errors.ModelError(f"{path} is not a model directory (no config.json)")
     tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            None: torch.float32}[dtype]
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=tdt)
     except (OSError, ValueError, KeyError) as exc:
-        raise E.ModelError(f"cannot load a causal LM from {path}: {exc}") from None
+        raise errors.ModelError(f"cannot load a causal LM from {path}: {exc}") from None
     hf.enable(model)
     return model.eval(), tok
 
@@ -81,7 +82,7 @@ def _tokens(tok, text: str):
     import torch
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     if ids.shape[1] == 0:
-        raise E.InvalidArgumentError("the prompt has no tokens")
+        raise errors.InvalidArgumentError("the prompt has no tokens")
     return ids.to(torch.long)
 
 
@@ -131,7 +132,7 @@ class _StoreDir:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def run_generate(prompt: str, *, model_dir=None, store=None, disks=4, ratio: float = 0.1,
+def run_generate(prompt: str, *, model_dir=None, store=None, disks=4, ratio: float = defaults.RATIO,
                  max_new_tokens: int = 64, force: bool = False, engine=None,
                  prefetch: str = "none", dtype=None, on_text=None) -> dict:
     """Prefill ``prompt`` onto a new store and decode greedily.
@@ -155,7 +156,7 @@ def run_generate(prompt: str, *, model_dir=None, store=None, disks=4, ratio: flo
     import torch
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
             max_new_tokens < 1:
-        raise E.InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
+        raise errors.InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
     model, tok = load_model(model_dir, dtype)
     ids = _tokens(tok, prompt)
     with _StoreDir(store) as path:
@@ -189,6 +190,28 @@ def _nll(logits, targets) -> np.ndarray:
     import torch
     lp = torch.log_softmax(logits.float(), dim=-1)
     return (-lp.gather(-1, targets[:, None])[:, 0]).numpy().astype(np.float64)
+
+
+def teacher_force(model, ctx, cont, cache, steps: int):
+    """Prefill ``ctx`` [1, S] into ``cache``, then decode ``steps`` tokens one
+    step each, fed the true continuation ``cont`` [n] (teacher forcing).
+
+    Returns:
+        (logits [steps + 1, vocab] torch: the prefill's last position and each
+        step's, prefill seconds, per-step milliseconds [steps]).
+    """
+    import torch
+    t0 = time.perf_counter()
+    out = model(ctx, cache=cache, use_cache=True)
+    prefill_s = time.perf_counter() - t0
+    logits = [out.logits[0, -1]]
+    step_ms = []
+    for t in range(steps):
+        t0 = time.perf_counter()
+        out = model(cont[t:t + 1][None], cache=cache, use_cache=True)
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        logits.append(out.logits[0, -1])
+    return torch.stack(logits), prefill_s, step_ms
 
 
 def recall_report(cache, ratio: float, context: int) -> dict:
@@ -225,7 +248,8 @@ def recall_report(cache, ratio: float, context: int) -> dict:
 
 
 def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=4,
-                 ratio: float = 0.1, force: bool = False, engine=None, prefetch: str = "none",
+                 ratio: float = defaults.RATIO, force: bool = False, engine=None,
+                 prefetch: str = "none",
                  dtype=None, model=None, tok=None, max_context: int | None = None) -> dict:
     """Teacher-force the last ``evaluate`` tokens of ``text`` densely and
     through swarmfs; compare perplexities and attention-mass recall.
@@ -252,8 +276,9 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
     ids = _tokens(tok, text)
     n = int(evaluate)
     if isinstance(evaluate, bool) or n < 1 or n > ids.shape[1] - 2:
-        raise E.InvalidArgumentError(f"--evaluate {evaluate} must be in [1, "
-                                     f"{ids.shape[1] - 2}] for a text of {ids.shape[1]} tokens")
+        raise errors.InvalidArgumentError(f"--evaluate {evaluate} must be in [1, "
+                                          f"{ids.shape[1] - 2}] for a text of {ids.shape[1]} "
+                                          "tokens")
     ctx, cont = ids[:, :-n], ids[0, -n:]
     if max_context is not None and ctx.shape[1] > max_context:
         ctx = ctx[:, -max_context:]
@@ -266,31 +291,15 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
         nll_dense = _nll(logits, cont)
         del logits
         # dense per-token decode time (DynamicCache, in DRAM), for the step-time ratio
-        dc = DynamicCache()
-        model(ctx, cache=dc, use_cache=True)
-        dense_ms = []
-        for t in range(min(n, 16)):
-            t0 = time.perf_counter()
-            model(cont[t:t + 1][None], cache=dc, use_cache=True)
-            dense_ms.append((time.perf_counter() - t0) * 1e3)
-        del dc
+        _, _, dense_ms = teacher_force(model, ctx, cont, DynamicCache(), min(n, 16))
         from . import hf
         hf.enable(model)
         with _StoreDir(store) as path:
             cache = _open_cache(model, path, ratio=ratio, disks=disks, force=force,
                                 engine=engine, prefetch=prefetch, record=True)
             with cache:
-                t0 = time.perf_counter()
-                out = model(ctx, cache=cache, use_cache=True)
-                prefill_s = time.perf_counter() - t0
-                step_logits = [out.logits[0, -1]]
-                swarm_ms = []
-                for t in range(n - 1):
-                    t0 = time.perf_counter()
-                    out = model(cont[t:t + 1][None], cache=cache, use_cache=True)
-                    swarm_ms.append((time.perf_counter() - t0) * 1e3)
-                    step_logits.append(out.logits[0, -1])
-                nll_swarm = _nll(torch.stack(step_logits), cont)
+                step_logits, prefill_s, swarm_ms = teacher_force(model, ctx, cont, cache, n - 1)
+                nll_swarm = _nll(step_logits, cont)
                 rec = recall_report(cache, ratio, S)
                 summ = cache.summary()
                 steps = cache.step_table()
@@ -328,7 +337,7 @@ def heldout_input(tok, kind: str, tokens: int) -> str:
     """
     from .models import heldout_texts
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 3:
-        raise E.InvalidArgumentError(f"tokens must be an integer >= 3, got {tokens!r}")
+        raise errors.InvalidArgumentError(f"tokens must be an integer >= 3, got {tokens!r}")
     text = heldout_texts(kind)
     chars = 8 * tokens                      # BPE tokens run 3-5 characters here
     while True:                             # tokenize only what is needed
@@ -337,13 +346,13 @@ def heldout_input(tok, kind: str, tokens: int) -> str:
             break
         chars *= 2
     if len(ids) < tokens:
-        raise E.InvalidArgumentError(f"the held-out {kind} text has {len(ids)} tokens, "
-                                     f"fewer than the {tokens} asked for")
+        raise errors.InvalidArgumentError(f"the held-out {kind} text has {len(ids)} tokens, "
+                                          f"fewer than the {tokens} asked for")
     return tok.decode(ids[:tokens])
 
 
 def run_demo(kinds=("python", "prose"), *, context: int = 8192, evaluate: int = 128,
-             model_dir=None, store=None, disks=4, ratio: float = 0.1, engine=None,
+             model_dir=None, store=None, disks=4, ratio: float = defaults.RATIO, engine=None,
              on_progress=None) -> dict:
     """The main job: decode held-out long inputs with the KV on N disks.
 

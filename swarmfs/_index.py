@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _errors as E
-from .layout._place import copy_locations, stripe_counts
+from . import _errors as errors
+from ._placement import copy_locations, stripe_counts
 
 __all__ = ["LayerIndex", "concat_ranges"]
 
 
-@E.boundary
+@errors.boundary
 def concat_ranges(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(lo[i], lo[i] + n[i])`` for all i, vectorised:
     int64 [sum(n)]."""
     lo = np.asarray(lo, dtype=np.int64)
     n = np.asarray(n, dtype=np.int64)
     if lo.shape != n.shape or lo.ndim != 1 or (n.size and n.min() < 0):
-        raise E.InvalidArgumentError("lo and n must be 1-D of one length, n >= 0")
+        raise errors.InvalidArgumentError("lo and n must be 1-D of one length, n >= 0")
     total = int(n.sum())
     if total == 0:
         return np.empty(0, dtype=np.int64)
@@ -90,8 +90,8 @@ class LayerIndex:
                   out=self.tok_ptr[1:])
 
     def _fail(self, msg):
-        raise E.ManifestError(f"inconsistent index: {msg}", store=self.store,
-                              layer=self.layer)
+        raise errors.ManifestError(f"inconsistent index: {msg}", store=self.store,
+                                   layer=self.layer)
 
     def _check_shapes(self) -> None:
         C, N, S = self.num_clusters, self.ndisks, self.num_tokens
@@ -140,18 +140,18 @@ class LayerIndex:
                 np.any(ln > end - np.minimum(off, end)):
             k = int(np.flatnonzero((off < np.uint64(DATA_START)) | (off > end) |
                                    (ln > end - np.minimum(off, end)))[0])
-            raise E.ManifestError(f"inconsistent index: extent at offset {int(off[k])} lies "
-                                  "outside the disk's allocated space", store=self.store,
-                                  layer=self.layer, cluster=int(cc[k]), disk=int(dd[k]))
+            raise errors.ManifestError(f"inconsistent index: extent at offset {int(off[k])} lies "
+                                       "outside the disk's allocated space", store=self.store,
+                                       layer=self.layer, cluster=int(cc[k]), disk=int(dd[k]))
         # overlaps: sort by (disk, offset); each extent must end before the next
         key = np.lexsort((off, dd))
         d_s, o_s, l_s = dd[key], off[key], ln[key]
         same = d_s[1:] == d_s[:-1]
         if np.any(same & (o_s[:-1] + l_s[:-1] > o_s[1:])):
             k = int(key[1:][np.flatnonzero(same & (o_s[:-1] + l_s[:-1] > o_s[1:]))[0]])
-            raise E.ManifestError(f"inconsistent index: two extents overlap at offset "
-                                  f"{int(off[k])}", store=self.store, layer=self.layer,
-                                  cluster=int(cc[k]), disk=int(dd[k]))
+            raise errors.ManifestError(f"inconsistent index: two extents overlap at offset "
+                                       f"{int(off[k])}", store=self.store, layer=self.layer,
+                                       cluster=int(cc[k]), disk=int(dd[k]))
         for d, fr in enumerate(self._free or []):
             if not fr:
                 continue
@@ -163,38 +163,40 @@ class LayerIndex:
             hit = (j >= 0) & (fe[np.maximum(j, 0)] > o)
             if np.any(hit):
                 k = int(np.flatnonzero(sel)[np.flatnonzero(hit)[0]])
-                raise E.ManifestError(f"inconsistent index: extent at offset {int(off[k])} "
-                                      "lies in space the manifest lists as free",
-                                      store=self.store, layer=self.layer,
-                                      cluster=int(cc[k]), disk=d)
+                raise errors.ManifestError(f"inconsistent index: extent at offset {int(off[k])} "
+                                           "lies in space the manifest lists as free",
+                                           store=self.store, layer=self.layer,
+                                           cluster=int(cc[k]), disk=d)
 
     # -- lookups -----------------------------------------------------------
-    @E.boundary
+    @errors.boundary
     def check_cluster(self, cid: int) -> int:
-        cid = E.as_index(cid, "cluster id", store=self.store, layer=self.layer)
+        """``cid`` as an int, or OutOfRangeError naming the layer if no such cluster."""
+        cid = errors.as_index(cid, "cluster id", store=self.store, layer=self.layer)
         if not 0 <= cid < self.num_clusters:
-            raise E.OutOfRangeError(f"cluster {cid} does not exist "
-                                    f"(layer has {self.num_clusters})",
-                                    store=self.store, layer=self.layer)
+            raise errors.OutOfRangeError(f"cluster {cid} does not exist "
+                                         f"(layer has {self.num_clusters})",
+                                         store=self.store, layer=self.layer)
         return cid
 
-    @E.boundary
+    @errors.boundary
     def check_tokens(self, tokens) -> np.ndarray:
-        t = E.as_int_array(tokens, "token positions", store=self.store, layer=self.layer)
+        """``tokens`` as int64 [n], or OutOfRangeError naming the first outside [0, S)."""
+        t = errors.as_int_array(tokens, "token positions", store=self.store, layer=self.layer)
         if t.size and (t.min() < 0 or t.max() >= self.num_tokens):
             bad = t[(t < 0) | (t >= self.num_tokens)][0]
-            raise E.OutOfRangeError(f"token {int(bad)} is outside [0, {self.num_tokens})",
-                                    store=self.store, layer=self.layer)
+            raise errors.OutOfRangeError(f"token {int(bad)} is outside [0, {self.num_tokens})",
+                                         store=self.store, layer=self.layer)
         return t
 
-    @E.boundary
+    @errors.boundary
     def cluster_copies(self, cids) -> np.ndarray:
         """Copy ids of the given clusters, concatenated in cluster order."""
         cids = np.asarray(cids, dtype=np.int64).reshape(-1)
         lo = self.members_ptr[cids]
         return concat_ranges(lo, self.members_ptr[cids + 1] - lo)
 
-    @E.boundary
+    @errors.boundary
     def token_copies(self, tokens) -> np.ndarray:
         """Every copy id of the given tokens (tokens assumed valid)."""
         t = np.asarray(tokens, dtype=np.int64)
@@ -206,7 +208,7 @@ class LayerIndex:
         """Copies per token (M / S)."""
         return self.num_copies / max(self.num_tokens, 1)
 
-    @E.boundary
+    @errors.boundary
     def cluster_info(self, cid: int) -> dict:
         """JSON-ready description of one cluster (for ``info.json`` and the CLI)."""
         cid = self.check_cluster(cid)

@@ -61,6 +61,15 @@ def _vec(x, dtype, what: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype)
 
 
+def _pair(a, ta, name_a: str, b, tb, name_b: str, where: str = ""):
+    """Two vectors (:func:`_vec`) of one length, or InvalidArgumentError
+    naming both lengths."""
+    a, b = _vec(a, ta, name_a), _vec(b, tb, name_b)
+    if a.shape[0] != b.shape[0]:
+        _fail(f"{where}{name_a} has {a.shape[0]} values but {name_b} has {b.shape[0]}")
+    return a, b
+
+
 def _floats(x, what: str) -> np.ndarray:
     """A C-contiguous float32 array."""
     try:
@@ -126,11 +135,8 @@ def scatter_rows(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray,
     row = _pos(row, "row")
     dst = _arr(dst, "dst", writable=True)
     src = _arr(src, "src")
-    dst_off = _vec(dst_off, np.uint64, "dst_off")
-    src_row = _vec(src_row, np.int64, "src_row")
+    dst_off, src_row = _pair(dst_off, np.uint64, "dst_off", src_row, np.int64, "src_row")
     n = dst_off.shape[0]
-    if src_row.shape[0] != n:
-        _fail(f"{n} destinations but {src_row.shape[0]} source rows")
     if not n:
         return
     if int(dst_off.max()) + row > dst.nbytes or src_row.min() < 0 or \
@@ -166,11 +172,9 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
               "[H, n, d] shape and dtype")
     H, nt, d = k.shape
     db = d * k.itemsize
-    src_off = _vec(src_off, np.uint64, "src_off")
-    dst_idx = _vec(dst_idx, np.int64, "dst_idx")
+    src_off, dst_idx = _pair(src_off, np.uint64, "src_off", dst_idx, np.int64, "dst_idx",
+                             "gather_kv: ")
     n = src_off.shape[0]
-    if dst_idx.shape[0] != n:
-        _fail(f"gather_kv: {n} entries but {dst_idx.shape[0]} destinations")
     if not n:
         return
     if int(src_off.max()) + 2 * H * db > src.nbytes or dst_idx.min() < 0 or \

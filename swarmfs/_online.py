@@ -11,14 +11,15 @@ A :class:`DecodeSession` drives one layer of a decode loop over a
   relation the offline profile counts.  After W steps eq. 9 gives
   d(e_new, C_i) = 1 - f(e_new, m_i) / W; the entry joins every cluster with
   d < tau (at most ``max_joins``, the closest first: controlled replication),
-  or, if none, a new cluster of such entries.  Matured entries are written in
-  batches with :meth:`Store.append`, which puts entry |C_i| of cluster i on
-  disk (id_i + |C_i|) mod N.
+  or, if none, a new cluster of such entries (``new_cluster_size`` of them).
+  Matured entries are written in batches with :meth:`Store.append`, which
+  puts entry |C_i| of cluster i on disk (id_i + |C_i|) mod N.
 * **Cache replacement**: each step a selected cluster's frequency f_i rises by
   one and a cached cluster that was not selected loses one; the hot set is
-  re-chosen by the eq. 6 score among the cached and the just-selected
-  clusters under the DRAM budget (the paper keeps a min-heap; choosing over
-  that small set each step is equivalent and vectorised).  Admitted clusters
+  re-chosen among the cached and the just-selected clusters under the DRAM
+  budget by the one eq. 6 rule (:func:`swarmfs._hot.hot_clusters`, the one
+  the offline layout uses; the paper keeps a min-heap; choosing over that
+  small set each step is equivalent and vectorised).  Admitted clusters
   are filled from the rows this step already read; evicted ones free their
   slots.
 """
@@ -26,13 +27,15 @@ A :class:`DecodeSession` drives one layer of a decode loop over a
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
-from . import _errors as E
-from ._report import attention_logits
+from . import _defaults as defaults
+from . import _errors as errors
+from ._hot import hot_clusters
+from ._report import attention_logits, token_mass
 from ._retrieve import Retrieval, Retriever
+from ._window import entry_budget
 
 __all__ = ["DecodeSession", "StepResult", "PipelinedStep", "pipelined_step"]
 
@@ -70,7 +73,8 @@ class DecodeSession:
         window: W, steps a new entry is observed before it is placed
             (default: the layer's local window).
         max_joins: most clusters a new entry joins (replicas).
-        group: size of new clusters made of entries that join none.
+        new_cluster_size: size of new clusters made of entries that join
+            none (``group=`` is a deprecated alias).
         flush_batch: write matured entries once this many are waiting.
         hot_budget_bytes: DRAM bytes for hot clusters (default: what the
             store's hot set takes).
@@ -92,40 +96,56 @@ class DecodeSession:
 
     Raises:
         LayoutError: tau outside (0, 1].
-        InvalidArgumentError: window, group or flush_batch below 1, max_joins
-            or hot_budget_bytes below 0, or not integers.
+        InvalidArgumentError: window, new_cluster_size or flush_batch below
+            1, max_joins or hot_budget_bytes below 0, or not integers; both
+            new_cluster_size and group given.
     """
 
-    def __init__(self, retriever: Retriever, layer: int, *, tau: float = 0.5,
-                 window: int | None = None, max_joins: int = 2, group: int = 16,
-                 flush_batch: int = 32, hot_budget_bytes: int | None = None,
-                 t_base_us: float = 80.0, t_transfer_us: float = 2.0,
-                 adapt_cache: bool = True):
+    def __init__(self, retriever: Retriever, layer: int, *, tau: float = defaults.ONLINE_TAU,
+                 window: int | None = None, max_joins: int = defaults.MAX_JOINS,
+                 new_cluster_size: int | None = None,
+                 flush_batch: int = defaults.FLUSH_BATCH, hot_budget_bytes: int | None = None,
+                 t_base_us: float = defaults.T_BASE_US,
+                 t_transfer_us: float = defaults.T_TRANSFER_US,
+                 adapt_cache: bool = True, group: int | None = None):
         if isinstance(tau, bool) or not isinstance(tau, (int, float, np.number)) or \
                 not 0 < tau <= 1:
-            raise E.LayoutError(f"tau must be a number in (0, 1], got {tau!r}", layer=layer)
+            raise errors.LayoutError(f"tau must be a number in (0, 1], got {tau!r}",
+                                     layer=layer)
+        if group is not None:
+            if new_cluster_size is not None:
+                raise errors.InvalidArgumentError("give new_cluster_size, not both it and "
+                                                  "its deprecated alias group", layer=layer)
+            import warnings
+            warnings.warn("DecodeSession(group=...) is deprecated; use new_cluster_size=",
+                          DeprecationWarning, stacklevel=2)
+            new_cluster_size = group
+        if new_cluster_size is None:
+            new_cluster_size = defaults.NEW_CLUSTER_SIZE
         for name, v, lo in (("window", window, 1), ("max_joins", max_joins, 0),
-                            ("group", group, 1), ("flush_batch", flush_batch, 1),
+                            ("new_cluster_size", new_cluster_size, 1),
+                            ("flush_batch", flush_batch, 1),
                             ("hot_budget_bytes", hot_budget_bytes, 0)):
             if v is not None and (isinstance(v, bool) or
                                   not isinstance(v, (int, np.integer)) or v < lo):
-                raise E.InvalidArgumentError(f"{name} must be an integer >= {lo}, got {v!r}",
-                                             layer=layer)
+                raise errors.InvalidArgumentError(f"{name} must be an integer >= {lo}, got "
+                                                  f"{v!r}", layer=layer)
         self.r = retriever
         self.store = retriever.store
         self.layer = int(layer)
-        st = retriever.layer_state(self.layer)
-        self.tau, self.max_joins, self.group = float(tau), int(max_joins), int(group)
-        self.window = int(window if window is not None else max(st.window.shape[0], 1))
+        li = retriever.index(self.layer)
+        hot = retriever.hot(self.layer)
+        self.tau, self.max_joins = float(tau), int(max_joins)
+        self.new_cluster_size = int(new_cluster_size)
+        self.window = int(window if window is not None else
+                          max(retriever.dram_window(self.layer).shape[0], 1))
         self.flush_batch = int(flush_batch)
         self.t_base, self.t_transfer = float(t_base_us), float(t_transfer_us)
         self.adapt_cache = adapt_cache
-        li = st.li
         self.freq = li.freq.astype(np.float64).copy()
         self.hot_budget = int(hot_budget_bytes if hot_budget_bytes is not None else
-                              int(li.sizes[st.hot].sum()) * self.store.entry_bytes)
-        E_ = self.store.entry_bytes
-        self.pend_rows = np.empty((0, E_), np.uint8)
+                              int(li.sizes[hot].sum()) * self.store.entry_bytes)
+        self.pend_rows = np.empty((0, self.store.entry_bytes), np.uint8)
         self.pend_age = np.empty(0, np.int64)
         self.pend_f = np.zeros((0, li.num_clusters), np.int32)
         self.hits = 0
@@ -162,36 +182,36 @@ class DecodeSession:
         """
         qf = self.r.queries(q)
         if qf.shape[0] != 1:
-            raise E.ShapeError(f"a step takes one query [H_q, d], got {qf.shape[0]}",
-                               layer=self.layer)
+            raise errors.ShapeError(f"a step takes one query [H_q, d], got {qf.shape[0]}",
+                                    layer=self.layer)
         row = None
         if k_new is not None or v_new is not None:
             row = self._new_row(k_new, v_new)
         lock = self.r.step_lock(self.layer)
         if not lock.acquire(blocking=False):
-            raise E.ConcurrentUseError("another thread is stepping this layer (one "
-                                       "DecodeSession.step per layer at a time)",
-                                       layer=self.layer)
+            raise errors.ConcurrentUseError("another thread is stepping this layer (one "
+                                            "DecodeSession.step per layer at a time)",
+                                            layer=self.layer)
         try:
             return self._step(qf[0], row, retrieval)
         finally:
             lock.release()
 
     def _step(self, q: np.ndarray, row, retrieval) -> StepResult:
-        self._check_layer(self.r.layer_state(self.layer))
+        self._check_layer(self.r.index(self.layer))
         if retrieval is None:
             ret = self.r.retrieve(self.layer, q, torch=False)
         else:
             ret = retrieval
             if not isinstance(ret, Retrieval) or ret.layer != self.layer or \
-                    ret.index is not self.r.layer_state(self.layer).li \
+                    ret.index is not self.r.index(self.layer) \
                     or hasattr(ret.k, "detach"):
-                raise E.SwarmError("the given retrieval is not a numpy retrieval of this "
-                                   "layer's current index (retrieve with torch=False after "
-                                   "the previous step)", layer=self.layer)
-        st = self.r.layer_state(self.layer)
-        self._check_layer(st)
-        S = st.li.num_tokens
+                raise errors.SwarmError("the given retrieval is not a numpy retrieval of this "
+                                        "layer's current index (retrieve with torch=False after "
+                                        "the previous step)", layer=self.layer)
+        li = self.r.index(self.layer)
+        self._check_layer(li)
+        S = li.num_tokens
         n_pend = self.pend_rows.shape[0]
         pos = np.concatenate([ret.positions, S + np.arange(n_pend)])
         k, v = ret.k, ret.v
@@ -217,18 +237,13 @@ class DecodeSession:
         if not n_pend or ret.clusters.size == 0:
             return
         scale = self.store.head_dim ** -0.5
-        qq = q[:, None, :]
-        logits = attention_logits(qq, k, scale)[:, 0, :]           # [H_q, n]
-        p = np.exp(logits - logits.max(axis=1, keepdims=True))
-        p /= p.sum(axis=1, keepdims=True)
-        mass = p.mean(axis=0)                                       # [n]
+        mass = token_mass(attention_logits(q[:, None, :], k, scale))[0]      # [n]
         active = mass >= 1.0 / mass.shape[0]
         n_ret = ret.positions.shape[0]
         pend_active = np.flatnonzero(active[n_ret:])
         if pend_active.size == 0:
             return
-        li = self.r.layer_state(self.layer).li
-        med = li.medoid[ret.clusters]
+        med = ret.index.medoid[ret.clusters]
         idx = np.searchsorted(ret.positions, med)
         idx = np.minimum(idx, n_ret - 1)
         ok = (ret.positions[idx] == med) & active[:n_ret][idx]
@@ -237,36 +252,36 @@ class DecodeSession:
             self.pend_f[np.ix_(pend_active, cl)] += 1
 
     def _replace_cache(self, ret: Retrieval):
-        """§6.2 cache replacement over the hot set and this step's clusters."""
-        st = self.r.layer_state(self.layer)
-        with st.lock:       # the hot set is read and changed as one
-            return self._replace_locked(st, ret)
+        """§6.2 cache replacement over the hot set and this step's clusters,
+        read and changed as one (:meth:`Retriever.replace_hot`)."""
+        return self.r.replace_hot(self.layer, ret, lambda hot: self._choose_hot(hot, ret))
 
-    def _replace_locked(self, st, ret: Retrieval):
+    def _choose_hot(self, hot: np.ndarray, ret: Retrieval) -> np.ndarray:
+        """The hot set after this step: f_i +1 for the selected clusters, -1
+        for the idle cached ones, then eq. 6 (:func:`~swarmfs._hot.hot_clusters`)
+        over the cached and the selected clusters."""
+        if ret.index is None or ret.index.num_clusters != hot.shape[0]:
+            return hot                  # another generation: set_hot refuses it
         sel = ret.clusters
         self.lookups += int(sel.size)
-        self.hits += int(st.hot[sel].sum()) if sel.size else 0
-        idle = st.hot.copy()
+        self.hits += int(hot[sel].sum()) if sel.size else 0
+        idle = hot.copy()
         idle[sel] = False
         self.freq[sel] += 1.0
         self.freq[idle] = np.maximum(self.freq[idle] - 1.0, 0.0)
-        cand = np.union1d(np.flatnonzero(st.hot), sel)
-        if cand.size == 0:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        sizes = st.sizes[cand].astype(np.float64)
-        score = (self.freq[cand] * self.t_base + sizes * self.t_transfer) / sizes
-        order = cand[np.argsort(-score, kind="stable")]
-        cum = np.cumsum(st.sizes[order] * self.store.entry_bytes)
-        keep = order[cum <= self.hot_budget]
-        want = np.zeros_like(st.hot)
-        want[keep] = True
-        return self.r.set_hot(self.layer, want, ret)
+        cand = np.union1d(np.flatnonzero(hot), sel)     # ascending: ties keep id order
+        want = np.zeros_like(hot)
+        want[cand] = hot_clusters(self.freq[cand], ret.index.sizes[cand],
+                                  budget_bytes=self.hot_budget,
+                                  entry_bytes=self.store.entry_bytes, t_base_us=self.t_base,
+                                  t_transfer_us=self.t_transfer)
+        return want
 
-    def _check_layer(self, st) -> None:
-        if st.li.num_clusters != self.freq.shape[0] or \
-                st.li.num_clusters != self.pend_f.shape[1]:
-            raise E.SwarmError("the layer changed under this DecodeSession (another writer "
-                               "appended to it); start a new session", layer=self.layer)
+    def _check_layer(self, li) -> None:
+        if li.num_clusters != self.freq.shape[0] or \
+                li.num_clusters != self.pend_f.shape[1]:
+            raise errors.SwarmError("the layer changed under this DecodeSession (another writer "
+                                    "appended to it); start a new session", layer=self.layer)
 
     def _new_row(self, k_new, v_new) -> np.ndarray:
         """One entry row (uint8 [1, entry_bytes]) from K and V [H_kv, d] in the
@@ -274,14 +289,14 @@ class DecodeSession:
         H, d = self.store.num_kv_heads, self.store.head_dim
         want = self.store.np_dtype
         if k_new is None or v_new is None:
-            raise E.ShapeError("give both k_new and v_new, or neither", layer=self.layer)
+            raise errors.ShapeError("give both k_new and v_new, or neither", layer=self.layer)
         arrs = []
         for name, x in (("k_new", k_new), ("v_new", v_new)):
             if hasattr(x, "detach"):                      # torch
                 tname = str(x.dtype).removeprefix("torch.")
                 if tname != self.store.dtype:
-                    raise E.ShapeError(f"{name} is torch {tname}; the store holds "
-                                       f"{self.store.dtype}", layer=self.layer)
+                    raise errors.ShapeError(f"{name} is torch {tname}; the store holds "
+                                            f"{self.store.dtype}", layer=self.layer)
                 x = x.detach().cpu().contiguous()
                 if tname == "bfloat16":
                     import torch
@@ -290,10 +305,10 @@ class DecodeSession:
                     x = x.numpy()
             x = np.asarray(x)
             if x.shape != (H, d) or x.dtype != want:
-                raise E.ShapeError(f"{name} must be [{H}, {d}] {self.store.dtype}, got "
-                                   f"{x.shape} {x.dtype}", layer=self.layer)
+                raise errors.ShapeError(f"{name} must be [{H}, {d}] {self.store.dtype}, got "
+                                        f"{x.shape} {x.dtype}", layer=self.layer)
             if not np.isfinite(x.astype(np.float32)).all():
-                raise E.ShapeError(f"{name} holds NaN or inf", layer=self.layer)
+                raise errors.ShapeError(f"{name} holds NaN or inf", layer=self.layer)
             arrs.append(x)
         return np.ascontiguousarray(np.stack(arrs)).reshape(1, -1).view(np.uint8)
 
@@ -336,11 +351,11 @@ class DecodeSession:
         kv = self.pend_rows[:n].view(self.store.np_dtype).reshape(
             n, 2, self.store.num_kv_heads, self.store.head_dim)
         joins = self.joins(self.pend_f[:n])
-        st = self.r.layer_state(self.layer)
-        C_old = st.li.num_clusters
-        hot = st.hot.copy()
-        pos = self.store.append(self.layer, kv, joins, group=self.group,
-                                expect_tokens=st.li.num_tokens)
+        li = self.r.index(self.layer)
+        C_old = li.num_clusters
+        hot = self.r.hot(self.layer)
+        pos = self.store.append(self.layer, kv, joins, group=self.new_cluster_size,
+                                expect_tokens=li.num_tokens)
         C_new = self.store.num_clusters(self.layer)
         self.pend_rows, self.pend_age = self.pend_rows[n:], self.pend_age[n:]
         self.pend_f = np.concatenate([self.pend_f[n:],
@@ -358,8 +373,8 @@ class DecodeSession:
         """
         lock = self.r.step_lock(self.layer)
         if not lock.acquire(blocking=False):
-            raise E.ConcurrentUseError("another thread is stepping this layer",
-                                       layer=self.layer)
+            raise errors.ConcurrentUseError("another thread is stepping this layer",
+                                            layer=self.layer)
         try:
             return self._flush_matured(force=True)
         finally:
@@ -378,7 +393,7 @@ class DecodeSession:
     @staticmethod
     def budget_for(retriever: Retriever, layer: int) -> int:
         """Entry budget ceil(r x S) of a layer at its current length."""
-        return int(math.ceil(retriever.sparsity * retriever.store.num_tokens(layer)))
+        return entry_budget(retriever.ratio, retriever.store.num_tokens(layer))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,18 +459,18 @@ def pipelined_step(sessions: list, queries, attend, new_kv=None) -> PipelinedSte
         sessions, queries = list(sessions), list(queries)
         new_kv = None if new_kv is None else [None if x is None else tuple(x) for x in new_kv]
     except TypeError:
-        raise E.InvalidArgumentError("sessions, queries and new_kv must be lists (new_kv "
-                                     "of (k_new, v_new) pairs or None)") from None
+        raise errors.InvalidArgumentError("sessions, queries and new_kv must be lists (new_kv "
+                                          "of (k_new, v_new) pairs or None)") from None
     n = len(sessions)
     if n == 0 or len(queries) != n or (new_kv is not None and len(new_kv) != n):
-        raise E.InvalidArgumentError("sessions, queries (and new_kv) must be non-empty "
-                                     "lists of one length")
+        raise errors.InvalidArgumentError("sessions, queries (and new_kv) must be non-empty "
+                                          "lists of one length")
     if not all(isinstance(x, DecodeSession) for x in sessions):
-        raise E.InvalidArgumentError("sessions must be DecodeSession objects")
+        raise errors.InvalidArgumentError("sessions must be DecodeSession objects")
     if new_kv is not None and any(x is not None and len(x) != 2 for x in new_kv):
-        raise E.InvalidArgumentError("new_kv items must be (k_new, v_new) pairs or None")
+        raise errors.InvalidArgumentError("new_kv items must be (k_new, v_new) pairs or None")
     if not callable(attend):
-        raise E.InvalidArgumentError(f"attend must be callable, got {type(attend).__name__}")
+        raise errors.InvalidArgumentError(f"attend must be callable, got {type(attend).__name__}")
     t0 = time.perf_counter()
     fut = sessions[0].r.prefetch(sessions[0].layer, queries[0], torch=False)
     results, steps, ret_us, comp_us, wait_us = [], [], [], [], []

@@ -73,10 +73,12 @@ class Plan:
 
     @property
     def num_requests(self) -> int:
+        """Read requests of the plan (after coalescing)."""
         return int(self.disk.shape[0])
 
     @property
     def num_entries(self) -> int:
+        """Distinct entries the plan reads."""
         return int(self.tokens.shape[0])
 
     @property
@@ -162,7 +164,7 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
         raise InvalidArgumentError("a candidate's offset is at or beyond 2**52 bytes")
     if block_size & (block_size - 1):
         raise InvalidArgumentError(f"block_size must be a power of two, got {block_size}")
-    E = int(entry_bytes)
+    eb = int(entry_bytes)
     m = tok.shape[0]
     cap = max(m, 1)
     utok = np.empty(cap, np.int64)
@@ -181,7 +183,7 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
     tok = np.ascontiguousarray(tok)
     R = lib.se_plan_reads(m, ffi.from_buffer("int64_t[]", tok),
                           ffi.from_buffer("int32_t[]", cdisk), ffi.from_buffer("uint64_t[]", coff),
-                          ndisks, E, block_size, max_gap, max_request,
+                          ndisks, eb, block_size, max_gap, max_request,
                           int(policy == "balanced"), int(bool(dedup)),
                           *(ffi.from_buffer(t, a, require_writable=True) for t, a in (
                               ("int64_t[]", utok), ("int64_t[]", chosen), ("uint64_t[]", src))),
@@ -197,4 +199,4 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
     n = int(n_entries[0])
     return Plan(disk=rdisk[:R], offset=roff[:R], length=rlen[:R], dst=rdst[:R],
                 staging_bytes=int(staging[0]), tokens=utok[:n], src=src[:n], copy=chosen[:n],
-                disk_entries=disk_entries, disk_bytes=disk_bytes, entry_bytes=E)
+                disk_entries=disk_entries, disk_bytes=disk_bytes, entry_bytes=eb)

@@ -17,12 +17,12 @@ heads and divided by their number (an entry holds every KV head).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-__all__ = ["attention_logits", "token_mass", "attention_recall", "evaluate_query",
-           "summarize"]
+from ._window import entry_budget
+
+__all__ = ["attention_logits", "token_mass", "oracle_mass", "attention_recall",
+           "evaluate_query", "summarize"]
 
 
 def _f32(x):
@@ -60,6 +60,15 @@ def token_mass(logits: np.ndarray) -> np.ndarray:
     return _softmax(logits, -1).mean(axis=0)
 
 
+def oracle_mass(mass: np.ndarray, k: int) -> float:
+    """Attention mass of the oracle: the sum of the ``k`` largest of ``mass``
+    float [S] (float64; 0.0 for k <= 0; all of it for k >= S)."""
+    mass = np.asarray(mass)
+    S = mass.shape[0]
+    k = min(int(k), S)
+    return float(np.partition(mass, S - k)[S - k:].sum(dtype=np.float64)) if k > 0 else 0.0
+
+
 def attention_recall(mass: np.ndarray, positions, budget: int) -> tuple[float, float, float]:
     """Attention-mass recall of a selection (SWARM §8.2; see the module doc).
 
@@ -78,7 +87,7 @@ def attention_recall(mass: np.ndarray, positions, budget: int) -> tuple[float, f
     pos = np.unique(np.asarray(positions, dtype=np.int64))
     m = min(max(int(budget), pos.shape[0]), S)
     got = float(mass[pos].sum())
-    top = float(np.partition(mass, S - m)[S - m:].sum()) if m > 0 else 0.0
+    top = oracle_mass(mass, m)
     return (got / top if top > 0 else 1.0), got, top
 
 
@@ -112,7 +121,7 @@ def evaluate_query(q, k_ctx, v_ctx, positions, *, k_ret=None, v_ret=None,
     k_ctx, v_ctx = _f32(k_ctx), _f32(v_ctx)
     S = k_ctx.shape[1]
     g = q.shape[0] // k_ctx.shape[0]
-    budget = int(math.ceil(ratio * S))
+    budget = entry_budget(ratio, S)
     logits = attention_logits(q, k_ctx, scaling)           # [H_q, 1, S]
     mass = token_mass(logits)[0]                           # [S]
     top = np.argpartition(-mass, budget - 1)[:budget]
@@ -125,7 +134,7 @@ def evaluate_query(q, k_ctx, v_ctx, positions, *, k_ret=None, v_ret=None,
     nrm = float(np.linalg.norm(full))
     recall, m_ret, _ = attention_recall(mass, pos, budget)
     return {"recall": recall, "mass": m_ret,
-            "oracle_mass": float(mass[top].sum(dtype=np.float64)),
+            "oracle_mass": oracle_mass(mass, budget),
             "rel_error": float(np.linalg.norm(sparse - full)) / nrm,
             "oracle_rel_error": float(np.linalg.norm(oracle - full)) / nrm,
             "entries": int(np.unique(pos).shape[0]), "budget": budget}

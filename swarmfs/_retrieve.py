@@ -2,32 +2,35 @@
 
 SWARM §5.2 and §6.1.  For each layer the :class:`Retriever` keeps in DRAM the
 medoid keys (the index), the local window (the last W tokens) and the hot
-clusters chosen by eq. 6.  A query is scored against the medoids; clusters are
-taken in score order until the entry budget r x S is met; their entries are
-united and deduplicated (eq. 8), entries already in DRAM are dropped, and the
-rest are scheduled as entry buckets over the disks and read in one batched
-submission.  Nothing loops in Python per entry or per request.
+clusters chosen by eq. 6.  :meth:`Retriever.retrieve` runs the stages of
+``swarmfs._stages`` in order: the query is checked, scored against the
+medoids, clusters are taken in score order until the entry budget r x S is
+met (select); their entries are united and deduplicated (eq. 8), entries
+already in DRAM are dropped, and the rest are scheduled as entry buckets over
+the disks (plan) and read in one batched submission (submit); K and V are
+assembled from the read and from DRAM.  Nothing loops in Python per entry or
+per request.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import threading
 import time
 
 import numpy as np
 
-from . import _errors as E
-from ._selectors import (MedoidSelector, group_queries, score_medoids,  # noqa: F401
-                         select_clusters, single_threaded_blas, window_size)
-from ._kernels import gather_kv
-from ._selectors import _select
+from . import _errors as errors
+from . import _stages as stages
+from ._defaults import RATIO
+from ._selectors import MedoidSelector, Selector
+# their former home: tests and benchmarks import them from here
+from ._selectors import group_queries, score_medoids, select_clusters  # noqa: F401
 from ._store import Store, to_torch
+from ._window import entry_budget, window_positions, window_size
 
-__all__ = ["Retriever", "Retrieval", "RetrievalStats", "group_queries", "select_clusters",
-           "score_medoids"]
+__all__ = ["Retriever", "Retrieval", "RetrievalStats"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +154,7 @@ class _LayerState:
         self.entry_bytes = store.entry_bytes
         self.lock = threading.RLock()
         self.hot = np.zeros(li.num_clusters, dtype=bool)
-        W = min(int(local_window), S)
-        self.window = np.arange(S - W, S, dtype=np.int64)
+        self.window = window_positions(S, min(int(local_window), S))
         self.refs = np.zeros(S, dtype=np.int32)
         self.slot = np.full(S, -1, dtype=np.int64)
         self.rows = np.empty((0, store.entry_bytes), dtype=np.uint8)
@@ -160,8 +162,8 @@ class _LayerState:
         self.selector_bytes = int(selector.dram_bytes(layer))
         want_hot = np.asarray(li.hot if hot is None else hot, dtype=bool)
         if want_hot.shape != (li.num_clusters,):
-            raise E.InvalidArgumentError(f"hot-cluster mask of shape {want_hot.shape} for "
-                                         f"{li.num_clusters} clusters", layer=layer)
+            raise errors.InvalidArgumentError(f"hot-cluster mask of shape {want_hot.shape} for "
+                                              f"{li.num_clusters} clusters", layer=layer)
         hot_ids = np.flatnonzero(want_hot)
         toks = np.union1d(self.window, li.members[li.cluster_copies(hot_ids)])
         rows = np.empty((0, store.entry_bytes), np.uint8)
@@ -200,8 +202,8 @@ class _LayerState:
             dram = np.union1d(window, toks[~ssd])
             slots = self.slot[dram]
             if slots.size and slots.min() < 0:
-                raise E.InternalError("a resident token has no DRAM slot",
-                                      layer=self.li.layer)
+                raise errors.InternalError("a resident token has no DRAM slot",
+                                           layer=self.li.layer)
             self.refs[dram] += 1
             return ssd, dram, slots, self.rows
 
@@ -220,8 +222,8 @@ class _LayerState:
             if new.size:
                 at = np.minimum(np.searchsorted(src_toks, new), max(src_toks.shape[0] - 1, 0))
                 if src_toks.shape[0] == 0 or np.any(src_toks[at] != new):
-                    raise E.InternalError("rows of a newly resident token are missing",
-                                          layer=self.li.layer)
+                    raise errors.InternalError("rows of a newly resident token are missing",
+                                               layer=self.li.layer)
             np.add.at(self.refs, toks, 1)
             if new.size:
                 need = new.shape[0] - self.free.shape[0]
@@ -243,8 +245,8 @@ class _LayerState:
         with self.lock:
             np.add.at(self.refs, toks, -1)
             if self.refs[toks].min() < 0:
-                raise E.InternalError("a DRAM reference count went negative",
-                                      layer=self.li.layer)
+                raise errors.InternalError("a DRAM reference count went negative",
+                                           layer=self.li.layer)
             gone = np.unique(toks[self.refs[toks] == 0])
             if gone.size:
                 self.free = np.concatenate([self.free, self.slot[gone]])
@@ -275,9 +277,9 @@ class Retriever:
 
     Args:
         store: an open :class:`Store`.
-        sparsity: r, fraction of the context's entries each query may use
-            (the entry budget is ceil(r x S), local window included; §8.1
-            uses 0.10).
+        ratio: the sparsity ratio r, fraction of the context's entries each
+            query may use (the entry budget is ceil(r x S), local window
+            included; §8.1 uses 0.10).  ``sparsity=`` is a deprecated alias.
         local_window: W, the last W tokens kept in DRAM (default: the
             layer's manifest value).
         hot: override of the hot-cluster mask per layer ({layer: bool [C]}),
@@ -292,8 +294,9 @@ class Retriever:
 
     Concurrency:
         Any number of threads may call :meth:`retrieve`, :meth:`prefetch`,
-        :meth:`score`, :meth:`select`, :meth:`window`, :meth:`budget`,
-        :meth:`layer_state` and :meth:`dram_bytes` at the same time, also
+        :meth:`queries`, :meth:`score`, :meth:`select`, :meth:`window`,
+        :meth:`budget`, :meth:`index`, :meth:`hot`, :meth:`layer_state` and
+        :meth:`dram_bytes` at the same time, also
         while a :class:`~swarmfs.DecodeSession` steps a layer (admitting and
         evicting hot clusters, appending to the store) and while
         :meth:`refresh` runs.  Each retrieval works on the layer state it
@@ -307,33 +310,51 @@ class Retriever:
         ``plan_copies``, ``execute``, ``layer``) being safe from many threads.
 
     Raises:
-        LayoutError: sparsity outside (0, 1].
+        LayoutError: ratio outside (0, 1].
         ConfigError: unknown policy.
+        InvalidArgumentError: both ``ratio`` and ``sparsity`` given.
     """
 
-    def __init__(self, store: Store, *, sparsity: float = 0.1,
+    def __init__(self, store: Store, *, ratio: float | None = None,
                  local_window: int | None = None, hot: dict | None = None,
                  policy: str = "balanced", dedup: bool = True, max_gap: int = 0,
-                 selector=None, score: str = "prob"):
+                 selector: Selector | None = None, score: str = "prob",
+                 sparsity: float | None = None):
         import numbers
-        if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real) or \
-                not 0 < sparsity <= 1:
-            raise E.LayoutError(f"sparsity ratio must be a number in (0, 1], got {sparsity!r}",
-                                store=store.path)
+        if sparsity is not None:
+            if ratio is not None:
+                raise errors.InvalidArgumentError("give ratio, not both ratio and its "
+                                                  "deprecated alias sparsity",
+                                                  store=store.path)
+            import warnings
+            warnings.warn("Retriever(sparsity=...) is deprecated; use ratio=", DeprecationWarning,
+                          stacklevel=2)
+            ratio = sparsity
+        ratio = RATIO if ratio is None else ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or \
+                not 0 < ratio <= 1:
+            raise errors.LayoutError(f"sparsity ratio must be a number in (0, 1], got "
+                                     f"{ratio!r}", store=store.path)
         if policy not in ("balanced", "first"):
-            raise E.ConfigError(f"unknown policy {policy!r}; use balanced or first",
-                                store=store.path)
+            raise errors.ConfigError(f"unknown policy {policy!r}; use balanced or first",
+                                     store=store.path)
         self.store = store
-        self.sparsity = float(sparsity)
+        self.ratio = float(ratio)
         self.local_window = local_window
         self.policy, self.dedup, self.max_gap = policy, dedup, max_gap
         self._hot = dict(hot or {})
         self.selector = selector if selector is not None else MedoidSelector(store, score)
+        self._fused = stages.fuses(self.selector)     # scores and chooses in one pass
         self._layers: dict[int, _LayerState] = {}
         self._lock = threading.Lock()
         self._step_locks: dict[int, threading.Lock] = {}
         self._pool = None
         self.group = store.model.num_query_heads // store.num_kv_heads
+
+    @property
+    def sparsity(self) -> float:
+        """Deprecated name of :attr:`ratio` (the sparsity ratio r)."""
+        return self.ratio
 
     def prefetch(self, layer: int, q, **kw):
         """Start :meth:`retrieve` in a background thread (SWARM §7's pipelined
@@ -373,9 +394,38 @@ class Retriever:
                 self._hot[layer] = np.asarray(hot, dtype=bool)
             elif layer in self._hot:
                 del self._hot[layer]
-        inv = getattr(self.selector, "invalidate", None)
-        if inv is not None:
-            inv(layer)
+        self.selector.invalidate(layer)
+
+    def index(self, layer: int):
+        """The :class:`~swarmfs.LayerIndex` the layer's DRAM state serves (the
+        generation retrievals read until the next :meth:`refresh`)."""
+        return self.layer_state(layer).li
+
+    def dram_window(self, layer: int) -> np.ndarray:
+        """Positions of the local window held in DRAM: the last min(W, S)
+        tokens, int64 ascending (a query uses the last
+        :meth:`window` of them)."""
+        return self.layer_state(layer).window.copy()
+
+    def hot(self, layer: int) -> np.ndarray:
+        """bool [C]: the layer's hot clusters now (a copy)."""
+        st = self.layer_state(layer)
+        with st.lock:
+            return st.hot.copy()
+
+    def replace_hot(self, layer: int, retrieval: Retrieval, choose):
+        """§6.2 cache replacement in one critical section: ``choose(hot)``
+        gets the layer's hot mask (bool [C], a copy) and returns the mask to
+        make hot, which :meth:`set_hot` then applies, all under the layer lock
+        (no retrieval sees a half-changed hot set, no other replacement
+        interleaves).
+
+        Returns:
+            (admitted, evicted) cluster ids, int64, as :meth:`set_hot`.
+        """
+        st = self.layer_state(layer)
+        with st.lock:
+            return self._set_hot(st, layer, choose(st.hot.copy()), retrieval)
 
     def layer_state(self, layer: int) -> _LayerState:
         """The DRAM partition of a layer (loaded on first use: one batched read
@@ -417,19 +467,22 @@ class Retriever:
                 rewritten or appended to since), or an admitted cluster the
                 retrieval did not read.
         """
+        return self._set_hot(self.layer_state(layer), layer, want, retrieval)
+
+    @staticmethod
+    def _set_hot(st: _LayerState, layer: int, want, retrieval: Retrieval):
         if not isinstance(retrieval, Retrieval):
-            raise E.InvalidArgumentError(f"retrieval must be a Retrieval, got "
-                                         f"{type(retrieval).__name__}", layer=layer)
-        st = self.layer_state(layer)
+            raise errors.InvalidArgumentError(f"retrieval must be a Retrieval, got "
+                                              f"{type(retrieval).__name__}", layer=layer)
         want = np.asarray(want, dtype=bool)
         if want.shape != st.hot.shape:
-            raise E.InvalidArgumentError(f"hot mask of shape {want.shape} for "
-                                         f"{st.hot.shape[0]} clusters", layer=layer)
+            raise errors.InvalidArgumentError(f"hot mask of shape {want.shape} for "
+                                              f"{st.hot.shape[0]} clusters", layer=layer)
         if retrieval.layer != layer or retrieval.index is not st.li:
             # rows of another layer or generation (the layer was rewritten or
             # appended to since): admitting them would serve stale bytes
-            raise E.InvalidArgumentError("the retrieval is not of this layer's current "
-                                         "index (retrieve again after refresh)", layer=layer)
+            raise errors.InvalidArgumentError("the retrieval is not of this layer's current "
+                                              "index (retrieve again after refresh)", layer=layer)
         with st.lock:
             admitted = np.flatnonzero(want & ~st.hot)
             evicted = np.flatnonzero(st.hot & ~want)
@@ -438,8 +491,8 @@ class Retriever:
             at = np.searchsorted(retrieval.positions, toks)
             if toks.size and (at.max() >= retrieval.positions.shape[0] or
                               np.any(retrieval.positions[at] != toks)):
-                raise E.InvalidArgumentError("an admitted cluster was not read by the given "
-                                             "retrieval", layer=layer)
+                raise errors.InvalidArgumentError("an admitted cluster was not read by the given "
+                                                  "retrieval", layer=layer)
             st.evict(evicted)
             if admitted.size:
                 st.admit(admitted, toks, retrieval.rows_of(at))
@@ -452,83 +505,78 @@ class Retriever:
         return sum(st.dram_bytes for st in states)
 
     # -- the stages ----------------------------------------------------------
-    def score(self, layer: int, q) -> np.ndarray:
-        """Selector scores of one or more queries: float32 [B, C] (medoid
-        scores for SWARM; [B, S] for a token selector).
-
-        ``q`` is [H_q, d] or [B, H_q, d] (numpy or torch).  The query heads of
-        a GQA group are summed before the product, which equals summing the
-        per-head scores q_h . k_m over the heads that share a KV head.
-        """
-        self.layer_state(layer)
-        return self.selector.scores(layer, self.queries(q))
-
+    # -- the stages ----------------------------------------------------------
     def queries(self, q) -> np.ndarray:
-        """float32 [B, H_q, d] from [H_q, d] or [B, H_q, d] (numpy or torch,
-        any float dtype incl. bfloat16).
+        """Stage 1 (:func:`swarmfs._stages.queries`): float32 [B, H_q, d] from
+        [H_q, d] or [B, H_q, d] (numpy or torch, any float dtype incl. bfloat16).
 
         Raises:
             ShapeError: not a query of this store's shape, or not finite.
         """
-        if hasattr(q, "detach"):
-            q = q.detach().float().cpu().numpy()
-        try:
-            q = np.asarray(q, dtype=np.float32)
-        except (TypeError, ValueError) as exc:
-            raise E.ShapeError(f"query is not a float array: {exc}",
-                               store=self.store.path) from None
-        if q.ndim == 2:
-            q = q[None]
-        H, d = self.store.num_kv_heads, self.store.head_dim
-        if q.ndim != 3 or q.shape[0] == 0 or q.shape[2] != d or q.shape[1] == 0 or \
-                q.shape[1] % H:
-            raise E.ShapeError(f"query shape {q.shape} is not [B >= 1, H_q, {d}] with H_q a "
-                               f"multiple of {H}", store=self.store.path)
-        if not np.isfinite(q).all():
-            raise E.ShapeError("query holds NaN or inf", store=self.store.path)
-        return np.ascontiguousarray(q)
+        return stages.queries(q, self.store.num_kv_heads, self.store.head_dim,
+                              store=self.store.path)
 
-    _queries = queries
+    def score(self, layer: int, q) -> np.ndarray:
+        """Stage 2 (:func:`swarmfs._stages.score`): selector scores of one or
+        more queries, float32 [B, C] (medoid scores for SWARM; [B, S] for a
+        token selector).
+
+        ``q`` is [H_q, d] or [B, H_q, d] (numpy or torch).
+        """
+        return stages.score(self.selector, layer, self.queries(q), self.index(layer))
 
     def window(self, layer: int, budget: int | None = None) -> np.ndarray:
         """Token positions of the local window a query uses: the last
-        :func:`~swarmfs._selectors.window_size` (min(W, S, budget // 4))
+        :func:`~swarmfs._window.window_size` (min(W, S, budget // 4))
         tokens, int64 ascending."""
         st = self.layer_state(layer)
         b = self.budget(layer) if budget is None else int(budget)
-        w = window_size(st.window.shape[0], b, st.li.num_tokens)
+        return self._window(st, b)
+
+    @staticmethod
+    def _window(st: _LayerState, budget: int) -> np.ndarray:
+        w = window_size(st.window.shape[0], budget, st.li.num_tokens)
         return st.window[st.window.shape[0] - w:]
 
     def budget(self, layer: int) -> int:
         """Entry budget ceil(r x S) of a layer (local window included)."""
-        return int(math.ceil(self.sparsity * self.layer_state(layer).li.num_tokens))
+        return entry_budget(self.ratio, self.index(layer).num_tokens)
 
-    def select(self, layer: int, scores: np.ndarray, budget: int | None = None) -> np.ndarray:
-        """The clusters :meth:`retrieve` reads for scores [B, C] (or [C]): per
-        query, :func:`~swarmfs._selectors.select_clusters` with the layer's
-        window, united over the batch.  int64 [c], best first for one query."""
+    def _budget(self, layer: int, li, budget) -> int:
+        b = entry_budget(self.ratio, li.num_tokens) if budget is None else \
+            errors.as_index(budget, "entry budget", store=self.store.path, layer=layer)
+        if not 0 < b <= li.num_tokens:
+            raise errors.LayoutError(f"entry budget {b} outside [1, {li.num_tokens}]",
+                                     store=self.store.path, layer=layer)
+        return b
+
+    def select(self, layer: int, q, *, budget: int | None = None) -> np.ndarray:
+        """Stages 1-3: the clusters :meth:`retrieve` reads for a query [H_q, d]
+        or a batch [B, H_q, d] (numpy or torch), by the same calls: int64 [c],
+        best first for one query, ascending for a batch (empty for a token
+        selector).
+
+        Raises:
+            ShapeError: bad query shape.  LayoutError: budget outside [1, S].
+        """
         st = self.layer_state(layer)
-        b = self.budget(layer) if budget is None else int(budget)
-        return self._select(st, np.atleast_2d(scores), b, self.window(layer, b).shape[0])
-
-    @staticmethod
-    def _select(st, scores: np.ndarray, budget: int, w: int) -> np.ndarray:
-        li = st.li
-        sel = [_select(s, li.members_ptr, li.members, li.num_tokens, budget, w).clusters
-               for s in scores]
-        return np.unique(np.concatenate(sel)) if len(sel) > 1 else sel[0]
+        b = self._budget(layer, st.li, budget)
+        clusters, _ = stages.select(self.selector, layer, self.queries(q), st.li, budget=b,
+                                    window=self._window(st, b))
+        return clusters
 
     # -- one decode step ------------------------------------------------------
     def retrieve(self, layer: int, q, *, torch: bool = True, pinned: bool = False,
                  budget: int | None = None, out=None) -> Retrieval:
         """Fetch the KV entries a query (or a batch of queries) needs.
 
-        Stages: score, select (:func:`~swarmfs._selectors.select_clusters`),
-        split DRAM / SSD and pin the DRAM rows (under the layer lock), plan
-        (eq. 8, §6.1), read (one batched submission), assemble: the C kernel
-        ``gather_kv`` writes each entry straight into the K and V outputs, from
-        the staging buffer and from the DRAM pool (no per-entry Python, no
-        intermediate copy).
+        The stages of ``swarmfs._stages`` in order: query, score, select
+        (:func:`~swarmfs._stages.choose`, or the selector's fused pass), split
+        DRAM / SSD and pin the DRAM rows (under the layer lock), plan (eq. 8,
+        §6.1), submit (one batched submission; the C kernel ``gather_kv``
+        places each entry into K and V straight from the staging buffer),
+        assemble (the DRAM rows into K and V): no per-entry Python, no
+        intermediate copy.
 
         Args:
             layer: layer number.
@@ -554,71 +602,38 @@ class Retriever:
         t0 = time.perf_counter()
         st = self.layer_state(layer)
         li = st.li
-        S = li.num_tokens
-        total_budget = self.budget(layer) if budget is None else \
-            E.as_index(budget, "entry budget", store=self.store.path, layer=layer)
-        if not 0 < total_budget <= S:
-            raise E.LayoutError(f"entry budget {total_budget} outside [1, {S}]",
-                                store=self.store.path, layer=layer)
-        qf = self.queries(q)
-        window = st.window[st.window.shape[0] -
-                           window_size(st.window.shape[0], total_budget, S):]
-        fused = getattr(self.selector, "select", None)
-        if fused is not None and self.selector.kind == "clusters":
-            t1 = time.perf_counter()           # scoring and choice in one native pass
-            sel = [x.clusters for x in fused(layer, qf, budget=total_budget,
-                                             window=window.shape[0], li=li)]
-            clusters = np.unique(np.concatenate(sel)) if len(sel) > 1 else sel[0]
-            copies = li.cluster_copies(clusters)
-        else:
-            scores = self.selector.scores(layer, qf, li) \
-                if isinstance(self.selector, MedoidSelector) else self.selector.scores(layer, qf)
-            t1 = time.perf_counter()
-            if self.selector.kind == "tokens":
-                copies, clusters = self._select_tokens(li, scores, window, total_budget)
-            else:
-                clusters = self._select(st, scores, total_budget, window.shape[0])
-                copies = li.cluster_copies(clusters)
+        budget = self._budget(layer, li, budget)
+        qf = self.queries(q)                                              # query
+        window = self._window(st, budget)
+        scores = None if self._fused else stages.score(self.selector, layer, qf, li)  # score
+        t1 = time.perf_counter()
+        clusters, copies = stages.select(self.selector, layer, qf, li, budget=budget,
+                                         window=window, scores=scores)    # select
         t2 = time.perf_counter()
-        toks = li.members[copies]
-        ssd, dram_toks, slots, pool = st.pin(toks, window)
+        ssd, dram_toks, slots, pool = st.pin(li.members[copies], window)
         try:
             cand = copies[ssd]
-            plan = self.store.plan_copies(li, cand, policy=self.policy, dedup=self.dedup,
-                                          max_gap=self.max_gap)
+            plan = stages.plan(self.store, li, cand, policy=self.policy,  # plan
+                               dedup=self.dedup, max_gap=self.max_gap)
             t3 = time.perf_counter()
-            ssd_toks = plan.tokens
-            nd, ns = dram_toks.shape[0], ssd_toks.shape[0]
-            n = nd + ns
+            pos, d_idx, s_idx = stages.merge_positions(dram_toks, plan.tokens)
+            n = pos.shape[0]
             k, v, kw, vw = self._outputs(n, torch, pinned) if out is None else \
                 self._given_outputs(out, n)
-            # both lists are ascending and disjoint: merged places by counting
-            d_idx = np.arange(nd) + np.searchsorted(ssd_toks, dram_toks)
-            s_idx = np.arange(ns) + np.searchsorted(dram_toks, ssd_toks, side="right")
-            pos = np.empty(n, dtype=np.int64)
-            pos[d_idx] = dram_toks
-            pos[s_idx] = ssd_toks
-            placed = [0.0]
-
-            def place(buf, src):
-                t = time.perf_counter()
-                gather_kv(buf, src, s_idx, kw, vw)
-                placed[0] = time.perf_counter() - t
-            self.store.execute(li, plan, cand, consume=place)
+            placed = stages.submit(self.store, li, plan, cand, s_idx, kw, vw)   # submit
             t4 = time.perf_counter()
-            eb = np.uint64(self.store.entry_bytes)
-            gather_kv(pool.reshape(-1), slots.astype(np.uint64) * eb, d_idx, kw, vw)
+            stages.assemble(pool, slots, self.store.entry_bytes, d_idx, kw, vw)  # assemble
         finally:
             st.unpin(dram_toks)
         t5 = time.perf_counter()
-        t4 -= placed[0]                 # placing the SSD entries is assembly, not I/O
+        t4 -= placed                    # placing the SSD entries is assembly, not I/O
         hot_sel = 0
         if clusters.size:
             with st.lock:
                 hot_sel = int(st.hot[clusters].sum())
-        stats = self._stats(plan, t0, t1, t2, t3, t4, t5, budget=total_budget,
-                            clusters=int(clusters.shape[0]), hot=hot_sel, n=n,
-                            dram=int(nd),
+        nd = int(dram_toks.shape[0])
+        stats = self._stats(plan, t0, t1, t2, t3, t4, t5, budget=budget,
+                            clusters=int(clusters.shape[0]), hot=hot_sel, n=n, dram=nd,
                             dups=int(cand.shape[0] - plan.num_entries) if self.dedup else 0)
         return Retrieval(k=k, v=v, positions=pos, clusters=clusters, stats=stats,
                          layer=int(layer), index=li)
@@ -629,14 +644,14 @@ class Retriever:
         try:
             kb, vb = out
         except (TypeError, ValueError):
-            raise E.InvalidArgumentError("out must be a (k, v) pair") from None
+            raise errors.InvalidArgumentError("out must be a (k, v) pair") from None
         arrs = []
         for name, x in (("k", kb), ("v", vb)):
             if hasattr(x, "detach"):
                 import torch as _torch
                 if str(x.dtype) != f"torch.{self.store.dtype}" or x.device.type != "cpu":
-                    raise E.InvalidArgumentError(f"out {name} is {x.dtype} on {x.device}; "
-                                                 f"need {self.store.dtype} on the CPU")
+                    raise errors.InvalidArgumentError(f"out {name} is {x.dtype} on {x.device}; "
+                                                      f"need {self.store.dtype} on the CPU")
                 a = x.view(_torch.int16).numpy().view(self.store.np_dtype) \
                     if self.store.dtype == "bfloat16" else x.numpy()
             else:
@@ -644,18 +659,18 @@ class Retriever:
             if not isinstance(a, np.ndarray) or a.dtype != self.store.np_dtype or \
                     a.ndim != 3 or a.shape[0] != H or a.shape[2] != d or \
                     not a.flags.c_contiguous or not a.flags.writeable:
-                raise E.InvalidArgumentError(
+                raise errors.InvalidArgumentError(
                     f"out {name} must be a writable C-contiguous [{H}, cap, {d}] "
                     f"{self.store.dtype} array, got {getattr(a, 'shape', None)} "
                     f"{getattr(a, 'dtype', type(a))}")
             if a.shape[1] < n:
-                raise E.InvalidArgumentError(f"out {name} holds {a.shape[1]} entries; this "
-                                             f"retrieval returns {n}")
+                raise errors.InvalidArgumentError(f"out {name} holds {a.shape[1]} entries; this "
+                                                  f"retrieval returns {n}")
             arrs.append(a)
         if arrs[0].shape != arrs[1].shape:
-            raise E.InvalidArgumentError("out k and v differ in shape")
+            raise errors.InvalidArgumentError("out k and v differ in shape")
         if np.shares_memory(arrs[0][:, :n], arrs[1][:, :n]):
-            raise E.InvalidArgumentError("out k and v share memory (V would overwrite K)")
+            raise errors.InvalidArgumentError("out k and v share memory (V would overwrite K)")
         return kb[:, :n], vb[:, :n], arrs[0], arrs[1]
 
     def _outputs(self, n: int, torch: bool, pinned: bool):
@@ -682,17 +697,6 @@ class Retriever:
             return kt, vt, kt.numpy(), vt.numpy()
         kw, vw = np.empty(shape, dt), np.empty(shape, dt)
         return kw, vw, kw, vw
-
-    @staticmethod
-    def _select_tokens(li, scores, window, budget):
-        """Token selector: exact top-k over all keys outside the window; any
-        copy may serve."""
-        want = budget - window.shape[0]
-        sc = scores.copy()
-        sc[:, window] = -np.inf
-        top = np.argpartition(-sc, want - 1, axis=1)[:, :want] if want > 0 else \
-            np.empty((sc.shape[0], 0), np.int64)
-        return li.token_copies(np.unique(top)), np.empty(0, dtype=np.int64)
 
     def _stats(self, plan, t0, t1, t2, t3, t4, t5, *, budget, clusters, hot, n, dram,
                dups) -> RetrievalStats:

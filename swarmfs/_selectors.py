@@ -18,27 +18,32 @@ The baselines of §8 differ only in the scoring, so the
 All take the queries ``q`` float32 [B, H_q, d] and return float32 scores
 [B, C] (tokens: [B, S]).  Selectors that score by a dot product sum the query
 heads of each GQA group first (``group_queries``), which is equivalent; they
-also accept such an already summed ``qg`` [B, H_kv*d].  A selector that caches
-per-layer state drops it in ``invalidate(layer)``.
+also accept such an already summed ``qg`` [B, H_kv*d].  What a selector
+offers the Retriever is the :class:`Selector` protocol; one that caches
+per-layer state drops it in ``invalidate(layer)``, which
+:meth:`~swarmfs.Retriever.refresh` calls after the layer changed.
 
-The choice itself is one pure function, :func:`select_clusters`, with one
-local-window rule (:func:`window_size`); the Retriever, the layout quality
-evaluation (``layout._quality``) and the demo all use these two.
+The choice itself is one pure function, :func:`select_clusters` (the C rule
+``_select``), with one local-window rule (:func:`swarmfs._window.window_size`);
+the Retriever's stages (``swarmfs._stages``), the layout quality evaluation
+(``layout._quality``) and the demo all use these two.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 import operator
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from ._errors import InvalidArgumentError, NotFoundError
+from ._window import window_size as window_size  # noqa: F401  (its former home)
 
-__all__ = ["MedoidSelector", "VectorSelector", "MultiVectorSelector", "BoundSelector",
-           "TokenSelector", "Selection", "select_clusters", "window_size", "group_queries",
-           "score_medoids"]
+__all__ = ["Selector", "FusedSelector", "MedoidSelector", "VectorSelector",
+           "MultiVectorSelector", "BoundSelector", "TokenSelector", "Selection",
+           "select_clusters", "group_queries", "score_medoids", "head_logits",
+           "single_threaded_blas"]
 
 _BLAS = None
 
@@ -108,17 +113,6 @@ def group_queries(q, num_kv_heads: int) -> np.ndarray:
 
 # -- the one selection rule ------------------------------------------------------
 
-def window_size(local_window: int, budget: int, num_tokens: int) -> int:
-    """Tokens of the local window a query uses: min(W, S, budget // 4).
-
-    W is the layer's local window (§5.2, 256 by default); the quarter-budget
-    cap only acts on short contexts, where a 256-token window would otherwise
-    take the whole budget and no cluster would be read.  The one window rule
-    of the Retriever, the demo's layout and the quality evaluation.
-    """
-    return int(max(0, min(int(local_window), int(num_tokens), int(budget) // 4)))
-
-
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """What one query selects (:func:`select_clusters`).
@@ -132,6 +126,47 @@ class Selection:
     clusters: np.ndarray
     entries: int
     window: int
+
+
+@runtime_checkable
+class Selector(Protocol):
+    """What scores a query for the :class:`~swarmfs.Retriever` (SWARM §5.2; the
+    §8 baselines).
+
+    Attributes:
+        kind: ``"clusters"`` (scores per cluster, [B, C]) or ``"tokens"``
+            (scores per token, [B, S]: the exact top-k).
+        name: the method's name (``"swarm"``, ``"quest"``, ...).
+
+    Concurrency: ``scores`` and ``dram_bytes`` may run in several threads at
+    once, also beside ``invalidate``.
+    """
+
+    kind: str
+    name: str
+
+    def scores(self, layer: int, q: np.ndarray, li=None) -> np.ndarray:
+        """float32 [B, C] (or [B, S]) scores of queries float32 [B, H_q, d];
+        ``li`` the :class:`~swarmfs.LayerIndex` the caller works on (a
+        selector whose index is the store's reads it from there)."""
+
+    def dram_bytes(self, layer: int) -> int:
+        """Bytes of the layer's index held in DRAM."""
+
+    def invalidate(self, layer: int) -> None:
+        """Drop whatever the selector derived from the layer's stored state
+        (the layer changed on disk); a no-op for selectors whose index is
+        given to them."""
+
+
+@runtime_checkable
+class FusedSelector(Selector, Protocol):
+    """A :class:`Selector` that also scores and chooses in one pass."""
+
+    def select(self, layer: int, q: np.ndarray, *, budget: int, window: int,
+               li=None) -> list:
+        """Per query of ``q`` float32 [B, H_q, d], the :class:`Selection` that
+        :meth:`scores` followed by :func:`select_clusters` makes."""
 
 
 def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: int,
@@ -182,7 +217,6 @@ def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: in
                                    f"window {w} must be >= 0")
     w = min(w, S)
     budget = min(budget, S)
-    C = scores.shape[0]
     if ptr.shape[0] and (ptr[0] != 0 or ptr[-1] != members.shape[0]):
         raise InvalidArgumentError("select_clusters: pointers do not cover the members")
     if members.size and (members.min() < 0 or members.max() >= S):
@@ -276,65 +310,59 @@ class MedoidSelector:
         self.store = store
         self.score = score
         self.index = index
-        self._i8 = {}
         self.scale = float(store.head_dim) ** -0.5
-        self._m = {}
-        self._mt = {}
-        self._pk = {}
+        self._derived = {}      # {(what, layer): (layer index, array)}
+
+    def _cached(self, what: str, layer, li, make):
+        """``make()`` for the layer index ``li``, made once per index object:
+        a retrieval that started on an older index keeps using that index."""
+        hit = self._derived.get((what, layer))
+        if hit is not None and hit[0] is li:
+            return hit[1]
+        out = make()
+        self._derived[(what, layer)] = (li, out)
+        return out
 
     def _medoids(self, layer, li=None):
         """The medoid keys [C, H_kv*d] of a layer index ``li`` (default the
-        store's current one).  Cached per layer and index object, so a
-        retrieval that started on an older index keeps using that index."""
+        store's current one)."""
         li = self.store.layer(layer) if li is None else li
-        hit = self._m.get(layer)
-        if hit is not None and hit[0] is li:
-            return hit[1]
-        m = np.ascontiguousarray(li.medoid_keys.view(self.store.np_dtype)).reshape(
-            li.num_clusters, -1)
-        self._m[layer] = (li, m)
-        return m
+        return self._cached("medoids", layer, li, lambda: np.ascontiguousarray(
+            li.medoid_keys.view(self.store.np_dtype)).reshape(li.num_clusters, -1))
 
     def _head_major(self, layer, li, m):
-        hit = self._mt.get(layer)
-        if hit is not None and hit[0] is li:
-            return hit[1]
+        """fp32 keys head-major [H_kv, C, d], made once per layer index."""
         H = self.store.num_kv_heads
-        mt = np.ascontiguousarray(m.reshape(m.shape[0], H, -1).transpose(1, 0, 2))
-        self._mt[layer] = (li, mt)
-        return mt
+        return self._cached("head_major", layer, li, lambda: np.ascontiguousarray(
+            m.reshape(m.shape[0], H, -1).transpose(1, 0, 2)))
 
     def _packed(self, layer, li, m):
         """The index in ``pack_medoids`` layout, made once per layer index."""
-        hit = self._pk.get(layer)
-        if hit is not None and hit[0] is li:
-            return hit[1]
         from ._kernels import pack_medoids
-        pk = pack_medoids(m, self.store.num_kv_heads)
-        self._pk[layer] = (li, pk)
-        return pk
+        return self._cached("packed", layer, li,
+                            lambda: pack_medoids(m, self.store.num_kv_heads))
 
     def _int8(self, layer, li, m):
         """The ``pack_medoids_i8`` index, made once per layer index (None when
         the exact index is asked for or runs instead: the "logit" score, a
         head size not a multiple of 4, the NEON path)."""
-        from ._kernels import kernel_path
+        from ._kernels import kernel_path, pack_medoids_i8
         if self.index != "int8" or self.score != "prob" or self.store.head_dim % 4:
             return None
         if kernel_path() == "neon":      # no NEON int8 kernel yet: the exact NEON one
             return None
-        hit = self._i8.get(layer)
-        if hit is not None and hit[0] is li:
-            return hit[1]
-        from ._kernels import pack_medoids_i8
-        bf16 = m.dtype.name == "bfloat16"
-        if m.dtype == np.float32:
-            m = np.clip(m, -65504.0, 65504.0).astype(np.float16)
-        ix = pack_medoids_i8(m, self.store.num_kv_heads, bf16=bf16)
-        self._i8[layer] = (li, ix)
-        return ix
+
+        def make():
+            bf16 = m.dtype.name == "bfloat16"
+            m16 = np.clip(m, -65504.0, 65504.0).astype(np.float16) \
+                if m.dtype == np.float32 else m
+            return pack_medoids_i8(m16, self.store.num_kv_heads, bf16=bf16)
+        return self._cached("int8", layer, li, make)
 
     def scores(self, layer: int, q: np.ndarray, li=None) -> np.ndarray:
+        """Medoid scores float32 [B, C] of queries float32 [B, H_q, d] (the
+        ``score`` and ``index`` chosen at construction); ``li`` the layer
+        index the caller works on (default the store's current one)."""
         li = self.store.layer(layer) if li is None else li
         m = self._medoids(layer, li)
         if self.score == "logit":
@@ -386,20 +414,29 @@ class MedoidSelector:
 
     def invalidate(self, layer: int) -> None:
         """Drop the cached index of a layer (it changed on disk)."""
-        self._m.pop(layer, None)
-        self._mt.pop(layer, None)
-        self._pk.pop(layer, None)
-        self._i8.pop(layer, None)
+        for key in [k for k in self._derived if k[1] == layer]:
+            self._derived.pop(key, None)
 
     def dram_bytes(self, layer: int) -> int:
-        extra = sum(c[layer][1].nbytes for c in (self._mt, self._pk) if layer in c)
-        if layer in self._i8:
-            ix = self._i8[layer][1]
-            extra += ix.data.nbytes + ix.scales.nbytes + ix.sums.nbytes
+        """Bytes of the layer's medoid index and the copies made of it
+        (head-major, packed, int8)."""
+        extra = 0
+        for (what, lay), (_, x) in list(self._derived.items()):
+            if lay != layer or what == "medoids":
+                continue
+            extra += x.data.nbytes + x.scales.nbytes + x.sums.nbytes if what == "int8" \
+                else x.nbytes
         return int(self._medoids(layer).nbytes + extra)
 
 
-class VectorSelector:
+class _GivenIndex:
+    """A selector whose per-layer index is given to it (the §8 baselines)."""
+
+    def invalidate(self, layer: int) -> None:
+        """Nothing to drop: the index was given, not derived from the store."""
+
+
+class VectorSelector(_GivenIndex):
     """One vector per cluster (e.g. k-means centroids): {layer: [C, H_kv*d]}."""
 
     kind = "clusters"
@@ -408,14 +445,16 @@ class VectorSelector:
         self.vectors = {k: np.ascontiguousarray(v) for k, v in vectors.items()}
         self.name = name
 
-    def scores(self, layer, q):
+    def scores(self, layer, q, li=None):
+        """Dot products with the cluster vectors: float32 [B, C]."""
         return _gemv(_of_layer(self.vectors, layer, self.name), q)
 
     def dram_bytes(self, layer):
+        """Bytes of the layer's index."""
         return int(_of_layer(self.vectors, layer, self.name).nbytes)
 
 
-class MultiVectorSelector:
+class MultiVectorSelector(_GivenIndex):
     """R representative keys per cluster, {layer: [C, R, H_kv*d]}; a cluster
     scores its best representative (InfLLM)."""
 
@@ -425,16 +464,18 @@ class MultiVectorSelector:
         self.reps = {k: np.ascontiguousarray(v) for k, v in reps.items()}
         self.name = name
 
-    def scores(self, layer, q):
+    def scores(self, layer, q, li=None):
+        """Best dot product over each cluster's representatives: float32 [B, C]."""
         r = _of_layer(self.reps, layer, self.name)
         C, R, D = r.shape
         return _gemv(r.reshape(C * R, D), q).reshape(q.shape[0], C, R).max(axis=2)
 
     def dram_bytes(self, layer):
+        """Bytes of the layer's index."""
         return int(_of_layer(self.reps, layer, self.name).nbytes)
 
 
-class BoundSelector:
+class BoundSelector(_GivenIndex):
     """Quest: per-channel key bounds per cluster, {layer: (lo, hi)} each
     float32 [C, H_kv*d]; score = sum_c max(q_c lo_c, q_c hi_c), an upper bound
     of q . k over the cluster's keys."""
@@ -446,7 +487,8 @@ class BoundSelector:
         self.bounds = {k: (np.ascontiguousarray(lo, np.float32), np.ascontiguousarray(hi, np.float32))
                        for k, (lo, hi) in bounds.items()}
 
-    def scores(self, layer, q):
+    def scores(self, layer, q, li=None):
+        """Upper bounds of q . k over each cluster's keys: float32 [B, C]."""
         lo, hi = _of_layer(self.bounds, layer, self.name)
         qg = np.asarray(q, np.float32) if q.ndim == 2 else \
             group_queries(q, lo.shape[1] // q.shape[-1])
@@ -456,11 +498,12 @@ class BoundSelector:
         return (pos @ hi.T + neg @ lo.T).astype(np.float32)
 
     def dram_bytes(self, layer):
+        """Bytes of the layer's index."""
         lo, hi = _of_layer(self.bounds, layer, self.name)
         return int(lo.nbytes + hi.nbytes)
 
 
-class TokenSelector:
+class TokenSelector(_GivenIndex):
     """Every key of the layer, {layer: [S, H_kv*d]}: the exact top-k tokens
     (the oracle / "No Cluster" baseline of §8.1)."""
 
@@ -470,8 +513,10 @@ class TokenSelector:
     def __init__(self, keys: dict):
         self.keys = {k: np.ascontiguousarray(v) for k, v in keys.items()}
 
-    def scores(self, layer, q):
+    def scores(self, layer, q, li=None):
+        """Dot products with every key: float32 [B, S]."""
         return _gemv(_of_layer(self.keys, layer, self.name), q)
 
     def dram_bytes(self, layer):
+        """Bytes of the layer's index."""
         return int(_of_layer(self.keys, layer, self.name).nbytes)

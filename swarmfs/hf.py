@@ -68,12 +68,13 @@ import time
 
 import numpy as np
 
-from . import _errors as E
+from . import _errors as errors
+from . import _defaults as defaults
 from ._demo import LayoutParams, _layout_layer
-from ._demo import local_window as _demo_local_window
 from ._online import DecodeSession
 from ._retrieve import Retriever
 from ._store import Store, to_torch
+from ._window import stored_window
 
 __all__ = ["ATTENTION", "METHODS", "SwarmCache", "SwarmLayer", "StepStats", "enable", "register",
            "swarm_attention_forward"]
@@ -118,7 +119,7 @@ def _torch():
 def _dtype_name(t) -> str:
     name = str(t.dtype).removeprefix("torch.")
     if name not in _TORCH_DTYPES:
-        raise E.ShapeError(f"KV dtype {t.dtype} is not float16, bfloat16 or float32")
+        raise errors.ShapeError(f"KV dtype {t.dtype} is not float16, bfloat16 or float32")
     return name
 
 
@@ -198,7 +199,7 @@ def enable(model):
     try:
         model.set_attn_implementation(ATTENTION)
     except (ValueError, KeyError, AttributeError) as exc:
-        raise E.ConfigError(f"cannot switch the model to the swarm attention: {exc}") from None
+        raise errors.ConfigError(f"cannot switch the model to the swarm attention: {exc}") from None
     return model
 
 
@@ -273,41 +274,53 @@ class SwarmLayer(CacheLayerMixin):
         self.in_flight = False       # updated, not yet attended (misuse detection)
 
     def lazy_initialization(self, key_states, value_states) -> None:
+        """transformers' Cache API: note the device on first update."""
         self.device = key_states.device
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        """transformers' Cache API: take this step's K/V [1, H_kv, T, d] and
+        return what attention reads (the SwarmCache lays out at prefill,
+        retrieves at decode)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         return self.cache._update(self, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """transformers' Cache API: (kv length, kv offset) for the attention mask."""
         return self.seen + query_length, 0
 
     def get_seq_length(self) -> int:
+        """transformers' Cache API: tokens seen by this layer."""
         return self.seen
 
     def get_max_length(self) -> int:
+        """transformers' Cache API: -1, no maximum length."""
         return -1
 
     def reset(self) -> None:
-        raise E.ConfigError("a SwarmCache cannot be reset; make a new one (or from_store)",
-                            layer=self.layer_idx)
+        """Not supported: raises ConfigError (the prefix is on the disks)."""
+        raise errors.ConfigError("a SwarmCache cannot be reset; make a new one (or from_store)",
+                                 layer=self.layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise E.ConfigError("a SwarmCache cannot be cropped (its prefix is on the disks)",
-                            layer=self.layer_idx)
+        """Not supported: raises ConfigError (the prefix is on the disks)."""
+        raise errors.ConfigError("a SwarmCache cannot be cropped (its prefix is on the disks)",
+                                 layer=self.layer_idx)
 
     def reorder_cache(self, beam_idx) -> None:
-        raise E.ConfigError("a SwarmCache serves one sequence; beam search is not supported",
-                            layer=self.layer_idx)
+        """Not supported (beam search): raises ConfigError."""
+        raise errors.ConfigError("a SwarmCache serves one sequence; beam search is not supported",
+                                 layer=self.layer_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Batch size 1 only: ConfigError unless ``repeats`` is 1."""
         if repeats != 1:
-            raise E.ConfigError("a SwarmCache serves batch size 1", layer=self.layer_idx)
+            raise errors.ConfigError("a SwarmCache serves batch size 1", layer=self.layer_idx)
 
     def batch_select_indices(self, indices) -> None:
-        raise E.ConfigError("a SwarmCache serves batch size 1", layer=self.layer_idx)
+        """Not supported (batch size 1): raises ConfigError."""
+        raise errors.ConfigError("a SwarmCache serves batch size 1", layer=self.layer_idx)
 
 
 class SwarmCache(Cache):
@@ -354,29 +367,29 @@ class SwarmCache(Cache):
     #: subclass with another cache-replacement policy)
     session_class = DecodeSession
 
-    def __init__(self, store, config=None, *, ratio: float = 0.1, disks=4,
+    def __init__(self, store, config=None, *, ratio: float = defaults.RATIO, disks=4,
                  layout: LayoutParams | None = None, prefetch: str = "none",
-                 append: bool = True, tau: float = 0.5, record: bool = False,
+                 append: bool = True, tau: float = defaults.ONLINE_TAU, record: bool = False,
                  method: str = "swarm", hot_budget: float | None = None, force: bool = False,
                  engine: str | None = None, _opened: Store | None = None):
         register()
         if method not in METHODS:
-            raise E.InvalidArgumentError(f"method must be one of {METHODS}, got {method!r}")
+            raise errors.InvalidArgumentError(f"method must be one of {METHODS}, got {method!r}")
         if method != "swarm" and _opened is not None:
-            raise E.InvalidArgumentError("from_store serves swarm layouts only (the baselines' "
-                                         "indexes are not stored)")
+            raise errors.InvalidArgumentError("from_store serves swarm layouts only (the "
+                                              "baselines' indexes are not stored)")
         self.method = method
         if hot_budget is not None and (isinstance(hot_budget, bool) or not isinstance(
                 hot_budget, (int, float)) or not 0 <= hot_budget <= 1):
-            raise E.InvalidArgumentError(f"hot_budget must be a fraction in [0, 1], got "
-                                         f"{hot_budget!r}")
+            raise errors.InvalidArgumentError(f"hot_budget must be a fraction in [0, 1], got "
+                                              f"{hot_budget!r}")
         self.hot_budget = hot_budget
         self._index: dict[int, object] = {}
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-            raise E.InvalidArgumentError(f"ratio must be a number in (0, 1], got {ratio!r}")
+            raise errors.InvalidArgumentError(f"ratio must be a number in (0, 1], got {ratio!r}")
         if prefetch not in ("none", "previous"):
-            raise E.InvalidArgumentError(f"prefetch must be 'none' or 'previous', got "
-                                         f"{prefetch!r}")
+            raise errors.InvalidArgumentError(f"prefetch must be 'none' or 'previous', got "
+                                              f"{prefetch!r}")
         self.ratio = float(ratio)
         self.params = dataclasses.replace(layout or LayoutParams(), ratio=self.ratio)
         self.prefetch_mode = prefetch
@@ -397,27 +410,28 @@ class SwarmCache(Cache):
         elif isinstance(store, Store):
             self.store, self.path = store, store.path
             if store.layers:
-                raise E.StoreExistsError("the Store given to SwarmCache already holds layers; "
-                                         "use SwarmCache.from_store", store=store.path)
+                raise errors.StoreExistsError("the Store given to SwarmCache already holds layers; "
+                                              "use SwarmCache.from_store", store=store.path)
             if not store.writable:
-                raise E.InvalidArgumentError("the Store must be open writable", store=store.path)
+                raise errors.InvalidArgumentError("the Store must be open writable",
+                                                  store=store.path)
             if self.config is None:
-                raise E.ConfigError("SwarmCache needs the model config for a new store")
+                raise errors.ConfigError("SwarmCache needs the model config for a new store")
             num_layers = int(self.config.num_hidden_layers)
             self._check_config_against_store()
         elif isinstance(store, (str, os.PathLike)):
             self.path = os.path.abspath(os.fspath(store))
             if self.config is None:
-                raise E.ConfigError("SwarmCache needs the model config for a new store "
-                                    "(SwarmCache(path, model.config)); reopen a stored prefix "
-                                    "with SwarmCache.from_store(path)", store=self.path)
+                raise errors.ConfigError("SwarmCache needs the model config for a new store "
+                                         "(SwarmCache(path, model.config)); reopen a stored prefix "
+                                         "with SwarmCache.from_store(path)", store=self.path)
             if not force and os.path.exists(os.path.join(self.path, "manifest.json")):
-                raise E.StoreExistsError("a store already exists here (reopen it with "
-                                         "SwarmCache.from_store, or force=True to replace it)",
-                                         store=self.path)
+                raise errors.StoreExistsError("a store already exists here (reopen it with "
+                                              "SwarmCache.from_store, or force=True to replace it)",
+                                              store=self.path)
             num_layers = int(self.config.num_hidden_layers)
         else:
-            raise E.InvalidArgumentError(f"store must be a path or a Store, got {store!r}")
+            raise errors.InvalidArgumentError(f"store must be a path or a Store, got {store!r}")
         super().__init__(layers=[SwarmLayer(self, i, seen) for i in range(num_layers)])
         self.prefix_length = seen
         self.retriever: Retriever | None = None
@@ -432,7 +446,7 @@ class SwarmCache(Cache):
 
     # -- construction from a stored prefix ------------------------------------
     @classmethod
-    def from_store(cls, path, config=None, *, ratio: float = 0.1, append: bool = False,
+    def from_store(cls, path, config=None, *, ratio: float = defaults.RATIO, append: bool = False,
                    verify: bool = True, engine: str | None = None, **kw) -> "SwarmCache":
         """Reopen a stored prefix: decoding continues from the disks, no prefill.
 
@@ -463,12 +477,12 @@ class SwarmCache(Cache):
     def _stored_length(self) -> int:
         st = self.store
         if sorted(st.layers) != list(range(st.num_layers)):
-            raise E.ShapeError(f"the store holds layers {st.layers}, not all "
-                               f"{st.num_layers}: the prefill did not finish", store=st.path)
+            raise errors.ShapeError(f"the store holds layers {st.layers}, not all "
+                                    f"{st.num_layers}: the prefill did not finish", store=st.path)
         lens = {st.num_tokens(i) for i in st.layers}
         if len(lens) != 1:
-            raise E.ShapeError(f"the store's layers hold different token counts {sorted(lens)}",
-                               store=st.path)
+            raise errors.ShapeError(f"the store's layers hold different token counts "
+                                    f"{sorted(lens)}", store=st.path)
         return lens.pop()
 
     def _model_shape(self):
@@ -486,17 +500,17 @@ class SwarmCache(Cache):
             ("layers", st.num_layers, L), ("KV heads", st.num_kv_heads, Hkv),
             ("head_dim", st.head_dim, d), ("query heads", stored_q, Hq)) if a != b]
         if diffs:
-            raise E.ShapeError("the store's entry shape differs from the model's (" +
-                               "; ".join(diffs) + ")", store=st.path)
+            raise errors.ShapeError("the store's entry shape differs from the model's (" +
+                                    "; ".join(diffs) + ")", store=st.path)
 
     # -- per-layer update -----------------------------------------------------
     def _check_kv(self, layer: int, k, v) -> None:
         if k.ndim != 4 or k.shape != v.shape:
-            raise E.ShapeError(f"key/value shapes {tuple(k.shape)} / {tuple(v.shape)} are "
-                               "not [B, H_kv, T, d]", layer=layer, store=self.path)
+            raise errors.ShapeError(f"key/value shapes {tuple(k.shape)} / {tuple(v.shape)} are "
+                                    "not [B, H_kv, T, d]", layer=layer, store=self.path)
         if k.shape[0] != 1:
-            raise E.ShapeError(f"a SwarmCache serves batch size 1, got {k.shape[0]}",
-                               layer=layer, store=self.path)
+            raise errors.ShapeError(f"a SwarmCache serves batch size 1, got {k.shape[0]}",
+                                    layer=layer, store=self.path)
         if self.store is None:
             return
         st = self.store
@@ -509,21 +523,22 @@ class SwarmCache(Cache):
         if name != st.dtype:
             diffs.append(f"dtype: store {st.dtype}, model {name}")
         if diffs:
-            raise E.ShapeError("the store's entries differ from the model's (" +
-                               "; ".join(diffs) + ")", layer=layer, store=st.path)
+            raise errors.ShapeError("the store's entries differ from the model's (" +
+                                    "; ".join(diffs) + ")", layer=layer, store=st.path)
 
     def _check_window(self, layer: int, total: int) -> None:
         sw = getattr(self.config, "sliding_window", None) if self.config is not None else None
         use = getattr(self.config, "use_sliding_window", True) if self.config is not None \
             else False
         if sw and use and total > int(sw):
-            raise E.ConfigError(f"context of {total} tokens exceeds the model's sliding window "
-                                f"{sw}; SwarmCache serves full-attention layers only",
-                                layer=layer, store=self.path)
+            raise errors.ConfigError(f"context of {total} tokens exceeds the model's sliding "
+                                     f"window {sw}; SwarmCache serves full-attention layers "
+                                     "only",
+                                     layer=layer, store=self.path)
 
     def _update(self, lay: SwarmLayer, k, v):
         if self._closed:
-            raise E.SwarmError("the SwarmCache is closed", store=self.path)
+            raise errors.SwarmError("the SwarmCache is closed", store=self.path)
         layer = lay.layer_idx
         self._check_kv(layer, k, v)
         T = int(k.shape[2])
@@ -531,7 +546,7 @@ class SwarmCache(Cache):
         mode = "decode" if lay.seen > 0 else "prefill"
         if lay.in_flight or (mode == "decode" and (
                 self.store is None or layer not in self.store.layers)):
-            raise E.ConfigError(
+            raise errors.ConfigError(
                 "the previous call of this layer did not attend through swarmfs: load the "
                 "model with attn_implementation='swarm' (after import swarmfs.hf) or call "
                 "swarmfs.hf.enable(model); a SwarmCache also serves one thread at a time",
@@ -545,8 +560,8 @@ class SwarmCache(Cache):
     def _create_store(self, k) -> None:
         L, Hkv, d, Hq = self._model_shape()
         if k.shape[1] != Hkv or k.shape[3] != d:
-            raise E.ShapeError(f"key shape {tuple(k.shape)} does not match the config "
-                               f"(H_kv {Hkv}, head_dim {d})", layer=0, store=self.path)
+            raise errors.ShapeError(f"key shape {tuple(k.shape)} does not match the config "
+                                    f"(H_kv {Hkv}, head_dim {d})", layer=0, store=self.path)
         self.store = Store.create(self.path, disks=self._disks, num_layers=L,
                                   num_kv_heads=Hkv, head_dim=d, dtype=_dtype_name(k),
                                   num_query_heads=Hq, force=self._force, engine=self._engine,
@@ -565,7 +580,7 @@ class SwarmCache(Cache):
         q = query[0].detach().float().cpu().numpy()           # [H_q, S, d]
         k32 = key[0].detach().float().cpu().numpy()           # [H_kv, S, d]
         kv = torch.stack([key[0], value[0]], 0).permute(2, 0, 1, 3).contiguous()
-        W = _demo_local_window(self.params, S)
+        W = stored_window(self.params.local_window, self.params.ratio, S)
         if self.method == "swarm":
             cl, hot = _layout_layer(q, k32, params=self.params, scaling=float(scaling),
                                     layer=layer, entry_bytes=self.store.entry_bytes)
@@ -597,9 +612,9 @@ class SwarmCache(Cache):
     def _ensure_retriever(self) -> Retriever:
         if self.retriever is None:
             if self.store is None:
-                raise E.InternalError("decode before prefill", store=self.path)
+                raise errors.InternalError("decode before prefill", store=self.path)
             self.prefix_length = self._stored_length()
-            self.retriever = Retriever(self.store, sparsity=self.ratio,
+            self.retriever = Retriever(self.store, ratio=self.ratio,
                                        selector=_baseline_selector(self.method, self._index))
         return self.retriever
 
@@ -619,8 +634,8 @@ class SwarmCache(Cache):
         """Entries the exact query selects (its clusters and the window), for
         the §7 prefetch hit rate."""
         r = self.retriever
-        li = r.layer_state(layer).li
-        sel = r.select(layer, r.score(layer, q)[0])
+        li = r.index(layer)
+        sel = r.select(layer, q)
         return np.union1d(np.unique(li.members[li.cluster_copies(sel)]), r.window(layer))
 
     def _decode(self, layer: int, module, query, key, value, scaling, mask=None):

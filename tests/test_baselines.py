@@ -158,7 +158,7 @@ def test_each_layout_stores_and_retrieves_with_its_selector(tmp_path, qk, rng):
                 sel[name] = VectorSelector({i: lay.index["vectors"]})
         qq = q[:, S - 1].astype(np.float32)
         for i, (name, lay) in enumerate(lays.items()):
-            ret = Retriever(st, sparsity=0.1, selector=sel[name]).retrieve(i, qq, torch=False)
+            ret = Retriever(st, ratio=0.1, selector=sel[name]).retrieve(i, qq, torch=False)
             assert ret.positions.shape[0] >= int(np.ceil(0.1 * S))
             got = ret.k.transpose(1, 0, 2)
             assert np.array_equal(got.view(np.uint16), kv[ret.positions, 0].view(np.uint16))

@@ -112,7 +112,7 @@ def test_bad_inputs_give_clear_errors(tmp_path):
     s = Store.create(tmp_path / "s", disks=2, num_layers=1, num_kv_heads=2, head_dim=8)
     s.write_layer(0, np.zeros((300, 2, 2, 8), np.float16), [np.arange(300)])
     with pytest.raises(E.LayoutError):
-        Retriever(s, sparsity=1.5)
+        Retriever(s, ratio=1.5)
     with pytest.raises(E.LayoutError):
         Retriever(s).retrieve(0, np.zeros((2, 8)), budget=301)
     s.close()

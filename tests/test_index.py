@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from swarmfs import _errors as E
 from swarmfs import _format as F
 from swarmfs._index import LayerIndex, concat_ranges
-from swarmfs.layout._place import place_clusters
+from swarmfs._placement import place_clusters
 
 
 def _arrays(sizes=(3, 2, 4), ndisks=2, Eb=64, bs=512):

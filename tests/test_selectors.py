@@ -98,7 +98,7 @@ def test_r1_returns_every_token_8_kv_heads_4096(tmp_path_factory, seed):
                       num_query_heads=HQ, dtype="float16") as s:
         kv = random_kv(rng, S, H, D, "float16")
         s.write_layer(0, kv, random_clusters(rng, S, 300, 900), local_window=64)
-        r = Retriever(s, sparsity=1.0)
+        r = Retriever(s, ratio=1.0)
         for q in rng.standard_normal((3, HQ, D)):
             out = r.retrieve(0, q, torch=False)
             assert out.positions.tolist() == list(range(S))

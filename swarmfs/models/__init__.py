@@ -19,5 +19,8 @@ from ._corpus import heldout_texts as heldout_texts
 from ._corpus import stdlib_dir as stdlib_dir
 from ._corpus import training_texts as training_texts
 
+__all__ = ["KINDS", "Document", "data_dir", "documents", "heldout_documents", "heldout_texts",
+           "stdlib_dir", "training_texts", "DEFAULT_DECODER"]
+
 #: Directory of the trained decoder (config, safetensors, tokenizer).
 DEFAULT_DECODER: pathlib.Path = pathlib.Path(__file__).resolve().parent / "swarm-llama"

@@ -29,6 +29,9 @@ import sysconfig
 
 from .._errors import InvalidArgumentError, NotFoundError
 
+__all__ = ["KINDS", "PROSE_HELDOUT_FRACTION", "STDLIB_HELDOUT_MODULUS", "Document", "stdlib_dir",
+           "data_dir", "documents", "training_texts", "heldout_documents", "heldout_texts"]
+
 #: Fraction of each prose source held out (its tail).
 PROSE_HELDOUT_FRACTION = 0.10
 #: A stdlib file is held out when sha1(relative path) % STDLIB_HELDOUT_MODULUS == 0.

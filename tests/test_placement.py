@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from swarmfs.layout._place import (copy_locations, place_clusters, start_disks,
+from swarmfs._placement import (copy_locations, place_clusters, start_disks,
                                    stripe_counts)
 
 

@@ -1,0 +1,37 @@
+"""Default parameters, one place each (the paper's values where it gives one).
+
+Every module that takes one of these as a default imports it from here; the
+README's "Python API" and the CLI's ``--help`` show the same values.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RATIO", "LOCAL_WINDOW", "T_BASE_US", "T_TRANSFER_US", "SSD_GBPS", "HOT_FRACTION",
+           "ONLINE_TAU", "MAX_JOINS", "NEW_CLUSTER_SIZE", "FLUSH_BATCH"]
+
+#: Sparsity ratio r: the fraction of a context's entries a query may use
+#: (the entry budget is ceil(r x S)); SWARM §8.1 evaluates at 0.10.
+RATIO = 0.10
+#: Local window W in tokens, the last W entries kept in DRAM (§5.2: "e.g. 256 tokens").
+LOCAL_WINDOW = 256
+#: Eq. 6 T_base: SSD access latency (µs; a 4 KiB random read on a datacenter
+#: NVMe SSD takes ~70-100 µs).
+T_BASE_US = 80.0
+#: Eq. 6 T_transfer: transfer cost of one entry (µs) in the demo's layout and
+#: the online cache replacement.
+T_TRANSFER_US = 2.0
+#: Sequential SSD bandwidth (GB/s) from which ``layout.hot_clusters`` derives
+#: T_transfer when it is not given.
+SSD_GBPS = 3.0
+#: DRAM budget for hot clusters, as a fraction of a layer's KV bytes (eq. 6
+#: chooses which clusters fill it).
+HOT_FRACTION = 0.02
+#: Eq. 9 radius of the online maintenance (§6.2): a new entry joins clusters
+#: co-activated in more than (1 - tau) of the W steps it is observed.
+ONLINE_TAU = 0.5
+#: Most clusters a new entry joins online (controlled replication, §6.2).
+MAX_JOINS = 2
+#: Entries per new cluster made of new entries that join none (§6.2).
+NEW_CLUSTER_SIZE = 16
+#: Matured new entries written together by one ``Store.append``.
+FLUSH_BATCH = 32

@@ -1,0 +1,180 @@
+"""The import graph of ``swarmfs``: no cycle, and the runtime does not build on the layout.
+
+The graph is read from the source (``ast``), so imports inside functions count
+as much as module-level ones: a cycle broken only by a function-level import
+is still a cycle to a reader.  ``swarmfs.layout`` is installed from ``layout/``
+(``pyproject.toml``: package-dir), so modules are located through the import
+system (``importlib.util.find_spec``), not by walking one folder.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+
+import pytest
+
+ROOT = "swarmfs"
+
+#: Modules that drive whole pipelines (capture -> layout -> store -> decode)
+#: and may therefore call the offline layout.  Everything else in the runtime
+#: is below the layout: the layout builds on it, never the other way round.
+PIPELINES = {"swarmfs._cli", "swarmfs._demo", "swarmfs._generate", "swarmfs.hf"}
+
+
+def _is_package(spec) -> bool:
+    return spec.submodule_search_locations is not None
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ModuleNotFoundError, ValueError):     # ValueError: cffi's lib object
+        return False
+
+
+def imports_of(name: str, source: str, is_package: bool) -> set[str]:
+    """Absolute names of the modules a module's source imports, anywhere in it
+    (module level, functions, classes, conditionals).  ``from X import a``
+    names ``X.a`` when that is a module, else ``X``."""
+    pkg = name if is_package else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                out.add(sub if a.name != "*" and sub.startswith(ROOT + ".") and
+                        _module_exists(sub) else target)
+    return out
+
+
+def module_graph(root: str = ROOT) -> dict[str, set[str]]:
+    """{module: modules of ``root`` it imports}, for every module reachable
+    from ``root``, the packages holding them and every module file of each
+    package found on the way.  A package is not an edge of its submodules (it
+    is a node of its own, whose edges are what its ``__init__`` imports)."""
+    graph: dict[str, set[str]] = {}
+    todo = [root]
+    while todo:
+        name = todo.pop()
+        if name in graph:
+            continue
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            graph[name] = set()                  # the compiled engine, a namespace
+            continue
+        with open(spec.origin, encoding="utf-8") as f:
+            deps = imports_of(name, f.read(), _is_package(spec))
+        graph[name] = {d for d in deps if d == root or d.startswith(root + ".")} - {name}
+        todo.extend(graph[name])
+        if "." in name:                          # its package runs first: a node too
+            todo.append(name.rpartition(".")[0])
+        if _is_package(spec):                    # every module of the package
+            import pkgutil
+            todo.extend(m.name for m in pkgutil.iter_modules(
+                spec.submodule_search_locations, name + "."))
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as [a, b, ..., a], or None if it is acyclic
+    (iterative depth-first search, colours white/grey/black)."""
+    colour = dict.fromkeys(graph, 0)
+    for start in sorted(graph):
+        if colour[start]:
+            continue
+        stack = [(start, iter(sorted(graph[start])))]
+        path = [start]
+        colour[start] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                colour[node] = 2
+                stack.pop()
+                path.pop()
+            elif colour.get(nxt, 0) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif colour.get(nxt, 0) == 0:
+                colour[nxt] = 1
+                path.append(nxt)
+                stack.append((nxt, iter(sorted(graph.get(nxt, ())))))
+    return None
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return module_graph()
+
+
+def test_graph_covers_runtime_and_layout(graph):
+    # the checker really read the tree: both packages, with their known edges
+    for mod in ("swarmfs._retrieve", "swarmfs._selectors", "swarmfs._store",
+                "swarmfs.layout._quality", "swarmfs.layout._baselines",
+                "swarmfs._placement", "swarmfs.layout._place"):
+        assert mod in graph, mod
+    assert "swarmfs._selectors" in graph["swarmfs._retrieve"]
+    assert "swarmfs._placement" in graph["swarmfs._index"]
+    assert "swarmfs._placement" in graph["swarmfs.layout._place"]
+    # a function-level import is an edge (swarmfs._cli imports _store inside commands)
+    assert "swarmfs._store" in graph["swarmfs._cli"]
+
+
+def test_no_import_cycle(graph):
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_checker_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"a"}}) == ["a", "a"]
+    # a cycle away from the first node, reached through a diamond
+    g = {"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": {"e"}, "e": {"d"}}
+    assert find_cycle(g) == ["d", "e", "d"]
+
+
+def test_function_level_import_counts():
+    # the Retriever <-> selector cycle of issue 12, written as it was
+    src_r = "from ._selectors import MedoidSelector\n"
+    src_s = "def f():\n    from ._retrieve import Retriever\n    return Retriever\n"
+    g = {"swarmfs._r": {d.replace("_retrieve", "_r").replace("_selectors", "_s")
+                        for d in imports_of("swarmfs._r", src_r, False)},
+         "swarmfs._s": {d.replace("_retrieve", "_r").replace("_selectors", "_s")
+                        for d in imports_of("swarmfs._s", src_s, False)}}
+    assert find_cycle(g) == ["swarmfs._r", "swarmfs._s", "swarmfs._r"]
+
+
+def test_relative_imports_resolve():
+    assert imports_of("swarmfs.layout._x", "from .._errors import E\nfrom . import _cluster\n"
+                      "from ._profile import p\n", False) == \
+        {"swarmfs._errors", "swarmfs.layout._cluster", "swarmfs.layout._profile"}
+    assert imports_of("swarmfs", "from ._store import Store\n", True) == {"swarmfs._store"}
+
+
+#: Runtime modules that still import the layout's re-export of the placement
+#: contract (``swarmfs.layout._place``) instead of ``swarmfs._placement``;
+#: issue 12 moves their one import line when the store split merges.
+PENDING = {"swarmfs._write"}
+
+
+def test_runtime_does_not_import_layout(graph):
+    bad = {}
+    for mod, deps in graph.items():
+        if mod.startswith("swarmfs.layout") or mod in PIPELINES:
+            continue
+        up = {d for d in deps if d == "swarmfs.layout" or d.startswith("swarmfs.layout.")}
+        if mod in PENDING:
+            up -= {"swarmfs.layout._place"}
+        if up:
+            bad[mod] = sorted(up)
+    assert not bad, f"runtime modules import the offline layout: {bad}"
