@@ -163,6 +163,7 @@ class Executor:
         return rows
 
     def disk_size(self, d: int) -> int:
+        """Disk ``d``'s size in bytes (``device_size`` of its open fd)."""
         try:
             return device_size(self._fds[d])
         except OSError:
@@ -218,6 +219,7 @@ class Executor:
 
 
     def count(self, **kw) -> None:
+        """Add to the read counters (keyword = counter name; thread-safe)."""
         with self._counter_lock:
             for k, v in kw.items():
                 self._counters[k] += v
@@ -339,6 +341,7 @@ class Executor:
 
     @staticmethod
     def extent_copies(li: LayerIndex, c: int, d: int) -> np.ndarray:
+        """int64 copy ids of cluster ``c``'s extent on disk ``d``."""
         cp = li.cluster_copies([c])
         return cp[li.copy_disk[cp] == d]
 

@@ -75,6 +75,17 @@ import xxhash
 
 from . import _errors as E
 
+__all__ = ["FORMAT_VERSION", "MAGIC", "COMMIT_MAGIC", "SUPERBLOCK_SIZE", "COMMIT_SIZE",
+           "COMMIT_OFF", "DATA_START", "HEADER_BYTES", "MANIFEST", "INDEX_DIR",
+           "MAX_MANIFEST_BYTES", "MAX_INDEX_BYTES", "MAX_JSON_DEPTH", "DTYPES", "DTYPE_CODES",
+           "numpy_dtype", "pack_superblock", "unpack_superblock", "pack_commit",
+           "unpack_commit", "new_uuid", "fsync_dir", "atomic_write", "read_bounded",
+           "json_depth", "parse_json", "manifest_checksum", "seal_manifest", "write_manifest",
+           "write_sealed_manifest", "check_format", "read_manifest", "INDEX_NAME_RE",
+           "INDEX_ARRAYS", "index_name", "INDEX_META", "save_index", "check_index_header",
+           "load_index", "check_orphan_indexes", "remove_uncommitted_indexes",
+           "remove_stale_indexes"]
+
 FORMAT_VERSION = 2
 MAGIC = b"SWARMFS\0"
 COMMIT_MAGIC = b"SWARMCMT"
@@ -188,12 +199,18 @@ def unpack_commit(raw: bytes) -> dict | None:
 
 
 def new_uuid() -> bytes:
+    """A new store UUID (16 random bytes, UUID4)."""
     return _uuid.uuid4().bytes
 
 
 # -- manifest ----------------------------------------------------------------
 
 def fsync_dir(path: str) -> None:
+    """fsync a directory, so that a rename or a new entry in it is durable.
+
+    Raises:
+        OSError: as ``os.open`` / ``os.fsync`` (callers map it to a SwarmError).
+    """
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -446,6 +463,7 @@ INDEX_ARRAYS = {
 
 
 def index_name(layer: int, generation: int) -> str:
+    """File name of a layer's index at a generation, e.g. ``layer-003.g00000012.safetensors``."""
     return f"layer-{layer:03d}.g{generation:08d}.safetensors"
 
 

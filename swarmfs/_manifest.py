@@ -32,6 +32,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from . import _defaults
 from . import _errors as E
 from . import _format as F
 
@@ -112,6 +113,7 @@ class ModelIdentity:
                    entry_bytes=2 * int(num_kv_heads) * int(head_dim) * itemsize)
 
     def to_dict(self) -> dict:
+        """The record as the manifest's JSON object (key order as written)."""
         return {"name": self.name, "num_layers": self.num_layers,
                 "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 "num_query_heads": self.num_query_heads, "dtype": self.dtype,
@@ -137,6 +139,7 @@ class DiskRecord:
     free: tuple = ()
 
     def to_dict(self) -> dict:
+        """The record as the manifest's JSON object (key order as written)."""
         return {"index": self.index, "path": self.path, "end": self.end,
                 "capacity": self.capacity, "free": [list(r) for r in self.free]}
 
@@ -149,6 +152,7 @@ class IndexRecord:
     bytes: int
 
     def to_dict(self) -> dict:
+        """The record as the manifest's JSON object (key order as written)."""
         return {"file": self.file, "xxh3": self.xxh3, "bytes": self.bytes}
 
 
@@ -176,6 +180,7 @@ class LayerRecord:
     extra: Mapping = dataclasses.field(default_factory=lambda: _EMPTY)
 
     def to_dict(self) -> dict:
+        """The record as the manifest's JSON object (key order as written)."""
         return {"local_window": self.local_window, **copy.deepcopy(dict(self.extra)),
                 "num_tokens": self.num_tokens, "num_clusters": self.num_clusters,
                 "num_copies": self.num_copies, "replication": self.replication,
@@ -214,7 +219,8 @@ class Manifest:
 
     @classmethod
     def new(cls, store_dir, *, uuid: str, model: ModelIdentity, block_size: int,
-            disk_paths: list, capacities: list, local_window: int = 256) -> "Manifest":
+            disk_paths: list, capacities: list,
+            local_window: int = _defaults.LOCAL_WINDOW) -> "Manifest":
         """The generation-0 manifest of a new store (no layers, empty disks),
         sealed and passed through the loader (never what open() would refuse).
         ``disk_paths`` as recorded (relative to the store where inside it)."""

@@ -354,7 +354,7 @@ class DecodeSession:
         li = self.r.index(self.layer)
         C_old = li.num_clusters
         hot = self.r.hot(self.layer)
-        pos = self.store.append(self.layer, kv, joins, group=self.new_cluster_size,
+        pos = self.store.append(self.layer, kv, joins, new_cluster_size=self.new_cluster_size,
                                 expect_tokens=li.num_tokens)
         C_new = self.store.num_clusters(self.layer)
         self.pend_rows, self.pend_age = self.pend_rows[n:], self.pend_age[n:]

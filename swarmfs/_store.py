@@ -18,10 +18,12 @@ import os
 import shutil
 import threading
 import time
+import warnings
 import weakref
 
 import numpy as np
 
+from . import _defaults
 from . import _errors as E
 from . import _format as F
 from . import _write
@@ -347,6 +349,7 @@ class Store:
     # -- description ----------------------------------------------------------
     @property
     def uuid(self) -> str:
+        """The store's UUID (32 hex digits), as in every superblock."""
         return self._m.uuid
 
     @property
@@ -471,10 +474,12 @@ class Store:
 
     @E.boundary
     def num_clusters(self, layer: int) -> int:
+        """C, the number of clusters of a stored layer (NotFoundError if none)."""
         return self._m.layers[self._check_layer(layer)].num_clusters
 
     @E.boundary
     def num_tokens(self, layer: int) -> int:
+        """S, the number of tokens (KV entries) of a stored layer."""
         return self._m.layers[self._check_layer(layer)].num_tokens
 
     @E.boundary
@@ -582,13 +587,14 @@ class Store:
                 self._lease.move(li._claim, m.generation)
 
     @E.boundary
-    def append(self, layer: int, kv, joins=None, *, group: int = 64,
-               expect_tokens: int | None = None) -> np.ndarray:
+    def append(self, layer: int, kv, joins=None, *,
+               new_cluster_size: int | None = None,
+               expect_tokens: int | None = None, group: int | None = None) -> np.ndarray:
         """Append new tokens to a layer (SWARM §6.2, cluster maintenance).
 
         The new entries get positions S..S+n-1.  A token joins the existing
         clusters listed for it in ``joins`` (several: replicas); tokens that
-        join none form new clusters of up to ``group`` consecutive tokens
+        join none form new clusters of up to ``new_cluster_size`` consecutive tokens
         (medoid: the first), placed by eq. 7.  Every cluster that grows is
         rewritten copy-on-write: its old entries and the new ones go to fresh
         extents at the end of the disks, keeping its start disk, so the entry
@@ -602,7 +608,9 @@ class Store:
             joins: ``(ptr int64 [n+1], clusters int [k])`` CSR: new token i
                 joins clusters ``clusters[ptr[i]:ptr[i+1]]``; or a list of n
                 int arrays; None = no token joins an existing cluster.
-            group: size of the new clusters made of unassigned tokens.
+            new_cluster_size: size of the new clusters made of unassigned
+                tokens (default ``_defaults.NEW_CLUSTER_SIZE``; ``group=`` is
+                a deprecated alias).
             expect_tokens: refuse (SwarmError) unless the layer holds exactly
                 this many tokens when the append commits, e.g. because the
                 caller already promised positions S..S+n-1 to its users.
@@ -613,9 +621,19 @@ class Store:
         Raises:
             ShapeError: kv shape/dtype, or a bad joins list.
             OutOfRangeError: a cluster id that does not exist.
+            InvalidArgumentError: both new_cluster_size and group given.
             DiskFullError, IOFailedError: nothing is committed.
         """
-        return _write.append_tokens(self, layer, kv, joins, group=group,
+        if group is not None:
+            if new_cluster_size is not None:
+                raise E.InvalidArgumentError("give new_cluster_size or its deprecated alias "
+                                             "group, not both", store=self.path, layer=layer)
+            warnings.warn("Store.append(group=...) is deprecated; use new_cluster_size=",
+                          DeprecationWarning, stacklevel=3)
+            new_cluster_size = group
+        if new_cluster_size is None:
+            new_cluster_size = _defaults.NEW_CLUSTER_SIZE
+        return _write.append_tokens(self, layer, kv, joins, new_cluster_size=new_cluster_size,
                                     expect_tokens=expect_tokens, begin=self._transaction)
 
     @E.boundary

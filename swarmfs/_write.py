@@ -32,7 +32,7 @@ from ._disks import truncate_to, write_commit_records
 from ._engine import WRITE, scatter_rows, xxh3_ranges, xxh3_rows
 from ._index import concat_ranges
 from ._manifest import LAYER_RECORD_KEYS, IndexRecord, LayerRecord, Manifest, read_manifest
-from .layout._place import PLACEMENTS, copy_locations, place_clusters
+from ._placement import PLACEMENTS, copy_locations, place_clusters
 
 __all__ = ["as_bytes_rows", "clusters_csr", "chunk_bounds", "append_tokens", "allocate",
            "free_extents", "check_finite", "check_layer_input", "Transaction", "write_layer"]
@@ -208,6 +208,12 @@ def as_bytes_rows(kv, entry_shape: tuple, dtype_name: str, *, layer=None,
 
 
 def clusters_csr(clusters, *, layer=None, store=None) -> tuple[np.ndarray, np.ndarray]:
+    """Clusters as CSR ``(ptr int64 [C+1], members int64 [M])`` from a
+    ``(ptr, members)`` pair or a list of C int arrays.
+
+    Raises:
+        ShapeError, InvalidArgumentError: not one of those forms.
+    """
     kw = dict(store=store, layer=layer)
     if isinstance(clusters, tuple) and len(clusters) == 2:
         ptr = E.as_int_array(clusters[0], "cluster pointers", **kw)
@@ -423,10 +429,12 @@ class Transaction:
     # -- free-extent bookkeeping -------------------------------------------------
     @property
     def entry_bytes(self) -> int:
+        """Bytes of one KV entry (2 x KV heads x head_dim x dtype size)."""
         return self.base.model.entry_bytes
 
     @property
     def num_disks(self) -> int:
+        """N, the number of disks of the store."""
         return len(self.base.disks)
 
     def place(self, sizes, *, p_global: int, start=None, policy="eq7", layer=None):
@@ -629,7 +637,7 @@ def write_layer(tx: Transaction, old, layer: int, rows, ptr, members, medoids, h
                      else tx.base.local_window, extra=extra)
 
 
-def append_tokens(store, layer: int, kv, joins, *, group: int,
+def append_tokens(store, layer: int, kv, joins, *, new_cluster_size: int,
                   expect_tokens: int | None = None, begin) -> np.ndarray:
     """The work of :meth:`Store.append` (see there): new cluster table, rows of
     the clusters that grow (read back, verified) and of the new entries,
@@ -638,18 +646,21 @@ def append_tokens(store, layer: int, kv, joins, *, group: int,
     ``store`` is read through its public API only (``layer``,
     ``read_entries``, its shape attributes); ``begin()`` starts the
     :class:`Transaction` that writes and commits."""
-    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
-        raise E.InvalidArgumentError(f"group must be an integer >= 1, got {group!r}",
+    if isinstance(new_cluster_size, bool) or \
+            not isinstance(new_cluster_size, (int, np.integer)) or new_cluster_size < 1:
+        raise E.InvalidArgumentError(f"new_cluster_size must be an integer >= 1, "
+                                     f"got {new_cluster_size!r}",
                                      store=store.path, layer=layer)
     if expect_tokens is not None:
         expect_tokens = E.as_index(expect_tokens, "expect_tokens", store=store.path,
                                    layer=layer)
     with begin() as tx:       # the whole append sees one committed state
-        return _append_locked(tx, store, layer, kv, joins, group=int(group),
+        return _append_locked(tx, store, layer, kv, joins,
+                              new_cluster_size=int(new_cluster_size),
                               expect_tokens=expect_tokens)
 
 
-def _append_locked(tx: Transaction, store, layer: int, kv, joins, *, group: int,
+def _append_locked(tx: Transaction, store, layer: int, kv, joins, *, new_cluster_size: int,
                    expect_tokens: int | None) -> np.ndarray:
     li = store.layer(layer)
     if expect_tokens is not None and li.num_tokens != expect_tokens:
@@ -686,9 +697,9 @@ def _append_locked(tx: Transaction, store, layer: int, kv, joins, *, group: int,
     if np.unique(jtok * C + jcl).shape[0] != jtok.shape[0]:
         raise E.ShapeError("a new token joins the same cluster twice", store=store.path,
                            layer=layer)
-    # new clusters for tokens that join nothing: runs of `group` tokens
+    # new clusters for tokens that join nothing: runs of `new_cluster_size` tokens
     lone = np.flatnonzero(np.diff(jptr) == 0)
-    gid = np.arange(lone.shape[0]) // max(int(group), 1)
+    gid = np.arange(lone.shape[0]) // max(int(new_cluster_size), 1)
     k_new = int(gid[-1]) + 1 if lone.size else 0
     # the full new cluster table: old copies, then additions, then new clusters
     old_sizes = li.sizes

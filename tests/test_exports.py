@@ -24,14 +24,8 @@ import swarmfs
 
 #: Modules run as scripts, and the compiled engine (cffi), not Python source.
 SCRIPTS = {"swarmfs.__main__", "swarmfs._native"}
-#: Modules of the store split (issue 12's other branch) still to be given
-#: their ``__all__`` (``_format``) and docstrings on public methods (Store.uuid,
-#: num_clusters, num_tokens; _write.clusters_csr, Transaction.entry_bytes,
-#: num_disks; Executor.disk_size, count, extent_copies; the manifest records'
-#: to_dict); empty these sets when they have them.
-PENDING = {"swarmfs._format"}
-PENDING_DOCS = PENDING | {"swarmfs._store", "swarmfs._write", "swarmfs._executor",
-                          "swarmfs._manifest"}
+PENDING: set = set()
+PENDING_DOCS: set = set()
 
 
 def _walk(pkg) -> list[str]:

@@ -285,7 +285,7 @@ def test_versions_change_only_with_contents(workdir, rng):
     before = {c: s.read_cluster(0, c).tobytes() for c in range(10)}
     joins = [np.array([2]) if i < 5 else np.array([7]) if i < 8 else
              np.array([], dtype=np.int64) for i in range(20)]
-    s.append(0, random_kv(rng, 20, 2, 16, "float16"), joins, group=64)
+    s.append(0, random_kv(rng, 20, 2, 16, "float16"), joins, new_cluster_size=64)
     with Store.open(path) as r:
         m = r.manifest
         idx = {0: r.layer(0), 1: t0.load_layer(1)}     # layer 1 unchanged: same index
@@ -842,7 +842,7 @@ def test_follow_shows_appends_and_open_files_keep_their_generation(workdir, rng)
                     n = 150
                     joins = [np.array([0]) if i % 3 == 0 else np.array([], dtype=np.int64)
                              for i in range(n)]
-                    w.append(0, random_kv(rng, n, H, d, "float16"), joins, group=64)
+                    w.append(0, random_kv(rng, n, H, d, "float16"), joins, new_cluster_size=64)
                     t_commit = time.monotonic()
                     cs, gen = _cluster_bytes(path)
                     gens[gen] = cs
@@ -909,7 +909,7 @@ def test_snapshot_keeps_the_mount_time_view(workdir, rng):
             Mount(path, workdir / "mnt-snap-follow", "--poll-interval", "0.05") as f:
         cl = os.path.join(m.mnt, "layers", "00", "clusters")
         with Store.open(path, writable=True) as w:
-            w.append(0, random_kv(rng, 100, 2, 16, "float16"), group=50)
+            w.append(0, random_kv(rng, 100, 2, 16, "float16"), new_cluster_size=50)
         # the following mount is the witness that the commit is visible
         wait_until(lambda: os.path.exists(os.path.join(f.mnt, "layers", "00", "clusters",
                                                        "000009.npy")),
@@ -947,6 +947,6 @@ def test_a_damaged_new_manifest_keeps_the_shown_generation(workdir, rng):
             f.write(good)
         os.replace(tmp, mf)
         with Store.open(path, writable=True) as w:
-            w.append(0, random_kv(rng, 10, 2, 16, "float16"), group=10)
+            w.append(0, random_kv(rng, 10, 2, 16, "float16"), new_cluster_size=10)
         wait_until(lambda: os.path.exists(os.path.join(cl, "000006.npy")), timeout=5.0,
                    what="the next good generation")

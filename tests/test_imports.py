@@ -164,7 +164,7 @@ def test_relative_imports_resolve():
 #: Runtime modules that still import the layout's re-export of the placement
 #: contract (``swarmfs.layout._place``) instead of ``swarmfs._placement``;
 #: issue 12 moves their one import line when the store split merges.
-PENDING = {"swarmfs._write"}
+PENDING: set = set()
 
 
 def test_runtime_does_not_import_layout(graph):

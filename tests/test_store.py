@@ -361,7 +361,7 @@ def test_append_grows_clusters_and_adds_new_ones(tmp_path_factory, n, seed, ndis
     kv_new = random_kv(rng, n, 2, 16, dtype)
     joins = [rng.choice(15, size=rng.integers(0, 3), replace=False) for _ in range(n)]
     gen = s.manifest["generation"]
-    pos = s.append(0, kv_new, joins, group=8)
+    pos = s.append(0, kv_new, joins, new_cluster_size=8)
     assert list(pos) == list(range(200, 200 + n))
     assert s.manifest["generation"] == gen + 1
     kv_all = np.concatenate([kvs[0], kv_new])
@@ -763,8 +763,8 @@ def test_deleted_index_file_on_a_fresh_open_says_missing(tmp_path, rng):
                            disk_size=-1),
     lambda s: Store.create(s.path + "x", disks=1, num_layers=1, num_kv_heads=1, head_dim=8,
                            disk_size=1.5),
-    lambda s: s.append(0, s.read_entries(0, [0]), None, group=1.5),
-    lambda s: s.append(0, s.read_entries(0, [0]), None, group=0),
+    lambda s: s.append(0, s.read_entries(0, [0]), None, new_cluster_size=1.5),
+    lambda s: s.append(0, s.read_entries(0, [0]), None, new_cluster_size=0),
     lambda s: s.read_cluster_range(0, 0, -1, 10),
     lambda s: s.read_cluster_range(0, 0, 0, -10),
     lambda s: s.plan(0, [1], max_request=0),

@@ -38,7 +38,7 @@ def main(root: str) -> dict:
     wall, cpu = [], []
     for i in range(60):
         t, c = time.perf_counter(), _cpu()
-        s.append(0, kv[:4], [[i % 512], [], [], []], group=4)
+        s.append(0, kv[:4], [[i % 512], [], [], []], new_cluster_size=4)
         wall.append((time.perf_counter() - t) * 1e6)
         cpu.append((_cpu() - c) * 1e6)
     res["append_us_median"] = float(np.median(wall))

@@ -182,7 +182,7 @@ def measure_follow(path, mnt, runs):
             cl = os.path.join(mnt, "layers", "00", "clusters")
             for _ in range(runs):
                 C = s.num_clusters(0)
-                s.append(0, kv(64), group=64)
+                s.append(0, kv(64), new_cluster_size=64)
                 t = time.perf_counter()
                 want = os.path.join(cl, f"{C:06d}.npy")
                 while not os.path.exists(want):
