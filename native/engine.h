@@ -200,7 +200,9 @@ int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *ou
  * disk order laid out back to back.  Outputs (capacity m): utok/chosen/src
  * per entry (ascending token), rdisk/roff/rlen/rdst per request; *n_entries,
  * *staging; disk_entries/disk_bytes [ndisks].  Returns the request count or
- * -EINVAL / -ENOMEM. */
+ * -EINVAL / -ENOMEM, or for an argument out of range -EDOM (a token outside
+ * [0, 2**31)), -ERANGE (a disk outside [0, ndisks)), -EOVERFLOW (an offset at
+ * or beyond 2**52). */
 int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const uint64_t *coff,
                       int ndisks, uint64_t E, uint64_t bs, uint64_t max_gap,
                       uint64_t max_request, int balanced, int dedup,
