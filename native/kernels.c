@@ -1393,6 +1393,149 @@ int64_t se_select_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_
     return se_choose_clusters(work, C, ptr, members, S, budget, w, out, entries);
 }
 
+/* ---- two-level int8 selection: super-centroids, then the best groups exactly ----
+ * Per KV head g the medoids are grouped (k-means over that head's keys, in
+ * Python); each group's rows lie in whole blocks of the reordered index P
+ * (standard int8 layout, Crows rows per head; rowmed [H, Crows] names the
+ * medoid of each row, -1 for padding), and its centroid is row k of the
+ * super index Ps (K rows per head).  Per head: the G heads' logits against
+ * the K centroids; groups ranked by max over heads of scale * (logit - max)
+ * + log(members) (glogn); the best ngroups scored exactly; the others stand
+ * in the softmax as one column of weight members * exp(scale * centroid
+ * logit), so each head's normaliser counts every medoid, and each of the
+ * group's medoids gets that column's share divided by the members.  With ngroups = K this is
+ * se_select_i8's score up to summation order. */
+int64_t se_select_i8x2(const int8_t *P, const float *sm, const int32_t *ms, int64_t Crows,
+                       const int32_t *rowmed, const int8_t *Ps, const float *sms,
+                       const int32_t *mss, int64_t K, const int32_t *gblk, const float *glogn,
+                       int64_t ngroups, int64_t C, int64_t H, int64_t d, const float *q,
+                       int64_t Hq, float scale, const int64_t *ptr, const int32_t *members,
+                       int64_t S, int64_t budget, int64_t w, float *score, int64_t *out,
+                       int64_t *entries)
+{
+    if (!P || !sm || !ms || !rowmed || !Ps || !sms || !mss || !gblk || !glogn || !q ||
+        !score || C < 0 || K <= 0 || Crows < 0 || Crows % 16 || H <= 0 || d <= 0 || d % 4 ||
+        Hq <= 0 || Hq % H || !(scale > 0) || ngroups < 1)
+        return -EINVAL;
+    if (ngroups > K)
+        ngroups = K;
+    int path = se_kernel_path();
+    int64_t G = Hq / H, D4 = d / 4, nblk = Crows / 16, Kp = (K + 15) / 16 * 16;
+    for (int64_t c = 0; c < C; c++)
+        score[c] = 0.f;
+    if (C > 0) {
+        static __thread char *scratch;
+        static __thread size_t scratch_cap;
+        size_t ncmax = (size_t)(Crows + K);
+        size_t need = sizeof(float) * ((size_t)G * ncmax * 2 + ncmax + (size_t)G * Kp + 64) +
+                      sizeof(int32_t) * (ncmax + 2 * (size_t)K) + 256;
+        if (need > scratch_cap) {
+            free(scratch);
+            scratch = malloc(need);
+            scratch_cap = scratch ? need : 0;
+        }
+        if (!scratch)
+            return -ENOMEM;
+        float *Lc = (float *)(void *)scratch;               /* [G, K] */
+        float *rowbuf = Lc + G * Kp;                         /* [G, ncols] */
+        float *tmp = rowbuf + G * ncmax;                     /* [G, group rows] */
+        float *acc = tmp + G * ncmax;                        /* [ncols] */
+        int32_t *colsrc = (int32_t *)(void *)(acc + ncmax + 16);  /* row, or -(k + 1) */
+        uint32_t *keys = (uint32_t *)(colsrc + ncmax);
+        uint32_t *sel = keys + K;
+        i8_query t;
+        if (i8_query_make(path, q, Hq, d, &t) < 0)
+            return -ENOMEM;
+        float mx[64];
+        for (int64_t g = 0; g < H; g++) {
+            i8_logits(path, Ps, sms, mss, K, H, d, &t, Hq, g, g + 1, Lc);
+            for (int64_t k = 0; k < K; k++)
+                keys[k] = 0;
+            for (int64_t h0 = 0; h0 < G; h0 += 64) {
+                int64_t nh = G - h0 < 64 ? G - h0 : 64;
+                for (int64_t h = 0; h < nh; h++) {
+                    float m = -INFINITY;
+                    for (int64_t k = 0; k < K; k++)
+                        m = Lc[(h0 + h) * K + k] > m ? Lc[(h0 + h) * K + k] : m;
+                    mx[h] = m;
+                }
+                for (int64_t k = 0; k < K; k++) {
+                    float b = -INFINITY;
+                    for (int64_t h = 0; h < nh; h++) {
+                        float v = Lc[(h0 + h) * K + k] - mx[h];
+                        b = v > b ? v : b;
+                    }
+                    uint32_t kk = desc_key(b * scale + glogn[g * K + k]);
+                    if (h0 == 0 || kk < keys[k])
+                        keys[k] = kk;
+                }
+            }
+            uint32_t th = 0xffffffffu;
+            if (ngroups < K) {
+                memcpy(sel, keys, sizeof(uint32_t) * (size_t)K);
+                th = nth_u32(sel, K, ngroups - 1);
+            }
+            /* columns: the chosen groups' rows, then one per other group */
+            int64_t nc = 0;
+            for (int64_t k = 0; k < K; k++)
+                if (keys[k] <= th)
+                    nc += (int64_t)(gblk[g * (K + 1) + k + 1] - gblk[g * (K + 1) + k]) * 16;
+                else
+                    nc++;
+            int64_t col = 0;
+            i8_query tg = {t.q8 + g * G * d, t.sq + g * G, t.qw + g * G * D4};
+            for (int64_t k = 0; k < K; k++) {
+                int64_t b0 = gblk[g * (K + 1) + k], b1 = gblk[g * (K + 1) + k + 1];
+                if (keys[k] <= th) {
+                    int64_t nr = (b1 - b0) * 16;
+                    if (nr == 0)
+                        continue;
+                    const int64_t base = g * nblk + b0;
+                    i8_logits(path, P + base * D4 * 64, sm + g * Crows + b0 * 16,
+                              ms + g * Crows + b0 * 16, nr, 1, d, &tg, G, 0, 1, tmp);
+                    for (int64_t h = 0; h < G; h++)
+                        memcpy(rowbuf + h * nc + col, tmp + h * nr, sizeof(float) * (size_t)nr);
+                    for (int64_t r = 0; r < nr; r++) {
+                        int32_t rr = (int32_t)(b0 * 16 + r);
+                        colsrc[col + r] = rr;
+                        if (rowmed[g * Crows + rr] < 0)
+                            for (int64_t h = 0; h < G; h++)
+                                rowbuf[h * nc + col + r] = -1e30f;
+                    }
+                    col += nr;
+                } else {
+                    for (int64_t h = 0; h < G; h++)
+                        rowbuf[h * nc + col] = Lc[h * K + k] + glogn[g * K + k] / scale;
+                    colsrc[col] = -(int32_t)(k + 1);
+                    col++;
+                }
+            }
+            softmax_acc(path, rowbuf, G, nc, scale, acc, 1);
+            for (int64_t c = 0; c < nc; c++) {
+                int32_t s = colsrc[c];
+                if (s >= 0) {
+                    int32_t md = rowmed[g * Crows + s];
+                    if (md >= 0)
+                        score[md] += acc[c];
+                } else {
+                    int64_t k = -(int64_t)s - 1;      /* the group's share, per medoid */
+                    float each = acc[c] * expf(-glogn[g * K + k]);
+                    for (int64_t r = gblk[g * (K + 1) + k] * 16;
+                         r < gblk[g * (K + 1) + k + 1] * 16; r++) {
+                        int32_t md = rowmed[g * Crows + r];
+                        if (md >= 0)
+                            score[md] += each;
+                    }
+                }
+            }
+        }
+        i8_query_free(&t);
+    }
+    if (!ptr)
+        return 0;                      /* scores only */
+    return se_choose_clusters(score, C, ptr, members, S, budget, w, out, entries);
+}
+
 /* ---- the read planner (SWARM 6.1, eq. 8) ------------------------------------------ */
 
 typedef struct {

@@ -248,7 +248,7 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
 
 
 
-def bench_recall(workdir, context=16384, queries=64, r=0.1):
+def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)):
     """The int8 index against the exact "prob" score on a real layout: the
     demo's capture (all-MiniLM-L6-v2 over its default text) cast to fp16,
     laid out and written as the demo does; per held-out query and layer, the
@@ -269,7 +269,10 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1):
                            progress=False)
     budget = int(np.ceil(r * S))
     sels = {"exact": MedoidSelector(store, index="exact"), "int8": MedoidSelector(store)}
-    rows = {"exact": [], "int8": [], "overlap": []}
+    for cov in coverages:
+        sels[f"2lvl_c{cov:g}"] = MedoidSelector(store, levels=2, coverage=cov)
+    rows = {name: [] for name in sels}
+    rows.update({"overlap": []}, **{f"overlap_{name}": [] for name in sels if name != "exact"})
     with store:
         for layer in range(cap.num_layers):
             li = store.layer(layer)
@@ -289,6 +292,10 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1):
                     rows[name].append(attention_recall(mass, pos[name], budget)[0])
                 rows["overlap"].append(np.intersect1d(pos["int8"], pos["exact"]).size /
                                        pos["exact"].size)
+                for name in sels:
+                    if name != "exact":
+                        rows[f"overlap_{name}"].append(
+                            np.intersect1d(pos[name], pos["exact"]).size / pos["exact"].size)
     return {"context": S, "queries": queries, "layers": cap.num_layers,
             "model": cap.meta.get("model"), "dtype": "float16",
             "recall_exact": float(np.mean(rows["exact"])),
@@ -296,7 +303,15 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1):
             "recall_int8_min_minus_exact": float(np.min(np.subtract(rows["int8"],
                                                                     rows["exact"]))),
             "entry_overlap_mean": float(np.mean(rows["overlap"])),
-            "entry_overlap_min": float(np.min(rows["overlap"]))}
+            "entry_overlap_min": float(np.min(rows["overlap"])),
+            "two_level": {name: {"recall": float(np.mean(rows[name])),
+                                 "recall_min_minus_exact": float(np.min(np.subtract(
+                                     rows[name], rows["exact"]))),
+                                 "recall_minus_int8": float(np.mean(rows[name]) -
+                                                            np.mean(rows["int8"])),
+                                 "entry_overlap_mean": float(np.mean(rows[f"overlap_{name}"])),
+                                 "entry_overlap_min": float(np.min(rows[f"overlap_{name}"]))}
+                          for name in sels if name.startswith("2lvl")}}
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
