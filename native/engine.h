@@ -198,10 +198,10 @@ int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *ou
 int64_t se_select_i8x2(const int8_t *P, const float *sm, const int32_t *ms, int64_t Crows,
                        const int32_t *rowmed, const int8_t *Ps, const float *sms,
                        const int32_t *mss, int64_t K, const int32_t *gblk, const float *glogn,
-                       int64_t ngroups, int64_t C, int64_t H, int64_t d, const float *q,
-                       int64_t Hq, float scale, const int64_t *ptr, const int32_t *members,
-                       int64_t S, int64_t budget, int64_t w, float *score, int64_t *out,
-                       int64_t *entries);
+                       const int32_t *mgrp, int64_t ngroups, int64_t C, int64_t H, int64_t d,
+                       const float *q, int64_t Hq, float scale, const int64_t *ptr,
+                       const int32_t *members, int64_t S, int64_t budget, int64_t w,
+                       float *score, int64_t *out, int64_t *entries);
 
 /* The read planner (SWARM 6.1, eq. 8) in one call, as swarmfs._planner
  * documents it: m candidate copies (tok, cdisk, coff) -> with dedup, one copy

@@ -1408,12 +1408,12 @@ int64_t se_select_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_
 int64_t se_select_i8x2(const int8_t *P, const float *sm, const int32_t *ms, int64_t Crows,
                        const int32_t *rowmed, const int8_t *Ps, const float *sms,
                        const int32_t *mss, int64_t K, const int32_t *gblk, const float *glogn,
-                       int64_t ngroups, int64_t C, int64_t H, int64_t d, const float *q,
-                       int64_t Hq, float scale, const int64_t *ptr, const int32_t *members,
-                       int64_t S, int64_t budget, int64_t w, float *score, int64_t *out,
-                       int64_t *entries)
+                       const int32_t *mgrp, int64_t ngroups, int64_t C, int64_t H, int64_t d,
+                       const float *q, int64_t Hq, float scale, const int64_t *ptr,
+                       const int32_t *members, int64_t S, int64_t budget, int64_t w,
+                       float *score, int64_t *out, int64_t *entries)
 {
-    if (!P || !sm || !ms || !rowmed || !Ps || !sms || !mss || !gblk || !glogn || !q ||
+    if (!P || !sm || !ms || !rowmed || !Ps || !sms || !mss || !gblk || !glogn || !mgrp || !q ||
         !score || C < 0 || K <= 0 || Crows < 0 || Crows % 16 || H <= 0 || d <= 0 || d % 4 ||
         Hq <= 0 || Hq % H || !(scale > 0) || ngroups < 1)
         return -EINVAL;
@@ -1511,6 +1511,9 @@ int64_t se_select_i8x2(const int8_t *P, const float *sm, const int32_t *ms, int6
                 }
             }
             softmax_acc(path, rowbuf, G, nc, scale, acc, 1);
+            float *share = tmp;                      /* [K] a skipped group's share, per medoid */
+            for (int64_t k = 0; k < K; k++)
+                share[k] = 0.f;
             for (int64_t c = 0; c < nc; c++) {
                 int32_t s = colsrc[c];
                 if (s >= 0) {
@@ -1518,16 +1521,13 @@ int64_t se_select_i8x2(const int8_t *P, const float *sm, const int32_t *ms, int6
                     if (md >= 0)
                         score[md] += acc[c];
                 } else {
-                    int64_t k = -(int64_t)s - 1;      /* the group's share, per medoid */
-                    float each = acc[c] * expf(-glogn[g * K + k]);
-                    for (int64_t r = gblk[g * (K + 1) + k] * 16;
-                         r < gblk[g * (K + 1) + k + 1] * 16; r++) {
-                        int32_t md = rowmed[g * Crows + r];
-                        if (md >= 0)
-                            score[md] += each;
-                    }
+                    int64_t k = -(int64_t)s - 1;
+                    share[k] = acc[c] * expf(-glogn[g * K + k]);
                 }
             }
+            const int32_t *grp = mgrp + g * C;        /* sequential: a gather from share */
+            for (int64_t c = 0; c < C; c++)
+                score[c] += share[grp[c]];
         }
         i8_query_free(&t);
     }

@@ -45,6 +45,7 @@ class Int8Index2(NamedTuple):
         gblk: int32 [H_kv, K + 1] group k's rows are blocks
             [gblk[h, k], gblk[h, k + 1]) of head h.
         glogn: float32 [H_kv, K] log(members of group k) (-inf when empty).
+        mgrp: int32 [H_kv, C] the group of each medoid in each head.
         medoids: C.
     """
     fine: Int8Index
@@ -52,13 +53,14 @@ class Int8Index2(NamedTuple):
     coarse: Int8Index
     gblk: np.ndarray
     glogn: np.ndarray
+    mgrp: np.ndarray
     medoids: int
 
     @property
     def nbytes(self) -> int:
         return int(sum(a.nbytes for ix in (self.fine, self.coarse)
                        for a in (ix.data, ix.scales, ix.sums)) + self.rowmed.nbytes
-                   + self.gblk.nbytes + self.glogn.nbytes)
+                   + self.gblk.nbytes + self.glogn.nbytes + self.mgrp.nbytes)
 
 
 def _kmeans(x: np.ndarray, K: int, iters: int, rng) -> np.ndarray:
@@ -129,11 +131,13 @@ def pack_medoids_i8x2(m: np.ndarray, num_kv_heads: int, *, group_size: int = 32,
     gblk = np.zeros((H, K + 1), np.int32)
     glogn = np.full((H, K), -np.inf, np.float32)
     cent = np.zeros((K, H, d), np.float32)
+    mgrp = np.zeros((H, C), np.int32)
     for h, ((lab, cnt), nb) in enumerate(zip(labs, blocks)):
         np.cumsum(nb, out=gblk[h, 1:])
         glogn[h, cnt > 0] = np.log(cnt[cnt > 0])
         if not C:
             continue
+        mgrp[h] = lab
         order = np.argsort(lab, kind="stable")
         ls = lab[order]
         first = np.searchsorted(ls, np.arange(K))          # each group's first in order
@@ -146,7 +150,7 @@ def pack_medoids_i8x2(m: np.ndarray, num_kv_heads: int, *, group_size: int = 32,
     fine_ix = pack_medoids_i8(fine.reshape(Crows, H * d).view(np.float16), H, bf16=bf16)
     coarse_ix = pack_medoids_i8(np.clip(cent, -65504, 65504).astype(np.float16)
                                 .reshape(K, H * d), H)
-    return Int8Index2(fine_ix, rowmed, coarse_ix, gblk, glogn, C)
+    return Int8Index2(fine_ix, rowmed, coarse_ix, gblk, glogn, mgrp, C)
 
 
 def groups_to_score(ix: Int8Index2, budget: int, num_tokens: int, coverage: float) -> int:
@@ -193,7 +197,8 @@ def select_i8x2(ix: Int8Index2, q: np.ndarray, num_kv_heads: int, *, scale: floa
     if (q.ndim != 2 or H < 1 or q.shape[0] % H or q.shape[1] % 4
             or fine.data.shape[0] != H or fine.data.shape[2] != q.shape[1] // 4
             or coarse.data.shape[0] != H or ix.rowmed.shape != (H, fine.rows)
-            or ix.gblk.shape != (H, K + 1) or ix.glogn.shape != (H, K)):
+            or ix.gblk.shape != (H, K + 1) or ix.glogn.shape != (H, K)
+            or ix.mgrp.shape != (H, C)):
         raise InvalidArgumentError(f"select_i8x2: query {q.shape} does not fit the index "
                                    f"({H} KV heads, {C} medoids)")
     if not float(scale) > 0:
@@ -215,7 +220,8 @@ def select_i8x2(ix: Int8Index2, q: np.ndarray, num_kv_heads: int, *, scale: floa
                            w("int32_t[]", fine.sums), fine.rows, w("int32_t[]", ix.rowmed),
                            w("int8_t[]", coarse.data), w("float[]", coarse.scales),
                            w("int32_t[]", coarse.sums), K, w("int32_t[]", ix.gblk),
-                           w("float[]", ix.glogn), int(ngroups), C, H, q.shape[1],
+                           w("float[]", ix.glogn), w("int32_t[]", ix.mgrp), int(ngroups),
+                           C, H, q.shape[1],
                            w("float[]", q), q.shape[0], float(scale), pp, mp,
                            int(num_tokens), int(budget), int(window),
                            w("float[]", score, require_writable=True),
