@@ -190,6 +190,19 @@ int se_head_logits(const uint16_t *m, int64_t rows, int64_t num_kv_heads, int64_
  * AVX-512.  Returns 0 or -EINVAL. */
 int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *out);
 
+/* Two-level int8 selection (kernels.c documents the layout): per KV head the
+ * G heads' logits against K group centroids, the best ngroups groups' medoids
+ * scored exactly, the others through their centroid; scores [C] written;
+ * with ptr NULL only the scores, else the choice of se_choose_clusters.
+ * Returns the clusters chosen, or -EINVAL / -ENOMEM. */
+int64_t se_select_i8x2(const int8_t *P, const float *sm, const int32_t *ms, int64_t Crows,
+                       const int32_t *rowmed, const int8_t *Ps, const float *sms,
+                       const int32_t *mss, int64_t K, const int32_t *gblk, const float *glogn,
+                       const int32_t *mgrp, int64_t ngroups, int64_t C, int64_t H, int64_t d,
+                       const float *q, int64_t Hq, float scale, const int64_t *ptr,
+                       const int32_t *members, int64_t S, int64_t budget, int64_t w,
+                       float *score, int64_t *out, int64_t *entries);
+
 /* The read planner (SWARM 6.1, eq. 8) in one call, as swarmfs._planner
  * documents it: m candidate copies (tok, cdisk, coff) -> with dedup, one copy
  * per token (balanced: single-copy entries fill their buckets, the others in
@@ -200,7 +213,9 @@ int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *ou
  * disk order laid out back to back.  Outputs (capacity m): utok/chosen/src
  * per entry (ascending token), rdisk/roff/rlen/rdst per request; *n_entries,
  * *staging; disk_entries/disk_bytes [ndisks].  Returns the request count or
- * -EINVAL / -ENOMEM. */
+ * -EINVAL / -ENOMEM, or for an argument out of range -EDOM (a token outside
+ * [0, 2**31)), -ERANGE (a disk outside [0, ndisks)), -EOVERFLOW (an offset at
+ * or beyond 2**52). */
 int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const uint64_t *coff,
                       int ndisks, uint64_t E, uint64_t bs, uint64_t max_gap,
                       uint64_t max_request, int balanced, int dedup,

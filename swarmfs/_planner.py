@@ -23,6 +23,7 @@ Steps:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 
 import numpy as np
@@ -97,8 +98,8 @@ def _positive(x, what: str, *, zero: bool = False) -> int:
 
 
 def _ints(x, dtype, what: str) -> np.ndarray:
-    """A 1-D integer array as ``dtype`` (floats, bools, negatives for
-    unsigned types refused)."""
+    """A 1-D integer array as ``dtype`` (as it is for ``None``; floats, bools,
+    negatives for unsigned types refused)."""
     try:
         a = np.asarray(x)
     except (TypeError, ValueError) as exc:
@@ -108,6 +109,8 @@ def _ints(x, dtype, what: str) -> np.ndarray:
     if a.ndim != 1 or a.dtype.kind not in "iu":
         raise InvalidArgumentError(f"{what} must be a 1-D integer array, got {a.dtype} "
                                    f"{a.shape}")
+    if dtype is None:
+        return a
     if np.dtype(dtype).kind == "u" and a.dtype.kind == "i" and a.min() < 0:
         raise InvalidArgumentError(f"{what} holds a negative value")
     return a.astype(dtype, copy=False)
@@ -147,53 +150,51 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
     block_size = _positive(block_size, "block_size")
     max_gap = _positive(max_gap, "max_gap", zero=True)
     max_request = _positive(max_request, "max_request")
-    tok = _ints(tok, np.int64, "tok")
-    cdisk = _ints(cdisk, np.int64, "cdisk")
-    coff = _ints(coff, np.uint64, "coff")
+    tok = np.ascontiguousarray(_ints(tok, np.int64, "tok"))
+    cdisk = _ints(cdisk, None, "cdisk")
+    if cdisk.dtype != np.int32:
+        # ranges checked before narrowing, so that no disk wraps into range
+        if cdisk.size and (int(cdisk.min()) < 0 or int(cdisk.max()) >= ndisks):
+            raise InvalidArgumentError(f"a candidate's disk is outside [0, {ndisks})")
+        cdisk = cdisk.astype(np.int32)
+    cdisk = np.ascontiguousarray(cdisk)
+    coff = np.ascontiguousarray(_ints(coff, np.uint64, "coff"))
     if not (tok.shape == cdisk.shape == coff.shape):
         raise InvalidArgumentError("tok, cdisk and coff must be 1-D arrays of one length")
-    if tok.size and (tok.min() < 0 or tok.max() >= 2**31 or tok.shape[0] >= 2**32):
-        raise InvalidArgumentError("token ids must be in [0, 2**31) and candidates fewer "
-                                   "than 2**32")
-    if cdisk.size and (cdisk.min() < 0 or cdisk.max() >= ndisks):
-        raise InvalidArgumentError(f"a candidate's disk is outside [0, {ndisks})")
+    if tok.shape[0] >= 2**32:
+        raise InvalidArgumentError("candidates must be fewer than 2**32")
     if ndisks >= 1 << 12:
         raise InvalidArgumentError(f"at most 4095 disks, got {ndisks}")
-    cdisk = cdisk.astype(np.int32)
-    if coff.size and int(coff.max()) >= 1 << 52:
-        raise InvalidArgumentError("a candidate's offset is at or beyond 2**52 bytes")
     if block_size & (block_size - 1):
         raise InvalidArgumentError(f"block_size must be a power of two, got {block_size}")
     eb = int(entry_bytes)
     m = tok.shape[0]
     cap = max(m, 1)
-    utok = np.empty(cap, np.int64)
-    chosen = np.empty(cap, np.int64)
-    src = np.empty(cap, np.uint64)
-    rdisk = np.empty(cap, np.int32)
-    roff = np.empty(cap, np.uint64)
-    rlen = np.empty(cap, np.uint32)
-    rdst = np.empty(cap, np.uint64)
-    disk_entries = np.zeros(ndisks, np.int64)
-    disk_bytes = np.zeros(ndisks, np.int64)
+    # the outputs in one allocation (int64/uint64 fields first, then 32-bit)
+    out = np.empty(cap * 48 + 16 * ndisks, np.uint8)
+    utok, chosen = out[:8 * cap].view(np.int64), out[8 * cap:16 * cap].view(np.int64)
+    src, roff = out[16 * cap:24 * cap].view(np.uint64), out[24 * cap:32 * cap].view(np.uint64)
+    rdst = out[32 * cap:40 * cap].view(np.uint64)
+    disk_entries = out[40 * cap:40 * cap + 8 * ndisks].view(np.int64)
+    disk_bytes = out[40 * cap + 8 * ndisks:40 * cap + 16 * ndisks].view(np.int64)
+    rest = out[40 * cap + 16 * ndisks:]
+    rdisk, rlen = rest[:4 * cap].view(np.int32), rest[4 * cap:8 * cap].view(np.uint32)
     n_entries = ffi.new("int64_t *")
     staging = ffi.new("uint64_t *")
-    cdisk = np.ascontiguousarray(cdisk)
-    coff = np.ascontiguousarray(coff)
-    tok = np.ascontiguousarray(tok)
-    R = lib.se_plan_reads(m, ffi.from_buffer("int64_t[]", tok),
-                          ffi.from_buffer("int32_t[]", cdisk), ffi.from_buffer("uint64_t[]", coff),
+    w = ffi.from_buffer
+    R = lib.se_plan_reads(m, w("int64_t[]", tok), w("int32_t[]", cdisk), w("uint64_t[]", coff),
                           ndisks, eb, block_size, max_gap, max_request,
                           int(policy == "balanced"), int(bool(dedup)),
-                          *(ffi.from_buffer(t, a, require_writable=True) for t, a in (
-                              ("int64_t[]", utok), ("int64_t[]", chosen), ("uint64_t[]", src))),
-                          n_entries,
-                          *(ffi.from_buffer(t, a, require_writable=True) for t, a in (
-                              ("int32_t[]", rdisk), ("uint64_t[]", roff), ("uint32_t[]", rlen),
-                              ("uint64_t[]", rdst))),
-                          staging,
-                          ffi.from_buffer("int64_t[]", disk_entries, require_writable=True),
-                          ffi.from_buffer("int64_t[]", disk_bytes, require_writable=True))
+                          w("int64_t[]", utok), w("int64_t[]", chosen), w("uint64_t[]", src),
+                          n_entries, w("int32_t[]", rdisk), w("uint64_t[]", roff),
+                          w("uint32_t[]", rlen), w("uint64_t[]", rdst), staging,
+                          w("int64_t[]", disk_entries), w("int64_t[]", disk_bytes))
+    if R == -errno.EDOM:
+        raise InvalidArgumentError("token ids must be in [0, 2**31)")
+    if R == -errno.ERANGE:
+        raise InvalidArgumentError(f"a candidate's disk is outside [0, {ndisks})")
+    if R == -errno.EOVERFLOW:
+        raise InvalidArgumentError("a candidate's offset is at or beyond 2**52 bytes")
     if R < 0:
         raise InternalError(f"plan_reads failed: {os.strerror(-R)}")
     n = int(n_entries[0])

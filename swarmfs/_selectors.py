@@ -297,19 +297,30 @@ class MedoidSelector:
             keys with fp32 accumulation.  An fp32 store is quantised from
             its fp16 rounding.  Ignored by ``"logit"``, and on the NEON path
             (no int8 kernel there yet; the exact score runs instead).
+        levels: 1 (default) scores every medoid; 2 selects through the
+            two-level int8 index (``swarmfs._index2``: per KV head, k-means
+            groups of ``group_size`` medoids under centroids, the best groups
+            scored exactly, ``coverage`` x the budget's share of them), an
+            approximation for less work per query; only ``select`` and only
+            with ``index="int8"`` (``scores`` stays one-level).  Recall and
+            speed: docs/benchmarks.md §9.
     """
 
     kind = "clusters"
     name = "swarm"
 
-    def __init__(self, store, score: str = "prob", index: str = "int8"):
+    def __init__(self, store, score: str = "prob", index: str = "int8", levels: int = 1,
+                 group_size: int = 32, coverage: float = 3.0):
         if score not in SCORES:
             raise InvalidArgumentError(f"unknown medoid score {score!r}; use one of {SCORES}")
         if index not in INDEXES:
             raise InvalidArgumentError(f"unknown medoid index {index!r}; use one of {INDEXES}")
+        if levels not in (1, 2):
+            raise InvalidArgumentError(f"levels must be 1 or 2, got {levels!r}")
         self.store = store
         self.score = score
         self.index = index
+        self.levels, self.group_size, self.coverage = levels, group_size, float(coverage)
         self.scale = float(store.head_dim) ** -0.5
         self._derived = {}      # {(what, layer): (layer index, array)}
 
@@ -387,6 +398,8 @@ class MedoidSelector:
         li = self.store.layer(layer) if li is None else li
         m = self._medoids(layer, li)
         ix = self._int8(layer, li, m)
+        if ix is not None and self.levels == 2:
+            return self._select_two_level(layer, li, m, q, budget, window)
         if ix is not None:
             from ._kernels import select_i8
             out = []
@@ -412,6 +425,25 @@ class MedoidSelector:
             out.append(Selection(cl, n, window))
         return out
 
+    def _select_two_level(self, layer, li, m, q, budget, window) -> list[Selection]:
+        """``select`` through the two-level index, made once per layer index."""
+        from ._index2 import pack_medoids_i8x2, select_i8x2
+
+        def make():
+            src = m if m.dtype != np.float32 else \
+                np.clip(m, -65504.0, 65504.0).astype(np.float16)
+            return pack_medoids_i8x2(src, self.store.num_kv_heads, group_size=self.group_size,
+                                     bf16=m.dtype.name == "bfloat16")
+        index2 = self._cached("int8x2", layer, li, make)
+        out = []
+        for qq in np.asarray(q, dtype=np.float32):
+            cl, n = select_i8x2(index2, qq, self.store.num_kv_heads, scale=self.scale,
+                                ptr=li.members_ptr, members=li.members,
+                                num_tokens=li.num_tokens, budget=budget, window=window,
+                                coverage=self.coverage, check=False)
+            out.append(Selection(cl, n, window))
+        return out
+
     def invalidate(self, layer: int) -> None:
         """Drop the cached index of a layer (it changed on disk)."""
         for key in [k for k in self._derived if k[1] == layer]:
@@ -424,8 +456,9 @@ class MedoidSelector:
         for (what, lay), (_, x) in list(self._derived.items()):
             if lay != layer or what == "medoids":
                 continue
-            extra += x.data.nbytes + x.scales.nbytes + x.sums.nbytes if what == "int8" \
-                else x.nbytes
+            # an array, or a record of arrays (the int8 and two-level indexes)
+            extra += x.nbytes if isinstance(x, np.ndarray) else \
+                sum(a.nbytes for a in x if isinstance(a, np.ndarray))
         return int(self._medoids(layer).nbytes + extra)
 
 

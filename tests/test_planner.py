@@ -318,3 +318,52 @@ def test_native_planner_equals_the_numpy_specification(n, ndisks, seed, dedup, p
         a, b = getattr(got, f), getattr(want, f)
         assert a.tolist() == b.tolist(), f
     assert got.staging_bytes == want.staging_bytes
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 12), st.integers(0, 2**31), st.booleans(),
+       st.sampled_from(["balanced", "first"]), st.sampled_from([0, 1, 4096]),
+       st.sampled_from([1, 4096, 12288, 1 << 19]), st.sampled_from([1, 64, 4096]),
+       st.sampled_from(["dense", "huge", "odd", "same"]), st.sampled_from([512, 4096]),
+       st.sampled_from([np.int32, np.int64, np.uint16]))
+def test_native_planner_equals_the_specification_at_the_key_edges(
+        n, ndisks, seed, dedup, policy, max_gap, max_request, E, offs, bs, disk_dtype):
+    """The planner's compressed sort keys (token bits only; offsets relative to
+    the smallest, without common trailing zeros, under the disk bits, 32 bits
+    when they fit and 64-bit records else), its chunk split without division,
+    and its argument checks in C: equal to the numpy specification on tokens
+    up to 2**31 - 1, offsets up to 2**52 - 1, odd offsets, every copy on one
+    offset, many copies per token, any input dtype."""
+    rng = np.random.default_rng(seed)
+    S = int(rng.integers(1, 2 * n + 1)) if rng.random() < 0.5 else 2**31
+    tok = np.minimum(rng.integers(0, S, n), 2**31 - 1)
+    if rng.random() < 0.3:
+        tok[rng.integers(0, n)] = 2**31 - 1
+    cdisk = rng.integers(0, ndisks, n).astype(disk_dtype)
+    slot = rng.integers(0, 4 * n, n).astype(np.uint64)
+    coff = {"dense": slot * np.uint64(E) + np.uint64(4096),
+            "huge": np.uint64(2**52 - 1) - slot * np.uint64(E),
+            "odd": slot * np.uint64(E) + np.uint64(rng.integers(0, 7)),
+            "same": np.full(n, 3 * 4096, np.uint64)}[offs]
+    kw = dict(ndisks=ndisks, entry_bytes=E, block_size=bs, max_gap=max_gap,
+              max_request=max_request, policy=policy, dedup=dedup)
+    got = plan_reads(tok, cdisk, coff, **kw)
+    want = reference_plan(tok.astype(np.int64), cdisk.astype(np.int32), coff, **kw)
+    for f in ("disk", "offset", "length", "dst", "tokens", "src", "copy", "disk_entries",
+              "disk_bytes"):
+        assert getattr(got, f).tolist() == getattr(want, f).tolist(), f
+    assert got.staging_bytes == want.staging_bytes
+    # out-of-range arguments are refused by the C checks, whatever the dtype
+    from swarmfs._errors import InvalidArgumentError
+    i = int(rng.integers(0, n))
+    for bad in ("tok", "disk", "off"):
+        t, d, o = tok.copy(), cdisk.astype(np.int64), coff.copy()
+        if bad == "tok":
+            t[i] = 2**31
+        elif bad == "disk":
+            d[i] = ndisks
+        else:
+            o[i] = np.uint64(2**52)
+        for dd in (d, d.astype(np.int32)):
+            with pytest.raises(InvalidArgumentError):
+                plan_reads(t, dd, o, **kw)

@@ -40,6 +40,7 @@ import time
 import numpy as np
 
 from swarmfs import plan_reads
+from swarmfs._index2 import pack_medoids_i8x2, select_i8x2
 from swarmfs._kernels import (cpu_flags, kernel_path, pack_medoids, pack_medoids_i8,
                               select_fused, select_i8, set_kernel_path, softmax_sum,
                               supported_paths)
@@ -50,17 +51,23 @@ PAPER = {131072: (1.635, 0.236), 262144: (3.136, 0.374), 524288: (6.176, 0.554),
          1048576: (12.15, 0.999)}
 
 
-def median_ms(f, reps):
+MINIMA = {}      # the minimum of the last median_ms of each key (ms)
+
+
+def median_ms(f, reps, key=None):
     f()
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         f()
         ts.append(time.perf_counter() - t)
+    if key is not None:
+        MINIMA[key] = min(ts) * 1e3
     return statistics.median(ts) * 1e3
 
 
-def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=None):
+def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=None,
+                    two_level=False, group_size=32, coverage=3.0, naive_scan=True):
     C = int(round(S / cluster_size))
     q = rng.standard_normal((1, Hq, d)).astype(np.float32)
     sizes = rng.integers(max(int(cluster_size) // 2, 1), int(cluster_size * 1.5) + 1, size=C)
@@ -74,6 +81,11 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
 
     packed = pack_medoids(medoids, H)      # made once per layer, as MedoidSelector does
     ix8 = pack_medoids_i8(medoids, H)      # the int8 index (the default), likewise
+    ix2 = pack_medoids_i8x2(medoids, H, group_size=group_size) if two_level else None
+
+    def int8x2():
+        return select_i8x2(ix2, q[0], H, scale=scale, ptr=ptr, members=members, num_tokens=S_,
+                           budget=budget, window=0, coverage=coverage, check=False)
 
     def fused(score):
         return lambda: select_fused(medoids, q[0], H, scale=scale, score=score, bf16=False,
@@ -94,15 +106,18 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
     paths = paths or [kernel_path()]
     for path in paths:
         set_kernel_path(path)
-        per_path[path] = {"int8_ms": median_ms(int8, reps),
+        per_path[path] = {"int8_ms": median_ms(int8, reps, "int8"),
+                          "int8_min_ms": MINIMA["int8"],
+                          **({"int8x2_ms": median_ms(int8x2, reps, "x2"),
+                              "int8x2_min_ms": MINIMA["x2"]} if two_level else {}),
                           "prob_ms": median_ms(fused("prob"), reps),
                           "logit_ms": median_ms(fused("logit"), reps)}
     set_kernel_path("auto")
     t_split = median_ms(split, max(reps // 4, 5))
     t_prob = per_path[paths[0]]["prob_ms"]
     t_logit = per_path[paths[0]]["logit_ms"]
-    medoids = packed = ix8 = None            # free the index before the naive scan allocates keys
-    keys = rng.standard_normal((S, H * d), dtype=np.float32)
+    medoids = packed = ix8 = ix2 = None            # free the index before the naive scan allocates keys
+    keys = rng.standard_normal((S, H * d), dtype=np.float32) if naive_scan else None
 
     def naive():
         qg = group_queries(q, H)[0]
@@ -110,7 +125,7 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
             s = keys @ qg
         np.argpartition(-s, budget - 1)[:budget]
 
-    t_naive = median_ms(naive, max(reps // 10, 5))
+    t_naive = median_ms(naive, max(reps // 10, 5)) if naive_scan else float("nan")
     return {"tokens": S, "medoids": C, "mean_cluster_size": cluster_size,
             "naive_ms": t_naive, "swarm_ms": t_prob, "swarm_logit_ms": t_logit,
             "split_ms": t_split, "paths": per_path,
@@ -132,8 +147,9 @@ def bench_planning(reps, rng, n=100_000, replicated=0.3, ndisks=4, S=1 << 20, E=
     tok_all, disk, off = tok_all[perm], disk[perm], off[perm]
     p = plan_reads(tok_all, disk, off, ndisks=ndisks, entry_bytes=E, block_size=4096)
     t = median_ms(lambda: plan_reads(tok_all, disk, off, ndisks=ndisks, entry_bytes=E,
-                                     block_size=4096), reps)
+                                     block_size=4096), reps, "plan")
     return {"entries": n, "candidates": m, "disks": ndisks, "plan_ms": t,
+            "plan_min_ms": MINIMA["plan"],
             "requests": p.num_requests, "bucket_entries": p.disk_entries.tolist()}
 
 
@@ -248,7 +264,7 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
 
 
 
-def bench_recall(workdir, context=16384, queries=64, r=0.1):
+def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)):
     """The int8 index against the exact "prob" score on a real layout: the
     demo's capture (all-MiniLM-L6-v2 over its default text) cast to fp16,
     laid out and written as the demo does; per held-out query and layer, the
@@ -269,7 +285,10 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1):
                            progress=False)
     budget = int(np.ceil(r * S))
     sels = {"exact": MedoidSelector(store, index="exact"), "int8": MedoidSelector(store)}
-    rows = {"exact": [], "int8": [], "overlap": []}
+    for cov in coverages:
+        sels[f"2lvl_c{cov:g}"] = MedoidSelector(store, levels=2, coverage=cov)
+    rows = {name: [] for name in sels}
+    rows.update({"overlap": []}, **{f"overlap_{name}": [] for name in sels if name != "exact"})
     with store:
         for layer in range(cap.num_layers):
             li = store.layer(layer)
@@ -289,6 +308,10 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1):
                     rows[name].append(attention_recall(mass, pos[name], budget)[0])
                 rows["overlap"].append(np.intersect1d(pos["int8"], pos["exact"]).size /
                                        pos["exact"].size)
+                for name in sels:
+                    if name != "exact":
+                        rows[f"overlap_{name}"].append(
+                            np.intersect1d(pos[name], pos["exact"]).size / pos["exact"].size)
     return {"context": S, "queries": queries, "layers": cap.num_layers,
             "model": cap.meta.get("model"), "dtype": "float16",
             "recall_exact": float(np.mean(rows["exact"])),
@@ -296,7 +319,15 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1):
             "recall_int8_min_minus_exact": float(np.min(np.subtract(rows["int8"],
                                                                     rows["exact"]))),
             "entry_overlap_mean": float(np.mean(rows["overlap"])),
-            "entry_overlap_min": float(np.min(rows["overlap"]))}
+            "entry_overlap_min": float(np.min(rows["overlap"])),
+            "two_level": {name: {"recall": float(np.mean(rows[name])),
+                                 "recall_min_minus_exact": float(np.min(np.subtract(
+                                     rows[name], rows["exact"]))),
+                                 "recall_minus_int8": float(np.mean(rows[name]) -
+                                                            np.mean(rows["int8"])),
+                                 "entry_overlap_mean": float(np.mean(rows[f"overlap_{name}"])),
+                                 "entry_overlap_min": float(np.min(rows[f"overlap_{name}"]))}
+                          for name in sels if name.startswith("2lvl")}}
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -317,6 +348,11 @@ def main(argv=None):
     ap.add_argument("--recall", metavar="DIR",
                     help="only measure the int8 index's recall against the exact score on "
                          "the demo's capture cast to fp16 (store written under DIR)")
+    ap.add_argument("--two-level", action="store_true",
+                    help="also time the two-level int8 index (select_i8x2) on each path")
+    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--coverage", type=float, default=3.0)
+    ap.add_argument("--no-naive", action="store_true", help="skip the naive full-key scan")
     ap.add_argument("--out", default="bench-out/select")
     a = ap.parse_args(argv)
     if a.recall:
@@ -333,6 +369,8 @@ def main(argv=None):
         [auto if p == "auto" else p for p in a.paths.split(",")]
     print(f"CPU flags: {' '.join(cpu_flags())}; auto path: {auto}; measured: "
           f"{', '.join(paths)}; one thread")
+    if a.two_level:
+        print(f"two-level index: group size {a.group_size}, coverage {a.coverage}")
     print(f"{'tokens':>8} {'medoids':>8} {'naive ms':>9} " +
           " ".join(f"{p + ' int8':>12} {p + ' prob':>12} {p + ' logit':>12}" for p in paths) +
           f" {'split ms':>9} {'paper':>7}")
@@ -341,20 +379,26 @@ def main(argv=None):
     if len(sizes) == 1:
         sizes = sizes * len(toks)
     for S, cs in zip(toks, sizes):
-        r = bench_selection(S, cs, a.reps, rng, paths=paths)
+        r = bench_selection(S, cs, a.reps, rng, paths=paths, two_level=a.two_level,
+                            group_size=a.group_size, coverage=a.coverage, naive_scan=not a.no_naive)
         rows.append(r)
         print(f"{S:8d} {r['medoids']:8d} {r['naive_ms']:9.3f} " +
               " ".join(f"{r['paths'][p]['int8_ms']:12.3f} {r['paths'][p]['prob_ms']:12.3f} "
                        f"{r['paths'][p]['logit_ms']:12.3f}"
                        for p in paths) +
-              f" {r['split_ms']:9.3f} {r['paper_swarm_ms'] or 0:7.3f}", flush=True)
+              f" {r['split_ms']:9.3f} {r['paper_swarm_ms'] or 0:7.3f}" +
+              "".join(f" | {p} int8 min {r['paths'][p]['int8_min_ms']:.3f}" +
+                      (f", 2-level {r['paths'][p]['int8x2_ms']:.3f} (min "
+                       f"{r['paths'][p]['int8x2_min_ms']:.3f})" if a.two_level else "")
+                      for p in paths), flush=True)
     plan = bench_planning(max(a.reps // 4, 20), rng)
     print(f"planning {plan['entries']} entries ({plan['candidates']} candidate copies, "
           f"{plan['disks']} disks): {plan['plan_ms']:.2f} ms, {plan['requests']} requests")
     step = bench_planning(max(a.reps // 4, 20), rng, n=13108, ndisks=8, S=131072)
     print(f"planning a 128K-token step at r = 0.1: {step['entries']} entries "
           f"({step['candidates']} candidate copies, {step['disks']} disks): "
-          f"{step['plan_ms']:.3f} ms, {step['requests']} requests")
+          f"{step['plan_ms']:.3f} ms (min {step['plan_min_ms']:.3f}), "
+          f"{step['requests']} requests")
     plan["step_128k"] = step
     if a.assembly:
         asm = bench_assembly(max(a.reps // 4, 20), rng)
