@@ -58,6 +58,7 @@ class Int8Index2(NamedTuple):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of both levels' arrays (the DRAM the index holds)."""
         return int(sum(a.nbytes for ix in (self.fine, self.coarse)
                        for a in (ix.data, ix.scales, ix.sums)) + self.rowmed.nbytes
                    + self.gblk.nbytes + self.glogn.nbytes + self.mgrp.nbytes)

@@ -457,7 +457,7 @@ class MedoidSelector:
             if lay != layer or what == "medoids":
                 continue
             # an array, or a record of arrays (the int8 and two-level indexes)
-            extra += x.nbytes if isinstance(x, np.ndarray) else \
+            extra += int(x.nbytes) if hasattr(x, "nbytes") else \
                 sum(a.nbytes for a in x if isinstance(a, np.ndarray))
         return int(self._medoids(layer).nbytes + extra)
 
