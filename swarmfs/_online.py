@@ -254,12 +254,25 @@ class DecodeSession:
     def _replace_cache(self, ret: Retrieval):
         """§6.2 cache replacement over the hot set and this step's clusters,
         read and changed as one (:meth:`Retriever.replace_hot`)."""
-        return self.r.replace_hot(self.layer, ret, lambda hot: self._choose_hot(hot, ret))
+        return self.r.replace_hot(self.layer, ret, lambda hot: self.choose_hot(hot, ret))
 
-    def _choose_hot(self, hot: np.ndarray, ret: Retrieval) -> np.ndarray:
-        """The hot set after this step: f_i +1 for the selected clusters, -1
-        for the idle cached ones, then eq. 6 (:func:`~swarmfs._hot.hot_clusters`)
-        over the cached and the selected clusters."""
+    def choose_hot(self, hot: np.ndarray, ret: Retrieval) -> np.ndarray:
+        """The replacement policy (§6.2): the hot set after this step.
+
+        f_i +1 for the selected clusters, -1 for the idle cached ones, then
+        eq. 6 (:func:`~swarmfs._hot.hot_clusters`) over the cached and the
+        selected clusters.  A subclass overrides this to try another policy
+        (``tools/bench_decode.py``'s LRU baseline does); it runs under the
+        layer's step lock, and its result is applied atomically by
+        :meth:`Retriever.replace_hot`.
+
+        Args:
+            hot: bool [C], the hot set before this step.
+            ret: this step's :class:`Retrieval` (its ``clusters`` and ``index``).
+
+        Returns:
+            bool [C], the wanted hot set (within the DRAM budget).
+        """
         if ret.index is None or ret.index.num_clusters != hot.shape[0]:
             return hot                  # another generation: set_hot refuses it
         sel = ret.clusters

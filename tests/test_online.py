@@ -86,6 +86,32 @@ def test_cache_replacement_stays_in_budget_and_serves_bit_exact(store, rng):
     assert hits > 0 and sess.hit_rate == hits / lookups
 
 
+def test_choose_hot_is_the_replacement_policy_hook(store, rng):
+    """A subclass's choose_hot decides the hot set (the Fig. 15 LRU baseline
+    relies on it): a policy that caches nothing empties DRAM, and one that
+    caches exactly this step's clusters holds them after the step."""
+    s, _, _ = store
+
+    class Nothing(DecodeSession):
+        def choose_hot(self, hot, ret):
+            return np.zeros_like(hot)
+
+    class Latest(DecodeSession):
+        def choose_hot(self, hot, ret):
+            want = np.zeros_like(hot)
+            want[ret.clusters] = True
+            return want
+
+    r = Retriever(s, ratio=0.05)
+    big = 10 * S * s.entry_bytes
+    out = Nothing(r, 0, hot_budget_bytes=big).step(rng.standard_normal((HQ, D)))
+    assert not r.layer_state(0).hot.any() and len(out.evicted) == 4
+    r2 = Retriever(s, ratio=0.05)
+    out = Latest(r2, 0, hot_budget_bytes=big).step(rng.standard_normal((HQ, D)))
+    assert np.flatnonzero(r2.layer_state(0).hot).tolist() == \
+        sorted(set(out.retrieval.clusters.tolist()))
+
+
 def test_bad_session_input(store, rng):
     s, _, _ = store
     with pytest.raises(E.LayoutError):
