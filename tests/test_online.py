@@ -26,7 +26,7 @@ def store(tmp_path, rng):
 
 def test_pending_entries_are_served_then_placed_by_eq9(store, rng):
     s, kv, cl = store
-    r = Retriever(s, sparsity=0.2)
+    r = Retriever(s, ratio=0.2)
     sess = DecodeSession(r, 0, window=8, flush_batch=4, tau=0.7, max_joins=2)
     new_kv = random_kv(rng, 20, H, D, "float16")
     flushed = []
@@ -65,7 +65,7 @@ def test_eq9_joins_follow_the_counts(store):
 
 def test_cache_replacement_stays_in_budget_and_serves_bit_exact(store, rng):
     s, kv, cl = store
-    r = Retriever(s, sparsity=0.15)
+    r = Retriever(s, ratio=0.15)
     budget = sum(len(cl[c]) for c in range(4)) * s.entry_bytes
     sess = DecodeSession(r, 0, hot_budget_bytes=budget)
     changed = hits = lookups = 0
@@ -147,7 +147,7 @@ def test_eviction_during_a_read_returns_the_stored_rows(tmp_path, rng):
     hot[[0, 1]] = True
     s.write_layer(0, kv, [np.arange(8 * i, 8 * i + 8) for i in range(8)], hot=hot,
                   local_window=8)
-    r = Retriever(s, sparsity=1.0)
+    r = Retriever(s, ratio=1.0)
     st = r.layer_state(0)
     import threading
     evicted = []
@@ -167,7 +167,7 @@ def test_eviction_during_a_read_returns_the_stored_rows(tmp_path, rng):
 
 def test_second_concurrent_step_raises_and_changes_nothing(store, rng):
     s, kv, cl = store
-    r = Retriever(s, sparsity=0.15)
+    r = Retriever(s, ratio=0.15)
     sess = DecodeSession(r, 0, window=4, flush_batch=2)
     import threading
     inside, release = threading.Event(), threading.Event()
@@ -202,7 +202,7 @@ def test_stress_prefetch_and_retrieve_beside_stepping(store, rng):
     evicts, admits and appends to: every returned row equals the store's truth."""
     import threading
     s, kv, cl = store
-    r = Retriever(s, sparsity=0.15)
+    r = Retriever(s, ratio=0.15)
     budget = sum(len(cl[c]) for c in range(3)) * s.entry_bytes
     sess = DecodeSession(r, 0, window=4, flush_batch=3, hot_budget_bytes=budget)
     steps = 60
@@ -259,7 +259,7 @@ def test_step_with_torch_bfloat16_on_a_bf16_store(tmp_path, rng):
                      num_query_heads=HQ_, dtype="bfloat16")
     kv = random_kv(rng, S_, H_, D_, "bfloat16")
     s.write_layer(0, kv, random_clusters(rng, S_, 20, 20), local_window=8)
-    r = Retriever(s, sparsity=0.2)
+    r = Retriever(s, ratio=0.2)
     sess = DecodeSession(r, 0, window=2, flush_batch=2)
     new = random_kv(rng, 6, H_, D_, "bfloat16")
     for t in range(6):
@@ -282,7 +282,7 @@ def test_step_with_torch_bfloat16_on_a_bf16_store(tmp_path, rng):
 
 def test_rejected_step_changes_nothing(store, rng):
     s, kv, cl = store
-    r = Retriever(s, sparsity=0.15)
+    r = Retriever(s, ratio=0.15)
     sess = DecodeSession(r, 0, window=4)
     sess.step(rng.standard_normal((HQ, D)).astype(np.float32))
     freq, hot, hits = sess.freq.copy(), r.layer_state(0).hot.copy(), sess.lookups
@@ -312,7 +312,7 @@ def test_pipelined_step_over_layers_equals_stepping_each(tmp_path, rng):
         hot[:2] = True
         s.write_layer(layer, kvs[layer], random_clusters(rng, S_, 30, 40), hot=hot,
                       local_window=8)
-    r = Retriever(s, sparsity=0.2)
+    r = Retriever(s, ratio=0.2)
     sessions = [DecodeSession(r, layer, window=2, flush_batch=2) for layer in range(L)]
     truth = [k.reshape(S_, -1).view(np.uint8) for k in kvs]
     new = [random_kv(rng, 6, H, D, "float16") for _ in range(L)]
@@ -351,7 +351,7 @@ def test_retrieval_in_flight_across_many_appends_reads_its_generation(tmp_path, 
     s.write_layer(0, kv, random_clusters(rng, S_, 32), local_window=8)
     s.close()
     s = Store.open(tmp_path / "st", verify=False, writable=True)
-    r = Retriever(s, sparsity=1.0)
+    r = Retriever(s, ratio=1.0)
     import threading
     done = []
 
@@ -403,7 +403,7 @@ def test_session_knobs_out_of_range_are_refused(store):
     s, _, _ = store
     r = Retriever(s)
     for kw in (dict(window=-1), dict(window=0), dict(flush_batch=0), dict(max_joins=-1),
-               dict(group=0), dict(hot_budget_bytes=-5), dict(window=2.5)):
+               dict(new_cluster_size=0), dict(hot_budget_bytes=-5), dict(window=2.5)):
         with pytest.raises(E.InvalidArgumentError):
             DecodeSession(r, 0, **kw)
     assert DecodeSession(r, 0, window=1, flush_batch=1, max_joins=0).window == 1

@@ -39,7 +39,7 @@ def test_group_sum_equals_sum_of_head_scores(rng):
 
 def test_retrieve_returns_window_and_selected_clusters_bit_exact(store, rng):
     s, kv, cl = store
-    r = Retriever(s, sparsity=0.1)
+    r = Retriever(s, ratio=0.1)
     q = rng.standard_normal((HQ, D))
     out = r.retrieve(0, q, torch=False)
     li = s.layer(0)
@@ -78,7 +78,7 @@ def test_budget_counts_distinct_entries(tmp_path, rng):
     cl = [np.concatenate([o, np.setdiff1d(S - 1 - rng.choice(48, 20, replace=False), o)])
           for o in own]
     s.write_layer(0, kv, cl, local_window=64)
-    r = Retriever(s, sparsity=0.2)
+    r = Retriever(s, ratio=0.2)
     for _ in range(3):
         q = rng.standard_normal((HQ, D))
         out = r.retrieve(0, q, torch=False)
@@ -95,7 +95,7 @@ def test_budget_counts_distinct_entries(tmp_path, rng):
 
 def test_hot_clusters_and_window_are_served_from_dram(store, rng):
     s, kv, cl = store
-    r = Retriever(s, sparsity=0.5)
+    r = Retriever(s, ratio=0.5)
     out = r.retrieve(0, rng.standard_normal((HQ, D)), torch=False)
     resident = set(range(S - 64, S)) | set(cl[3].tolist()) | set(cl[17].tolist())
     on_ssd = set(out.positions.tolist()) - resident
@@ -104,7 +104,7 @@ def test_hot_clusters_and_window_are_served_from_dram(store, rng):
 
 def test_batch_retrieval_unites_queries_in_one_read(store, rng):
     s, kv, cl = store
-    r = Retriever(s, sparsity=0.05)
+    r = Retriever(s, ratio=0.05)
     qs = rng.standard_normal((4, HQ, D))
     singles = [set(r.retrieve(0, q, torch=False).positions.tolist()) for q in qs]
     before = s.stats().engine.executes
@@ -116,8 +116,8 @@ def test_batch_retrieval_unites_queries_in_one_read(store, rng):
 def test_no_dedup_reads_duplicates(store, rng):
     s, kv, cl = store
     q = rng.standard_normal((HQ, D))
-    a = Retriever(s, sparsity=0.3).retrieve(0, q, torch=False)
-    b = Retriever(s, sparsity=0.3, dedup=False).retrieve(0, q, torch=False)
+    a = Retriever(s, ratio=0.3).retrieve(0, q, torch=False)
+    b = Retriever(s, ratio=0.3, dedup=False).retrieve(0, q, torch=False)
     assert a.stats.duplicates_removed > 0
     assert b.stats.entries_ssd == a.stats.entries_ssd + a.stats.duplicates_removed
     assert set(b.positions.tolist()) == set(a.positions.tolist())
@@ -126,7 +126,7 @@ def test_no_dedup_reads_duplicates(store, rng):
 def test_token_selector_is_the_exact_top_k(store, rng):
     s, kv, cl = store
     keys = kv[:, 0].reshape(S, H * D)
-    r = Retriever(s, sparsity=0.1, selector=TokenSelector({0: keys}))
+    r = Retriever(s, ratio=0.1, selector=TokenSelector({0: keys}))
     q = rng.standard_normal((HQ, D))
     out = r.retrieve(0, q, torch=False)
     sc = group_queries(q, H)[0] @ keys.astype(np.float32).T
@@ -165,12 +165,12 @@ def test_bad_queries(store):
     with pytest.raises(E.ShapeError):
         r.retrieve(0, np.zeros((3, D)))          # 3 query heads for 2 KV heads
     with pytest.raises(E.LayoutError):
-        Retriever(s, sparsity=0)
+        Retriever(s, ratio=0)
 
 
 def test_prefetch_overlaps_and_matches_retrieve(store, rng):
     s, kv, cl = store
-    r = Retriever(s, sparsity=0.1)
+    r = Retriever(s, ratio=0.1)
     q = rng.standard_normal((HQ, D))
     fut = r.prefetch(0, q, torch=False)
     direct = r.retrieve(0, q, torch=False)
@@ -189,7 +189,7 @@ def test_torch_and_pinned_outputs_are_the_stored_entries(tmp_path, rng, dtype):
     hot = np.zeros(40, bool)
     hot[:3] = True
     s.write_layer(0, kv, random_clusters(rng, 500, 40, 60), hot=hot, local_window=16)
-    r = Retriever(s, sparsity=0.3)
+    r = Retriever(s, ratio=0.3)
     q = rng.standard_normal((2, HQ, D))
     for kw in ({"torch": True}, {"torch": True, "pinned": True}, {"torch": False,
                                                                   "pinned": True}):
@@ -208,7 +208,7 @@ def test_torch_and_pinned_outputs_are_the_stored_entries(tmp_path, rng, dtype):
 
 def test_retrieve_into_caller_buffers(store, rng):
     s, kv, cl = store
-    r = Retriever(s, sparsity=0.1)
+    r = Retriever(s, ratio=0.1)
     kb = np.zeros((H, S, D), np.float16)
     vb = np.zeros((H, S, D), np.float16)
     for q in rng.standard_normal((3, HQ, D)):
@@ -224,7 +224,7 @@ def test_retrieve_into_caller_buffers(store, rng):
             r.retrieve(0, rng.standard_normal((HQ, D)), torch=False, out=bad)
     st_ = r.layer_state(0)
     pinned_left = st_.refs.copy()
-    r2 = Retriever(s, sparsity=0.1)               # a fresh state: the references it starts with
+    r2 = Retriever(s, ratio=0.1)               # a fresh state: the references it starts with
     assert np.array_equal(pinned_left, r2.layer_state(0).refs)   # failed calls unpinned
     toks = np.flatnonzero(st_.resident)
     assert same_bits(st_.rows[st_.slot[toks]], kv[toks].reshape(len(toks), -1).view(np.uint8))
@@ -247,7 +247,7 @@ def test_retriever_state_of_an_older_generation_never_reads_reclaimed_space(tmp_
     s.close()
     s = Store.open(tmp_path / "st", verify=verify, writable=True)
     try:
-        r = Retriever(s, sparsity=1.0)
+        r = Retriever(s, ratio=1.0)
         q = rng.standard_normal((HQ, D)).astype(np.float32)
         r.retrieve(0, q, torch=False)                  # state of generation 1
         for i in range(10):                            # each append frees one cluster's
@@ -276,7 +276,7 @@ def test_retriever_state_of_an_older_generation_never_reads_reclaimed_space(tmp_
 def test_retrieve_out_with_k_and_v_sharing_memory_is_refused(store, rng):
     """out=(buf, buf) used to return V in both K and V (V overwrote K), no error."""
     s, kv, _ = store
-    r = Retriever(s, sparsity=0.1)
+    r = Retriever(s, ratio=0.1)
     q = rng.standard_normal((HQ, D))
     buf = np.empty((H, S, D), np.float16)
     with pytest.raises(E.InvalidArgumentError, match="share memory"):
@@ -299,7 +299,7 @@ def test_set_hot_with_a_retrieval_of_a_rewritten_layer_is_refused(tmp_path, rng)
                      num_query_heads=HQ, dtype="float16")
     kv, cl = random_kv(rng, S_, H, D, "float16"), random_clusters(rng, S_, 32)
     s.write_layer(0, kv, cl, local_window=8)
-    r = Retriever(s, sparsity=1.0)
+    r = Retriever(s, ratio=1.0)
     q = rng.standard_normal((HQ, D)).astype(np.float32)
     old = r.retrieve(0, q, torch=False)
     kv2 = random_kv(rng, S_, H, D, "float16")
@@ -343,7 +343,7 @@ def test_layer_state_built_while_the_layer_is_rewritten_serves_one_generation(tm
             t.join(timeout=60)
         return li
     s.layer = layer
-    r = Retriever(s, sparsity=1.0)
+    r = Retriever(s, ratio=1.0)
     out = r.retrieve(0, rng.standard_normal((HQ, D)), torch=False)
     assert fired and s.manifest["generation"] == 2
     assert out.stats.entries_dram > 0 and out.positions.tolist() == list(range(S_))
@@ -361,7 +361,7 @@ def test_loaded_indexes_of_other_layers_do_not_stop_space_reuse(tmp_path, rng):
                      num_query_heads=HQ, dtype="float16")
     for layer in (0, 1):
         s.write_layer(layer, kv, random_clusters(rng, S_, 16), local_window=8)
-    r = Retriever(s, sparsity=1.0)
+    r = Retriever(s, ratio=1.0)
     q = rng.standard_normal((HQ, D)).astype(np.float32)
     r.retrieve(1, q, torch=False)                      # layer 1's state stays loaded
     ends = []

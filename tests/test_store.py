@@ -596,7 +596,7 @@ def test_truncated_disk_reads_name_cluster_and_damage_offset(tmp_path, rng):
             assert (e.disk, e.layer, e.cluster, e.offset) == (0, 0, want_cluster, want_off)
             assert e.path.endswith("disk-0.img") and f"offset {want_off}" in str(e)
         from swarmfs import Retriever
-        r = Retriever(s, sparsity=1.0)
+        r = Retriever(s, ratio=1.0)
         q = rng.standard_normal((2, 16)).astype(np.float32)
         with pytest.raises(E.DiskTruncatedError) as ei:
             r.retrieve(0, q)

@@ -173,7 +173,7 @@ def bench_assembly(reps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, batches=(1, 4, 
         hot[rng.choice(len(clusters), len(clusters) // 50, replace=False)] = True
         s.write_layer(0, kv, clusters, hot=hot, local_window=256)
         del kv
-        ret = Retriever(s, sparsity=r)
+        ret = Retriever(s, ratio=r)
         qs = rng.standard_normal((max(batches), Hq, d)).astype(np.float32)
         out = {}
         cap = S                            # output buffers reused across steps
@@ -233,7 +233,7 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
             s.write_layer(layer, kv, cl, hot=hot, local_window=256)
         out = {}
         for mode in ("sequential", "pipelined"):
-            r_obj = Retriever(s, sparsity=r)
+            r_obj = Retriever(s, ratio=r)
             sess = [DecodeSession(r_obj, layer, adapt_cache=True) for layer in range(L)]
             rows = []
             for t in range(steps + 2):

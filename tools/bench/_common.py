@@ -549,7 +549,7 @@ class Bench:
         elif lay.kind == "bounds":
             sel = BoundSelector({L: (widen_flat(lay.index["lo"], np.float32),
                                      widen_flat(lay.index["hi"], np.float32))})
-        return Retriever(self.store, sparsity=self.ratio, policy=v.policy, dedup=v.dedup,
+        return Retriever(self.store, ratio=self.ratio, policy=v.policy, dedup=v.dedup,
                          max_gap=v.max_gap, selector=sel)
 
     def close(self):
