@@ -407,3 +407,19 @@ def test_session_knobs_out_of_range_are_refused(store):
         with pytest.raises(E.InvalidArgumentError):
             DecodeSession(r, 0, **kw)
     assert DecodeSession(r, 0, window=1, flush_batch=1, max_joins=0).window == 1
+
+
+def test_new_cluster_size_and_its_deprecated_alias(store, rng):
+    s, _, _ = store
+    with pytest.warns(DeprecationWarning):
+        sess = DecodeSession(Retriever(s), 0, group=5)
+    assert sess.new_cluster_size == 5
+    with pytest.raises(E.InvalidArgumentError):
+        DecodeSession(Retriever(s), 0, new_cluster_size=4, group=5)
+    kv = random_kv(rng, 10, H, D, "float16")
+    c0 = s.num_clusters(0)
+    with pytest.warns(DeprecationWarning):
+        s.append(0, kv, group=5)                  # 10 lone tokens: 2 new clusters of 5
+    assert s.num_clusters(0) == c0 + 2
+    with pytest.raises(E.InvalidArgumentError):
+        s.append(0, kv, new_cluster_size=4, group=5)
