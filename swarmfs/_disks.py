@@ -166,13 +166,20 @@ def create_disks(path: str, disk_paths: list, *, force: bool, disk_size, block_s
         StoreExistsError, DiskError, DiskFullError, ShapeError.
     """
     uid = F.new_uuid()
-    fds, caps, bss = [], [], []
+    fds, caps, bss, created = [], [], [], []
+    done = False
     try:
+        # every disk is checked before any is changed: a refused disk leaves
+        # the others as they were (files this call created are removed)
         for i, p in enumerate(disk_paths):
-            fd = open_disk(p, write=True, create=not os.path.exists(p), disk=i, store=path)
+            new = not os.path.exists(p)
+            fd = open_disk(p, write=True, create=new, disk=i, store=path)
             fds.append(fd)
+            if new:
+                created.append(p)
             check_reusable(fd, p, i, path, force)
             bss.append(logical_block_size(fd))
+        for i, (p, fd) in enumerate(zip(disk_paths, fds)):
             if stat.S_ISBLK(os.fstat(fd).st_mode):
                 caps.append(device_size(fd))
             else:
@@ -212,9 +219,16 @@ def create_disks(path: str, disk_paths: list, *, force: bool, disk_size, block_s
             write_commit_records(tmp, fds, uid, m, F.COMMITTED, both=True)
         finally:
             tmp.close()
+        done = True
     finally:
         for fd in fds:
             os.close(fd)
+        if not done:
+            for p in created:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
     return m
 
 

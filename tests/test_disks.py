@@ -205,14 +205,20 @@ def test_check_reusable_refuses_data_unless_forced(tmp_path, rng):
             D.check_reusable(fd, str(path), 3, "st", True)      # force: anything goes
         finally:
             os.close(fd)
-    # through Store.create: refused, the file untouched, no store left behind
-    # (the new disk d0.img it opened first stays as an empty file)
+    # through Store.create: refused, the file untouched, no store left behind,
+    # and the new disk d0.img it created first removed again
     with pytest.raises(E.StoreExistsError) as ei:
         Store.create(tmp_path / "new", disks=[tmp_path / "d0.img", data], num_layers=1,
                      num_kv_heads=1, head_dim=8)
     assert ei.value.disk == 1 and data.read_bytes() == payload
     assert not (tmp_path / "new").exists()
-    assert not (tmp_path / "d0.img").exists() or (tmp_path / "d0.img").stat().st_size == 0
+    assert not (tmp_path / "d0.img").exists()
+    # an existing empty disk before the refused one is left as it was
+    (tmp_path / "d0.img").write_bytes(b"")
+    with pytest.raises(E.StoreExistsError):
+        Store.create(tmp_path / "new", disks=[tmp_path / "d0.img", data], num_layers=1,
+                     num_kv_heads=1, head_dim=8, disk_size=1 << 20)
+    assert (tmp_path / "d0.img").stat().st_size == 0 and data.read_bytes() == payload
 
 
 def test_read_header_reads_the_superblock_and_commit_slots(tmp_path, rng):
