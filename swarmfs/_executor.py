@@ -105,29 +105,10 @@ class Executor:
     def execute(self, li: LayerIndex, plan: Plan, copies: np.ndarray, *, verify: bool,
                 order=None, out: np.ndarray | None = None, cluster=None,
                 consume=None) -> np.ndarray:
-        """Execute a plan in one batched submission and return entry rows.
-
-        Args:
-            li: the layer.
-            plan: a plan over ``copies`` (``Store.plan_copies``).
-            copies: the copy ids the plan was made from.
-            order: int [k] indices into ``plan.tokens`` giving the output
-                order (default: ``plan.tokens`` order).
-            out: optional uint8 [k, entry_bytes] destination.
-            verify: check per-entry XXH3-64.
-            consume: instead of returning rows, call ``consume(staging, src)``
-                with the staging buffer (uint8) and each entry's byte offset in
-                it (uint64 [k], ``order`` applied), after verification and while
-                the buffer is valid; returns None then (the Retriever writes K
-                and V straight into its output this way).
-
-        Returns:
-            uint8 [k, entry_bytes] rows.
-
-        Raises:
-            ChecksumError: an entry does not match its checksum (names the
-                disk, layer and cluster).
-            DiskTruncatedError, IOFailedError: the read failed.
+        """Execute a plan in one batched submission and return entry rows:
+        the work behind :meth:`Store.execute`, whose docstring gives the
+        arguments, return value and errors (here ``verify`` is a bool, not
+        None for the store's setting, and ``li`` is the layer's index).
         """
         Eb = self.entry_bytes
         with self.staging(plan.staging_bytes) as buf:
