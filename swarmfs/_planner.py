@@ -89,11 +89,11 @@ class Plan:
         return float(b.max() / b.mean()) if b.size and b.sum() else 1.0
 
 
-def _positive(x, what: str, *, zero: bool = False) -> int:
+def _positive(x, what: str, *, zero: bool = False, limit: int = 1 << 62) -> int:
     import numbers
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < (0 if zero else 1):
-        raise InvalidArgumentError(f"{what} must be an integer >= {0 if zero else 1}, "
-                                   f"got {x!r}")
+    lo = 0 if zero else 1
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not lo <= x <= limit:
+        raise InvalidArgumentError(f"{what} must be an integer in [{lo}, {limit}], got {x!r}")
     return int(x)
 
 
@@ -143,13 +143,17 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
         InvalidArgumentError: inconsistent or out-of-range inputs.
         ConfigError: an unknown policy.
     """
+    if not isinstance(dedup, (bool, np.bool_)):
+        raise InvalidArgumentError(f"dedup must be a bool, got {dedup!r}")
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; use one of {POLICIES}")
     ndisks = _positive(ndisks, "ndisks")
-    entry_bytes = _positive(entry_bytes, "entry_bytes")
-    block_size = _positive(block_size, "block_size")
-    max_gap = _positive(max_gap, "max_gap", zero=True)
-    max_request = _positive(max_request, "max_request")
+    # a request's length is 32-bit (uint32 in the plan and the engine): no
+    # request, merged or single-entry, may reach 4 GiB
+    entry_bytes = _positive(entry_bytes, "entry_bytes", limit=1 << 30)
+    block_size = _positive(block_size, "block_size", limit=1 << 30)
+    max_gap = _positive(max_gap, "max_gap", zero=True, limit=1 << 30)
+    max_request = _positive(max_request, "max_request", limit=1 << 30)
     tok = np.ascontiguousarray(_ints(tok, np.int64, "tok"))
     cdisk = _ints(cdisk, None, "cdisk")
     if cdisk.dtype != np.int32:

@@ -315,12 +315,20 @@ class MedoidSelector:
             raise InvalidArgumentError(f"unknown medoid score {score!r}; use one of {SCORES}")
         if index not in INDEXES:
             raise InvalidArgumentError(f"unknown medoid index {index!r}; use one of {INDEXES}")
-        if levels not in (1, 2):
+        if isinstance(levels, bool) or type(levels) not in (int, np.int64) or \
+                levels not in (1, 2):
             raise InvalidArgumentError(f"levels must be 1 or 2, got {levels!r}")
+        if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) \
+                or group_size < 1:
+            raise InvalidArgumentError(f"group_size must be an integer >= 1, got {group_size!r}")
+        if isinstance(coverage, bool) or not isinstance(coverage, (int, float, np.floating,
+                                                                   np.integer)) \
+                or not np.isfinite(coverage) or coverage <= 0:
+            raise InvalidArgumentError(f"coverage must be a finite number > 0, got {coverage!r}")
         self.store = store
         self.score = score
         self.index = index
-        self.levels, self.group_size, self.coverage = levels, group_size, float(coverage)
+        self.levels, self.group_size, self.coverage = int(levels), int(group_size), float(coverage)
         self.scale = float(store.head_dim) ** -0.5
         self._derived = {}      # {(what, layer): (layer index, array)}
 

@@ -331,16 +331,19 @@ class Store:
     @E.boundary
     def close(self) -> None:
         """Close the engine and the disks."""
-        if self._closed:
-            return
-        self._closed = True
-        self._executor.close()
-        self.engine.close()
-        for fd in self._fds:
-            os.close(fd)
-        self._lease.close()
+        with self._writer_mutex:    # a write in progress finishes first
+            if self._closed:
+                return
+            self._closed = True
+            self._executor.close()
+            self.engine.close()
+            for fd in self._fds:
+                os.close(fd)
+            self._lease.close()
 
     def __enter__(self):
+        if self._closed:
+            raise E.SwarmError("the store is closed", store=self.path)
         return self
 
     def __exit__(self, *exc):
@@ -556,6 +559,8 @@ class Store:
     # -- the write transaction -------------------------------------------------
     def _transaction(self) -> _write.Transaction:
         """A :class:`~swarmfs._write.Transaction` on this store (enter it)."""
+        if self._closed:
+            raise E.SwarmError("the store is closed", store=self.path)
         if not self.writable:
             raise E.SwarmError("store is open read-only (open with writable=True)",
                                store=self.path)
@@ -563,7 +568,7 @@ class Store:
                                   staging=self._executor.staging, lease=self._lease,
                                   writer_mutex=self._writer_mutex,
                                   disk_paths=self.disk_paths, adopt=self._adopt,
-                                  publish=self._publish)
+                                  publish=self._publish, is_open=lambda: not self._closed)
 
     def _adopt(self, m: Manifest) -> None:
         """Take the committed manifest a writer re-read under the lock as the
@@ -695,7 +700,23 @@ class Store:
             ChecksumError: an entry does not match its checksum (names the
                 disk, layer and cluster).
             DiskTruncatedError, IOFailedError: the read failed.
+            DiskError (its subclass as recorded): the plan touches a disk that
+                ``Store.open(damaged=True)`` recorded in ``disk_problems`` as
+                wrong, missing or with an unreadable header: its bytes are not
+                trusted, whatever ``verify`` says (a truncated disk is read up
+                to its end).
         """
+        # a truncated disk's intact part is read (the short read names the
+        # cluster and the damage offset); any other recorded problem refuses
+        untrusted = [d for d, exc in self.disk_problems.items()
+                     if not isinstance(exc, E.DiskTruncatedError)]
+        if untrusted and plan.disk.size:
+            bad = np.intersect1d(np.unique(plan.disk), untrusted)
+            if bad.size:
+                exc = self.disk_problems[int(bad[0])]
+                raise type(exc)(f"read touches a damaged disk: {exc.message}",
+                                store=self.path, layer=li.layer, disk=int(bad[0]),
+                                path=getattr(exc, "path", None))
         verify = self.verify_checksums if verify is None else verify
         return self._executor.execute(li, plan, copies, verify=bool(verify), order=order,
                                       out=out, cluster=cluster, consume=consume)

@@ -364,6 +364,8 @@ class Transaction:
         adopt: callable(Manifest): the committed manifest re-read under the
             lock (the Store checks it is still its store and takes it).
         publish: callable(Manifest, layer): the manifest just committed.
+        is_open: callable() -> bool: False once the store is closed (checked
+            under the writer mutex, which ``Store.close`` also takes).
 
     Attributes:
         base: the committed manifest the write extends.
@@ -372,7 +374,7 @@ class Transaction:
     """
 
     def __init__(self, path: str, *, fds, engine, staging, lease, writer_mutex,
-                 disk_paths, adopt, publish):
+                 disk_paths, adopt, publish, is_open=lambda: True):
         self.path = path
         self._fds = fds
         self._engine = engine
@@ -382,6 +384,7 @@ class Transaction:
         self._disk_paths = disk_paths
         self._adopt = adopt
         self._publish = publish
+        self._is_open = is_open
         self._lock_fd = None
         self.base: Manifest | None = None
         self.committed: Manifest | None = None
@@ -393,6 +396,9 @@ class Transaction:
         if self.base is not None:
             raise E.InternalError("a write transaction is entered once", store=self.path)
         self._mutex.acquire()
+        if not self._is_open():     # closed while this writer waited: its fds are gone
+            self._mutex.release()
+            raise E.SwarmError("the store is closed", store=self.path)
         try:
             fd = os.open(os.path.join(self.path, ".lock"),
                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)

@@ -151,3 +151,17 @@ def test_selector_option(rng, tmp_path):
                     assert x.entries == y.entries == S
         with pytest.raises(InvalidArgumentError):
             MedoidSelector(s, levels=3)
+
+
+@pytest.mark.parametrize("kw", [dict(levels=True), dict(levels=2.0), dict(levels=3),
+                                dict(group_size=0), dict(group_size=2.5),
+                                dict(coverage=float("nan")), dict(coverage=float("inf")),
+                                dict(coverage="x"), dict(coverage=None), dict(coverage=0),
+                                dict(coverage=-1)])
+def test_selector_options_are_checked_at_construction(tmp_path, kw):
+    from swarmfs import Store
+    from swarmfs._selectors import MedoidSelector
+    s = Store.create(tmp_path / "s", disks=1, num_layers=1, num_kv_heads=2, head_dim=8,
+                     num_query_heads=4)
+    with s, pytest.raises(InvalidArgumentError):
+        MedoidSelector(s, **kw)

@@ -367,3 +367,18 @@ def test_native_planner_equals_the_specification_at_the_key_edges(
         for dd in (d, d.astype(np.int32)):
             with pytest.raises(InvalidArgumentError):
                 plan_reads(t, dd, o, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(max_gap=2**64), dict(entry_bytes=2**32),
+                                dict(block_size=2**64), dict(max_request=2**34),
+                                dict(entry_bytes=2**31, max_request=2**30 + 1),
+                                dict(dedup="no"), dict(dedup=1)])
+def test_arguments_that_would_overflow_a_request_are_refused(kw):
+    """A request's length is 32-bit: sizes that could reach 4 GiB, and numbers
+    C cannot take, are InvalidArgumentError (not OverflowError or a length cut
+    to 0)."""
+    from swarmfs._errors import InvalidArgumentError
+    args = dict(ndisks=1, entry_bytes=64, block_size=512)
+    args.update(kw)
+    with pytest.raises(InvalidArgumentError):
+        plan_reads([0, 1], [0, 0], [0, 64], **args)

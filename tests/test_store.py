@@ -818,3 +818,44 @@ def test_boundary_turns_a_bug_into_an_internal_error():
     with pytest.raises(E.InternalError, match="internal error in .*buggy: KeyError") as ei:
         buggy()
     assert isinstance(ei.value.__cause__, KeyError)
+
+
+def test_writes_on_a_closed_store_touch_no_file(tmp_path, rng):
+    """A closed store gives its disk fds back; a later append or write_layer is
+    refused before anything is written or cut (the fd numbers may by then
+    belong to another file of the process)."""
+    s, kvs, cls = make_store(tmp_path / "st", rng, ndisks=2, S=60, clusters=6, extra=0)
+    s.close()
+    with pytest.raises(E.SwarmError, match="closed"):
+        with s:
+            pass
+    other = tmp_path / "precious"
+    other.write_bytes(b"x" * 100_000)
+    fds = [os.open(other, os.O_RDWR) for _ in range(4)]    # reuse the freed numbers
+    try:
+        with pytest.raises(E.SwarmError, match="closed"):
+            s.append(0, random_kv(rng, 2, 2, 16, "float16"))
+        with pytest.raises(E.SwarmError, match="closed"):
+            s.write_layer(0, kvs[0], cls[0])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert other.read_bytes() == b"x" * 100_000
+    with Store.open(tmp_path / "st") as s2:
+        assert same_bits(s2.read_entries(0, np.arange(60)), kvs[0])
+
+
+def test_a_damaged_open_refuses_reads_of_a_swapped_disk(tmp_path, rng):
+    """Store.open(damaged=True) records swapped disks; reads that touch them
+    fail even with checksums off, instead of returning the other disk's bytes."""
+    s, kvs, _ = make_store(tmp_path / "st", rng, ndisks=2, S=60, clusters=6, extra=0)
+    paths = list(s.disk_paths)
+    s.close()
+    os.rename(paths[0], str(tmp_path / "t"))
+    os.rename(paths[1], paths[0])
+    os.rename(str(tmp_path / "t"), paths[1])
+    with Store.open(tmp_path / "st", damaged=True, verify=False) as s2:
+        assert sorted(s2.disk_problems) == [0, 1]
+        with pytest.raises(E.DiskMismatchError, match="damaged disk") as ei:
+            s2.read_entries(0, np.arange(60))
+        assert ei.value.disk in (0, 1) and ei.value.layer == 0
