@@ -568,7 +568,8 @@ class Store:
                                   staging=self._executor.staging, lease=self._lease,
                                   writer_mutex=self._writer_mutex,
                                   disk_paths=self.disk_paths, adopt=self._adopt,
-                                  publish=self._publish, is_open=lambda: not self._closed)
+                                  publish=self._publish, is_open=lambda: not self._closed,
+                                  check_base=self._check_live_layers)
 
     def _adopt(self, m: Manifest) -> None:
         """Take the committed manifest a writer re-read under the lock as the
@@ -581,6 +582,20 @@ class Store:
             self._lease.hold(m.generation)
             with self._lock:
                 self._layers.clear()
+
+    def _check_live_layers(self, m: Manifest) -> None:
+        """Before a writer allocates space from ``m`` (its base): load every
+        stored layer's index, which checks that its extents lie inside the
+        disks' allocated space and outside the free ranges ``m`` records, so
+        a manifest whose disk ends or free lists were edited (checksums and
+        commit records recomputed) is refused before new extents could
+        overwrite a live one.  Indexes already loaded are reused.
+
+        Raises:
+            ManifestError: a layer's index disagrees with ``m``.
+        """
+        for layer in sorted(m.layers):
+            self.layer(layer)
 
     def _publish(self, m: Manifest, layer: int) -> None:
         """A transaction committed ``m`` (which rewrote ``layer``)."""

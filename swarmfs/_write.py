@@ -366,6 +366,9 @@ class Transaction:
         publish: callable(Manifest, layer): the manifest just committed.
         is_open: callable() -> bool: False once the store is closed (checked
             under the writer mutex, which ``Store.close`` also takes).
+        check_base: callable(Manifest): raises unless every live extent lies
+            inside the base manifest's allocated space (the Store loads every
+            layer's index).
 
     Attributes:
         base: the committed manifest the write extends.
@@ -374,7 +377,8 @@ class Transaction:
     """
 
     def __init__(self, path: str, *, fds, engine, staging, lease, writer_mutex,
-                 disk_paths, adopt, publish, is_open=lambda: True):
+                 disk_paths, adopt, publish, is_open=lambda: True,
+                 check_base=lambda m: None):
         self.path = path
         self._fds = fds
         self._engine = engine
@@ -385,6 +389,7 @@ class Transaction:
         self._adopt = adopt
         self._publish = publish
         self._is_open = is_open
+        self._check_base = check_base
         self._lock_fd = None
         self.base: Manifest | None = None
         self.committed: Manifest | None = None
@@ -410,6 +415,7 @@ class Transaction:
                                    store=self.path) from None
             m = read_manifest(self.path)
             self._adopt(m)
+            self._check_base(m)     # live extents agree with m's allocation
             self.base = m
             self.generation = m.generation + 1
             self.disks = m.disks

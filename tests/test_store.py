@@ -859,3 +859,30 @@ def test_a_damaged_open_refuses_reads_of_a_swapped_disk(tmp_path, rng):
         with pytest.raises(E.DiskMismatchError, match="damaged disk") as ei:
             s2.read_entries(0, np.arange(60))
         assert ei.value.disk in (0, 1) and ei.value.layer == 0
+
+
+@pytest.mark.parametrize("edit", ["end", "free"])
+def test_an_edited_allocation_is_refused_before_a_write_overwrites_a_layer(tmp_path, rng, edit):
+    """A manifest whose disk end is moved back (or whose free list covers live
+    data), resealed with its commit records rewritten, opens; but a writer
+    checks every stored layer's extents against it first, so the append is
+    refused and the layer it would have overwritten stays intact."""
+    from tools.fuzz_store import _raw_manifest, reseal_manifest
+    s, kvs, _ = make_store(tmp_path / "st", rng, ndisks=2, S=60, clusters=6, extra=4,
+                           layers=(0, 1))
+    s.close()
+    orig = _raw_manifest(tmp_path / "st")
+    m = _raw_manifest(tmp_path / "st")
+    if edit == "end":
+        m["disks"][0]["end"] -= 512
+    else:
+        m["disks"][0]["free"] = [[F.DATA_START, 4096, 0]]
+    reseal_manifest(tmp_path / "st", m, deep=True)
+    with Store.open(tmp_path / "st", writable=True) as s2:
+        with pytest.raises(E.ManifestError):
+            s2.append(0, random_kv(rng, 3, 2, 16, "float16"))
+    reseal_manifest(tmp_path / "st", orig, deep=True)       # undo the edit: nothing was lost
+    with Store.open(tmp_path / "st") as s3:
+        for layer in (0, 1):
+            assert same_bits(s3.read_entries(layer, np.arange(60)), kvs[layer])
+        assert s3.verify() == []
