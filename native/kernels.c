@@ -1393,6 +1393,25 @@ int64_t se_select_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_
     return se_choose_clusters(work, C, ptr, members, S, budget, w, out, entries);
 }
 
+/* A per-thread scratch area that only grows, kept between calls (a fresh
+ * malloc of these sizes is an mmap whose page faults cost more than the
+ * work).  Each caller keeps its own (static __thread), so callers may nest.
+ * Returns NULL when the area cannot grow. */
+struct scratch {
+    char *buf;
+    size_t cap;
+};
+
+static char *scratch_get(struct scratch *sc, size_t need)
+{
+    if (need > sc->cap) {
+        free(sc->buf);
+        sc->buf = malloc(need);
+        sc->cap = sc->buf ? need : 0;
+    }
+    return sc->buf;
+}
+
 /* ---- two-level int8 selection: super-centroids, then the best groups exactly ----
  * Per KV head g the medoids are grouped (k-means over that head's keys, in
  * Python); each group's rows lie in whole blocks of the reordered index P
@@ -1424,16 +1443,11 @@ int64_t se_select_i8x2(const int8_t *P, const float *sm, const int32_t *ms, int6
     for (int64_t c = 0; c < C; c++)
         score[c] = 0.f;
     if (C > 0) {
-        static __thread char *scratch;
-        static __thread size_t scratch_cap;
+        static __thread struct scratch sc;
         size_t ncmax = (size_t)(Crows + K);
-        size_t need = sizeof(float) * ((size_t)G * ncmax * 2 + ncmax + (size_t)G * Kp + 64) +
-                      sizeof(int32_t) * (ncmax + 2 * (size_t)K) + 256;
-        if (need > scratch_cap) {
-            free(scratch);
-            scratch = malloc(need);
-            scratch_cap = scratch ? need : 0;
-        }
+        char *scratch = scratch_get(&sc, sizeof(float) * ((size_t)G * ncmax * 2 + ncmax +
+                                                          (size_t)G * Kp + 64) +
+                                             sizeof(int32_t) * (ncmax + 2 * (size_t)K) + 256);
         if (!scratch)
             return -ENOMEM;
         float *Lc = (float *)(void *)scratch;               /* [G, K] */
@@ -1628,16 +1642,9 @@ int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const
     *staging = 0;
     if (m == 0)
         return 0;
-    /* one per-thread scratch area, kept between calls: a fresh malloc of these
-     * sizes is an mmap whose page faults cost more than the planning */
-    static __thread char *scratch;
-    static __thread size_t scratch_cap;
-    size_t need = (size_t)m * (8 * 12 + 4) + (size_t)(m + 1) * 8 + (size_t)ndisks * 24 + 256;
-    if (need > scratch_cap) {
-        free(scratch);
-        scratch = malloc(need);
-        scratch_cap = scratch ? need : 0;
-    }
+    static __thread struct scratch sc;     /* the planner's own (scratch_get) */
+    char *scratch = scratch_get(&sc, (size_t)m * (8 * 12 + 4) + (size_t)(m + 1) * 8 +
+                                         (size_t)ndisks * 24 + 256);
     if (!scratch)
         return -ENOMEM;
     char *sp = scratch;

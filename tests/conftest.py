@@ -41,6 +41,28 @@ def random_clusters(rng, S, n_clusters, extra_copies=0):
     return [np.array(c, dtype=np.int64) for c in clusters]
 
 
+@pytest.fixture
+def each_path():
+    """Every kernel path this CPU supports, scalar first; the automatic
+    choice is restored afterwards."""
+    from swarmfs._kernels import set_kernel_path, supported_paths
+    paths = supported_paths()
+    assert paths[0] == "scalar"
+    yield paths
+    set_kernel_path("auto")
+
+
+def replicated_csr(rng, C, extra=200):
+    """Clusters of 1-8 members over S tokens, the last also holding ``extra``
+    replicas: (ptr int64 [C+1], members int32 [M], S)."""
+    sizes = rng.integers(1, 9, C)
+    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    S = int(ptr[-1])
+    members = np.concatenate([rng.permutation(S), rng.integers(0, S, extra)])
+    ptr[-1] = members.shape[0]
+    return ptr, members.astype(np.int32), S
+
+
 def random_kv(rng, S, H, d, dtype):
     if dtype == "bfloat16":
         import ml_dtypes

@@ -4,19 +4,12 @@ one-level int8 score, its choice rule, and bad arguments."""
 
 import numpy as np
 import pytest
+from conftest import replicated_csr
 
 from swarmfs._errors import InvalidArgumentError
 from swarmfs._index2 import groups_to_score, pack_medoids_i8x2, select_i8x2
 from swarmfs._kernels import (choose_clusters, head_logits_i8, pack_medoids_i8,
-                              set_kernel_path, softmax_sum, supported_paths)
-
-
-@pytest.fixture
-def each_path():
-    paths = supported_paths()
-    assert paths[0] == "scalar"
-    yield paths
-    set_kernel_path("auto")
+                              set_kernel_path, softmax_sum)
 
 
 def _clustered(rng, C, H, d, centres=12):
@@ -93,12 +86,7 @@ def test_two_level_selection_is_the_rule_on_its_scores(each_path, rng):
     H, Hq, d, C = 4, 32, 64, 301
     m = _clustered(rng, C, H, d)
     q = rng.standard_normal((Hq, d)).astype(np.float32)
-    sizes = rng.integers(1, 9, C)
-    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    S = int(ptr[-1])
-    members = np.concatenate([rng.permutation(S), rng.integers(0, S, 200)])
-    ptr[-1] = members.shape[0]               # the last cluster holds 200 replicas
-    members = members.astype(np.int32)
+    ptr, members, S = replicated_csr(rng, C)   # the last cluster holds 200 replicas
     ix = pack_medoids_i8x2(m, H, group_size=12)
     for path in each_path:
         set_kernel_path(path)

@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import replicated_csr
 
 from swarmfs import _errors as E
 from swarmfs import _kernels as K
@@ -67,14 +68,6 @@ def test_kernels_compute_what_they_say(rng):
 
 
 # -- every kernel path against the scalar reference --------------------------------
-
-@pytest.fixture
-def each_path():
-    from swarmfs._kernels import set_kernel_path, supported_paths
-    paths = supported_paths()
-    assert paths[0] == "scalar"
-    yield paths
-    set_kernel_path("auto")
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -234,12 +227,7 @@ def test_int8_selection_is_the_rule_on_its_scores(each_path, rng):
     H, Hq, d, C = 4, 32, 64, 301
     m = rng.standard_normal((C, H * d)).astype(np.float16)
     q = rng.standard_normal((Hq, d)).astype(np.float32)
-    sizes = rng.integers(1, 9, C)
-    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    S = int(ptr[-1])
-    members = np.concatenate([rng.permutation(S), rng.integers(0, S, 200)])
-    ptr[-1] = members.shape[0]               # the last cluster holds 200 replicas
-    members = members.astype(np.int32)
+    ptr, members, S = replicated_csr(rng, C)   # the last cluster holds 200 replicas
     ix = pack_medoids_i8(m, H)
     for path in each_path:
         set_kernel_path(path)

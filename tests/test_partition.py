@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from swarmfs._errors import LayoutError, ShapeError
@@ -50,10 +50,11 @@ def test_hot_clusters_exclusions():
 @settings(max_examples=100, deadline=None)
 @given(data=st.lists(st.tuples(st.floats(0, 1), st.integers(1, 50)), min_size=1, max_size=40),
        budget=st.integers(0, 2000), entry=st.integers(1, 64))
+@example(data=[(1.0, 13), (1.0, 50), (4.86e-76, 49), (1.66e-61, 1)], budget=1120, entry=10)
 def test_hot_clusters_fit_budget_greedily(data, budget, entry):
     freq = np.array([d[0] for d in data])
     sizes = np.array([d[1] for d in data])
-    hot = hot_clusters(freq, sizes, budget_bytes=budget, entry_bytes=entry)
+    hot = hot_clusters(freq, sizes, budget_bytes=budget, entry_bytes=entry, t_transfer_us=1.0)
     used = int((sizes[hot] * entry).sum())
     assert used <= budget
     assert not hot[freq == 0].any()

@@ -886,3 +886,79 @@ def test_an_edited_allocation_is_refused_before_a_write_overwrites_a_layer(tmp_p
         for layer in (0, 1):
             assert same_bits(s3.read_entries(layer, np.arange(60)), kvs[layer])
         assert s3.verify() == []
+
+
+@pytest.mark.parametrize("engine", ["io_uring", "threads"])
+def test_close_during_appends_and_reads_keeps_the_contract(tmp_path, rng, engine):
+    """Stress: 3 appending threads and 2 readers while another thread closes the
+    store.  The contract (Store.close): a write in progress commits or fails
+    whole, a call after close raises SwarmError, reads return correct bytes or
+    SwarmError; nothing else is raised, no other file is touched, and the store
+    reopens with every committed append bit-exact."""
+    import threading
+
+    from conftest import wait_until
+    s, kvs, _ = make_store(tmp_path / "st", rng, ndisks=3, S=120, clusters=12, extra=0,
+                           engine=engine)
+    s.close()
+    s = Store.open(tmp_path / "st", writable=True, engine=engine)
+    committed, errors, stop = [], [], threading.Event()
+    lock = threading.Lock()
+
+    def writer(seed):
+        r = np.random.default_rng(seed)
+        while not stop.is_set():
+            kv = random_kv(r, 4, 2, 16, "float16")
+            try:
+                pos = s.append(0, kv, new_cluster_size=4)
+            except E.SwarmError as exc:
+                if "closed" not in str(exc):
+                    errors.append(exc)
+                return
+            except BaseException as exc:        # noqa: BLE001 - anything else is the defect
+                errors.append(exc)
+                return
+            with lock:
+                committed.append((pos, kv))
+
+    def reader():
+        while not stop.is_set():
+            try:
+                got = s.read_entries(0, np.arange(120))
+            except E.SwarmError as exc:
+                if "closed" not in str(exc):
+                    errors.append(exc)
+                return
+            except BaseException as exc:        # noqa: BLE001
+                errors.append(exc)
+                return
+            if not same_bits(got, kvs[0]):
+                errors.append(AssertionError("a read returned wrong bytes"))
+                return
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(3)] + \
+        [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(committed) >= 6, 60, "six committed appends")
+    s.close()
+    other = tmp_path / "other"
+    other.write_bytes(b"y" * 50_000)
+    fds = [os.open(other, os.O_RDWR) for _ in range(6)]        # take the freed fd numbers
+    try:
+        wait_until(lambda: not any(t.is_alive() for t in threads[:3]), 60,
+                   "the writers to see the close")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        for fd in fds:
+            os.close(fd)
+    assert errors == []
+    assert other.read_bytes() == b"y" * 50_000
+    with Store.open(tmp_path / "st") as s2:
+        assert s2.num_tokens(0) == 120 + 4 * len(committed)
+        assert same_bits(s2.read_entries(0, np.arange(120)), kvs[0])
+        for pos, kv in committed:
+            assert same_bits(s2.read_entries(0, pos), kv)
+        assert s2.verify() == []

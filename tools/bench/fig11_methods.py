@@ -186,15 +186,20 @@ def ratios(res: dict) -> dict:
     return out
 
 
+def method_options(f):
+    """The --methods and --step-profiles options Figs. 11 and 20 share."""
+    f = click.option("--step-profiles", default=None, metavar="NAME=DISKS,...",
+                     help="only the step-time view (selection + planning + I/O + assembly) "
+                          "on these device profiles side by side, e.g. "
+                          "pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast")(f)
+    return click.option("--methods", default=",".join(METHODS), show_default=True)(f)
+
+
 @C.command("fig11_methods", __doc__)
 @click.option("--tokens", type=int, default=None, help="context length S")
 @click.option("--datasets", default=None, help="comma list (default all three; smoke wikitext2)")
 @click.option("--ratio", type=float, default=0.1, show_default=True)
-@click.option("--methods", default=",".join(METHODS), show_default=True)
-@click.option("--step-profiles", default=None, metavar="NAME=DISKS,...",
-              help="only the step-time view (selection + planning + I/O + assembly) "
-                   "on these device profiles side by side, e.g. "
-                   "pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast")
+@method_options
 def cli(cfg, tokens, datasets, ratio, methods, step_profiles):
     S = tokens or (2048 if cfg.smoke else 131072)
     datasets = (datasets or ("wikitext2" if cfg.smoke else "wikitext2,shakespeare,gsm8k")

@@ -35,6 +35,7 @@ from tools.bench.fig11_methods import (
     LABELS,
     METHODS,
     method_layouts,
+    method_options,
     print_steps,
     run_methods,
     run_steps,
@@ -46,11 +47,7 @@ from tools.bench.fig11_methods import (
 @click.option("--tokens", type=int, default=None, help="context length S")
 @click.option("--ratios", default=None, help="comma list of sparsity ratios r")
 @click.option("--dataset", default="wikitext2", show_default=True)
-@click.option("--methods", default=",".join(METHODS), show_default=True)
-@click.option("--step-profiles", default=None, metavar="NAME=DISKS,...",
-              help="only the step-time view (selection + planning + I/O + assembly) "
-                   "on these device profiles side by side, e.g. "
-                   "pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast")
+@method_options
 def cli(cfg, tokens, ratios, dataset, methods, step_profiles):
     S = tokens or (2048 if cfg.smoke else 65536)
     ratios = [float(x) for x in (ratios or ("0.05,0.1" if cfg.smoke else
