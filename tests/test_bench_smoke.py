@@ -2,7 +2,9 @@
 
 Every figure runs at tiny size on two plain disk files (no root, no testbed),
 on a real MiniLM trace of 4096 tokens captured into a temporary cache, and
-must write its JSON and PNG with sane fields.  Nothing here looks at timings.
+must write its JSON and PNG with sane fields; Figs. 11 and 20 also run on the
+decoder trace (swarm-llama, ``--trace decoder``).  Nothing here looks at
+timings.  (The widening itself is tested in ``test_bench_widening.py``.)
 """
 
 import importlib
@@ -53,25 +55,6 @@ def test_truncated_model_gives_the_full_models_layer_2(env):
                   progress=False)
     for name in "qkv":
         assert np.array_equal(getattr(full, name), getattr(cut, name))
-
-
-def test_widening_keeps_every_score(env, rng):
-    C, _, _ = env
-    k = rng.standard_normal((12, 5, 32)).astype(np.float16)
-    v = rng.standard_normal((12, 5, 32)).astype(np.float16)
-    q = rng.standard_normal((12, 32)).astype(np.float32)
-    kv = C.widen_kv(k, v)
-    assert kv.shape == (5, 2, 16, 64) and kv.nbytes == 5 * C.ENTRY_BYTES == 5 * 4096
-    scaling = 32 ** -0.5
-    qw = C.widen_q(q, scaling)                                            # [16, 64]
-    # per store head, the store's scale (64 ** -0.5) times the widened logits
-    # gives MiniLM's scaled logits per MiniLM head
-    got = np.einsum("shd,hd->hs", kv[:, 0].astype(np.float32), qw) * 64 ** -0.5
-    want = np.einsum("hsd,hd->hs", k.astype(np.float32), q) * scaling
-    assert np.allclose(got[:12], want, rtol=1e-4, atol=1e-4) and not got[12:].any()
-    assert np.array_equal(C.narrow(kv[:, 1].transpose(1, 0, 2), 12, 32), v)
-    flat = C.widen_flat(k[:, 0].reshape(-1))                                # one key
-    assert np.array_equal(flat.reshape(16, 64)[:12, :32], k[:, 0])
 
 
 @pytest.mark.parametrize("name", FIGURES)
@@ -224,3 +207,46 @@ def test_step_view_smoke_run(env, name):
                 for v in res.values():
                     assert ("step_ratio_vs_swarm" in v) == v["reached"]
                     assert ("step_ratio_lower_bound" in v) == (not v["reached"])
+
+
+@pytest.fixture(scope="module")
+def decoder_env(env):
+    """The decoder trace (4096 tokens, layer by the rule) in the same cache."""
+    C, cache, out = env
+    from swarmfs.models import DEFAULT_DECODER
+    if not (DEFAULT_DECODER / "model.safetensors").is_file():
+        pytest.skip("the decoder checkpoint is missing")
+    tr = C.load_trace(4096, kind="decoder", cache=cache, progress=False)
+    return C, cache, out, tr
+
+
+def test_decoder_trace_is_the_decoders_causal_capture(decoder_env):
+    """The cached decoder trace is swarm-llama's layer ``rule["layer"]`` run
+    causally: its K/Q equal a direct capture of the same tokens, and the
+    decode queries past a window are its continuation."""
+    C, cache, _, tr = decoder_env
+    from swarmfs.layout._capture import capture
+    rule = C.decoder_layer(cache)
+    assert tr.meta["layer"] == rule["layer"] == int(np.argmax(rule["mass_outside_window"]))
+    assert tr.meta["model_sha256"] == C.model_hash(C.decoder_model()) in tr.path.name
+    assert tr.meta["window"] == C.DECODER_WINDOW and tr.wide == C.DECODER_WIDENING
+    ids, _ = C.trace_tokens(4096 + C.DECODER_TAIL, C.decoder_model())
+    cap = capture(C.decoder_model(), token_ids=ids, window=4096 + C.DECODER_TAIL,
+                  layers=[rule["layer"]], dtype="float16", progress=False)
+    np.testing.assert_allclose(tr.k.astype(np.float32), cap.k[0, :, :4096], atol=2e-2)
+    np.testing.assert_allclose(tr.decode_queries([4096, 4100], 4096).astype(np.float32),
+                               cap.q[0][:, [4096, 4100]].transpose(1, 0, 2), atol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["fig11_methods", "fig20_sparsity"])
+def test_figure_smoke_run_on_the_decoder_trace(decoder_env, name):
+    C, cache, out, _ = decoder_env
+    mod = importlib.import_module(f"tools.bench.{name}")
+    prefix = out / f"{name}-decoder-smoke"
+    mod.main(["--smoke", "--disks", "files:2", "--cache", str(cache), "--trace", "decoder",
+              "--out", str(prefix)])
+    j = json.loads(prefix.with_suffix(".json").read_text())
+    assert "--trace decoder" in j["command"] and j["trace"]["kind"] == "decoder"
+    assert j["trace"]["widening"]["store_query_heads"] == 64
+    assert "8,192" in j["trace_recipe"]
+    globals()[f"_check_{name.split('_')[0]}"](j)

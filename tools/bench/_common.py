@@ -1,38 +1,74 @@
 """Shared machinery of the evaluation benchmarks (SWARM §8): traces, layouts,
 stores, timed retrieval, accuracy, JSON and plots.
 
-**Trace.**  One real activation trace drives every figure: all-MiniLM-L6-v2
-run over the three texts of ``../shared/data`` (read in place, never copied):
-WikiText-2 test (273,178 MiniLM tokens), Tiny Shakespeare (288,719) and GSM8K
-test (211,635), tokenised separately (no special tokens) and concatenated in
-that order (773,532 tokens).  Longer contexts repeat that sequence (SWARM
-§8.1: "when a single sequence is insufficient, we concatenate multiple
-samples").  The model runs in its native 512-token windows over the whole
-token sequence (``layout._capture``); because 773,532 is not a multiple of 512
-the second pass falls on other window boundaries (shifted by 412 tokens), so
-its K/V/Q are new model outputs, not copies of the first pass.  We keep layer
-2 of 6 (post-projection Q, K, V, 12 heads x 32, fp16).  Only layers 0-2 are
-computed (a copy of the model config with ``num_hidden_layers = 3``; layer 2
-sees exactly the same inputs as in the 6-layer model, which
-``tests/test_bench_smoke.py`` checks bit for bit).
+**Traces.**  One real activation trace drives every figure, chosen with
+``--trace`` (a field of :class:`BenchConfig`): ``minilm`` (the default, and
+every number in docs/benchmarks.md §7) or ``decoder``.  Both run over the
+three texts of ``../shared/data`` (read in place, never copied): WikiText-2
+test, Tiny Shakespeare and GSM8K test, tokenised separately with the model's
+own tokenizer (no special tokens) and concatenated in that order.  Longer
+contexts repeat that sequence (SWARM §8.1: "when a single sequence is
+insufficient, we concatenate multiple samples").
+
+**Trace: minilm.**  all-MiniLM-L6-v2 (an encoder with 512 positions):
+WikiText-2 273,178 MiniLM tokens, Tiny Shakespeare 288,719, GSM8K 211,635
+(773,532 in all).  The model runs in its native 512-token windows over the
+whole token sequence (``layout._capture``); because 773,532 is not a multiple
+of 512 the second pass falls on other window boundaries (shifted by 412
+tokens), so its K/V/Q are new model outputs, not copies of the first pass.
+We keep layer 2 of 6 (post-projection Q, K, V, 12 heads x 32, fp16).  Only
+layers 0-2 are computed (a copy of the model config with
+``num_hidden_layers = 3``; layer 2 sees exactly the same inputs as in the
+6-layer model, which ``tests/test_bench_smoke.py`` checks bit for bit).
+
+**Trace: decoder.**  swarm-llama (``swarmfs.models.DEFAULT_DECODER``, the
+causal Llama swarmfs ships: 8 query heads over 2 KV heads x 32, RoPE) over the
+same texts (371,175 + 374,124 + 237,699 = 982,998 of its tokens), post-RoPE
+Q, K, V of one layer, fp16.  It runs causally in consecutive windows of
+8,192 tokens (its longest trained context) from token 0; each window is run
+together with the next 512 tokens as one causal sequence, whose queries are
+the window's decode queries (the K/V/Q of the window itself do not depend on
+them: the model is causal).  A context starts at the first window boundary
+inside its dataset, so a context of k x 8,192 tokens is k whole causal
+windows.  Contexts longer than 8,192 tokens are such windows side by
+side, exactly as the MiniLM trace's 512-token windows: positions restart at
+0 in every window and no token of one window ever attended to another, so
+the context holds no co-activation across window boundaries that the model
+computed; the held-out queries (from the last window's continuation, RoPE
+positions 8,192-8,703) see every window's keys at the same relative
+positions as their own window's.  The kept layer follows a rule computed
+per checkpoint (:func:`decoder_layer`: the layer whose attention mass lies
+furthest outside the local window on held-out text); the rule's numbers are
+in the trace meta and every figure's JSON (``trace``).  Caches are named by
+a hash of ``model.safetensors``, so a new checkpoint is captured anew.
 
 **Stretching to Qwen3-32B entries.**  An entry of the store is one token's K
 and V with the size of a Qwen3-32B entry (8 KV heads x 128 x fp16 x 2 = 4 KiB
-per token per layer), stored as 16 heads x 64: MiniLM head h (32 values) is
-store head h, zero-padded to 64; heads 12-15 are zeros.  Queries are padded
-the same way and multiplied by MiniLM's logit scale over the store's
-(sqrt(64 / 32)), so every dot product is MiniLM's up to that factor, and
-every score, selection and attention weight is MiniLM's, including SWARM's
-per-head softmax medoid score (padded heads add the same constant to every
-cluster).  Every byte moved, every index vector (2 KiB per key, as a
-Qwen3-32B key) and every GEMV is Qwen3-32B-sized.  The access pattern per
-decode step is therefore a real one (real queries against real keys of a
+per token per layer); :class:`Widening` maps a model's heads onto it.
+MiniLM: 16 store heads x 64 with one query head each: MiniLM head h (32
+values) is store head h, zero-padded to 64; heads 12-15 are zeros.  Decoder:
+Qwen3-32B's own shape, 8 KV heads x 128 and 64 query heads (GQA group 8):
+decoder KV head h is store KV head h (32 values, zero-padded to 128), decoder
+query head j (GQA group j // 4) is store query head 8 (j // 4) + j mod 4,
+the other store heads are zeros.  Queries are multiplied by the model's logit
+scale over the store's (scaling / head_dim**-0.5 of the store), so every
+logit is the model's, and every score, selection and attention weight is the
+model's, including SWARM's per-head softmax medoid score (zero query heads
+add the same constant to every cluster).  Every byte moved, every index vector
+(2 KiB per key, as a Qwen3-32B key) and every GEMV is Qwen3-32B-sized (the
+decoder trace also scores 64 query heads, as Qwen3-32B).  The access pattern
+per decode step is therefore a real one (real queries against real keys of a
 real context), the I/O is that of a 4 KiB-entry model.
+``tests/test_bench_widening.py`` checks that every logit and the dense
+attention output from the widened arrays are the model's.
 
 **Contexts and held-out queries.**  A context of S tokens is a slice
 ``[start, start + S)`` of the trace (``start`` = the beginning of a dataset's
-first pass, default WikiText-2).  Decode-step queries are held out: positions
-``start + S + 8 i`` (never profiled), each attending to the S context tokens.
+first pass, default WikiText-2; for the decoder the first window boundary in
+it).  Decode-step queries are held out: positions ``start + S + 8 i`` (never
+profiled), each attending to the S context tokens; for the decoder they are
+the queries it computed there as the causal continuation of the context's
+last window (:meth:`Trace.decode_queries`).
 
 **Harness.**  Every figure is a click command made by :func:`command` (or
 :func:`ablation_command`): the options all figures share become one frozen
@@ -74,15 +110,18 @@ DATASETS = {"wikitext2": "wikitext2_raw_test.raw",
 CACHE = pathlib.Path(os.environ.get("SWARMFS_EVAL_CACHE", "/var/tmp/swarmfs-eval"))
 OUT = REPO / "bench-out" / "eval"
 
-#: MiniLM layer kept in the trace (0-based, of 6)
+#: the traces a figure can run on (``--trace``; see the module docstring)
+TRACES = ("minilm", "decoder")
+#: MiniLM layer kept in the MiniLM trace (0-based, of 6)
 TRACE_LAYER = 2
-#: MiniLM's attention shape (all-MiniLM-L6-v2: 12 heads x 32, no GQA)
-MINI_HEADS, MINI_DIM = 12, 32
-#: store entry shape: 16 heads x 64 x fp16 x (K, V) = 4 KiB per token per layer,
-#: the size of a Qwen3-32B entry (8 KV heads x 128); 16 x 64 lets every MiniLM
-#: head be its own store head (the medoid score is a per-head softmax)
-WIDE_HEADS, WIDE_DIM = 16, 64
-ENTRY_BYTES = 2 * WIDE_HEADS * WIDE_DIM * 2
+#: the decoder trace's causal window: swarm-llama's longest trained context
+DECODER_WINDOW = 8192
+#: tokens the decoder runs after each window as its causal continuation; their
+#: queries are the held-out decode queries of a context ending with the window
+DECODER_TAIL = 512
+#: bytes of a store entry (one token's K and V in one layer): a Qwen3-32B
+#: entry, 8 KV heads x 128 x fp16 x 2, for both traces (see ``Widening``)
+ENTRY_BYTES = 4096
 QUERY_STRIDE = 8            # held-out decode positions start + S + 8 i
 #: a timed block of replayed steps lasts at least this long (s); see Bench.stream
 BLOCK_S = 2.5
@@ -107,6 +146,8 @@ class BenchConfig:
         trace_tokens: tokens to capture at least (None: what the figure needs).
         block_s: seconds per timed block (see :meth:`Bench.stream`).
         warmup_s: untimed replay before a block (s).
+        trace: ``"minilm"`` (default) or ``"decoder"``: which trace drives
+            the figure (see the module docstring).
         command: the command line, recorded in the JSON.
     """
     name: str
@@ -120,13 +161,16 @@ class BenchConfig:
     trace_tokens: int | None = None
     block_s: float = BLOCK_S
     warmup_s: float = WARMUP_S
+    trace: str = "minilm"
     command: str = ""
 
     def prefix(self, name: str | None = None) -> pathlib.Path:
-        """The output prefix of ``name`` (default this figure's)."""
+        """The output prefix of ``name`` (default this figure's); ``-decoder``
+        is appended for the decoder trace."""
         if self.out is not None:
             return pathlib.Path(self.out)
-        return OUT / ((name or self.name) + ("-smoke" if self.smoke else ""))
+        return OUT / ((name or self.name) + ("" if self.trace == "minilm" else f"-{self.trace}")
+                      + ("-smoke" if self.smoke else ""))
 
 
 # -- trace ---------------------------------------------------------------------
@@ -138,35 +182,66 @@ def _sha(*parts) -> str:
     return h.hexdigest()[:12]
 
 
-def truncated_model(layers: int, cache: pathlib.Path | None = None) -> pathlib.Path:
-    """A copy of all-MiniLM-L6-v2's directory whose config keeps only the first
-    ``layers`` layers (weights and tokenizer are symlinks to the package's)."""
+def truncated_model(layers: int, cache: pathlib.Path | None = None,
+                    src: pathlib.Path | None = None) -> pathlib.Path:
+    """A copy of a model directory (default all-MiniLM-L6-v2's) whose config
+    keeps only the first ``layers`` layers (weights and tokenizer are symlinks
+    to the source's, re-pointed if they point elsewhere, so a changed
+    checkpoint is used as it is)."""
     from swarmfs.layout._capture import default_model_path
-    src = default_model_path()
-    dst = (cache or CACHE) / f"all-MiniLM-L6-v2-first{layers}"
+    src = pathlib.Path(src or default_model_path()).resolve()
+    name = "all-MiniLM-L6-v2" if src.name == "model" else src.name
+    dst = (cache or CACHE) / f"{name}-{_sha(src)[:8]}-first{layers}"
     cfg = json.loads((src / "config.json").read_text())
     cfg["num_hidden_layers"] = int(layers)
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in src.iterdir():
+        if p.name == "config.json":
+            continue
+        link = dst / p.name
+        if link.is_symlink() and pathlib.Path(os.readlink(link)) == p:
+            continue
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(p)
     if not (dst / "config.json").is_file() or \
             json.loads((dst / "config.json").read_text()) != cfg:
-        dst.mkdir(parents=True, exist_ok=True)
-        for p in src.iterdir():
-            if p.name != "config.json" and not (dst / p.name).exists():
-                (dst / p.name).symlink_to(p)
-        tmp = dst / "config.json.tmp"
+        tmp = dst / f"config.json.tmp{os.getpid()}"
         tmp.write_text(json.dumps(cfg, indent=2))
         tmp.replace(dst / "config.json")
     return dst
 
 
-def trace_tokens(num_tokens: int) -> tuple[np.ndarray, dict]:
+def decoder_model() -> pathlib.Path:
+    """The decoder of the decoder trace: swarm-llama (``swarmfs.models``)."""
+    from swarmfs.models import DEFAULT_DECODER
+    return pathlib.Path(DEFAULT_DECODER)
+
+
+def model_hash(model_dir: pathlib.Path) -> str:
+    """First 12 hex digits of the SHA-256 of ``model.safetensors``: names the
+    decoder's caches, so a new checkpoint gets a new trace and new layouts."""
+    h = hashlib.sha256()
+    with open(pathlib.Path(model_dir) / "model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:12]
+
+
+def trace_tokens(num_tokens: int, model: pathlib.Path | None = None
+                 ) -> tuple[np.ndarray, dict]:
     """Token ids of the trace: the datasets in ``DATASETS`` order, repeated.
+
+    Args:
+        num_tokens: length of the sequence.
+        model: the model directory whose tokenizer to use (default MiniLM's).
 
     Returns:
         (int64 [num_tokens] ids, {dataset: [start, length] of its first pass}).
     """
     from swarmfs.layout._capture import default_model_path, read_text
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(model or default_model_path(), local_files_only=True)
     parts, segments, off = [], {}, 0
     for name, fname in DATASETS.items():
         ids = tok(read_text(DATA / fname), add_special_tokens=False,
@@ -179,107 +254,93 @@ def trace_tokens(num_tokens: int) -> tuple[np.ndarray, dict]:
     return np.tile(one, reps)[:num_tokens], segments
 
 
-@dataclasses.dataclass
-class Trace:
-    """The captured trace (one MiniLM layer) and where each dataset starts.
-
-    Attributes:
-        q, k, v: [H, T, d] fp16 arrays (12 x T x 32) of the kept layer.
-        scaling: softmax scale of the logits.
-        segments: {dataset: (start, length)} of each dataset's first pass.
-        meta: the capture's metadata plus the trace recipe.
-        path: the cached file.
-    """
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    scaling: float
-    segments: dict
-    meta: dict
-    path: pathlib.Path
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.k.shape[1])
-
-    def start(self, dataset: str) -> int:
-        return int(self.segments[dataset][0])
-
-
-def load_trace(num_tokens: int, *, cache: pathlib.Path | None = None,
-               progress: bool = True) -> Trace:
-    """The trace of ``num_tokens`` tokens, captured once and cached.
-
-    A longer cached trace is reused (its prefix is the same trace: capture
-    windows start at 0).
-    """
-    from swarmfs.layout._capture import capture, load_capture, save_capture
-    cache = cache or CACHE
-    cache.mkdir(parents=True, exist_ok=True)
-    best = None
-    for p in cache.glob(f"trace-minilm-L{TRACE_LAYER}-*.safetensors"):
-        n = int(p.stem.rsplit("-", 1)[1])
-        if n >= num_tokens and (best is None or n < best[0]):
-            best = (n, p)
-    if best is None:
-        ids, segments = trace_tokens(num_tokens)
-        t0 = time.perf_counter()
-        cap = capture(truncated_model(TRACE_LAYER + 1, cache), token_ids=ids,
-                      layers=[TRACE_LAYER], dtype="float16", progress=progress,
-                      text_source="+".join(DATASETS) + " (../shared/data), repeated")
-        meta = dict(cap.meta, segments=segments, capture_s=time.perf_counter() - t0,
-                    model="sentence-transformers/all-MiniLM-L6-v2",
-                    trace="datasets concatenated in order, repeated; layers 0-2 run")
-        cap = dataclasses.replace(cap, meta=meta)
-        path = cache / f"trace-minilm-L{TRACE_LAYER}-{num_tokens}.safetensors"
-        save_capture(path, cap)
-        best = (num_tokens, path)
-    cap = load_capture(best[1])
-    meta = dict(cap.meta)
-    return Trace(q=cap.q[0], k=cap.k[0], v=cap.v[0], scaling=cap.scaling,
-                 segments={k: tuple(v) for k, v in meta["segments"].items()},
-                 meta=meta, path=best[1])
-
-
-def context(trace: Trace, S: int, dataset: str = "wikitext2") -> tuple[int, int]:
-    """(start, S) of a context of S tokens that begins with ``dataset``.
-
-    Raises:
-        SystemExit: the trace is too short for the context plus its queries.
-    """
-    start = trace.start(dataset)
-    if start + S + QUERY_STRIDE * 2 > trace.num_tokens:
-        raise SystemExit(f"trace has {trace.num_tokens} tokens; a {S}-token context of "
-                         f"{dataset} needs {start + S + 2 * QUERY_STRIDE}")
-    return start, int(S)
-
-
-def query_positions(trace: Trace, start: int, S: int, n: int) -> np.ndarray:
-    """Held-out decode positions after a context (never profiled)."""
-    pos = start + S + QUERY_STRIDE * np.arange(n)
-    return pos[pos < trace.num_tokens]
-
-
 # -- Qwen3-32B-sized entries ----------------------------------------------------
 
-def widen_flat(x: np.ndarray, dtype=np.float16) -> np.ndarray:
-    """[..., 384] (MiniLM's 12 heads x 32, head-major) -> [..., 1024]: head h
-    in slots [64 h, 64 h + 32) of the store's 16 x 64, zeros elsewhere."""
+@dataclasses.dataclass(frozen=True)
+class Widening:
+    """How a traced model's attention heads become Qwen3-32B-sized store entries.
+
+    Model KV head h is store KV head h (its ``head_dim`` values first, zeros
+    after); model query head j, of GQA group j // g (g = query_heads /
+    kv_heads), is store query head G (j // g) + j mod g (G = store_query_heads
+    / store_kv_heads), so it meets its own KV head's keys; every other store
+    head is zeros.  Queries are multiplied by scaling / store_head_dim**-0.5,
+    so every logit at the store's softmax scale equals the model's.
+
+    Attributes:
+        kv_heads, query_heads, head_dim: the model's attention shape.
+        store_kv_heads, store_query_heads, store_head_dim: the store's.
+
+    Raises:
+        ShapeError: the model's heads do not fit into the store's.
+    """
+    kv_heads: int
+    query_heads: int
+    head_dim: int
+    store_kv_heads: int
+    store_query_heads: int
+    store_head_dim: int
+
+    def __post_init__(self):
+        from swarmfs._errors import ShapeError
+        if (self.query_heads % self.kv_heads or self.store_query_heads % self.store_kv_heads
+                or self.kv_heads > self.store_kv_heads or self.head_dim > self.store_head_dim
+                or self.query_heads // self.kv_heads >
+                self.store_query_heads // self.store_kv_heads):
+            raise ShapeError(f"{self}: the model's heads do not fit into the store's")
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one stored entry (K and V, fp16)."""
+        return 2 * self.store_kv_heads * self.store_head_dim * 2
+
+    def query_slots(self) -> np.ndarray:
+        """int64 [query_heads]: the store query head of each model query head."""
+        j = np.arange(self.query_heads, dtype=np.int64)
+        g = self.query_heads // self.kv_heads
+        return (self.store_query_heads // self.store_kv_heads) * (j // g) + j % g
+
+
+#: all-MiniLM-L6-v2 (12 heads x 32, no GQA) as 16 store heads x 64, one query
+#: head each: every MiniLM head is its own store head (the medoid score is a
+#: per-head softmax), 4 KiB per entry
+MINILM_WIDENING = Widening(12, 12, 32, 16, 16, 64)
+#: swarm-llama (8 query heads over 2 KV heads x 32) as Qwen3-32B: 64 query
+#: heads over 8 KV heads x 128 (GQA group 8), 4 KiB per entry
+DECODER_WIDENING = Widening(2, 8, 32, 8, 64, 128)
+
+
+def _check_model_shape(x, heads: int, dim: int, what: str, wide: Widening):
+    from swarmfs._errors import ShapeError
+    if x.ndim < 2 or x.shape[-2:] != (heads, dim):
+        raise ShapeError(f"{what} {x.shape} is not [..., {heads}, {dim}] ({wide})")
+
+
+def widen_flat(x: np.ndarray, wide: Widening, dtype=np.float16) -> np.ndarray:
+    """Index vectors [..., kv_heads x head_dim] (head-major, as
+    ``layout._baselines.flat_keys``) -> [..., store_kv_heads x store_head_dim]:
+    model head h in slots [D h, D h + d) (D the store's head_dim), zeros
+    elsewhere."""
+    x = np.asarray(x)
     lead = x.shape[:-1]
-    out = np.zeros(lead + (WIDE_HEADS, WIDE_DIM), dtype)
-    out[..., :MINI_HEADS, :MINI_DIM] = np.asarray(x).reshape(lead + (MINI_HEADS, MINI_DIM))
-    return out.reshape(lead + (WIDE_HEADS * WIDE_DIM,))
+    out = np.zeros(lead + (wide.store_kv_heads, wide.store_head_dim), dtype)
+    y = x.reshape(lead + (-1, x.shape[-1] // wide.kv_heads if x.shape[-1] else 0))
+    _check_model_shape(y, wide.kv_heads, wide.head_dim, "index vectors", wide)
+    out[..., :wide.kv_heads, :wide.head_dim] = y
+    return out.reshape(lead + (wide.store_kv_heads * wide.store_head_dim,))
 
 
-def widen_kv(k: np.ndarray, v: np.ndarray, *, path=None) -> np.ndarray:
-    """K, V [12, S, 32] -> store entries [S, 2, 16, 64] fp16: MiniLM head h
-    is store head h (first 32 values), heads 12-15 and the rest are zeros.
+def widen_kv(k: np.ndarray, v: np.ndarray, wide: Widening, *, path=None) -> np.ndarray:
+    """K, V [kv_heads, S, head_dim] -> store entries [S, 2, store_kv_heads,
+    store_head_dim] fp16: model KV head h is store head h (first head_dim
+    values), the rest are zeros.
 
     With ``path`` the array is a file-backed memmap (large contexts: 4 GiB at
     1M tokens), else in memory.
     """
     H, S, d = k.shape
-    shape = (S, 2, WIDE_HEADS, WIDE_DIM)
+    _check_model_shape(np.empty((H, d)), wide.kv_heads, wide.head_dim, "keys", wide)
+    shape = (S, 2, wide.store_kv_heads, wide.store_head_dim)
     if path is None:
         out = np.zeros(shape, np.float16)
     else:
@@ -292,22 +353,308 @@ def widen_kv(k: np.ndarray, v: np.ndarray, *, path=None) -> np.ndarray:
     return out
 
 
-def widen_q(q: np.ndarray, scaling: float) -> np.ndarray:
-    """MiniLM query [12, 32] (or a batch [B, 12, 32]) -> [.., 16, 64] float32,
-    times scaling / 64**-0.5: the store's per-head softmax scale is
-    head_dim**-0.5, so the medoid "prob" score sees MiniLM's scaled logits;
-    dot-product rankings do not change with the factor."""
+def widen_q(q: np.ndarray, scaling: float, wide: Widening) -> np.ndarray:
+    """Model query [query_heads, head_dim] (or a batch [B, ...]) -> float32
+    [.., store_query_heads, store_head_dim]: query head j in store head
+    ``wide.query_slots()[j]``, times scaling / store_head_dim**-0.5 (the
+    store's per-head softmax scale is head_dim**-0.5, so the medoid "prob"
+    score sees the model's scaled logits; dot-product rankings do not change
+    with the factor)."""
     q = np.asarray(q, np.float32)
+    _check_model_shape(q, wide.query_heads, wide.head_dim, "queries", wide)
     lead = q.shape[:-2]
-    out = np.zeros(lead + (WIDE_HEADS, WIDE_DIM), np.float32)
-    out[..., :q.shape[-2], :q.shape[-1]] = q * np.float32(scaling / WIDE_DIM ** -0.5)
+    out = np.zeros(lead + (wide.store_query_heads, wide.store_head_dim), np.float32)
+    out[..., wide.query_slots(), :wide.head_dim] = \
+        q * np.float32(scaling / wide.store_head_dim ** -0.5)
     return out
 
 
-def narrow(x, H: int, d: int) -> np.ndarray:
-    """Retrieved K or V [16, n, 64] -> MiniLM's [H, n, d]."""
-    return np.asarray(x)[:H, :, :d]
+def narrow(x, wide: Widening) -> np.ndarray:
+    """Retrieved K or V [store_kv_heads, n, store_head_dim] -> the model's
+    [kv_heads, n, head_dim]."""
+    return np.asarray(x)[:wide.kv_heads, :, :wide.head_dim]
 
+
+# -- the traces ----------------------------------------------------------------
+
+@dataclasses.dataclass
+class Trace:
+    """A captured trace (one model layer) and where each dataset starts.
+
+    Attributes:
+        q: [H_q, T, d] fp16 queries of the kept layer (post-RoPE for the decoder).
+        k, v: [H_kv, T, d] fp16 keys and values.
+        scaling: softmax scale of the logits.
+        segments: {dataset: (start, length)} of each dataset's first pass.
+        meta: the capture's metadata plus the trace recipe.
+        path: the cached file.
+        kind: ``"minilm"`` or ``"decoder"`` (``--trace``).
+        wide: how its heads become 4 KiB store entries.
+        window: capture window (tokens): windows are consecutive from token
+            0, each run as its own sequence (positions restart).
+        q_tail: decoder only: [H_q, windows, DECODER_TAIL, d] queries of the
+            tokens after each window, run as that window's causal
+            continuation (the decode queries of a context ending there).
+        align: contexts start at a multiple of this (the decoder's window,
+            so a context of k x 8192 tokens is k whole causal windows).
+    """
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    scaling: float
+    segments: dict
+    meta: dict
+    path: pathlib.Path
+    kind: str = "minilm"
+    wide: Widening = MINILM_WIDENING
+    window: int = 512
+    q_tail: np.ndarray | None = None
+    align: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.k.shape[1])
+
+    def start(self, dataset: str) -> int:
+        """First context position of ``dataset``: its first token (rounded up
+        to ``align``)."""
+        a = int(self.segments[dataset][0])
+        return -(-a // self.align) * self.align
+
+    def _window_end(self, end: int) -> int:
+        """End of the capture window that holds token ``end - 1``."""
+        return min((end - 1) // self.window * self.window + self.window, self.num_tokens)
+
+    def query_limit(self, end: int) -> int:
+        """Positions below this have a held-out query for a context ending at
+        ``end``: the trace's end; for the decoder, the end of the window
+        holding the context's last token plus its tail."""
+        if self.q_tail is None:
+            return self.num_tokens
+        return self._window_end(end) + int(self.q_tail.shape[2])
+
+    def decode_queries(self, positions, end: int) -> np.ndarray:
+        """Queries [n, H_q, d] of held-out positions after a context ending
+        at ``end``.  MiniLM: the trace's queries there.  Decoder: the queries
+        the decoder computed causally after the context's last window (inside
+        that window, or in its tail).
+
+        Raises:
+            SystemExit: a position has no such query.
+        """
+        pos = np.atleast_1d(np.asarray(positions, np.int64))
+        if self.q_tail is None:
+            return self.q[:, pos].transpose(1, 0, 2)
+        e = self._window_end(end)
+        if pos.size and (pos.min() < end or pos.max() >= self.query_limit(end)):
+            raise SystemExit(f"held-out positions {pos.min()}..{pos.max()} are not in "
+                             f"[{end}, {self.query_limit(end)}): no causal decode query")
+        out = np.empty((pos.shape[0],) + (self.q.shape[0], self.q.shape[2]), self.q.dtype)
+        inside = pos < e
+        out[inside] = self.q[:, pos[inside]].transpose(1, 0, 2)
+        out[~inside] = self.q_tail[:, (end - 1) // self.window,
+                                   pos[~inside] - e].transpose(1, 0, 2)
+        return out
+
+
+def _cached_trace(cache: pathlib.Path, pattern: str, num_tokens: int):
+    """The smallest cached trace file matching ``pattern`` (``*`` = its token
+    count) with at least ``num_tokens`` tokens, or None."""
+    best = None
+    for p in cache.glob(pattern):
+        n = int(p.stem.rsplit("-", 1)[1])
+        if n >= num_tokens and (best is None or n < best[0]):
+            best = (n, p)
+    return None if best is None else best[1]
+
+
+def load_trace(num_tokens: int, *, kind: str = "minilm", cache: pathlib.Path | None = None,
+               progress: bool = True) -> Trace:
+    """The ``kind`` trace of ``num_tokens`` tokens, captured once and cached.
+
+    A longer cached trace is reused (its prefix is the same trace: capture
+    windows start at 0, and the decoder is causal).  The decoder's default
+    (``num_tokens`` 0, nothing cached) is one pass of the three texts.
+    """
+    cache = pathlib.Path(cache or CACHE)
+    cache.mkdir(parents=True, exist_ok=True)
+    if kind == "decoder":
+        return _load_decoder_trace(num_tokens, cache, progress)
+    if kind != "minilm":
+        raise SystemExit(f"unknown trace {kind!r} (one of {', '.join(TRACES)})")
+    from swarmfs.layout._capture import capture, load_capture, save_capture
+    path = _cached_trace(cache, f"trace-minilm-L{TRACE_LAYER}-*.safetensors", num_tokens)
+    if path is None:
+        ids, segments = trace_tokens(num_tokens)
+        t0 = time.perf_counter()
+        cap = capture(truncated_model(TRACE_LAYER + 1, cache), token_ids=ids,
+                      layers=[TRACE_LAYER], dtype="float16", progress=progress,
+                      text_source="+".join(DATASETS) + " (../shared/data), repeated")
+        meta = dict(cap.meta, segments=segments, capture_s=time.perf_counter() - t0,
+                    model="sentence-transformers/all-MiniLM-L6-v2",
+                    trace="datasets concatenated in order, repeated; layers 0-2 run")
+        cap = dataclasses.replace(cap, meta=meta)
+        path = cache / f"trace-minilm-L{TRACE_LAYER}-{num_tokens}.safetensors"
+        save_capture(path, cap)
+    cap = load_capture(path)
+    meta = dict(cap.meta)
+    return Trace(q=cap.q[0], k=cap.k[0], v=cap.v[0], scaling=cap.scaling,
+                 segments={k: tuple(v) for k, v in meta["segments"].items()},
+                 meta=meta, path=path, kind="minilm", wide=MINILM_WIDENING,
+                 window=int(meta.get("window", 512)))
+
+
+def mass_outside_window(q: np.ndarray, k: np.ndarray, scaling: float, window: int, *,
+                        stride: int = 8, chunk: int = 64) -> float:
+    """Mean causal attention mass outside the local window.
+
+    For query positions p = window, window + stride, ... of one causal
+    sequence, the softmax attention over keys 0..p, averaged over query
+    heads; the mass on keys older than the ``window`` most recent tokens
+    (position <= p - window), averaged over the positions.
+
+    Args:
+        q: [H_q, S, d] queries; k: [H_kv, S, d] keys (GQA allowed).
+        scaling: the softmax scale.
+        window: local window W (tokens, the query's own included).
+    """
+    from swarmfs._report import attention_logits
+    S = k.shape[1]
+    P = np.arange(window, S, stride)
+    out = []
+    for a in range(0, P.shape[0], chunk):
+        p = P[a:a + chunk]
+        n = int(p.max()) + 1
+        lg = attention_logits(q[:, p], k[:, :n], scaling)            # [H_q, |p|, n]
+        j = np.arange(n)
+        lg[:, j[None, :] > p[:, None]] = -np.inf
+        lg -= lg.max(axis=-1, keepdims=True)
+        w = np.exp(lg)
+        w /= w.sum(axis=-1, keepdims=True)
+        old = j[None, :] <= (p - window)[:, None]                     # [|p|, n]
+        out.append((w * old[None]).sum(axis=-1).mean(axis=0))
+    return float(np.concatenate(out).mean())
+
+
+def decoder_layer(cache: pathlib.Path, model: pathlib.Path | None = None) -> dict:
+    """The decoder layer the trace keeps, by a stated rule, computed once per
+    checkpoint (cached as ``decoder-layer-<sha>.json``).
+
+    Rule: the layer whose causal attention mass lies furthest outside the
+    local window (W = ``swarmfs._defaults.LOCAL_WINDOW``, 256 tokens) on
+    held-out text: the first 8,192 decoder tokens of
+    ``swarmfs.models.heldout_texts("prose")`` (the held-out tail of
+    WikiText-2, which the decoder never trained on), one causal window,
+    queries at every 8th position from W on (:func:`mass_outside_window`).
+    That layer is the one whose decode steps most need entries from the SSDs.
+
+    Returns:
+        {"layer", "mass_outside_window" (per layer), "rule", "model_sha256", ...}.
+    """
+    from swarmfs._defaults import LOCAL_WINDOW
+    from swarmfs.layout._capture import capture
+    from swarmfs.models import heldout_texts
+    from transformers import AutoTokenizer
+    model = pathlib.Path(model or decoder_model())
+    sha = model_hash(model)
+    p = pathlib.Path(cache) / f"decoder-layer-{sha}.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.is_file():
+        return json.loads(p.read_text())
+    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    ids = tok(heldout_texts("prose"), add_special_tokens=False,
+              verbose=False)["input_ids"][:DECODER_WINDOW]
+    t0 = time.perf_counter()
+    cap = capture(model, token_ids=ids, window=DECODER_WINDOW, dtype="float32", progress=False)
+    mass = [mass_outside_window(cap.q[i], cap.k[i], cap.scaling, LOCAL_WINDOW)
+            for i in range(cap.num_layers)]
+    out = {"layer": int(np.argmax(mass)), "mass_outside_window": mass,
+           "local_window": LOCAL_WINDOW, "tokens": len(ids), "query_stride": 8,
+           "text": 'swarmfs.models.heldout_texts("prose"), first tokens (held-out WikiText-2)',
+           "rule": "the layer whose causal attention mass (mean over query heads and "
+                   "positions) lies furthest outside the local window on held-out text",
+           "model_sha256": sha, "seconds": time.perf_counter() - t0}
+    tmp = p.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.replace(p)
+    return out
+
+
+def _load_decoder_trace(num_tokens: int, cache: pathlib.Path, progress: bool) -> Trace:
+    """The decoder trace (see the module docstring): swarm-llama over the
+    three texts in causal windows of :data:`DECODER_WINDOW` tokens, each run
+    with its next :data:`DECODER_TAIL` tokens as one causal sequence; the
+    window's Q/K/V are the trace, the tail's queries its decode queries."""
+    from swarmfs.layout._capture import capture, load_capture, save_capture
+    model = decoder_model()
+    sha = model_hash(model)
+    rule = decoder_layer(cache, model)
+    layer, W, T = int(rule["layer"]), DECODER_WINDOW, DECODER_TAIL
+    stem = f"trace-decoder-{sha}-L{layer}-w{W}-t{T}"
+    path = _cached_trace(cache, f"{stem}-*.safetensors", num_tokens)
+    if path is None:
+        if num_tokens <= 0:                    # default: one pass of the three texts
+            num_tokens = sum(n for _, n in trace_tokens(1, model)[1].values())
+        ids, segments = trace_tokens(num_tokens + T, model)
+        nwin = -(-num_tokens // W)
+        ends = np.minimum(np.arange(1, nwin + 1) * W, num_tokens)
+        chunks = [ids[w * W:ends[w] + T] for w in range(nwin)]   # all W + T but the last
+        t0 = time.perf_counter()
+        cap = capture(truncated_model(layer + 1, cache, model), token_ids=np.concatenate(chunks),
+                      window=W + T, layers=[layer], dtype="float16", progress=progress,
+                      text_source="+".join(DATASETS) + " (../shared/data), repeated")
+        Hq, H, d = cap.num_query_heads, cap.num_kv_heads, cap.head_dim
+        q = np.empty((Hq, num_tokens, d), np.float16)
+        k = np.empty((H, num_tokens, d), np.float16)
+        v = np.empty_like(k)
+        tail = np.empty((Hq, nwin, T, d), np.float16)
+        for w in range(nwin):
+            o, n = w * (W + T), int(ends[w]) - w * W
+            q[:, w * W:ends[w]] = cap.q[0, :, o:o + n]
+            k[:, w * W:ends[w]] = cap.k[0, :, o:o + n]
+            v[:, w * W:ends[w]] = cap.v[0, :, o:o + n]
+            tail[:, w] = cap.q[0, :, o + n:o + n + T]
+        meta = dict(cap.meta, num_tokens=num_tokens, window=W, tail=T, segments=segments,
+                    capture_s=time.perf_counter() - t0, model="swarm-llama",
+                    model_sha256=sha, layer=layer, layers=[layer], layer_rule=rule,
+                    trace=f"datasets concatenated in order, repeated; causal windows of {W} "
+                          f"tokens from token 0 (positions restart at each), each run with "
+                          f"its next {T} tokens whose queries are its decode queries")
+        del cap
+        path = cache / f"{stem}-{num_tokens}.safetensors"
+        tmp = path.with_name(f"{path.stem}.tail.tmp{os.getpid()}.npy")
+        np.save(tmp, tail)
+        tmp.replace(path.with_name(f"{path.stem}.tail.npy"))
+        from swarmfs.layout._capture import Capture
+        save_capture(path, Capture(k=k[None], v=v[None], q=q[None],
+                                   token_ids=ids[:num_tokens].astype(np.int32), meta=meta))
+    cap = load_capture(path)
+    meta = dict(cap.meta)
+    return Trace(q=cap.q[0], k=cap.k[0], v=cap.v[0], scaling=cap.scaling,
+                 segments={k: tuple(v) for k, v in meta["segments"].items()},
+                 meta=meta, path=path, kind="decoder", wide=DECODER_WIDENING,
+                 window=int(meta["window"]),
+                 q_tail=np.load(path.with_name(f"{path.stem}.tail.npy")), align=int(meta["window"]))
+
+
+def context(trace: Trace, S: int, dataset: str = "wikitext2") -> tuple[int, int]:
+    """(start, S) of a context of S tokens that begins with ``dataset``.
+
+    Raises:
+        SystemExit: the trace is too short for the context plus its queries.
+    """
+    start = trace.start(dataset)
+    need = start + S + QUERY_STRIDE * 2
+    if start + S > trace.num_tokens or need > trace.query_limit(start + S):
+        raise SystemExit(f"trace has {trace.num_tokens} tokens; a {S}-token context of "
+                         f"{dataset} needs {need}")
+    return start, int(S)
+
+
+def query_positions(trace: Trace, start: int, S: int, n: int) -> np.ndarray:
+    """Held-out decode positions after a context (never profiled)."""
+    pos = start + S + QUERY_STRIDE * np.arange(n)
+    return pos[pos < trace.query_limit(start + S)]
 
 # -- layouts (cached) -------------------------------------------------------------
 
@@ -499,16 +846,20 @@ class Bench:
         if path.exists():
             shutil.rmtree(path)
         t0 = time.perf_counter()
+        wide = trace.wide
         self.store = Store.create(path, disks=disks.spec(), num_layers=len(owners),
-                                  num_kv_heads=WIDE_HEADS, head_dim=WIDE_DIM,
-                                  num_query_heads=WIDE_HEADS, dtype="float16",
-                                  model_name="all-MiniLM-L6-v2 KV in 4 KiB entries",
+                                  num_kv_heads=wide.store_kv_heads,
+                                  head_dim=wide.store_head_dim,
+                                  num_query_heads=wide.store_query_heads, dtype="float16",
+                                  model_name=f"{trace.meta.get('model', trace.kind)} KV in "
+                                             f"{wide.entry_bytes // 1024} KiB entries",
                                   force=True, queue_depth=cfg.qd, verify=True)
         tmp = None
         if kv is None:
             if S * ENTRY_BYTES > (1 << 30):
                 tmp = path.parent / f"{path.name}-kv.npy"
-            kv = widen_kv(trace.k[:, start:start + S], trace.v[:, start:start + S], path=tmp)
+            kv = widen_kv(trace.k[:, start:start + S], trace.v[:, start:start + S], wide,
+                          path=tmp)
         self.W = local_window(LayoutParams(ratio=ratio), S)
         self.layer = {}
         for i, v in enumerate(owners):
@@ -539,16 +890,17 @@ class Bench:
             VectorSelector,
         )
         lay, L = v.layout, self.layer[v.name]
+        wide = self.trace.wide
         sel = None
         if lay.kind == "tokens":
             sel = TokenSelector({L: np.ascontiguousarray(self.k_flat)})
         elif lay.kind == "vectors":
-            sel = VectorSelector({L: widen_flat(lay.index["vectors"])}, name=v.name)
+            sel = VectorSelector({L: widen_flat(lay.index["vectors"], wide)}, name=v.name)
         elif lay.kind == "multivector":
-            sel = MultiVectorSelector({L: widen_flat(lay.index["reps"])}, name=v.name)
+            sel = MultiVectorSelector({L: widen_flat(lay.index["reps"], wide)}, name=v.name)
         elif lay.kind == "bounds":
-            sel = BoundSelector({L: (widen_flat(lay.index["lo"], np.float32),
-                                     widen_flat(lay.index["hi"], np.float32))})
+            sel = BoundSelector({L: (widen_flat(lay.index["lo"], wide, np.float32),
+                                     widen_flat(lay.index["hi"], wide, np.float32))})
         return Retriever(self.store, ratio=self.ratio, policy=v.policy, dedup=v.dedup,
                          max_gap=v.max_gap, selector=sel)
 
@@ -569,6 +921,11 @@ class Bench:
         li = self.store.layer(self.layer[name])
         return int(li.num_copies * self.store.entry_bytes)
 
+    def queries(self, pos) -> np.ndarray:
+        """The model's held-out queries [n, H_q, d] at positions ``pos``
+        after this context (``Trace.decode_queries``)."""
+        return self.trace.decode_queries(pos, self.start + self.S)
+
     # -- one decode step: record ---------------------------------------------------
     def record(self, name: str, pos, *, accuracy: bool = True) -> dict:
         """Retrieve for the held-out query at ``pos`` (an int, or a list of
@@ -582,7 +939,7 @@ class Bench:
         r = self.retrievers[name]
         L = self.layer[name]
         pos = np.atleast_1d(np.asarray(pos, np.int64))
-        qw = widen_q(self.trace.q[:, pos].transpose(1, 0, 2), self.trace.scaling)
+        qw = widen_q(self.queries(pos), self.trace.scaling, self.trace.wide)
         with self._recording() as plans:
             ret = r.retrieve(L, qw if pos.shape[0] > 1 else qw[0], torch=False)
         s = ret.stats
@@ -647,13 +1004,12 @@ class Bench:
         the oracle's top-k (``_top``: the entries the query actually needs)."""
         from swarmfs._report import attention_logits, evaluate_query, token_mass
         tr = self.trace
-        H, d = tr.k.shape[0], tr.k.shape[2]
         a, S = self.start, self.S
-        r0 = evaluate_query(tr.q[:, pos[0]], tr.k[:, a:a + S], tr.v[:, a:a + S],
-                            ret.positions, k_ret=narrow(ret.k, H, d),
-                            v_ret=narrow(ret.v, H, d), scaling=tr.scaling, ratio=self.ratio)
-        mass = token_mass(attention_logits(tr.q[:, pos[0]][:, None, :], tr.k[:, a:a + S],
-                                           tr.scaling))[0]
+        q0 = self.queries(pos[:1])[0]                                  # [H_q, d], the model's
+        r0 = evaluate_query(q0, tr.k[:, a:a + S], tr.v[:, a:a + S],
+                            ret.positions, k_ret=narrow(ret.k, tr.wide),
+                            v_ret=narrow(ret.v, tr.wide), scaling=tr.scaling, ratio=self.ratio)
+        mass = token_mass(attention_logits(q0[:, None, :], tr.k[:, a:a + S], tr.scaling))[0]
         top = np.argpartition(-mass, r0["budget"] - 1)[:r0["budget"]]
         return {"_top": top, **{k: r0[k] for k in ("recall", "rel_error", "oracle_rel_error",
                                                     "mass", "oracle_mass")}}
@@ -748,15 +1104,15 @@ class Bench:
 
     # -- timed: whole decode steps, as a serving engine runs them -------------------
     def step_queries(self, positions) -> list:
-        """Widened held-out queries [16, 64] float32, one per position."""
-        return [widen_q(self.trace.q[:, int(p)], self.trace.scaling) for p in positions]
+        """Widened held-out queries [store H_q, store d] float32, one per position."""
+        return list(widen_q(self.queries(positions), self.trace.scaling, self.trace.wide))
 
     def step_buffers(self, name: str, queries) -> tuple:
         """Reusable K/V outputs for ``Retriever.retrieve(out=...)``, sized by
         one untimed pass over the queries (the largest step's entries)."""
         r, L = self.retrievers[name], self.layer[name]
         n = max(int(r.retrieve(L, q, torch=False).positions.shape[0]) for q in queries)
-        shape = (WIDE_HEADS, n, WIDE_DIM)
+        shape = (self.trace.wide.store_kv_heads, n, self.trace.wide.store_head_dim)
         return np.zeros(shape, np.float16), np.zeros(shape, np.float16)
 
     def step_block(self, name: str, queries, bufs) -> dict:
@@ -935,11 +1291,15 @@ def _options(disks: str) -> list:
                      help=f"seconds per timed block (default {BLOCK_S}; smoke 0)"),
         click.Option(["--warmup-s"], type=float, default=None,
                      help=f"untimed replay before a block (default {WARMUP_S}; smoke 0)"),
+        click.Option(["--trace"], type=click.Choice(TRACES), default="minilm",
+                     show_default=True,
+                     help="minilm: all-MiniLM-L6-v2 in 512-token windows; decoder: "
+                          "swarm-llama's causal Q/K/V in 8192-token windows"),
     ]
 
 
 _SHARED = ("disks", "out", "smoke", "queries", "reps", "qd", "cache", "trace_tokens",
-           "block_s", "warmup_s")
+           "block_s", "warmup_s", "trace")
 
 
 def _help(doc: str) -> str:
@@ -954,7 +1314,7 @@ def command(name: str, doc: str, *, disks: str = "testbed"):
 
     The command takes the options every figure takes (``--disks --out
     --smoke --queries --reps --qd --cache --trace-tokens --block-s
-    --warmup-s``), frozen into a :class:`BenchConfig` passed as ``cfg``, plus
+    --warmup-s --trace``), frozen into a :class:`BenchConfig` passed as ``cfg``, plus
     the figure's own ``@click.option``\\ s (written below this decorator),
     passed by name.  Run it with :func:`run`.
     """
@@ -994,8 +1354,8 @@ def setup(cfg: BenchConfig, name: str, *, trace_tokens: int
     names the testbed), pick the output prefix of ``name``."""
     out = cfg.prefix(name)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tr = load_trace(max(cfg.trace_tokens or 0, trace_tokens), cache=cfg.cache,
-                    progress=not cfg.smoke)
+    tr = load_trace(max(cfg.trace_tokens or 0, trace_tokens), kind=cfg.trace,
+                    cache=cfg.cache, progress=not cfg.smoke)
     spec = "files:2" if cfg.smoke and cfg.disks.startswith("testbed") else cfg.disks
     return tr, resolve_disks(spec), out
 
@@ -1074,14 +1434,31 @@ def write_json(cfg: BenchConfig, out: pathlib.Path, payload: dict) -> pathlib.Pa
     payload.setdefault("command", cfg.command or " ".join(sys.argv))
     payload.setdefault("machine", machine())
     payload.setdefault("stream", {"block_s": cfg.block_s, "warmup_s": cfg.warmup_s})
-    payload.setdefault("trace_recipe", __doc__.split("**Trace.**")[1].split("**Contexts")[0]
-                       .strip().replace("\n", " "))
+    payload.setdefault("trace", trace_identity(cfg))
+    payload.setdefault("trace_recipe", " ".join(
+        __doc__.split(f"**Trace: {cfg.trace}.**")[1].split("**")[0].split()
+        + __doc__.split("**Stretching to Qwen3-32B entries.**")[1].split("**")[0].split()))
     p = out.with_suffix(".json")
     tmp = p.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=1, default=_json_default))
     tmp.replace(p)
     print(f"wrote {p}", file=sys.stderr)
     return p
+
+
+def trace_identity(cfg: BenchConfig) -> dict:
+    """What identifies the trace a figure ran on (for its JSON): the model,
+    its checkpoint hash and kept layer (with the decoder's layer rule), the
+    window, and how its heads were widened."""
+    if cfg.trace == "decoder":
+        model = decoder_model()
+        rule = decoder_layer(cfg.cache, model)
+        return {"kind": "decoder", "model": "swarm-llama", "model_sha256": model_hash(model),
+                "layer": rule["layer"], "layer_rule": rule, "window": DECODER_WINDOW,
+                "tail": DECODER_TAIL, "widening": dataclasses.asdict(DECODER_WIDENING)}
+    return {"kind": "minilm", "model": "sentence-transformers/all-MiniLM-L6-v2",
+            "layer": TRACE_LAYER, "window": 512,
+            "widening": dataclasses.asdict(MINILM_WIDENING)}
 
 
 def _json_default(x):

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Table 4: selection latency, naive full-key scan vs SWARM's medoid index.
 
-Qwen3-32B-sized keys (2 KiB: 16 x 64 fp16, as 8 KV heads x 128) at each prefix
+Qwen3-32B-sized keys (2 KiB: 16 x 64 fp16 for MiniLM, 8 x 128 for the decoder trace, as
+8 KV heads x 128) at each prefix
 length.  Two measurements:
 
 * real: the trace's keys widened to that size (naive: score every key, take
@@ -53,11 +54,13 @@ def cli(cfg, tokens, ratio, no_synthetic):
         lay, hit = C.build_layout("swarm", trace, start, S, cache=cfg.cache, ratio=ratio,
                                   **({"segment": SEGMENT} if S > FULL_MAX else {}))
         budget = int(np.ceil(ratio * S))
-        keys = C.widen_flat(flat_keys(trace.k[:, start:start + S]))             # [S, 1024]
+        wide = trace.wide
+        keys = C.widen_flat(flat_keys(trace.k[:, start:start + S]), wide)       # [S, 1024]
         med = np.ascontiguousarray(keys[lay.medoids])
         sizes_c = lay.sizes
-        qs = [group_queries(C.widen_q(trace.q[:, p], trace.scaling), C.WIDE_HEADS)
-              for p in C.query_positions(trace, start, S, nq)]
+        pos = C.query_positions(trace, start, S, nq)
+        qs = [group_queries(q, wide.store_kv_heads) for q in
+              C.widen_q(trace.decode_queries(pos, start + S), trace.scaling, wide)]
         naive, swarm = [], []
         for qg in qs:
             def scan(qg=qg, keys=keys, k=budget):
