@@ -250,3 +250,13 @@ def test_figure_smoke_run_on_the_decoder_trace(decoder_env, name):
     assert j["trace"]["widening"]["store_query_heads"] == 64
     assert "8,192" in j["trace_recipe"]
     globals()[f"_check_{name.split('_')[0]}"](j)
+
+
+def test_summary_tables_from_decoder_smoke_outputs(decoder_env):
+    _, _, out, _ = decoder_env
+    from tools.bench import run_all
+    if not (out / "fig11_methods-decoder-smoke.json").exists():
+        pytest.skip("runs after the decoder figure smoke runs")
+    md = run_all.summary(smoke=True, outdir=out, trace="decoder")
+    assert md.startswith("Trace: `--trace decoder`")
+    assert "### Fig. 11" in md and "### Fig. 20" in md and "### Fig. 12" not in md

@@ -473,8 +473,9 @@ def load_trace(num_tokens: int, *, kind: str = "minilm", cache: pathlib.Path | N
     """The ``kind`` trace of ``num_tokens`` tokens, captured once and cached.
 
     A longer cached trace is reused (its prefix is the same trace: capture
-    windows start at 0, and the decoder is causal).  The decoder's default
-    (``num_tokens`` 0, nothing cached) is one pass of the three texts.
+    windows start at 0, and the decoder is causal).  ``num_tokens`` 0 means
+    any cached MiniLM trace, and one pass of the three texts (982,998
+    tokens) for the decoder.
     """
     cache = pathlib.Path(cache or CACHE)
     cache.mkdir(parents=True, exist_ok=True)
@@ -585,16 +586,16 @@ def _load_decoder_trace(num_tokens: int, cache: pathlib.Path, progress: bool) ->
     three texts in causal windows of :data:`DECODER_WINDOW` tokens, each run
     with its next :data:`DECODER_TAIL` tokens as one causal sequence; the
     window's Q/K/V are the trace, the tail's queries its decode queries."""
-    from swarmfs.layout._capture import capture, load_capture, save_capture
+    from swarmfs.layout._capture import Capture, capture, load_capture, save_capture
     model = decoder_model()
     sha = model_hash(model)
     rule = decoder_layer(cache, model)
     layer, W, T = int(rule["layer"]), DECODER_WINDOW, DECODER_TAIL
     stem = f"trace-decoder-{sha}-L{layer}-w{W}-t{T}"
+    if num_tokens <= 0:                        # default: one pass of the three texts
+        num_tokens = sum(n for _, n in trace_tokens(1, model)[1].values())
     path = _cached_trace(cache, f"{stem}-*.safetensors", num_tokens)
     if path is None:
-        if num_tokens <= 0:                    # default: one pass of the three texts
-            num_tokens = sum(n for _, n in trace_tokens(1, model)[1].values())
         ids, segments = trace_tokens(num_tokens + T, model)
         nwin = -(-num_tokens // W)
         ends = np.minimum(np.arange(1, nwin + 1) * W, num_tokens)
@@ -625,7 +626,6 @@ def _load_decoder_trace(num_tokens: int, cache: pathlib.Path, progress: bool) ->
         tmp = path.with_name(f"{path.stem}.tail.tmp{os.getpid()}.npy")
         np.save(tmp, tail)
         tmp.replace(path.with_name(f"{path.stem}.tail.npy"))
-        from swarmfs.layout._capture import Capture
         save_capture(path, Capture(k=k[None], v=v[None], q=q[None],
                                    token_ids=ids[:num_tokens].astype(np.int32), meta=meta))
     cap = load_capture(path)
@@ -655,6 +655,47 @@ def query_positions(trace: Trace, start: int, S: int, n: int) -> np.ndarray:
     """Held-out decode positions after a context (never profiled)."""
     pos = start + S + QUERY_STRIDE * np.arange(n)
     return pos[pos < trace.query_limit(start + S)]
+
+
+def window_stats(trace: Trace, start: int, S: int, positions, local: int,
+                 layouts: dict | None = None) -> dict:
+    """Where a context's capture windows show in its held-out attention and
+    in its layouts (what putting independent windows side by side changes).
+
+    For the held-out queries at ``positions`` (the model's, unwidened), the
+    mean attention mass (softmax per query head, mean over heads) on: the
+    capture window holding the context's last token (``own_window``; for the
+    decoder, the window the queries continue), the other windows
+    (``other_windows``), the first token of every window (``window_starts``:
+    attention sinks), and the last ``local`` tokens (``local_window``).  Per
+    layout, the share of its clusters whose members come from more than one
+    window (``cross_window_clusters``).
+
+    Returns:
+        JSON-ready dict; ``windows`` is the number of windows the context touches.
+    """
+    from swarmfs._report import attention_logits, token_mass
+    p0 = np.arange(start, start + S)
+    win = p0 // trace.window
+    own = win == win[-1]
+    first = (p0 % trace.window == 0) | (p0 == start)
+    k = trace.k[:, start:start + S]
+    rows = []
+    for q in trace.decode_queries(positions, start + S):
+        m = token_mass(attention_logits(q[:, None, :], k, trace.scaling))[0].astype(np.float64)
+        rows.append((m[own].sum(), m[~own].sum(), m[first].sum(), m[-local:].sum()))
+    r = np.mean(rows, axis=0) if rows else np.full(4, np.nan)
+    out = {"windows": int(win[-1] - win[0] + 1), "window": trace.window,
+           "own_window": float(r[0]), "other_windows": float(r[1]),
+           "window_starts": float(r[2]), "local_window": float(r[3]), "local": int(local),
+           "queries": len(rows), "cross_window_clusters": {}}
+    for name, lay in (layouts or {}).items():
+        w = (start + lay.members) // trace.window
+        lo = np.minimum.reduceat(w, lay.ptr[:-1])
+        hi = np.maximum.reduceat(w, lay.ptr[:-1])
+        out["cross_window_clusters"][name] = float(np.mean(lo != hi))
+    return out
+
 
 # -- layouts (cached) -------------------------------------------------------------
 

@@ -22,6 +22,7 @@ assembly) of every method on each device profile, side by side
 
     tools/testbed run -- python -m tools.bench.fig11_methods
     python -m tools.bench.fig11_methods --smoke --disks files:2
+    python -m tools.bench.fig11_methods --trace decoder --tokens 8192 --disks files:4
     python -m tools.bench.fig11_methods --step-profiles \
         pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast
 """
@@ -88,7 +89,9 @@ def run_methods(cfg, trace, disks, start, S, methods, *, ratio=0.1, nq, reps, la
         bench.close()
     return {"tokens": S, "start": start, "local_window": bench.W,
             "budget": int(np.ceil(ratio * S)), "methods": res,
-            "ratios": ratios(res) if "swarm" in res else {}}
+            "ratios": ratios(res) if "swarm" in res else {},
+            "windows": C.window_stats(trace, start, S, pos, bench.W,
+                                      {m: lays[m] for m in methods})}
 
 
 def step_profiles(spec: str | None) -> dict:

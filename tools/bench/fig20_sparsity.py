@@ -18,6 +18,7 @@ Fig. 11), per r and profile, and the iso-accuracy is taken on step time
 (docs/benchmarks.md §7, "Step time as a serving engine sees it").
 
     tools/testbed run -- python -m tools.bench.fig20_sparsity
+    python -m tools.bench.fig20_sparsity --trace decoder --tokens 8192 --disks files:4
     tools/testbed --name evalstep-pm9a3 run -- python -m tools.bench.fig20_sparsity \
         --tokens 131072 --ratios 0.05,0.1,0.2 --reps 3 \
         --step-profiles pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast

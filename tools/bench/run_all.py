@@ -11,9 +11,11 @@ testbed that this script brings up and always takes down again.
     tools/testbed down
 
     python -m tools.bench.run_all --smoke --disks files:2     # CI-sized, no root
+    python -m tools.bench.run_all --trace decoder --disks files:8   # on swarm-llama's trace
 
 Outputs: ``bench-out/eval/<figure>.json|.png``, ``run_all.json`` (wall time and
-status per figure) and ``summary.md`` (the tables of docs/benchmarks.md §7).
+status per figure) and ``summary.md`` (the tables of docs/benchmarks.md §7);
+with ``--trace decoder`` each name gets ``-decoder`` (``<figure>-decoder.json``).
 """
 
 from __future__ import annotations
@@ -57,19 +59,22 @@ LOW_END = {"name": "swarmfs-900p", "disks": 4, "size": "2G", "profile": "900p"}
 @click.option("--cache", default=str(C.CACHE), show_default=True)
 @click.option("--trace-tokens", type=int, default=None,
               help="capture this many trace tokens first (default: what fig16 needs)")
+@click.option("--trace", type=click.Choice(C.TRACES), default="minilm", show_default=True,
+              help="the trace every figure runs on (see tools/bench/_common.py)")
 @click.pass_context
-def cli(ctx, disks, smoke, only, skip, no_900p, cache, trace_tokens):
+def cli(ctx, disks, smoke, only, skip, no_900p, cache, trace_tokens, trace):
     only = set(only.split(",")) if only else None
     skip = set(filter(None, skip.split(",")))
     C.OUT.mkdir(parents=True, exist_ok=True)
-    common = ["--disks", disks, "--cache", cache] + (["--smoke"] if smoke else [])
+    common = ["--disks", disks, "--cache", cache, "--trace", trace] + \
+        (["--smoke"] if smoke else [])
     log = {"command": " ".join(["python -m tools.bench.run_all"] + list(ctx.obj or [])),
            "machine": C.machine(), "figures": {}}
     t_all = time.perf_counter()
     # the trace first, so no figure pays for it inside its timing
     with _step(log, "trace"):
         need = trace_tokens or (4096 if smoke else 1048576 + 4096)
-        C.load_trace(need, cache=pathlib.Path(cache), progress=not smoke)
+        C.load_trace(need, kind=trace, cache=pathlib.Path(cache), progress=not smoke)
     for name, module, extra in FIGURES:
         if (only and name not in only) or name in skip:
             continue
@@ -81,9 +86,9 @@ def cli(ctx, disks, smoke, only, skip, no_900p, cache, trace_tokens):
                 _low_end(cmd)
             _run([sys.executable, "-m", f"tools.bench.{module}", "--merge"], "fig17-merge")
     log["total_s"] = time.perf_counter() - t_all
-    suffix = "-smoke" if smoke else ""
+    suffix = ("" if trace == "minilm" else f"-{trace}") + ("-smoke" if smoke else "")
     (C.OUT / f"run_all{suffix}.json").write_text(json.dumps(log, indent=1))
-    md = summary(smoke)
+    md = summary(smoke, trace=trace)
     (C.OUT / f"summary{suffix}.md").write_text(md)
     print(md)
     print(f"total {log['total_s'] / 60:.1f} min; wrote {C.OUT}/summary{suffix}.md",
@@ -141,8 +146,10 @@ def _low_end(cmd):
 
 # -- the Markdown summary ------------------------------------------------------------
 
-def _load_json(name, smoke, outdir=None):
-    p = (outdir or C.OUT) / f"{name}{'-smoke' if smoke else ''}.json"
+def _load_json(name, smoke, outdir=None, trace="minilm"):
+    """A figure's JSON as ``BenchConfig.prefix`` names it, or None."""
+    p = C.BenchConfig(name=name, smoke=smoke, trace=trace).prefix()
+    p = (outdir or C.OUT) / f"{p.name}.json"
     return json.loads(p.read_text()) if p.is_file() else None
 
 
@@ -157,13 +164,15 @@ def _md(rows, headers, left: int = 1) -> str:
     return C.table(rows, headers, markdown=True, align=align)
 
 
-def summary(smoke: bool = False, outdir=None) -> str:
+def summary(smoke: bool = False, outdir=None, trace: str = "minilm") -> str:
     """Markdown tables of every figure's JSON present in ``outdir``
-    (default bench-out/eval)."""
+    (default bench-out/eval) for one trace."""
     def _load(name, smoke):
-        return _load_json(name, smoke, outdir)
+        return _load_json(name, smoke, outdir, trace)
 
     out = []
+    if trace != "minilm":
+        out.append(f"Trace: `--trace {trace}` (tools/bench/_common.py).\n")
     f11 = _load("fig11_methods", smoke)
     if f11:
         d = f11["disks"]
