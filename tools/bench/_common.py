@@ -34,9 +34,12 @@ windows.  Contexts longer than 8,192 tokens are such windows side by
 side, exactly as the MiniLM trace's 512-token windows: positions restart at
 0 in every window and no token of one window ever attended to another, so
 the context holds no co-activation across window boundaries that the model
-computed; the held-out queries (from the last window's continuation, RoPE
-positions 8,192-8,703) see every window's keys at the same relative
-positions as their own window's.  The kept layer follows a rule computed
+computed, and the held-out queries see every window's keys at the same
+relative positions as their own window's.  (The queries after a context that
+ends on a window boundary come from that window's continuation, RoPE
+positions 8,192-8,703: a decode step just past the trained length, within
+``max_position_embeddings`` = 32,768, as ``swarmfs demo`` decodes after an
+8K prefill.)  The kept layer follows a rule computed
 per checkpoint (:func:`decoder_layer`: the layer whose attention mass lies
 furthest outside the local window on held-out text); the rule's numbers are
 in the trace meta and every figure's JSON (``trace``).  Caches are named by
