@@ -224,11 +224,15 @@ def recall_report(cache, ratio: float, context: int) -> dict:
 
     Returns:
         {"recall": mean over layers and steps, "per_layer": {layer: mean},
-        "rel_error": mean attention-output error, "oracle_rel_error": ...}.
+        "mass": mean share of the query's whole attention (softmax over the
+        stored context) on the retrieved context entries, "oracle_mass":
+        the same for the exact top-k (both rise with the budget; recall is
+        their ratio per query), "rel_error": mean attention-output error,
+        "oracle_rel_error": ...}.
     """
     from ._report import evaluate_query
     st = cache.store
-    per_layer, err, oerr = {}, [], []
+    per_layer, err, oerr, mass, omass = {}, [], [], [], []
     for layer, recs in sorted(cache.records.items()):
         kv = st.read_entries(layer, np.arange(context)).astype(np.float32)
         k_ctx = np.ascontiguousarray(kv[:, 0].transpose(1, 0, 2))
@@ -240,10 +244,14 @@ def recall_report(cache, ratio: float, context: int) -> dict:
             rec.append(r["recall"])
             err.append(r["rel_error"])
             oerr.append(r["oracle_rel_error"])
+            mass.append(r["mass"])
+            omass.append(r["oracle_mass"])
         per_layer[layer] = float(np.mean(rec))
         del kv, k_ctx, v_ctx
     return {"recall": float(np.mean(list(per_layer.values()))) if per_layer else float("nan"),
             "per_layer": per_layer, "rel_error": float(np.mean(err)) if err else float("nan"),
+            "mass": float(np.mean(mass)) if mass else float("nan"),
+            "oracle_mass": float(np.mean(omass)) if omass else float("nan"),
             "oracle_rel_error": float(np.mean(oerr)) if oerr else float("nan")}
 
 

@@ -214,6 +214,7 @@ def swarm_run(model, ctx, cont, *, ratio, method, disks, workdir, prefetch="none
         layout = cache.layout_report
     return {"nll": nll(torch.stack(lg), cont), "recall": rec["recall"],
             "recall_per_layer": rec["per_layer"], "rel_error": rec["rel_error"],
+            "mass": rec["mass"], "oracle_mass": rec["oracle_mass"],
             "step_ms": statistics.median(ms), "prefill_layout_s": prefill_s,
             "layout": {str(k): v for k, v in layout.items()}, "summary": summ}
 
@@ -248,7 +249,9 @@ def quality(args, model, tok):
                     res["runs"].append(row)
                     print(f"[{kind}] r={r} {m:8s} ppl {row['perplexity']:.3f} "
                           f"({100 * row['ppl_vs_dense']:+.2f}%) recall "
-                          f"{row.get('recall', float('nan')):.3f} "
+                          f"{row.get('recall', float('nan')):.3f} mass "
+                          f"{row.get('mass', float('nan')):.3f} (oracle "
+                          f"{row.get('oracle_mass', float('nan')):.3f}) "
                           f"{row['seconds']:.0f} s", flush=True)
         out["kinds"][kind] = res
     return out
