@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from swarmfs import Retriever, Store
 from swarmfs import _errors as E
-from swarmfs._retrieve import group_queries, score_medoids
-from swarmfs._selectors import BoundSelector, MultiVectorSelector, TokenSelector
+from swarmfs._selectors import (BoundSelector, MultiVectorSelector, TokenSelector, group_queries,
+                               score_medoids)
 
 S, H, HQ, D = 2000, 2, 8, 16
 
