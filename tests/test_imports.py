@@ -33,6 +33,16 @@ def _module_exists(name: str) -> bool:
         return False
 
 
+def from_target(pkg: str, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from X import ...`` in package ``pkg`` names."""
+    if not node.level:
+        return node.module or ""
+    base = pkg
+    for _ in range(node.level - 1):
+        base = base.rpartition(".")[0]
+    return f"{base}.{node.module}" if node.module else base
+
+
 def imports_of(name: str, source: str, is_package: bool) -> set[str]:
     """Absolute names of the modules a module's source imports, anywhere in it
     (module level, functions, classes, conditionals).  ``from X import a``
@@ -43,13 +53,7 @@ def imports_of(name: str, source: str, is_package: bool) -> set[str]:
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg
-                for _ in range(node.level - 1):
-                    base = base.rpartition(".")[0]
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module
+            target = from_target(pkg, node)
             for a in node.names:
                 sub = f"{target}.{a.name}"
                 out.add(sub if a.name != "*" and sub.startswith(ROOT + ".") and
@@ -245,13 +249,7 @@ def borrowed_imports(name: str, source: str, is_package: bool) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.ImportFrom):
             continue
-        if node.level:
-            base = pkg
-            for _ in range(node.level - 1):
-                base = base.rpartition(".")[0]
-            target = f"{base}.{node.module}" if node.module else base
-        else:
-            target = node.module or ""
+        target = from_target(pkg, node)
         if target.split(".")[0] not in PROJECT or not _module_exists(target):
             continue
         known = _exported(target)

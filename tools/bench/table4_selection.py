@@ -86,9 +86,7 @@ def cli(cfg, tokens, ratio, no_synthetic):
               f"{row['clusters']} clusters", file=sys.stderr)
     payload = {"figure": "table4", "title": "selection latency", "ratio": ratio,
                "queries": nq, "reps": reps, "rows": rows, "paper": PAPER}
-    C.write_json(cfg, out, payload)
-    plot(payload, out)
-    return payload
+    return C.finish(cfg, out, payload, plot)
 
 
 def main(argv=None):
