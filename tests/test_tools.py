@@ -52,6 +52,10 @@ def test_bench_decode_lists_and_defaults(monkeypatch):
     assert a["methods"] == ["swarm", "quest", "infllm", "pqcache", "sinks", "oracle"]
     assert (a["ratios"], a["disk_paths"], a["dram_fractions"], a["context"]) == \
         ([0.05, 0.1, 0.2], None, [0.01, 0.02, 0.05, 0.1], 8192)
+    with pytest.raises(Parsed) as got:                   # the same through python -m tools
+        T.main(["bench_decode", "online", "--kinds", "prose", "python", "--ratios", "0.2"])
+    a = got.value.args[0]
+    assert (a["what"], a["kinds"], a["ratios"]) == ("online", ["prose", "python"], [0.2])
 
 
 def test_bench_layout_comma_lists_and_out(monkeypatch, tmp_path):
