@@ -41,7 +41,7 @@ import os
 import re
 import time
 import types
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -215,7 +215,9 @@ class Manifest:
     Attributes:
         uuid: store UUID, 32 hex digits.
         generation: commit counter (0 = just created).
-        created: creation time (ISO 8601 UTC text), as written.
+        created: creation time (ISO 8601 UTC text), as written; None when
+            the file has none (a string if present, so null is refused
+            rather than dropped on the way back).
         model: the :class:`ModelIdentity`.
         block_size: extent alignment (bytes, a power of two in [512, 4096]).
         p_global: eq. 7 global placement pointer.
@@ -226,7 +228,7 @@ class Manifest:
     """
     uuid: str
     generation: int
-    created: Any
+    created: str | None
     model: ModelIdentity
     block_size: int
     p_global: int
@@ -257,7 +259,7 @@ class Manifest:
         d = {"format": "swarmfs", "format_version": F.FORMAT_VERSION, "uuid": self.uuid,
              "generation": self.generation}
         if self.created is not None:
-            d["created"] = copy.deepcopy(self.created)
+            d["created"] = self.created
         d.update({"model": self.model.to_dict(), "block_size": self.block_size,
                   "p_global": self.p_global, "disks": [r.to_dict() for r in self.disks],
                   "layers": {str(k): r.to_dict() for k, r in self.layers.items()},
@@ -353,6 +355,8 @@ def _check(m: dict, store_dir) -> None:
         fail("uuid must be 32 hex digits")
     if not isinstance(m.get("checksum"), str) or not _HEX16.fullmatch(m["checksum"]):
         fail("checksum must be 16 hex digits")
+    if "created" in m and not isinstance(m["created"], str):
+        fail("created must be a string (ISO 8601 time)")
     model = m.get("model")
     if not isinstance(model, dict):
         fail("model is missing")

@@ -254,6 +254,9 @@ def _small_manifest() -> dict:
     (lambda m: m["layers"]["0"]["index"].update(file="layer-001.g00000001.safetensors"),
      "index.file"),
     (lambda m: m["dram"].update(local_window=-1), "dram.local_window"),
+    # null was accepted, then dropped on the way back (hypothesis found it)
+    (lambda m: m.update(created=None), "created must be a string"),
+    (lambda m: m.update(created=5), "created must be a string"),
 ])
 def test_named_rejections(edit, match):
     d = _small_manifest()
