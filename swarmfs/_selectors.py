@@ -38,7 +38,6 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ._errors import InvalidArgumentError, NotFoundError
-from ._window import window_size as window_size  # noqa: F401  (its former home)
 
 __all__ = ["Selector", "FusedSelector", "MedoidSelector", "VectorSelector",
            "MultiVectorSelector", "BoundSelector", "TokenSelector", "Selection",
@@ -189,7 +188,7 @@ def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: in
         members: int [M] token positions in [0, num_tokens).
         num_tokens: S, tokens of the context.
         budget: entries wanted (window included); capped at S.
-        window: tokens of the local window (see :func:`window_size`).
+        window: tokens of the local window (see :func:`swarmfs._window.window_size`).
 
     Returns:
         A :class:`Selection`.

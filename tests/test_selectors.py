@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from swarmfs import Retriever, Store
 from swarmfs._errors import InvalidArgumentError, SwarmError
-from swarmfs._selectors import (MedoidSelector, group_queries, score_medoids,
-                                select_clusters, window_size)
+from swarmfs._selectors import MedoidSelector, group_queries, score_medoids, select_clusters
+from swarmfs._window import window_size
 
 
 def csr(clusters):

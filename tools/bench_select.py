@@ -30,13 +30,14 @@ over 4 disks: dedup (eq. 8), entry buckets (§6.1), coalescing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
+import types
 
+import click
 import numpy as np
 
 from swarmfs import plan_reads
@@ -274,7 +275,8 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
     exact attention over the whole context)."""
     from swarmfs._demo import LayoutParams, build_store, local_window
     from swarmfs._report import attention_recall, token_mass
-    from swarmfs._selectors import MedoidSelector, window_size
+    from swarmfs._selectors import MedoidSelector
+    from swarmfs._window import window_size
     from swarmfs.layout import capture
 
     params = LayoutParams()
@@ -329,32 +331,35 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
                                  "entry_overlap_min": float(np.min(rows[f"overlap_{name}"]))}
                           for name in sels if name.startswith("2lvl")}}
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", default="131072,262144,524288,1048576")
-    ap.add_argument("--cluster-sizes", default="14.9,19.4,25.2,32.8",
-                    help="mean entries per cluster at each --tokens value (C = S / size); "
-                         "default: the layout's measured sizes (MiniLM over WikiText-2: "
-                         "14.9 at 128K, bench_layout.py) grown as S^0.377 as measured "
-                         "from 16K to 128K")
-    ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--paths", default="auto",
-                    help="kernel paths to measure, comma-separated (scalar, avx2, avx512, "
-                         "neon; 'all' = every path this CPU runs; default: the auto path)")
-    ap.add_argument("--assembly", action="store_true",
-                    help="also retrieve at batch 1/4/8 from a tmpfs store (GB/s, assembly)")
-    ap.add_argument("--pipeline", action="store_true",
-                    help="also time a decode step over 8 layers, sequential vs pipelined")
-    ap.add_argument("--recall", metavar="DIR",
-                    help="only measure the int8 index's recall against the exact score on "
-                         "the demo's capture cast to fp16 (store written under DIR)")
-    ap.add_argument("--two-level", action="store_true",
-                    help="also time the two-level int8 index (select_i8x2) on each path")
-    ap.add_argument("--group-size", type=int, default=32)
-    ap.add_argument("--coverage", type=float, default=3.0)
-    ap.add_argument("--no-naive", action="store_true", help="skip the naive full-key scan")
-    ap.add_argument("--out", default="bench-out/select")
-    a = ap.parse_args(argv)
+
+@click.command(help=__doc__.split("\n\n")[0])
+@click.option("--tokens", default="131072,262144,524288,1048576")
+@click.option("--cluster-sizes", default="14.9,19.4,25.2,32.8",
+              help="mean entries per cluster at each --tokens value (C = S / size); "
+                   "default: the layout's measured sizes (MiniLM over WikiText-2: "
+                   "14.9 at 128K, bench_layout.py) grown as S^0.377 as measured "
+                   "from 16K to 128K")
+@click.option("--reps", type=int, default=200)
+@click.option("--paths", default="auto",
+              help="kernel paths to measure, comma-separated (scalar, avx2, avx512, "
+                   "neon; 'all' = every path this CPU runs; default: the auto path)")
+@click.option("--assembly", is_flag=True,
+              help="also retrieve at batch 1/4/8 from a tmpfs store (GB/s, assembly)")
+@click.option("--pipeline", is_flag=True,
+              help="also time a decode step over 8 layers, sequential vs pipelined")
+@click.option("--recall", metavar="DIR",
+              help="only measure the int8 index's recall against the exact score on "
+                   "the demo's capture cast to fp16 (store written under DIR)")
+@click.option("--two-level", is_flag=True,
+              help="also time the two-level int8 index (select_i8x2) on each path")
+@click.option("--group-size", type=int, default=32)
+@click.option("--coverage", type=float, default=3.0)
+@click.option("--no-naive", is_flag=True, help="skip the naive full-key scan")
+@click.option("--out", default="bench-out/select")
+@click.pass_context
+def cli(ctx, **options):
+    a = types.SimpleNamespace(**options)
+    argv = ctx.obj
     if a.recall:
         rec = bench_recall(a.recall)
         print(json.dumps(rec, indent=1))
@@ -425,6 +430,11 @@ def main(argv=None):
                    "command": "python -m tools.bench_select " + " ".join(argv or sys.argv[1:])},
                   f, indent=1)
     print(f"wrote {a.out}.json")
+
+
+def main(argv=None):
+    """Run :func:`cli` (``argv`` None: the command line, as a program)."""
+    return cli.main(args=argv, obj=argv, standalone_mode=argv is None)
 
 
 if __name__ == "__main__":
