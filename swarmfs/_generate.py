@@ -270,7 +270,9 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
 
     Returns:
         dict: context_tokens, continuation_tokens, ratio, perplexity_dense,
-        perplexity_swarm, recall, recall_per_layer, rel_error,
+        perplexity_swarm, recall, recall_per_layer, mass and oracle_mass (the
+        shares of attention on the retrieved and the oracle top-k entries,
+        :func:`recall_report`), rel_error,
         dense_step_ms / swarm_step_ms (median per-token decode time),
         summary (retrieval medians), steps.
 
@@ -316,6 +318,7 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
             "perplexity_dense": float(math.exp(nll_dense.mean())),
             "perplexity_swarm": float(math.exp(nll_swarm.mean())),
             "recall": rec["recall"], "recall_per_layer": rec["per_layer"],
+            "mass": rec["mass"], "oracle_mass": rec["oracle_mass"],
             "rel_error": rec["rel_error"], "oracle_rel_error": rec["oracle_rel_error"],
             "dense_step_ms": float(np.median(dense_ms)),
             "swarm_step_ms": float(np.median(swarm_ms)) if swarm_ms else None,
