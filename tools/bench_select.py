@@ -95,9 +95,10 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
                                     packed=packed if score == "prob" else None,
                                     check=False)
 
-    def int8():
-        return select_i8(ix8, q[0], H, scale=scale, ptr=ptr, members=members, num_tokens=S_,
-                         budget=budget, window=0, check=False)
+    def int8(threads=1):
+        return lambda: select_i8(ix8, q[0], H, scale=scale, ptr=ptr, members=members,
+                                 num_tokens=S_, budget=budget, window=0, check=False,
+                                 threads=threads)
 
     def split():           # the same as separate calls from Python
         sc = softmax_sum(head_logits(medoids, q, H)[0], scale)
@@ -107,8 +108,10 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
     paths = paths or [kernel_path()]
     for path in paths:
         set_kernel_path(path)
-        per_path[path] = {"int8_ms": median_ms(int8, reps, "int8"),
+        per_path[path] = {"int8_ms": median_ms(int8(1), reps, "int8"),
                           "int8_min_ms": MINIMA["int8"],
+                          "int8_2threads_ms": median_ms(int8(2), reps, "int8t2"),
+                          "int8_2threads_min_ms": MINIMA["int8t2"],
                           **({"int8x2_ms": median_ms(int8x2, reps, "x2"),
                               "int8x2_min_ms": MINIMA["x2"]} if two_level else {}),
                           "prob_ms": median_ms(fused("prob"), reps),
@@ -373,11 +376,12 @@ def cli(ctx, **options):
     paths = supported_paths()[::-1] if a.paths == "all" else \
         [auto if p == "auto" else p for p in a.paths.split(",")]
     print(f"CPU flags: {' '.join(cpu_flags())}; auto path: {auto}; measured: "
-          f"{', '.join(paths)}; one thread")
+          f"{', '.join(paths)}; one thread (int8 2t: select_i8 with threads=2, same run)")
     if a.two_level:
         print(f"two-level index: group size {a.group_size}, coverage {a.coverage}")
     print(f"{'tokens':>8} {'medoids':>8} {'naive ms':>9} " +
-          " ".join(f"{p + ' int8':>12} {p + ' prob':>12} {p + ' logit':>12}" for p in paths) +
+          " ".join(f"{p + ' int8':>12} {p + ' int8 2t':>14} {p + ' prob':>12} "
+                   f"{p + ' logit':>12}" for p in paths) +
           f" {'split ms':>9} {'paper':>7}")
     sizes = [float(x) for x in a.cluster_sizes.split(",")]
     toks = [int(x) for x in a.tokens.split(",")]
@@ -388,8 +392,8 @@ def cli(ctx, **options):
                             group_size=a.group_size, coverage=a.coverage, naive_scan=not a.no_naive)
         rows.append(r)
         print(f"{S:8d} {r['medoids']:8d} {r['naive_ms']:9.3f} " +
-              " ".join(f"{r['paths'][p]['int8_ms']:12.3f} {r['paths'][p]['prob_ms']:12.3f} "
-                       f"{r['paths'][p]['logit_ms']:12.3f}"
+              " ".join(f"{r['paths'][p]['int8_ms']:12.3f} {r['paths'][p]['int8_2threads_ms']:14.3f} "
+                       f"{r['paths'][p]['prob_ms']:12.3f} {r['paths'][p]['logit_ms']:12.3f}"
                        for p in paths) +
               f" {r['split_ms']:9.3f} {r['paper_swarm_ms'] or 0:7.3f}" +
               "".join(f" | {p} int8 min {r['paths'][p]['int8_min_ms']:.3f}" +
