@@ -287,10 +287,11 @@ int se_head_logits_i8(const int8_t *P, const float *sm, const int32_t *ms, int64
 
 /* se_select_fused's "prob" score from the int8 index, per KV head (logits of its
  * Hq / H query heads, then their softmax added into the scores); work float
- * [C * (Hq / H + 1)] scratch (scores in its first C). */
+ * [C * (Hq / H + 1)] scratch (scores in its first C).  nthreads 2: a second
+ * thread for this call scores half the KV heads (joined before returning). */
 int64_t se_select_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
                      int64_t H, int64_t d, const float *q, int64_t Hq, float scale,
                      const int64_t *ptr, const int32_t *members, int64_t S, int64_t budget,
-                     int64_t w, float *work, int64_t *out, int64_t *entries);
+                     int64_t w, int nthreads, float *work, int64_t *out, int64_t *entries);
 
 #endif

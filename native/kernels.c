@@ -12,6 +12,7 @@
 #include "engine.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1368,31 +1369,6 @@ int se_head_logits_i8(const int8_t *P, const float *sm, const int32_t *ms, int64
     return 0;
 }
 
-/* Per KV head: its G heads' logits [G, C] (in L2), then their softmax added
- * into the scores; the same floats as se_head_logits_i8 + se_softmax_sum. */
-int64_t se_select_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
-                     int64_t H, int64_t d, const float *q, int64_t Hq, float scale,
-                     const int64_t *ptr, const int32_t *members, int64_t S, int64_t budget,
-                     int64_t w, float *work, int64_t *out, int64_t *entries)
-{
-    if (!P || !sm || !ms || !q || !work || C < 0 || H <= 0 || d <= 0 || d % 4 || Hq <= 0 ||
-        Hq % H || !(scale > 0))
-        return -EINVAL;
-    int path = se_kernel_path();
-    if (C > 0) {
-        i8_query t;
-        if (i8_query_make(path, q, Hq, d, &t) < 0)
-            return -ENOMEM;
-        int64_t G = Hq / H;
-        for (int64_t g = 0; g < H; g++) {
-            i8_logits(path, P, sm, ms, C, H, d, &t, Hq, g, g + 1, work + C);
-            softmax_acc(path, work + C, G, C, scale, work, g == 0);
-        }
-        i8_query_free(&t);
-    }
-    return se_choose_clusters(work, C, ptr, members, S, budget, w, out, entries);
-}
-
 /* A per-thread scratch area that only grows, kept between calls (a fresh
  * malloc of these sizes is an mmap whose page faults cost more than the
  * work).  Each caller keeps its own (static __thread), so callers may nest.
@@ -1410,6 +1386,79 @@ static char *scratch_get(struct scratch *sc, size_t need)
         sc->cap = sc->buf ? need : 0;
     }
     return sc->buf;
+}
+
+/* The scores of KV heads [g0, g1): per head its G heads' logits [G, C] (in
+ * L2, at work + C), then their softmax added into work[0, C) (the first head
+ * of the range initialises it).  One part of se_select_i8, run by one thread. */
+struct i8_part {
+    const int8_t *P;
+    const float *sm;
+    const int32_t *ms;
+    const i8_query *t;
+    int64_t C, H, d, Hq, g0, g1;
+    float scale;
+    int path;
+    float *work;
+};
+
+static void *i8_part_run(void *arg)
+{
+    const struct i8_part *p = arg;
+    int64_t G = p->Hq / p->H;
+    for (int64_t g = p->g0; g < p->g1; g++) {
+        i8_logits(p->path, p->P, p->sm, p->ms, p->C, p->H, p->d, p->t, p->Hq, g, g + 1,
+                  p->work + p->C);
+        softmax_acc(p->path, p->work + p->C, G, p->C, p->scale, p->work, g == p->g0);
+    }
+    return NULL;
+}
+
+/* Per KV head: its G heads' logits [G, C] (in L2), then their softmax added
+ * into the scores; the same floats as se_head_logits_i8 + se_softmax_sum.
+ * nthreads 2 (and H >= 2): a second thread, started for this call and joined
+ * before it returns, scores the KV heads [H/2, H) into its own area, whose
+ * scores are then added to the first half's: the same floats up to the
+ * order of one addition per score.  No state is shared between calls. */
+int64_t se_select_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
+                     int64_t H, int64_t d, const float *q, int64_t Hq, float scale,
+                     const int64_t *ptr, const int32_t *members, int64_t S, int64_t budget,
+                     int64_t w, int nthreads, float *work, int64_t *out, int64_t *entries)
+{
+    if (!P || !sm || !ms || !q || !work || C < 0 || H <= 0 || d <= 0 || d % 4 || Hq <= 0 ||
+        Hq % H || !(scale > 0) || nthreads < 1)
+        return -EINVAL;
+    int path = se_kernel_path();
+    if (C > 0) {
+        i8_query t;
+        if (i8_query_make(path, q, Hq, d, &t) < 0)
+            return -ENOMEM;
+        struct i8_part a = {P, sm, ms, &t, C, H, d, Hq, 0, H, scale, path, work};
+        int64_t G = Hq / H;
+        struct i8_part b = a;
+        float *second = NULL;
+        pthread_t th;
+        int started = 0;
+        if (nthreads >= 2 && H >= 2) {
+            static __thread struct scratch sc;      /* the second half's scores and logits */
+            second = (float *)scratch_get(&sc, sizeof(float) * (size_t)(C * (G + 1)));
+            if (second) {
+                a.g1 = b.g0 = H / 2;
+                b.work = second;
+                started = pthread_create(&th, NULL, i8_part_run, &b) == 0;
+                if (!started)
+                    a.g1 = H;                       /* no thread: this one does all */
+            }
+        }
+        i8_part_run(&a);
+        if (started) {
+            pthread_join(th, NULL);
+            for (int64_t i = 0; i < C; i++)
+                work[i] += second[i];
+        }
+        i8_query_free(&t);
+    }
+    return se_choose_clusters(work, C, ptr, members, S, budget, w, out, entries);
 }
 
 /* ---- two-level int8 selection: super-centroids, then the best groups exactly ----

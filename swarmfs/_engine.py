@@ -697,17 +697,3 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
-
-
-# -- data kernels: in ``_kernels`` (re-exported for existing importers) --------
-from ._kernels import (  # noqa: E402,F401
-    assign_buckets,
-    gather_rows,
-    gemv_half,
-    head_logits_half,
-    scatter_rows,
-    softmax_sum,
-    verify_rows,
-    xxh3_ranges,
-    xxh3_rows,
-)

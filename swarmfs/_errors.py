@@ -85,8 +85,9 @@ class StoreNotFoundError(SwarmError, FileNotFoundError):
 
 class ManifestError(SwarmError, ValueError):
     """Raised when a manifest or its index file is unreadable, from an unknown
-    format version, fails its checksum, or is internally inconsistent.  The
-    store must be rebuilt or restored; swarmfs never guesses."""
+    format version, fails its checksum, holds a field its format version does
+    not have, or is internally inconsistent.  The store must be rebuilt or
+    restored; swarmfs never guesses."""
 
 
 class DiskError(SwarmError, OSError):

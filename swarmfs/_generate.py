@@ -224,11 +224,15 @@ def recall_report(cache, ratio: float, context: int) -> dict:
 
     Returns:
         {"recall": mean over layers and steps, "per_layer": {layer: mean},
-        "rel_error": mean attention-output error, "oracle_rel_error": ...}.
+        "mass": mean share of the query's whole attention (softmax over the
+        stored context) on the retrieved context entries, "oracle_mass":
+        the same for the exact top-k (both rise with the budget; recall is
+        their ratio per query), "rel_error": mean attention-output error,
+        "oracle_rel_error": ...}.
     """
     from ._report import evaluate_query
     st = cache.store
-    per_layer, err, oerr = {}, [], []
+    per_layer, err, oerr, mass, omass = {}, [], [], [], []
     for layer, recs in sorted(cache.records.items()):
         kv = st.read_entries(layer, np.arange(context)).astype(np.float32)
         k_ctx = np.ascontiguousarray(kv[:, 0].transpose(1, 0, 2))
@@ -240,10 +244,14 @@ def recall_report(cache, ratio: float, context: int) -> dict:
             rec.append(r["recall"])
             err.append(r["rel_error"])
             oerr.append(r["oracle_rel_error"])
+            mass.append(r["mass"])
+            omass.append(r["oracle_mass"])
         per_layer[layer] = float(np.mean(rec))
         del kv, k_ctx, v_ctx
     return {"recall": float(np.mean(list(per_layer.values()))) if per_layer else float("nan"),
             "per_layer": per_layer, "rel_error": float(np.mean(err)) if err else float("nan"),
+            "mass": float(np.mean(mass)) if mass else float("nan"),
+            "oracle_mass": float(np.mean(omass)) if omass else float("nan"),
             "oracle_rel_error": float(np.mean(oerr)) if oerr else float("nan")}
 
 
@@ -262,7 +270,9 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
 
     Returns:
         dict: context_tokens, continuation_tokens, ratio, perplexity_dense,
-        perplexity_swarm, recall, recall_per_layer, rel_error,
+        perplexity_swarm, recall, recall_per_layer, mass and oracle_mass (the
+        shares of attention on the retrieved and the oracle top-k entries,
+        :func:`recall_report`), rel_error,
         dense_step_ms / swarm_step_ms (median per-token decode time),
         summary (retrieval medians), steps.
 
@@ -308,6 +318,7 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
             "perplexity_dense": float(math.exp(nll_dense.mean())),
             "perplexity_swarm": float(math.exp(nll_swarm.mean())),
             "recall": rec["recall"], "recall_per_layer": rec["per_layer"],
+            "mass": rec["mass"], "oracle_mass": rec["oracle_mass"],
             "rel_error": rec["rel_error"], "oracle_rel_error": rec["oracle_rel_error"],
             "dense_step_ms": float(np.median(dense_ms)),
             "swarm_step_ms": float(np.median(swarm_ms)) if swarm_ms else None,

@@ -652,10 +652,16 @@ def head_logits_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int) -> np.ndarra
 
 def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
               ptr: np.ndarray, members: np.ndarray, num_tokens: int, budget: int,
-              window: int, check: bool = True) -> tuple[np.ndarray, int]:
+              window: int, check: bool = True, threads: int = 1) -> tuple[np.ndarray, int]:
     """:func:`select_fused`'s "prob" score from the int8 index, in one native
     call (``se_select_i8``: :func:`head_logits_i8`, softmax sums over heads,
     then :func:`choose_clusters`'s rule).
+
+    ``threads=2`` scores half the KV heads on a second thread started for
+    the call (both cores for one query, issue 10); the scores equal the
+    one-thread scores up to the order of one float addition, and the
+    cluster choice after them is the same rule.  Any number of calls may run
+    at the same time (no state is shared between calls).
 
     Returns:
         (int64 [c] cluster ids best first, distinct entries).
@@ -666,6 +672,9 @@ def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
     q, H, C, d = _check_i8(ix, q, num_kv_heads, "select_i8")
     if not float(scale) > 0:
         _fail(f"select_i8: scale {scale} must be positive")
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) \
+            or threads not in (1, 2):
+        _fail(f"select_i8: threads must be 1 or 2, got {threads!r}")
     Hq = q.shape[0]
     ptr = np.ascontiguousarray(ptr, dtype=np.int64)
     members = np.ascontiguousarray(members, dtype=np.int32)
@@ -679,7 +688,7 @@ def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
                          ffi.from_buffer("float[]", q), Hq, float(scale),
                          ffi.from_buffer("int64_t[]", ptr),
                          ffi.from_buffer("int32_t[]", members),
-                         int(num_tokens), int(budget), int(window),
+                         int(num_tokens), int(budget), int(window), int(threads),
                          ffi.from_buffer("float[]", work, require_writable=True),
                          ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
     if n < 0:

@@ -13,6 +13,19 @@ then builds the records.  The cross-checks against the disks (superblocks,
 commit records: ``_disks``) and the index files (``_format``) read these
 records.
 
+**Unknown fields are refused, not carried.**  Format version 2 is a closed
+schema: the loader refuses a manifest whose top level, ``model``, ``dram``,
+a disk record or a layer's ``index`` holds a key it does not know
+(``ManifestError`` naming ``manifest.json`` and the key), as it refuses a
+format version other than 2.  A swarmfs that adds a field writes a new
+format version, so an unknown key is an edit or damage, never a field from a
+newer writer; carrying it through a commit would keep a field that nothing
+updates (say, a list of extents the writer would then reuse) beside data it
+no longer describes.  The one open namespace is a layer record's keys beyond
+:data:`LAYER_RECORD_KEYS`: the caller's ``write_layer(extra=...)`` fields,
+kept verbatim (:attr:`LayerRecord.extra`) and written back where swarmfs
+writes them, after ``local_window``.
+
 Every consumer reads attributes (``m.layers[l].num_clusters``,
 ``m.disks[d].end``, ``m.model.dtype``); nothing reaches into the JSON by
 string keys.  The records are immutable: a commit builds a new
@@ -28,7 +41,7 @@ import os
 import re
 import time
 import types
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -49,8 +62,15 @@ _I31 = (1 << 31) - 1
 #: caller's ``extra``)
 LAYER_RECORD_KEYS = frozenset({"num_tokens", "num_clusters", "num_copies", "replication",
                                "hot_clusters", "index", "generation", "local_window"})
+#: the keys format version 2 has, per object (``created``, ``model.name`` and a
+#: disk's ``free`` may be absent); any other key is refused by the loader
 _TOP_KEYS = frozenset({"format", "format_version", "uuid", "generation", "created", "model",
                        "block_size", "p_global", "disks", "layers", "dram", "checksum"})
+_MODEL_KEYS = frozenset({"name", "num_layers", "num_kv_heads", "head_dim", "num_query_heads",
+                         "dtype", "entry_bytes"})
+_DISK_KEYS = frozenset({"index", "path", "end", "capacity", "free"})
+_INDEX_KEYS = frozenset({"file", "xxh3", "bytes"})
+_DRAM_KEYS = frozenset({"local_window"})
 _EMPTY: Mapping = types.MappingProxyType({})
 
 
@@ -195,7 +215,9 @@ class Manifest:
     Attributes:
         uuid: store UUID, 32 hex digits.
         generation: commit counter (0 = just created).
-        created: creation time (ISO 8601 UTC text), as written.
+        created: creation time (ISO 8601 UTC text), as written; None when
+            the file has none (a string if present, so null is refused
+            rather than dropped on the way back).
         model: the :class:`ModelIdentity`.
         block_size: extent alignment (bytes, a power of two in [512, 4096]).
         p_global: eq. 7 global placement pointer.
@@ -203,11 +225,10 @@ class Manifest:
         layers: {layer: :class:`LayerRecord`} in the file's order (read-only).
         local_window: the store's default DRAM local window W (``dram``).
         checksum: XXH3-64 of the rest, 16 hex digits ("" before sealing).
-        extra: top-level fields this version does not know, kept as read.
     """
     uuid: str
     generation: int
-    created: Any
+    created: str | None
     model: ModelIdentity
     block_size: int
     p_global: int
@@ -215,7 +236,6 @@ class Manifest:
     layers: Mapping
     local_window: int
     checksum: str = ""
-    extra: Mapping = dataclasses.field(default_factory=lambda: _EMPTY)
 
     @classmethod
     def new(cls, store_dir, *, uuid: str, model: ModelIdentity, block_size: int,
@@ -239,12 +259,11 @@ class Manifest:
         d = {"format": "swarmfs", "format_version": F.FORMAT_VERSION, "uuid": self.uuid,
              "generation": self.generation}
         if self.created is not None:
-            d["created"] = copy.deepcopy(self.created)
+            d["created"] = self.created
         d.update({"model": self.model.to_dict(), "block_size": self.block_size,
                   "p_global": self.p_global, "disks": [r.to_dict() for r in self.disks],
                   "layers": {str(k): r.to_dict() for k, r in self.layers.items()},
                   "dram": {"local_window": self.local_window}})
-        d.update(copy.deepcopy(dict(self.extra)))
         if self.checksum:
             d["checksum"] = self.checksum
         return d
@@ -282,7 +301,8 @@ class Manifest:
 
         Raises:
             ManifestError: naming the first field that is wrong (and the
-                disk or layer it belongs to).
+                disk or layer it belongs to), or a key format version 2 does
+                not have (outside a layer record's caller fields).
         """
         _check(m, store_dir)
         model = m["model"]
@@ -305,8 +325,7 @@ class Manifest:
         return cls(uuid=m["uuid"], generation=m["generation"], created=m.get("created"),
                    model=ident, block_size=m["block_size"], p_global=m["p_global"],
                    disks=disks, layers=types.MappingProxyType(layers),
-                   local_window=m["dram"]["local_window"], checksum=m["checksum"],
-                   extra=_frozen_extra(m, _TOP_KEYS))
+                   local_window=m["dram"]["local_window"], checksum=m["checksum"])
 
 
 def _frozen_extra(d: dict, known) -> Mapping:
@@ -324,14 +343,24 @@ def _check(m: dict, store_dir) -> None:
             fail(f"{what} must be an integer in [{lo}, {hi}], got {x!r}"[:300], **kw)
         return x
 
+    def known(d: dict, keys, where: str, **kw):
+        for k in d:
+            if k not in keys:
+                fail(f"unknown field {where + k!r}: format version {F.FORMAT_VERSION} has "
+                     f"no such field"[:300], **kw)
+
     F.check_format(m, store_dir)
+    known(m, _TOP_KEYS, "")
     if not isinstance(m.get("uuid"), str) or not _HEX32.fullmatch(m["uuid"]):
         fail("uuid must be 32 hex digits")
     if not isinstance(m.get("checksum"), str) or not _HEX16.fullmatch(m["checksum"]):
         fail("checksum must be 16 hex digits")
+    if "created" in m and not isinstance(m["created"], str):
+        fail("created must be a string (ISO 8601 time)")
     model = m.get("model")
     if not isinstance(model, dict):
         fail("model is missing")
+    known(model, _MODEL_KEYS, "model.")
     for k in ("num_layers", "num_kv_heads", "head_dim", "num_query_heads"):
         integer(model.get(k), f"model.{k}", 1, 1 << 16)
     integer(model.get("entry_bytes"), "model.entry_bytes", 1, 1 << 30)
@@ -352,6 +381,7 @@ def _check(m: dict, store_dir) -> None:
     dram = m.get("dram")
     if not isinstance(dram, dict):
         fail("dram must be an object")
+    known(dram, _DRAM_KEYS, "dram.")
     integer(dram.get("local_window"), "dram.local_window", 0, _I31)
     disks = m.get("disks")
     if not isinstance(disks, list) or not 1 <= len(disks) <= 256:
@@ -360,6 +390,7 @@ def _check(m: dict, store_dir) -> None:
         if not isinstance(d, dict) or not isinstance(d.get("path"), str) or not d["path"] \
                 or "\0" in d["path"] or len(d["path"]) > 4096:
             fail("disk record has no valid path", disk=i)
+        known(d, _DISK_KEYS, f"disks[{i}].", disk=i)
         if d.get("index") != i or isinstance(d.get("index"), bool):
             fail(f"disks[{i}].index must be {i}", disk=i)
         end = integer(d.get("end"), f"disks[{i}].end", F.DATA_START, 1 << 62, disk=i)
@@ -406,6 +437,7 @@ def _check(m: dict, store_dir) -> None:
             fail(f"layers[{k}].replication does not match num_copies / num_tokens",
                  layer=layer)
         idx = rec["index"]
+        known(idx, _INDEX_KEYS, f"layers[{k}].index.", layer=layer)
         name = idx.get("file")
         mm = F.INDEX_NAME_RE.fullmatch(name) if isinstance(name, str) else None
         if mm is None or int(mm.group(1)) != layer or int(mm.group(2)) != lgen:

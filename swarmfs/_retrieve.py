@@ -25,8 +25,6 @@ from . import _errors as errors
 from . import _stages as stages
 from ._defaults import RATIO
 from ._selectors import MedoidSelector, Selector
-# their former home: tests and benchmarks import them from here
-from ._selectors import group_queries, score_medoids, select_clusters  # noqa: F401
 from ._store import Store, to_torch
 from ._window import entry_budget, window_positions, window_size
 

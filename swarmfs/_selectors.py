@@ -38,7 +38,6 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ._errors import InvalidArgumentError, NotFoundError
-from ._window import window_size as window_size  # noqa: F401  (its former home)
 
 __all__ = ["Selector", "FusedSelector", "MedoidSelector", "VectorSelector",
            "MultiVectorSelector", "BoundSelector", "TokenSelector", "Selection",
@@ -189,7 +188,7 @@ def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: in
         members: int [M] token positions in [0, num_tokens).
         num_tokens: S, tokens of the context.
         budget: entries wanted (window included); capped at S.
-        window: tokens of the local window (see :func:`window_size`).
+        window: tokens of the local window (see :func:`swarmfs._window.window_size`).
 
     Returns:
         A :class:`Selection`.
@@ -304,13 +303,17 @@ class MedoidSelector:
             approximation for less work per query; only ``select`` and only
             with ``index="int8"`` (``scores`` stays one-level).  Recall and
             speed: docs/benchmarks.md §9.
+        threads: 1 (default) or 2: the one-level int8 score of one query on
+            two threads (half the KV heads each; :func:`swarmfs._kernels.select_i8`),
+            for a step whose other work is not using the second core.  The
+            other scores and ``levels=2`` run on one thread.
     """
 
     kind = "clusters"
     name = "swarm"
 
     def __init__(self, store, score: str = "prob", index: str = "int8", levels: int = 1,
-                 group_size: int = 32, coverage: float = 3.0):
+                 group_size: int = 32, coverage: float = 3.0, threads: int = 1):
         if score not in SCORES:
             raise InvalidArgumentError(f"unknown medoid score {score!r}; use one of {SCORES}")
         if index not in INDEXES:
@@ -325,6 +328,10 @@ class MedoidSelector:
                                                                    np.integer)) \
                 or not np.isfinite(coverage) or coverage <= 0:
             raise InvalidArgumentError(f"coverage must be a finite number > 0, got {coverage!r}")
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or \
+                threads not in (1, 2):
+            raise InvalidArgumentError(f"threads must be 1 or 2, got {threads!r}")
+        self.threads = int(threads)
         self.store = store
         self.score = score
         self.index = index
@@ -415,7 +422,7 @@ class MedoidSelector:
                 cl, n = select_i8(ix, qq, self.store.num_kv_heads, scale=self.scale,
                                   ptr=li.members_ptr, members=li.members,
                                   num_tokens=li.num_tokens, budget=budget, window=window,
-                                  check=False)
+                                  check=False, threads=self.threads)
                 out.append(Selection(cl, n, window))
             return out
         if m.dtype == np.float32:

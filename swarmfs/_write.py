@@ -29,8 +29,9 @@ import numpy as np
 from . import _errors as E
 from . import _format as F
 from ._disks import truncate_to, write_commit_records
-from ._engine import WRITE, scatter_rows, xxh3_ranges, xxh3_rows
+from ._engine import WRITE
 from ._index import concat_ranges
+from ._kernels import scatter_rows, xxh3_ranges, xxh3_rows
 from ._manifest import LAYER_RECORD_KEYS, IndexRecord, LayerRecord, Manifest, read_manifest
 from ._placement import PLACEMENTS, copy_locations, place_clusters
 

@@ -70,6 +70,22 @@ def random_kv(rng, S, H, d, dtype):
     return rng.standard_normal((S, 2, H, d)).astype(dtype)
 
 
+def random_layer_store(path, rng, *, S, H, HQ, D, disks, clusters, extra_copies=0, hot=(),
+                       **write):
+    """A one-layer float16 store of random KV (``random_kv``) in random
+    replicated clusters (``random_clusters``), clusters ``hot`` marked hot,
+    written with ``write_layer(**write)``: (store, kv, clusters)."""
+    from swarmfs import Store
+    s = Store.create(path, disks=disks, num_layers=1, num_kv_heads=H, head_dim=D,
+                     num_query_heads=HQ, dtype="float16")
+    kv = random_kv(rng, S, H, D, "float16")
+    cl = random_clusters(rng, S, clusters, extra_copies)
+    mask = np.zeros(clusters, bool)
+    mask[list(hot)] = True
+    s.write_layer(0, kv, cl, hot=mask, **write)
+    return s, kv, cl
+
+
 def same_bits(a, b):
     a = np.ascontiguousarray(a)
     b = np.ascontiguousarray(b)

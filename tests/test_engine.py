@@ -23,9 +23,9 @@ import pytest
 from conftest import wait_until
 
 from swarmfs import _errors as E
-from swarmfs._engine import (READ, WRITE, Engine, assign_buckets, gather_rows,
-                             logical_block_size, open_disk, scatter_rows,
-                             verify_rows, xxh3_ranges, xxh3_rows)
+from swarmfs._engine import READ, WRITE, Engine, logical_block_size, open_disk
+from swarmfs._kernels import (assign_buckets, gather_rows, scatter_rows, verify_rows, xxh3_ranges,
+                              xxh3_rows)
 
 
 @pytest.fixture

@@ -767,9 +767,7 @@ def test_refused_mount_names_dev_fuse_once(workdir, rng):
     try:
         os.chmod(top, 0o755)
         path = os.path.join(top, "store")
-        s = Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16)
-        s.write_layer(0, random_kv(rng, 64, 2, 16, "float16"), random_clusters(rng, 64, 4))
-        s.close()
+        _random_store(path, rng, 64, 4)
         for root, dirs, files in os.walk(top):
             for n in dirs:
                 os.chmod(os.path.join(root, n), 0o755)
@@ -790,6 +788,13 @@ def test_refused_mount_names_dev_fuse_once(workdir, rng):
         assert not _in_mountinfo(mnt)
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def _random_store(path, rng, S, n):
+    """A closed 2-disk store of one float16 layer (2 KV heads x 16): S random
+    entries in n random clusters."""
+    with Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16) as s:
+        s.write_layer(0, random_kv(rng, S, 2, 16, "float16"), random_clusters(rng, S, n))
 
 
 def _cluster_bytes(path):
@@ -901,9 +906,7 @@ def test_follow_shows_appends_and_open_files_keep_their_generation(workdir, rng)
 
 def test_snapshot_keeps_the_mount_time_view(workdir, rng):
     path = str(workdir / "snap")
-    s = Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16)
-    s.write_layer(0, random_kv(rng, 400, 2, 16, "float16"), random_clusters(rng, 400, 8))
-    s.close()
+    _random_store(path, rng, 400, 8)
     g0, gen0 = _cluster_bytes(path)
     with Mount(path, workdir / "mnt-snap", "--snapshot") as m, \
             Mount(path, workdir / "mnt-snap-follow", "--poll-interval", "0.05") as f:
@@ -922,9 +925,7 @@ def test_snapshot_keeps_the_mount_time_view(workdir, rng):
 
 def test_a_damaged_new_manifest_keeps_the_shown_generation(workdir, rng):
     path = str(workdir / "damaged")
-    s = Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16)
-    s.write_layer(0, random_kv(rng, 300, 2, 16, "float16"), random_clusters(rng, 300, 6))
-    s.close()
+    _random_store(path, rng, 300, 6)
     g0, _ = _cluster_bytes(path)
     mf = os.path.join(path, "manifest.json")
     with open(mf, "rb") as f:

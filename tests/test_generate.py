@@ -90,11 +90,15 @@ def test_evaluate_reports_both_perplexities_and_recall(model_dir, prompt_file):
     # r = 1 retrieves the whole context: swarmfs is dense attention
     assert math.isclose(rep["perplexity_swarm"], rep["perplexity_dense"], rel_tol=1e-4)
     assert rep["recall"] == pytest.approx(1.0, abs=1e-6)
+    # the whole stored context holds all of each query's attention over it
+    assert rep["mass"] == pytest.approx(1.0, abs=1e-5) == rep["oracle_mass"]
     r = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "--prompt-file",
                                   str(prompt_file), "--evaluate", "6", "--ratio", "0.1",
                                   "--json"])
     rep = json.loads(r.stdout)
     assert 0 < rep["recall"] < 1
+    # absolute shares of the attention: SWARM's below the oracle's at one budget
+    assert 0 < rep["mass"] < rep["oracle_mass"] < 1
     assert rep["perplexity_swarm"] != rep["perplexity_dense"]
     assert set(rep["recall_per_layer"]) == {"0", "1"}
 

@@ -33,6 +33,16 @@ def _module_exists(name: str) -> bool:
         return False
 
 
+def from_target(pkg: str, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from X import ...`` in package ``pkg`` names."""
+    if not node.level:
+        return node.module or ""
+    base = pkg
+    for _ in range(node.level - 1):
+        base = base.rpartition(".")[0]
+    return f"{base}.{node.module}" if node.module else base
+
+
 def imports_of(name: str, source: str, is_package: bool) -> set[str]:
     """Absolute names of the modules a module's source imports, anywhere in it
     (module level, functions, classes, conditionals).  ``from X import a``
@@ -43,13 +53,7 @@ def imports_of(name: str, source: str, is_package: bool) -> set[str]:
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg
-                for _ in range(node.level - 1):
-                    base = base.rpartition(".")[0]
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module
+            target = from_target(pkg, node)
             for a in node.names:
                 sub = f"{target}.{a.name}"
                 out.add(sub if a.name != "*" and sub.startswith(ROOT + ".") and
@@ -178,3 +182,120 @@ def test_runtime_does_not_import_layout(graph):
         if up:
             bad[mod] = sorted(up)
     assert not bad, f"runtime modules import the offline layout: {bad}"
+
+
+# -- names come from the module that defines them ---------------------------------
+
+#: the project's packages: a ``from X import n`` of one of their modules is checked
+PROJECT = ("swarmfs", "tools")
+
+
+def top_level_names(source: str) -> set[str]:
+    """Names a module's own code binds at module level (def, class,
+    assignment, ``for``/``with`` targets, also inside module-level ``if`` /
+    ``try``), not the names it imports."""
+    out = set()
+
+    def targets(t):
+        if isinstance(t, ast.Name):
+            out.add(t.id)
+        elif isinstance(t, (ast.Tuple, ast.List)):
+            for e in t.elts:
+                targets(e)
+
+    def walk(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(node.name)
+            elif isinstance(node, ast.Assign):
+                for t in node.targets:
+                    targets(t)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                targets(node.target)
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For)):
+                if isinstance(node, ast.For):
+                    targets(node.target)
+                for part in ("body", "orelse", "finalbody"):
+                    walk(getattr(node, part, []))
+                for h in getattr(node, "handlers", []):
+                    walk(h.body)
+    walk(ast.parse(source).body)
+    return out
+
+
+def _exported(module: str) -> tuple[set[str], set[str]] | None:
+    """(names ``module`` defines, names its ``__all__`` lists), from its source;
+    None for a module that is not Python source (the compiled engine)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        src = f.read()
+    tree = ast.parse(src)
+    listed = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            listed = set(ast.literal_eval(node.value))
+    return top_level_names(src), listed
+
+
+def borrowed_imports(name: str, source: str, is_package: bool) -> list[str]:
+    """``from X import n`` lines of ``source`` whose ``n`` the project module X
+    neither defines nor lists in ``__all__``: X only imported it (a hidden
+    re-export).  A submodule (``from swarmfs import _errors``) is fine."""
+    pkg = name if is_package else name.rpartition(".")[0]
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        target = from_target(pkg, node)
+        if target.split(".")[0] not in PROJECT or not _module_exists(target):
+            continue
+        known = _exported(target)
+        if known is None:
+            continue
+        defined, listed = known
+        for a in node.names:
+            if a.name == "*" or a.name in defined or a.name in listed or \
+                    _module_exists(f"{target}.{a.name}"):
+                continue
+            bad.append(f"{name}:{node.lineno}: {a.name} from {target}")
+    return bad
+
+
+def _project_sources():
+    """(module name, path, is package) of every Python file of swarmfs,
+    layout, tools and tests."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for top, mod in (("swarmfs", "swarmfs"), ("layout", "swarmfs.layout"),
+                     ("tools", "tools"), ("tests", "tests")):
+        for p in sorted((root / top).rglob("*.py")):
+            rel = p.relative_to(root / top).with_suffix("").parts
+            pkg = rel[-1] == "__init__"
+            yield ".".join((mod,) + (rel[:-1] if pkg else rel)), p, pkg
+
+
+def test_names_are_imported_from_their_module():
+    bad = []
+    for name, path, pkg in _project_sources():
+        bad += borrowed_imports(name, path.read_text(encoding="utf-8"), pkg)
+    assert not bad, "imports of a name from a module that only imports it:\n" + "\n".join(bad)
+
+
+def test_borrowed_import_checker():
+    # window_size is defined in swarmfs._window; swarmfs._selectors only uses it
+    assert borrowed_imports("tests.t", "from swarmfs._selectors import window_size\n",
+                            False) == ["tests.t:1: window_size from swarmfs._selectors"]
+    assert borrowed_imports("swarmfs._x", "from ._retrieve import score_medoids\n",
+                            False) == ["swarmfs._x:1: score_medoids from swarmfs._retrieve"]
+    ok = ("from swarmfs._window import window_size\n"   # defined there
+          "from swarmfs import Store\n"                  # listed in swarmfs.__all__
+          "from swarmfs import _errors\n"                # a submodule
+          "from swarmfs.layout._place import place_clusters\n"   # a documented re-export
+          "import numpy as np\nfrom numpy import ndarray\n")     # not the project's
+    assert borrowed_imports("tests.t", ok, False) == []
+    assert top_level_names("a = 1\nif x:\n    def f(): pass\nelse:\n    class C: pass\n"
+                           "try:\n    b, (c, d) = 1, (2, 3)\nexcept E:\n    e: int = 0\n"
+                           "import g\nfrom h import i\n") == {"a", "f", "C", "b", "c", "d", "e"}

@@ -239,6 +239,47 @@ def test_int8_selection_is_the_rule_on_its_scores(each_path, rng):
             assert got[0].tolist() == want[0].tolist() and got[1] == want[1], path
             if budget == S:                  # the whole context: every token, once
                 assert got[1] == S
+            # both cores for one query: the same clusters (scores equal up to
+            # the order of one addition)
+            two = select_i8(ix, q, H, scale=d ** -0.5, ptr=ptr, members=members,
+                            num_tokens=S, budget=budget, window=w, threads=2)
+            assert two[0].tolist() == want[0].tolist() and two[1] == want[1], path
+
+
+def test_int8_selection_on_two_threads_under_concurrent_callers(rng):
+    """select_i8(threads=2) from several Python threads at once (the C call
+    releases the GIL; each call starts and joins its own second thread and
+    uses its caller's scratch): every result is the one-thread result; one
+    KV head falls back to one thread."""
+    import threading
+    from swarmfs._kernels import pack_medoids_i8, select_i8
+    H, Hq, d, C = 8, 64, 128, 700
+    m = rng.standard_normal((C, H * d)).astype(np.float16)
+    ptr, members, S = replicated_csr(rng, C)
+    ix = pack_medoids_i8(m, H)
+    qs = rng.standard_normal((6, Hq, d)).astype(np.float32)
+    kw = dict(scale=d ** -0.5, ptr=ptr, members=members, num_tokens=S, budget=S // 10,
+              window=16)
+    want = [select_i8(ix, q, H, **kw) for q in qs]
+    bad = []
+
+    def worker(t):
+        for i in range(40):
+            j = (t + i) % len(qs)
+            got = select_i8(ix, qs[j], H, threads=2, **kw)
+            if got[0].tolist() != want[j][0].tolist() or got[1] != want[j][1]:
+                bad.append((t, i))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not bad
+    one = pack_medoids_i8(m[:, :d], 1)
+    a = select_i8(one, qs[0][:8], 1, **kw)
+    b = select_i8(one, qs[0][:8], 1, threads=2, **kw)
+    assert a[0].tolist() == b[0].tolist() and a[1] == b[1]
 
 
 def test_int8_index_refuses_what_does_not_fit(rng):
@@ -259,6 +300,10 @@ def test_int8_index_refuses_what_does_not_fit(rng):
                           budget=5, window=0),
         lambda: select_i8(ix, q, 2, scale=0.3, ptr=ptr[:-1], members=mem, num_tokens=20,
                           budget=5, window=0),
+    ] + [
+        (lambda t=t: select_i8(ix, q, 2, scale=0.3, ptr=ptr, members=mem, num_tokens=20,
+                               budget=5, window=0, threads=t))
+        for t in (0, 3, -1, True, 1.0, "2", None)
     ]
     for i, f in enumerate(bad):
         with pytest.raises(InvalidArgumentError):

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -31,7 +32,7 @@ from swarmfs import Store
 from swarmfs import _errors as E
 from swarmfs import _format as F
 from swarmfs._manifest import Manifest, read_manifest, write_manifest
-from tools.fuzz_store import _paths
+from tools.fuzz_store import _paths, _raw_manifest, reseal_manifest
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "store-v2")
 
@@ -225,6 +226,21 @@ def test_a_corrupted_field_is_refused_or_round_trips(d, data):
     assert m.to_dict() == x
 
 
+def _small_manifest() -> dict:
+    """A valid one-layer manifest, unsealed, keys in swarmfs's order."""
+    return {"format": "swarmfs", "format_version": 2, "uuid": "ab" * 16, "generation": 1,
+            "created": "t",
+            "model": {"name": None, "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
+                      "num_query_heads": 2, "dtype": "float16", "entry_bytes": 64},
+            "block_size": 512, "p_global": 0,
+            "disks": [{"index": 0, "path": "d", "end": 16384, "capacity": 0, "free": []}],
+            "layers": {"0": {"local_window": 4, "num_tokens": 4, "num_clusters": 1,
+                             "num_copies": 4, "replication": 1.0, "hot_clusters": 0,
+                             "index": {"file": "layer-000.g00000001.safetensors",
+                                       "xxh3": "0" * 16, "bytes": 10}, "generation": 1}},
+            "dram": {"local_window": 256}}
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda m: m["model"].update(dtype=["float16"]), "model.dtype"),
     (lambda m: m["model"].update(num_kv_heads=True), "model.num_kv_heads"),
@@ -238,19 +254,12 @@ def test_a_corrupted_field_is_refused_or_round_trips(d, data):
     (lambda m: m["layers"]["0"]["index"].update(file="layer-001.g00000001.safetensors"),
      "index.file"),
     (lambda m: m["dram"].update(local_window=-1), "dram.local_window"),
+    # null was accepted, then dropped on the way back (hypothesis found it)
+    (lambda m: m.update(created=None), "created must be a string"),
+    (lambda m: m.update(created=5), "created must be a string"),
 ])
 def test_named_rejections(edit, match):
-    d = {"format": "swarmfs", "format_version": 2, "uuid": "ab" * 16, "generation": 1,
-         "created": "t",
-         "model": {"name": None, "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
-                   "num_query_heads": 2, "dtype": "float16", "entry_bytes": 64},
-         "block_size": 512, "p_global": 0,
-         "disks": [{"index": 0, "path": "d", "end": 16384, "capacity": 0, "free": []}],
-         "layers": {"0": {"local_window": 4, "num_tokens": 4, "num_clusters": 1,
-                          "num_copies": 4, "replication": 1.0, "hot_clusters": 0,
-                          "index": {"file": "layer-000.g00000001.safetensors",
-                                    "xxh3": "0" * 16, "bytes": 10}, "generation": 1}},
-         "dram": {"local_window": 256}}
+    d = _small_manifest()
     Manifest.load(F.seal_manifest(d), "st")                 # the base is valid
     edit(d)
     with pytest.raises(E.ManifestError, match=match):
@@ -265,3 +274,54 @@ def test_write_manifest_seals_and_returns_the_written_model(tmp_path):
     out = write_manifest(str(tmp_path / "st"), edited)
     assert out.checksum and out.checksum != m.checksum
     assert read_manifest(tmp_path / "st") == out and out.p_global == 77
+
+
+# -- keys format version 2 does not have ------------------------------------------------
+
+@pytest.mark.parametrize("where, field", [
+    ((), "'zz'"), (("model",), "'model.zz'"), (("dram",), "'dram.zz'"),
+    (("disks", 0), "'disks[0].zz'"), (("layers", "0", "index"), "'layers[0].index.zz'")])
+def test_an_unknown_key_is_refused_by_name(tmp_path, where, field):
+    """Format 2 is a closed schema, checked like format_version: a key it does
+    not know is refused (naming the file and the key), never dropped or carried
+    through a commit."""
+    d = _small_manifest()
+    tgt = d
+    for p in where:
+        tgt = tgt[p]
+    tgt["zz"] = [1]
+    with pytest.raises(E.ManifestError,
+                       match=re.escape(f"manifest.json: unknown field {field}")):
+        Manifest.load(F.seal_manifest(d), "st")
+    # and a store whose (resealed) manifest has one does not open
+    with Store.create(tmp_path / "st", disks=1, num_layers=1, num_kv_heads=1,
+                      head_dim=4) as s:
+        s.write_layer(0, np.ones((4, 2, 1, 4), np.float16), [np.arange(4)])
+    raw = _raw_manifest(str(tmp_path / "st"))
+    tgt = raw
+    for p in where:
+        tgt = tgt[p]
+    tgt["zz"] = [1]
+    reseal_manifest(str(tmp_path / "st"), raw, deep=True)
+    with pytest.raises(E.ManifestError, match=re.escape(f"unknown field {field}")):
+        Store.open(tmp_path / "st")
+
+
+def test_a_layers_caller_fields_round_trip_byte_for_byte(tmp_path):
+    """The one open namespace: a layer record's keys beyond the record's own
+    (write_layer's extra) are kept verbatim through a commit that does not
+    touch the layer."""
+    with Store.create(tmp_path / "st", disks=2, num_layers=2, num_kv_heads=1,
+                      head_dim=4) as s:
+        s.write_layer(0, np.ones((4, 2, 1, 4), np.float16), [np.arange(4)],
+                      extra={"zz": [1, {"deep": None}], "note": "n"})
+    raw = _raw_manifest(str(tmp_path / "st"))
+    want = json.dumps(raw["layers"]["0"], indent=1)
+    m = Manifest.load(copy.deepcopy(raw), "st")
+    assert m.layers[0].extra == {"zz": [1, {"deep": None}], "note": "n"}
+    assert m.to_json() == json.dumps(raw, indent=1).encode() + b"\n"
+    with Store.open(tmp_path / "st", writable=True) as s:
+        s.write_layer(1, np.ones((4, 2, 1, 4), np.float16), [np.arange(4)])
+    after = _raw_manifest(str(tmp_path / "st"))
+    assert json.dumps(after["layers"]["0"], indent=1) == want
+    assert list(after["layers"]["0"])[:3] == ["local_window", "zz", "note"]

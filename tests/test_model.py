@@ -143,3 +143,45 @@ def test_copies_a_repeated_passage(decoder):
     assert not r_repeat < 0.5 * r_first
     first, repeat = repeat_losses(model, ids)
     assert repeat < 0.5 * first, (first, repeat)
+
+
+# ----------------------------------------------------------------- the recipe's copy augmentation
+def test_copy_augmentation_mixture_and_pairs():
+    """``--repeat`` parts with one start step form a mixture; ``pairs`` windows
+    are random-id segments each followed by itself, at varying distances."""
+    from tools.train_decoder import batch_for, pick_mode, repeat_at
+    assert repeat_at("0:0.8:pairs,300:0.2:pairs,300:0.3:double", 299) == [(0.8, "pairs")]
+    assert repeat_at("0:0.8:pairs,300:0.2:pairs,300:0.3:double", 300) == [(0.2, "pairs"),
+                                                                          (0.3, "double")]
+    assert repeat_at("310:0.5", 0) == []
+    assert [pick_mode([(0.2, "pairs"), (0.3, "double")], u) for u in (0.1, 0.2, 0.49, 0.5)] \
+        == ["pairs", "double", "double", None]
+    with pytest.raises(ValueError, match="add up"):
+        repeat_at("0:0.7:pairs,0:0.7:double", 5)
+    with pytest.raises(ValueError, match="mode"):
+        repeat_at("0:0.5:copy", 5)
+    streams = {"python": np.arange(5000, dtype=np.uint16) % 8000,
+               "prose": np.arange(5000, dtype=np.uint16) % 7000}
+    seq = 128
+    rows = batch_for(streams, 0, 7, seq, 16, 0.5, [(1.0, "pairs")], 8192)
+    assert rows.shape == (16, seq + 1) and rows.max() < 8192
+    distances = set()
+    for row in rows:
+        pos = 0
+        # walk the segments: a segment of n tokens is followed by the same n tokens
+        while pos < seq + 1:
+            left = seq + 1 - pos
+
+            def repeats(n):
+                m = min(n, left - n)
+                return m > 0 and np.array_equal(row[pos:pos + m], row[pos + n:pos + n + m])
+
+            n = next((n for n in range(4, seq // 4 + 1) if repeats(n)), None)
+            if n is None:                  # the tail: a segment cut before its copy
+                assert left <= seq // 4
+                break
+            distances.add(n)
+            pos += 2 * n
+    assert len(distances) > 10            # the copy distance varies
+    plain = batch_for(streams, 0, 7, seq, 16, 0.5, [], 8192)
+    assert not any(np.array_equal(a, b) for a, b in zip(rows, plain))

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import random_clusters, random_kv, same_bits
+from conftest import random_clusters, random_kv, random_layer_store, same_bits
 
 from swarmfs import Retriever, Store
 from swarmfs import _errors as E
@@ -13,13 +13,9 @@ S, H, HQ, D = 1200, 2, 4, 16
 
 @pytest.fixture
 def store(tmp_path, rng):
-    s = Store.create(tmp_path / "st", disks=3, num_layers=1, num_kv_heads=H, head_dim=D,
-                     num_query_heads=HQ, dtype="float16")
-    kv = random_kv(rng, S, H, D, "float16")
-    cl = random_clusters(rng, S, 60, 100)
-    hot = np.zeros(60, bool)
-    hot[:4] = True
-    s.write_layer(0, kv, cl, hot=hot, freq=np.ones(60), local_window=32)
+    s, kv, cl = random_layer_store(tmp_path / "st", rng, S=S, H=H, HQ=HQ, D=D, disks=3,
+                                   clusters=60, extra_copies=100, hot=range(4),
+                                   freq=np.ones(60), local_window=32)
     yield s, kv, cl
     s.close()
 
@@ -345,10 +341,8 @@ def test_retrieval_in_flight_across_many_appends_reads_its_generation(tmp_path, 
     it returns the generation it started with, bit exact, also with
     verify=False (before the fix: other entries' bytes, no error)."""
     S_ = 512
-    kv = random_kv(rng, S_, H, D, "float16")
-    s = Store.create(tmp_path / "st", disks=4, num_layers=1, num_kv_heads=H, head_dim=D,
-                     num_query_heads=HQ, dtype="float16")
-    s.write_layer(0, kv, random_clusters(rng, S_, 32), local_window=8)
+    s, kv, _ = random_layer_store(tmp_path / "st", rng, S=S_, H=H, HQ=HQ, D=D, disks=4,
+                                  clusters=32, local_window=8)
     s.close()
     s = Store.open(tmp_path / "st", verify=False, writable=True)
     r = Retriever(s, ratio=1.0)

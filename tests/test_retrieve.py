@@ -2,27 +2,23 @@
 
 import numpy as np
 import pytest
-from conftest import random_clusters, random_kv, same_bits
+from conftest import random_clusters, random_kv, random_layer_store, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmfs import Retriever, Store
 from swarmfs import _errors as E
-from swarmfs._retrieve import group_queries, score_medoids
-from swarmfs._selectors import BoundSelector, MultiVectorSelector, TokenSelector
+from swarmfs._selectors import (BoundSelector, MultiVectorSelector, TokenSelector, group_queries,
+                               score_medoids)
 
 S, H, HQ, D = 2000, 2, 8, 16
 
 
 @pytest.fixture
 def store(tmp_path, rng):
-    s = Store.create(tmp_path / "st", disks=4, num_layers=1, num_kv_heads=H, head_dim=D,
-                     num_query_heads=HQ, dtype="float16")
-    kv = random_kv(rng, S, H, D, "float16")
-    cl = random_clusters(rng, S, 100, 300)
-    hot = np.zeros(100, bool)
-    hot[[3, 17]] = True
-    s.write_layer(0, kv, cl, hot=hot, local_window=64)
+    s, kv, cl = random_layer_store(tmp_path / "st", rng, S=S, H=H, HQ=HQ, D=D, disks=4,
+                                   clusters=100, extra_copies=300, hot=[3, 17],
+                                   local_window=64)
     yield s, kv, cl
     s.close()
 
@@ -240,10 +236,8 @@ def test_retriever_state_of_an_older_generation_never_reads_reclaimed_space(tmp_
     512 rows came back as other entries' bytes with verify=False (and a false
     ChecksumError with verify=True)."""
     S_ = 512
-    kv = random_kv(rng, S_, H, D, "float16")
-    s = Store.create(tmp_path / "st", disks=4, num_layers=1, num_kv_heads=H, head_dim=D,
-                     num_query_heads=HQ, dtype="float16")
-    s.write_layer(0, kv, random_clusters(rng, S_, 32), local_window=8)
+    s, kv, _ = random_layer_store(tmp_path / "st", rng, S=S_, H=H, HQ=HQ, D=D, disks=4,
+                                  clusters=32, local_window=8)
     s.close()
     s = Store.open(tmp_path / "st", verify=verify, writable=True)
     try:

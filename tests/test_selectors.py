@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from swarmfs import Retriever, Store
 from swarmfs._errors import InvalidArgumentError, SwarmError
-from swarmfs._selectors import (MedoidSelector, group_queries, score_medoids,
-                                select_clusters, window_size)
+from swarmfs._selectors import MedoidSelector, group_queries, score_medoids, select_clusters
+from swarmfs._window import window_size
 
 
 def csr(clusters):
@@ -202,6 +202,22 @@ def test_int8_index_recall_on_a_real_fp16_layout(real_fp16_store):
 def test_medoid_selector_refuses_an_unknown_index():
     with pytest.raises(InvalidArgumentError):
         MedoidSelector(None, index="int4")
+    for bad in (0, 3, True, 2.0, "2"):
+        with pytest.raises(InvalidArgumentError, match="threads"):
+            MedoidSelector(None, threads=bad)
+
+
+def test_two_thread_selection_chooses_what_one_thread_does(real_fp16_store):
+    """MedoidSelector(threads=2) on a real layout: the same clusters and
+    entries as one thread for held-out queries at r = 0.1."""
+    store, cap = real_fp16_store
+    S = 2048
+    one, two = MedoidSelector(store), MedoidSelector(store, threads=2)
+    for layer in store.layers:
+        q = cap.q[layer][:, S:S + 16].transpose(1, 0, 2).astype(np.float32)
+        for a, b in zip(one.select(layer, q, budget=205, window=51),
+                        two.select(layer, q, budget=205, window=51)):
+            assert a.clusters.tolist() == b.clusters.tolist() and a.entries == b.entries
 
 
 # -- MedoidSelector against the rule written out in numpy --------------------------

@@ -222,16 +222,30 @@ def test_shape_and_dtype_mismatch_on_write(tmp_path, rng):
     s.close()
 
 
-def test_bad_reads(tmp_path, rng):
-    s, _, _ = make_store(tmp_path / "st", rng)
-    with pytest.raises(E.OutOfRangeError):
-        s.read_cluster(0, 10_000)
-    with pytest.raises(E.OutOfRangeError):
-        s.read_entries(0, [0, 600])
-    with pytest.raises(E.OutOfRangeError):
-        s.read_entries(0, [-1])
-    with pytest.raises(E.OutOfRangeError):
-        s.read_cluster(7, 0)
+#: (what, call(store, kvs, clusters), the error): reads out of range, and
+#: arguments of the wrong type (strict: a float or bool is not an index)
+REFUSED = [
+    ("cluster out of range", lambda s, kvs, cls: s.read_cluster(0, 10_000), E.OutOfRangeError),
+    ("token past the end", lambda s, kvs, cls: s.read_entries(0, [0, 600]), E.OutOfRangeError),
+    ("negative token", lambda s, kvs, cls: s.read_entries(0, [-1]), E.OutOfRangeError),
+    ("layer out of range", lambda s, kvs, cls: s.read_cluster(7, 0), E.OutOfRangeError),
+    ("float cluster", lambda s, kvs, cls: s.read_cluster(0, 1.9), E.OutOfRangeError),
+    ("bool layer", lambda s, kvs, cls: s.read_cluster(True, 1), E.OutOfRangeError),
+    ("float tokens", lambda s, kvs, cls: s.read_entries(0, [1.0, 2.0]), E.OutOfRangeError),
+    ("negative hot", lambda s, kvs, cls: s.write_layer(
+        0, kvs[0], cls[0], hot=np.full(len(cls[0]), -1)), E.ShapeError),
+    ("float clusters", lambda s, kvs, cls: s.write_layer(
+        0, kvs[0], [c.astype(float) for c in cls[0]]), E.OutOfRangeError),
+    ("unknown policy", lambda s, kvs, cls: s.plan(0, [1], policy="x"), E.ConfigError),
+]
+
+
+@pytest.mark.parametrize("call, error", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
+def test_bad_reads_and_argument_types(tmp_path, rng, call, error):
+    s, kvs, cls = make_store(tmp_path / "st", rng)
+    with pytest.raises(error):
+        call(s, kvs, cls)
+    assert s.read_entries(0, []).shape == (0, 2, 2, 16)      # an empty read is no error
     s.close()
 
 
@@ -478,24 +492,9 @@ def test_store_used_after_fork_refuses_instead_of_misreading(tmp_path, rng):
     s.close()
 
 
-def test_strict_argument_types(tmp_path, rng):
-    s, kvs, cls = make_store(tmp_path / "st", rng)
-    with pytest.raises(E.OutOfRangeError):
-        s.read_cluster(0, 1.9)
-    with pytest.raises(E.OutOfRangeError):
-        s.read_cluster(True, 1)
-    with pytest.raises(E.OutOfRangeError):
-        s.read_entries(0, [1.0, 2.0])
-    assert s.read_entries(0, []).shape == (0, 2, 2, 16)
-    with pytest.raises(E.ShapeError):
-        s.write_layer(0, kvs[0], cls[0], hot=np.full(len(cls[0]), -1))
-    with pytest.raises(E.OutOfRangeError):
-        s.write_layer(0, kvs[0], [c.astype(float) for c in cls[0]])
-    with pytest.raises(E.ConfigError):
-        s.plan(0, [1], policy="x")
+def test_a_float_head_dim_is_refused(tmp_path):
     with pytest.raises(E.ShapeError):
         Store.create(tmp_path / "b", disks=1, num_layers=1, num_kv_heads=1, head_dim=2.5)
-    s.close()
 
 
 # -- inputs that once got past the checks (adversarial review) ---------------------

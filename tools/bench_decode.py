@@ -43,7 +43,6 @@ fresh prefill.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -53,7 +52,9 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 
+import click
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -214,6 +215,7 @@ def swarm_run(model, ctx, cont, *, ratio, method, disks, workdir, prefetch="none
         layout = cache.layout_report
     return {"nll": nll(torch.stack(lg), cont), "recall": rec["recall"],
             "recall_per_layer": rec["per_layer"], "rel_error": rec["rel_error"],
+            "mass": rec["mass"], "oracle_mass": rec["oracle_mass"],
             "step_ms": statistics.median(ms), "prefill_layout_s": prefill_s,
             "layout": {str(k): v for k, v in layout.items()}, "summary": summ}
 
@@ -248,7 +250,9 @@ def quality(args, model, tok):
                     res["runs"].append(row)
                     print(f"[{kind}] r={r} {m:8s} ppl {row['perplexity']:.3f} "
                           f"({100 * row['ppl_vs_dense']:+.2f}%) recall "
-                          f"{row.get('recall', float('nan')):.3f} "
+                          f"{row.get('recall', float('nan')):.3f} mass "
+                          f"{row.get('mass', float('nan')):.3f} (oracle "
+                          f"{row.get('oracle_mass', float('nan')):.3f}) "
                           f"{row['seconds']:.0f} s", flush=True)
         out["kinds"][kind] = res
     return out
@@ -558,35 +562,80 @@ def reuse(args, model, tok):
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["quality", "throughput", "online", "cache", "reuse"])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--checkpoint", default=None)
-    ap.add_argument("--fallback-checkpoint", default="/work/train/ckpt/last.pt")
-    ap.add_argument("--tokenizer", default="/work/train/tokenizer.json")
-    ap.add_argument("--kinds", nargs="+", default=["python", "prose"])
-    ap.add_argument("--text-python", default=None)
-    ap.add_argument("--text-prose", default=None)
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--offset", type=int, default=0, help="skip this many tokens first")
-    ap.add_argument("--continuation", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.1, 0.2])
-    ap.add_argument("--methods", nargs="+",
-                    default=["swarm", "quest", "infllm", "pqcache", "sinks", "oracle"])
-    ap.add_argument("--disks", type=int, default=4)
-    ap.add_argument("--disk-paths", nargs="+", default=None,
-                    help="throughput: devices (e.g. the testbed's loop devices), split evenly "
-                         "between the two swarmfs stores; overrides --disks")
-    ap.add_argument("--online-window", type=int, default=32,
-                    help="W for the online run: steps before a new entry joins (eq. 9)")
-    ap.add_argument("--workdir", default=None, help="where the stores go (default $TMPDIR)")
-    ap.add_argument("--dram-fractions", type=float, nargs="+", default=[0.01, 0.02, 0.05, 0.1])
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions (reuse)")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+#: options that take one or more values, as ``--kinds python prose``
+#: (argparse's ``nargs="+"``); click gets them as repeated options
+_LISTS = ("--kinds", "--ratios", "--methods", "--disk-paths", "--dram-fractions")
+
+
+def _is_value(tok: str) -> bool:
+    """Whether ``tok`` after a list option is one of its values (not an option)."""
+    if not tok.startswith("-"):
+        return True
+    try:
+        float(tok)
+        return True
+    except ValueError:
+        return False
+
+
+def spread_lists(args: list[str]) -> list[str]:
+    """``--kinds python prose`` -> ``--kinds python --kinds prose``: the values
+    that follow a list option, up to the next option; pure."""
+    out, i = [], 0
+    while i < len(args):
+        tok = args[i]
+        out.append(tok)
+        i += 1
+        if tok == "--":
+            out += args[i:]
+            break
+        if tok in _LISTS:
+            n = 0
+            while i < len(args) and _is_value(args[i]):
+                out += ([tok] if n else []) + [args[i]]
+                i, n = i + 1, n + 1
+    return out
+
+
+class _ListsCommand(click.Command):
+    """A command whose :data:`_LISTS` options take several values each."""
+
+    def parse_args(self, ctx, args):
+        return super().parse_args(ctx, spread_lists(list(args)))
+
+
+@click.command(cls=_ListsCommand, help=__doc__.split("\n\n")[0])
+@click.argument("what", type=click.Choice(["quality", "throughput", "online", "cache", "reuse"]))
+@click.option("--model", default=None)
+@click.option("--checkpoint", default=None)
+@click.option("--fallback-checkpoint", default="/work/train/ckpt/last.pt")
+@click.option("--tokenizer", default="/work/train/tokenizer.json")
+@click.option("--kinds", multiple=True, default=["python", "prose"])
+@click.option("--text-python", default=None)
+@click.option("--text-prose", default=None)
+@click.option("--context", type=int, default=8192)
+@click.option("--offset", type=int, default=0, help="skip this many tokens first")
+@click.option("--continuation", type=int, default=64)
+@click.option("--steps", type=int, default=32)
+@click.option("--ratios", type=float, multiple=True, default=[0.05, 0.1, 0.2])
+@click.option("--methods", multiple=True,
+              default=["swarm", "quest", "infllm", "pqcache", "sinks", "oracle"])
+@click.option("--disks", type=int, default=4)
+@click.option("--disk-paths", multiple=True, default=None,
+              help="throughput: devices (e.g. the testbed's loop devices), split evenly "
+                   "between the two swarmfs stores; overrides --disks")
+@click.option("--online-window", type=int, default=32,
+              help="W for the online run: steps before a new entry joins (eq. 9)")
+@click.option("--workdir", default=None, help="where the stores go (default $TMPDIR)")
+@click.option("--dram-fractions", type=float, multiple=True,
+              default=[0.01, 0.02, 0.05, 0.1])
+@click.option("--threads", type=int, default=2, help="torch threads")
+@click.option("--reps", type=int, default=3, help="repetitions (reuse)")
+@click.option("--out", default=None)
+def cli(**options):
+    args = types.SimpleNamespace(**{k: list(v) if isinstance(v, tuple) else v
+                                    for k, v in options.items()})
+    args.disk_paths = args.disk_paths or None
     import torch
     torch.set_num_threads(args.threads)
     model, tok, name = load(args)
@@ -601,6 +650,11 @@ def main(argv=None):
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(res, indent=1, default=float))
     return 0
+
+
+def main(argv=None):
+    """Run :func:`cli` (``argv`` None: the command line, as a program)."""
+    return cli.main(args=argv, obj=argv, standalone_mode=argv is None)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ nothing asserts.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -47,7 +46,9 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
+import click
 import numpy as np
 
 from swarmfs._engine import READ, Engine, open_disk
@@ -338,31 +339,36 @@ def plot(results, path, qd, ndisks):
     print(f"wrote {path}")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", nargs="?", choices=["throughput", "isolation"],
-                    default="throughput")
-    ap.add_argument("--dir", default="/dev/shm/swarmfs-engine-bench" if
-                    os.path.isdir("/dev/shm") else "bench-out/engine-disks",
-                    help="where the disk files live (default: tmpfs)")
-    ap.add_argument("--disks", type=int, default=4)
-    ap.add_argument("--disk-size", type=int, default=256 << 20, help="bytes per disk file")
-    ap.add_argument("--qd", type=int, default=32, help="queue depth for all contenders")
-    ap.add_argument("--sizes", default="4K,128K", help="request sizes, e.g. 4K,16K,128K,1M")
-    ap.add_argument("--bytes", type=int, default=512 << 20, help="bytes read per run")
-    ap.add_argument("--min-requests", type=int, default=4000)
-    ap.add_argument("--max-requests", type=int, default=100000)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--slow-iops", type=int, default=20,
-                    help="isolation: read requests/s of the throttled disk")
-    ap.add_argument("--reads", type=int, default=20000, help="isolation: healthy reads per mode")
-    ap.add_argument("--seconds", type=float, default=3.0,
-                    help="isolation: at most this long per mode")
-    ap.add_argument("--out", default=None, help="output prefix (.json, .png)")
-    a = ap.parse_args(argv)
+@click.command(help=__doc__.split("\n\n")[0])
+@click.argument("mode", required=False, default="throughput",
+                type=click.Choice(["throughput", "isolation"]))
+@click.option("--dir", default="/dev/shm/swarmfs-engine-bench" if
+              os.path.isdir("/dev/shm") else "bench-out/engine-disks",
+              help="where the disk files live (default: tmpfs)")
+@click.option("--disks", type=int, default=4)
+@click.option("--disk-size", type=int, default=256 << 20, help="bytes per disk file")
+@click.option("--qd", type=int, default=32, help="queue depth for all contenders")
+@click.option("--sizes", default="4K,128K", help="request sizes, e.g. 4K,16K,128K,1M")
+@click.option("--bytes", type=int, default=512 << 20, help="bytes read per run")
+@click.option("--min-requests", type=int, default=4000)
+@click.option("--max-requests", type=int, default=100000)
+@click.option("--repeats", type=int, default=7)
+@click.option("--slow-iops", type=int, default=20,
+              help="isolation: read requests/s of the throttled disk")
+@click.option("--reads", type=int, default=20000, help="isolation: healthy reads per mode")
+@click.option("--seconds", type=float, default=3.0,
+              help="isolation: at most this long per mode")
+@click.option("--out", default=None, help="output prefix (.json, .png)")
+def cli(**options):
+    a = types.SimpleNamespace(**options)
     if a.out is None:
         a.out = "bench-out/engine" if a.mode == "throughput" else "bench-out/engine-isolation"
     (throughput if a.mode == "throughput" else isolation)(a)
+
+
+def main(argv=None):
+    """Run :func:`cli` (``argv`` None: the command line, as a program)."""
+    return cli.main(args=argv, obj=argv, standalone_mode=argv is None)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ position-contiguous blocks of the same mean size.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -44,7 +43,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
+import click
 import numpy as np
 from tools._shared_data import data_dir
 
@@ -197,44 +198,76 @@ def cmd_recall(args) -> dict:
             "heldout": int(args.heldout), "ratio": 0.1, "results": results}
 
 
+class _CommaList(click.ParamType):
+    """A comma-separated list of ``of`` values (empty items skipped)."""
+    name = "list"
+
+    def __init__(self, of):
+        self.of = of
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):        # a default given as a list
+            return value
+        try:
+            return [self.of(x) for x in value.split(",") if x]
+        except ValueError:
+            self.fail(f"{value!r} is not a comma list of {self.of.__name__}s", param, ctx)
+
+
+_CACHE = pathlib.Path(tempfile.gettempdir()) / "swarmfs-bench"
+_PATH = click.Path(path_type=pathlib.Path)
+
+
+def _write(result: dict, out: pathlib.Path | None) -> None:
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+
+
+@click.group(help=__doc__.split("\n\n")[0])
+def cli():
+    pass
+
+
+@cli.command(help="time and peak RSS per S")
+@click.option("--sizes", default="16384,32768,65536,131072")
+@click.option("--layer", type=int, default=2)
+@click.option("--cache", type=_PATH, default=_CACHE)
+@click.option("--out", type=_PATH)
+def scale(out, **options):
+    _write(cmd_scale(types.SimpleNamespace(**options)), out)
+
+
+@cli.command(help="held-out recall per layer and metric")
+@click.option("--datasets", default="wikitext2,gsm8k")
+@click.option("--context", type=int, default=3072)
+@click.option("--heldout", type=int, default=256)
+@click.option("--heldout-span", type=int, default=None,
+              help="held-out queries come from [context, context + span)")
+@click.option("--max-queries", type=int, default=2048)
+@click.option("--taus", type=_CommaList(float), default=None,
+              help="Jaccard radii (default: the library default)")
+@click.option("--layers", type=_CommaList(int), default=None)
+@click.option("--eq2-counts", type=_CommaList(float), default=[0.025, 0.05, 0.1],
+              help="eq. 2 thresholds as fractions of the profiled queries")
+@click.option("--seed", type=int, default=0)
+@click.option("--cache", type=_PATH, default=_CACHE)
+@click.option("--out", type=_PATH)
+def recall(out, **options):
+    _write(cmd_recall(types.SimpleNamespace(**options)), out)
+
+
+@cli.command("_scale_worker", hidden=True)
+@click.option("--capture")
+@click.option("--tokens", type=int)
+@click.option("--layer", type=int)
+def scale_worker(**options):
+    _scale_worker(types.SimpleNamespace(**options))
+
+
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    cache_default = pathlib.Path(tempfile.gettempdir()) / "swarmfs-bench"
-    sc = sub.add_parser("scale", help="time and peak RSS per S")
-    sc.add_argument("--sizes", default="16384,32768,65536,131072")
-    sc.add_argument("--layer", type=int, default=2)
-    sc.add_argument("--cache", type=pathlib.Path, default=cache_default)
-    sc.add_argument("--out", type=pathlib.Path)
-    rc = sub.add_parser("recall", help="held-out recall per layer and metric")
-    rc.add_argument("--datasets", default="wikitext2,gsm8k")
-    rc.add_argument("--context", type=int, default=3072)
-    rc.add_argument("--heldout", type=int, default=256)
-    rc.add_argument("--heldout-span", type=int, default=None,
-                    help="held-out queries come from [context, context + span)")
-    rc.add_argument("--max-queries", type=int, default=2048)
-    rc.add_argument("--taus", type=lambda s: [float(x) for x in s.split(",") if x],
-                    default=None, help="Jaccard radii (default: the library default)")
-    rc.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",") if x],
-                    default=None)
-    rc.add_argument("--eq2-counts", type=lambda s: [float(x) for x in s.split(",") if x],
-                    default=[0.025, 0.05, 0.1],
-                    help="eq. 2 thresholds as fractions of the profiled queries")
-    rc.add_argument("--seed", type=int, default=0)
-    rc.add_argument("--cache", type=pathlib.Path, default=cache_default)
-    rc.add_argument("--out", type=pathlib.Path)
-    wk = sub.add_parser("_scale_worker")
-    wk.add_argument("--capture")
-    wk.add_argument("--tokens", type=int)
-    wk.add_argument("--layer", type=int)
-    args = ap.parse_args(argv)
-    if args.cmd == "_scale_worker":
-        _scale_worker(args)
-        return
-    result = cmd_scale(args) if args.cmd == "scale" else cmd_recall(args)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    """Run :func:`cli` (``argv`` None: the command line, as a program)."""
+    return cli.main(args=argv, obj=argv, standalone_mode=argv is None)
 
 
 if __name__ == "__main__":

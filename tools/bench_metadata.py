@@ -11,9 +11,9 @@ each source tree (from a directory outside both), under /work/bench-exclusive.
 import json
 import resource
 import shutil
-import sys
 import time
 
+import click
 import numpy as np
 
 from swarmfs import Store
@@ -24,7 +24,7 @@ def _cpu():
     return r.ru_utime + r.ru_stime
 
 
-def main(root: str) -> dict:
+def measure(root: str) -> dict:
     rng = np.random.default_rng(0)
     S, H, d = 16384, 2, 64
     kv = rng.standard_normal((S, 2, H, d)).astype(np.float16)
@@ -54,5 +54,16 @@ def main(root: str) -> dict:
     return res
 
 
+@click.command(help=__doc__.split("\n\n")[0])
+@click.argument("root", default="/tmp/swarmfs-bench-meta")
+def cli(root):
+    print(json.dumps(measure(root)))
+
+
+def main(argv=None):
+    """Run :func:`cli` (``argv`` None: the command line, as a program)."""
+    return cli.main(args=argv, obj=argv, standalone_mode=argv is None)
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/swarmfs-bench-meta")))
+    main()

@@ -31,7 +31,6 @@ Writes everything to --out as JSON and prints a table.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -41,7 +40,9 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
+import click
 import numpy as np
 
 from swarmfs import Store
@@ -222,23 +223,23 @@ def readahead_sweep(big, mnt, sizes_kb, runs, store):
     return {k: statistics.median(v) for k, v in res.items()}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default="/tmp/swarmfs-bench")
-    ap.add_argument("--disks", type=int, default=4)
-    ap.add_argument("--cluster-mib", type=int, default=64)
-    ap.add_argument("--big-clusters", type=int, default=4)
-    ap.add_argument("--clusters", type=int, default=100_000)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--ls-runs", type=int, default=3)
-    ap.add_argument("--follow-runs", type=int, default=5)
-    ap.add_argument("--readahead-sweep", default="",
-                    help="comma-separated read_ahead_kb values to compare instead of the "
-                         "main benchmark (root only)")
-    ap.add_argument("--concurrent", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=8)
-    ap.add_argument("--out", default="bench_mount.json")
-    a = ap.parse_args(argv)
+@click.command(help=__doc__.split("\n\n")[0])
+@click.option("--dir", default="/tmp/swarmfs-bench")
+@click.option("--disks", type=int, default=4)
+@click.option("--cluster-mib", type=int, default=64)
+@click.option("--big-clusters", type=int, default=4)
+@click.option("--clusters", type=int, default=100_000)
+@click.option("--runs", type=int, default=5)
+@click.option("--ls-runs", type=int, default=3)
+@click.option("--follow-runs", type=int, default=5)
+@click.option("--readahead-sweep", default="",
+              help="comma-separated read_ahead_kb values to compare instead of the "
+                   "main benchmark (root only)")
+@click.option("--concurrent", type=int, default=4)
+@click.option("--threads", type=int, default=8)
+@click.option("--out", default="bench_mount.json")
+def cli(**options):
+    a = types.SimpleNamespace(**options)
     os.makedirs(a.dir, exist_ok=True)
     big, wide = os.path.join(a.dir, "big"), os.path.join(a.dir, "wide")
     t0 = time.perf_counter()
@@ -392,6 +393,11 @@ def main(argv=None):
         print(f"append -> visible on a following mount: median "
               f"{statistics.median(follow):.3f} s, max {max(follow):.3f} s")
     print(f"wrote {a.out}")
+
+
+def main(argv=None):
+    """Run :func:`cli` (``argv`` None: the command line, as a program)."""
+    return cli.main(args=argv, obj=argv, standalone_mode=argv is None)
 
 
 if __name__ == "__main__":

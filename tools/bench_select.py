@@ -30,13 +30,14 @@ over 4 disks: dedup (eq. 8), entry buckets (§6.1), coalescing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
+import types
 
+import click
 import numpy as np
 
 from swarmfs import plan_reads
@@ -94,9 +95,10 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
                                     packed=packed if score == "prob" else None,
                                     check=False)
 
-    def int8():
-        return select_i8(ix8, q[0], H, scale=scale, ptr=ptr, members=members, num_tokens=S_,
-                         budget=budget, window=0, check=False)
+    def int8(threads=1):
+        return lambda: select_i8(ix8, q[0], H, scale=scale, ptr=ptr, members=members,
+                                 num_tokens=S_, budget=budget, window=0, check=False,
+                                 threads=threads)
 
     def split():           # the same as separate calls from Python
         sc = softmax_sum(head_logits(medoids, q, H)[0], scale)
@@ -106,8 +108,10 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
     paths = paths or [kernel_path()]
     for path in paths:
         set_kernel_path(path)
-        per_path[path] = {"int8_ms": median_ms(int8, reps, "int8"),
+        per_path[path] = {"int8_ms": median_ms(int8(1), reps, "int8"),
                           "int8_min_ms": MINIMA["int8"],
+                          "int8_2threads_ms": median_ms(int8(2), reps, "int8t2"),
+                          "int8_2threads_min_ms": MINIMA["int8t2"],
                           **({"int8x2_ms": median_ms(int8x2, reps, "x2"),
                               "int8x2_min_ms": MINIMA["x2"]} if two_level else {}),
                           "prob_ms": median_ms(fused("prob"), reps),
@@ -274,7 +278,8 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
     exact attention over the whole context)."""
     from swarmfs._demo import LayoutParams, build_store, local_window
     from swarmfs._report import attention_recall, token_mass
-    from swarmfs._selectors import MedoidSelector, window_size
+    from swarmfs._selectors import MedoidSelector
+    from swarmfs._window import window_size
     from swarmfs.layout import capture
 
     params = LayoutParams()
@@ -329,32 +334,35 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
                                  "entry_overlap_min": float(np.min(rows[f"overlap_{name}"]))}
                           for name in sels if name.startswith("2lvl")}}
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", default="131072,262144,524288,1048576")
-    ap.add_argument("--cluster-sizes", default="14.9,19.4,25.2,32.8",
-                    help="mean entries per cluster at each --tokens value (C = S / size); "
-                         "default: the layout's measured sizes (MiniLM over WikiText-2: "
-                         "14.9 at 128K, bench_layout.py) grown as S^0.377 as measured "
-                         "from 16K to 128K")
-    ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--paths", default="auto",
-                    help="kernel paths to measure, comma-separated (scalar, avx2, avx512, "
-                         "neon; 'all' = every path this CPU runs; default: the auto path)")
-    ap.add_argument("--assembly", action="store_true",
-                    help="also retrieve at batch 1/4/8 from a tmpfs store (GB/s, assembly)")
-    ap.add_argument("--pipeline", action="store_true",
-                    help="also time a decode step over 8 layers, sequential vs pipelined")
-    ap.add_argument("--recall", metavar="DIR",
-                    help="only measure the int8 index's recall against the exact score on "
-                         "the demo's capture cast to fp16 (store written under DIR)")
-    ap.add_argument("--two-level", action="store_true",
-                    help="also time the two-level int8 index (select_i8x2) on each path")
-    ap.add_argument("--group-size", type=int, default=32)
-    ap.add_argument("--coverage", type=float, default=3.0)
-    ap.add_argument("--no-naive", action="store_true", help="skip the naive full-key scan")
-    ap.add_argument("--out", default="bench-out/select")
-    a = ap.parse_args(argv)
+
+@click.command(help=__doc__.split("\n\n")[0])
+@click.option("--tokens", default="131072,262144,524288,1048576")
+@click.option("--cluster-sizes", default="14.9,19.4,25.2,32.8",
+              help="mean entries per cluster at each --tokens value (C = S / size); "
+                   "default: the layout's measured sizes (MiniLM over WikiText-2: "
+                   "14.9 at 128K, bench_layout.py) grown as S^0.377 as measured "
+                   "from 16K to 128K")
+@click.option("--reps", type=int, default=200)
+@click.option("--paths", default="auto",
+              help="kernel paths to measure, comma-separated (scalar, avx2, avx512, "
+                   "neon; 'all' = every path this CPU runs; default: the auto path)")
+@click.option("--assembly", is_flag=True,
+              help="also retrieve at batch 1/4/8 from a tmpfs store (GB/s, assembly)")
+@click.option("--pipeline", is_flag=True,
+              help="also time a decode step over 8 layers, sequential vs pipelined")
+@click.option("--recall", metavar="DIR",
+              help="only measure the int8 index's recall against the exact score on "
+                   "the demo's capture cast to fp16 (store written under DIR)")
+@click.option("--two-level", is_flag=True,
+              help="also time the two-level int8 index (select_i8x2) on each path")
+@click.option("--group-size", type=int, default=32)
+@click.option("--coverage", type=float, default=3.0)
+@click.option("--no-naive", is_flag=True, help="skip the naive full-key scan")
+@click.option("--out", default="bench-out/select")
+@click.pass_context
+def cli(ctx, **options):
+    a = types.SimpleNamespace(**options)
+    argv = ctx.obj
     if a.recall:
         rec = bench_recall(a.recall)
         print(json.dumps(rec, indent=1))
@@ -368,11 +376,12 @@ def main(argv=None):
     paths = supported_paths()[::-1] if a.paths == "all" else \
         [auto if p == "auto" else p for p in a.paths.split(",")]
     print(f"CPU flags: {' '.join(cpu_flags())}; auto path: {auto}; measured: "
-          f"{', '.join(paths)}; one thread")
+          f"{', '.join(paths)}; one thread (int8 2t: select_i8 with threads=2, same run)")
     if a.two_level:
         print(f"two-level index: group size {a.group_size}, coverage {a.coverage}")
     print(f"{'tokens':>8} {'medoids':>8} {'naive ms':>9} " +
-          " ".join(f"{p + ' int8':>12} {p + ' prob':>12} {p + ' logit':>12}" for p in paths) +
+          " ".join(f"{p + ' int8':>12} {p + ' int8 2t':>14} {p + ' prob':>12} "
+                   f"{p + ' logit':>12}" for p in paths) +
           f" {'split ms':>9} {'paper':>7}")
     sizes = [float(x) for x in a.cluster_sizes.split(",")]
     toks = [int(x) for x in a.tokens.split(",")]
@@ -383,8 +392,8 @@ def main(argv=None):
                             group_size=a.group_size, coverage=a.coverage, naive_scan=not a.no_naive)
         rows.append(r)
         print(f"{S:8d} {r['medoids']:8d} {r['naive_ms']:9.3f} " +
-              " ".join(f"{r['paths'][p]['int8_ms']:12.3f} {r['paths'][p]['prob_ms']:12.3f} "
-                       f"{r['paths'][p]['logit_ms']:12.3f}"
+              " ".join(f"{r['paths'][p]['int8_ms']:12.3f} {r['paths'][p]['int8_2threads_ms']:14.3f} "
+                       f"{r['paths'][p]['prob_ms']:12.3f} {r['paths'][p]['logit_ms']:12.3f}"
                        for p in paths) +
               f" {r['split_ms']:9.3f} {r['paper_swarm_ms'] or 0:7.3f}" +
               "".join(f" | {p} int8 min {r['paths'][p]['int8_min_ms']:.3f}" +
@@ -425,6 +434,11 @@ def main(argv=None):
                    "command": "python -m tools.bench_select " + " ".join(argv or sys.argv[1:])},
                   f, indent=1)
     print(f"wrote {a.out}.json")
+
+
+def main(argv=None):
+    """Run :func:`cli` (``argv`` None: the command line, as a program)."""
+    return cli.main(args=argv, obj=argv, standalone_mode=argv is None)
 
 
 if __name__ == "__main__":

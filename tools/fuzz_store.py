@@ -29,7 +29,6 @@ disk; deeply nested JSON.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import multiprocessing
@@ -43,6 +42,7 @@ import tempfile
 import time
 import traceback
 
+import click
 import numpy as np
 import xxhash
 
@@ -527,27 +527,33 @@ def fuzz(cases: int, seed: int, *, timeout: float = 20.0, root: str | None = Non
             shutil.rmtree(root, ignore_errors=True)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--timeout", type=float, default=20.0, help="seconds per case")
-    ap.add_argument("--json", help="write the result as JSON to this file")
-    a = ap.parse_args(argv)
-    res = fuzz(a.cases, a.seed, timeout=a.timeout,
+@click.command(help=__doc__.split("\n\n")[0])
+@click.option("--cases", type=int, default=1000)
+@click.option("--seed", type=int, default=1)
+@click.option("--timeout", type=float, default=20.0, help="seconds per case")
+@click.option("--json", "json_out", help="write the result as JSON to this file")
+def cli(cases, seed, timeout, json_out):
+    """Exits 1 if a case ended other than equal, refused (a SwarmError) or skipped."""
+    res = fuzz(cases, seed, timeout=timeout,
                log=lambda s: print(s, file=sys.stderr, flush=True))
     bad = sum(v for k, v in res["outcomes"].items()
               if k not in ("equal", "refused", "skipped"))
     print(json.dumps({k: v for k, v in res.items() if k != "failures"}, indent=1))
     for f in res["failures"][:20]:
         print("FAIL", f)
-    if a.json:
-        with open(a.json, "w") as f:
+    if json_out:
+        with open(json_out, "w") as f:
             json.dump(res, f, indent=1)
-    run = a.cases - res["outcomes"].get("skipped", 0)
+    run = cases - res["outcomes"].get("skipped", 0)
     print(f"{run} cases run: {100 * (run - bad) / max(run, 1):.2f}% correct-or-SwarmError, "
           f"{res['outcomes'].get('hang', 0)} hangs, {res['seconds']:.0f} s", file=sys.stderr)
-    return 1 if bad else 0
+    click.get_current_context().exit(1 if bad else 0)
+
+
+def main(argv=None) -> int:
+    """Run :func:`cli`: with ``argv`` it returns the exit status (0, or 1
+    if a case failed); without, it parses the command line and exits."""
+    return cli.main(args=argv, obj=argv, standalone_mode=argv is None)
 
 
 if __name__ == "__main__":

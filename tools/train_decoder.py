@@ -126,10 +126,13 @@ def make_model(config):
 
 
 def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fraction: float,
-              repeat_prob: float = 0.0, repeat_mode: str = "span", vocab: int = 8192):
+              repeat=(), vocab: int = 8192):
     """The (batch, seq + 1) int64 windows of step ``step`` (deterministic).
 
-    With probability ``repeat_prob`` a window gets a repeated span: a span of
+    ``repeat`` is the copy augmentation in force, a list of (probability,
+    mode) from :func:`repeat_at`: one uniform draw per window picks at most one
+    mode (so the probabilities of a mixture add up).  Mode ``"span"``: the
+    window gets a repeated span: a span of
     16 to seq/4 tokens at a random position is copied over a random later
     position (anywhere up to the end of the window), so predicting it pays
     off only by attending back to the first occurrence, at any distance (the
@@ -139,7 +142,11 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
     targets are copies, at distances up to seq/2); with ``"random"`` that
     passage is uniformly random token ids (below ``vocab``), which only
     copying predicts (the synthetic task on which induction heads form);
-    with ``"pure"`` the whole window is such a passage followed by itself.
+    with ``"pure"`` the whole window is such a passage followed by itself (a
+    copy at one fixed distance, seq/2, which a positional head can solve);
+    with ``"pairs"`` the window is a run of random-id segments of 4 to seq/4
+    tokens, each followed by itself (the copy distance varies, so only an
+    induction head predicts the repeats).
     """
     rng = np.random.default_rng([seed, step])
     rows = []
@@ -147,8 +154,21 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
         s = streams["prose"] if rng.random() < prose_fraction else streams["python"]
         start = int(rng.integers(0, s.size - seq - 1))
         row = s[start:start + seq + 1].astype(np.int64)
-        if repeat_prob > 0 and rng.random() < repeat_prob:
-            if repeat_mode == "pure":
+        repeat_mode = pick_mode(repeat, rng.random()) if repeat else None
+        if repeat_mode is not None:
+            if repeat_mode == "pairs":
+                # random-id segments of random lengths, each followed by itself:
+                # the copy distance changes from segment to segment, so only a
+                # content-matching (induction) head predicts the repeats, not
+                # a head that attends a fixed distance back
+                pos = 0
+                while pos < seq + 1:
+                    n = int(rng.integers(4, max(5, seq // 4) + 1))
+                    seg = rng.integers(0, vocab, n)
+                    both = np.concatenate([seg, seg])[:seq + 1 - pos]
+                    row[pos:pos + both.size] = both
+                    pos += both.size
+            elif repeat_mode == "pure":
                 # the whole window is random token ids followed by themselves
                 n = (seq + 1) // 2
                 row[:] = rng.integers(0, vocab, seq + 1)
@@ -170,16 +190,41 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
     return np.stack(rows)
 
 
-def repeat_at(spec: str, step: int) -> tuple[float, str]:
+def repeat_at(spec: str, step: int) -> list[tuple[float, str]]:
     """``"310:0.5,427:1.0,952:0.5:double"`` -> the copy augmentation at ``step``:
-    (probability, mode), each part in force from its step on (mode ``span``
-    when not given)."""
-    prob, mode = 0.0, "span"
+    a list of (probability, mode), each part in force from its step on (mode
+    ``span`` when not given).  Parts with the same step form a mixture:
+    ``"0:0.5:pure,600:0.2:pure,600:0.3:double"`` gives from step 600 on 20%
+    ``pure`` windows, 30% ``double`` windows and 50% plain text."""
+    parts = []
     for part in filter(None, spec.split(",")):
         start, p, *m = part.split(":")
-        if step >= int(start):
-            prob, mode = float(p), (m[0] if m else "span")
-    return prob, mode
+        mode = m[0] if m else "span"
+        if mode not in REPEAT_MODES:
+            raise ValueError(f"--repeat {part!r}: mode must be one of {', '.join(REPEAT_MODES)}")
+        parts.append((int(start), float(p), mode))
+    in_force = [s for s, _, _ in parts if s <= step]
+    if not in_force:
+        return []
+    latest = max(in_force)
+    mix = [(p, mode) for s, p, mode in parts if s == latest and p > 0]
+    if sum(p for p, _ in mix) > 1.0 + 1e-9:
+        raise ValueError(f"--repeat: the probabilities from step {latest} add up to more than 1")
+    return mix
+
+
+REPEAT_MODES = ("span", "double", "random", "pure", "pairs")
+
+
+def pick_mode(mix: list[tuple[float, str]], u: float) -> str | None:
+    """The mode a uniform draw ``u`` in [0, 1) picks from a mixture, or None
+    (a plain window) when ``u`` falls past the probabilities' sum."""
+    acc = 0.0
+    for p, mode in mix:
+        acc += p
+        if u < acc:
+            return mode
+    return None
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float, decay: float) -> float:
@@ -259,6 +304,8 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
         print(f"[train] resumed from {ckpt} at step {step}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[train] {n_params / 1e6:.2f} M parameters, phases {phases}, {total} steps", flush=True)
+    from swarmfs.models import heldout_texts
+    probe_ids = tok.encode(heldout_texts("python")[:20000]).ids
     model.train()
     last_save = time.time()
     cpu0, wall0 = time.process_time(), time.time()
@@ -281,9 +328,8 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
         lr = lr_at(step, total, args.lr, args.warmup, args.lr_floor, args.decay)
         for g in opt.param_groups:
             g["lr"] = lr
-        rp, mode = repeat_at(args.repeat, step)
-        x = torch.from_numpy(batch_for(streams, args.seed, step, seq, batch, args.prose_fraction, rp,
-                                       mode, config.vocab_size))
+        x = torch.from_numpy(batch_for(streams, args.seed, step, seq, batch, args.prose_fraction,
+                                       repeat_at(args.repeat, step), config.vocab_size))
         t0 = time.time()
         logits = model(input_ids=x[:, :-1], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
@@ -300,12 +346,13 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
         bar.set_postfix(seq=seq, loss=f"{float(loss):.3f}", tok_s=f"{seq * batch / dt:.0f}")
         boundary = step in set(ends.tolist())
         if boundary or time.time() - last_save > args.ckpt_every or step == total:
+            history[-1]["copy"] = copy_probe(model, probe_ids)
             save_ckpt(ckpt, model, opt, step, history, args)
             last_save = time.time()
             (args.out / "history.json").write_text(json.dumps(history))
             plot_curve(history, args.out / "loss.png", phases)
             print(f"\n[train] step {step}/{total} seq {seq} loss {float(loss):.3f} "
-                  f"(ckpt; {time.time() - wall0:.0f} s wall, {time.process_time() - cpu0:.0f} s CPU "
+                  f"copy ratio {history[-1]['copy']} (ckpt; {time.time() - wall0:.0f} s wall, {time.process_time() - cpu0:.0f} s CPU "
                   f"this run)", flush=True)
     bar.close()
     save_ckpt(ckpt, model, opt, step, history, args)
@@ -313,6 +360,26 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
     plot_curve(history, args.out / "loss.png", phases)
     print(f"[train] done: step {step}, {time.time() - wall0:.0f} s wall, "
           f"{time.process_time() - cpu0:.0f} s CPU this run", flush=True)
+
+
+def copy_probe(model, probe_ids: list[int], lengths=(300, 1024)) -> dict:
+    """Repeat / first-occurrence loss ratio of held-out passages followed by
+    themselves, per passage length in tokens (below 0.5: the model copies;
+    about 1.0: it does not attend back).  The check of tests/test_model.py,
+    run at every checkpoint so a run shows when copying forms (or is lost)."""
+    import torch
+    was_training = model.training
+    model.eval()
+    out = {}
+    with torch.inference_mode():
+        for n in lengths:
+            ids = probe_ids[:n]
+            x = torch.tensor([ids + ids])
+            logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
+            out[str(n)] = round(float(nll[n:].mean() / nll[: n - 1].mean()), 3)
+    model.train(was_training)
+    return out
 
 
 # --------------------------------------------------------------------------- export
@@ -410,7 +477,9 @@ def main(argv=None) -> int:
                    help="copy augmentation: comma-separated FROM_STEP:PROB[:MODE], the probability "
                         "that a window gets a copy from that step on; MODE span (default: a copied "
                         "span), double (a passage followed by itself), random (random token ids "
-                        "followed by themselves, then text) or pure (the whole window so); see "
+                        "followed by themselves, then text), pure (the whole window so) or pairs "
+                        "(random-id segments of varied lengths, each followed by itself); "
+                        "parts with one FROM_STEP form a mixture; see "
                         "batch_for")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)

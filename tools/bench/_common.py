@@ -1419,6 +1419,33 @@ class Ablation:
     queries: int
     reps: int
 
+    def layout(self, method: str, **kw):
+        """The context's layout by ``method`` (:func:`build_layout`; ``kw``:
+        its ratio and the method's parameters)."""
+        return build_layout(method, self.trace, self.start, self.S, cache=self.cfg.cache,
+                            **kw)[0]
+
+    def ceilings(self) -> dict:
+        """The fio ceilings of the disks (:func:`ceilings`)."""
+        return ceilings(self.disks, self.cfg.smoke)
+
+    def bench(self, store: str, variants) -> "Bench":
+        """A :class:`Bench` of ``variants`` over the context, in store ``store``."""
+        return Bench(store_dir(self.cfg, store), self.disks, self.trace, self.start, self.S,
+                     variants, ratio=self.ratio, cfg=self.cfg)
+
+    def positions(self) -> np.ndarray:
+        """The held-out query positions (:func:`query_positions`)."""
+        return query_positions(self.trace, self.start, self.S, self.queries)
+
+    @staticmethod
+    def report(res: dict, *columns) -> None:
+        """A line per variant on stderr: its I/O ms, then each column
+        ``(format, key, scale)`` as ``format.format(result[key] / scale)``."""
+        for n, r in res.items():
+            print(f"  {n:12s} I/O {r['io_us_median'] / 1e3:7.2f} ms, " +
+                  ", ".join(fmt.format(r[k] / s) for fmt, k, s in columns), file=sys.stderr)
+
     def finish(self, figure: str, title: str, ceiling, variants: dict, ratios: dict, plot,
                **extra) -> dict:
         """Write the figure's JSON (``extra`` after the common fields) and plot."""
@@ -1426,9 +1453,7 @@ class Ablation:
                    "dataset": self.dataset, "ratio": self.ratio,
                    "disks": self.disks.describe(), "queries": self.queries, "reps": self.reps,
                    "ceiling": ceiling, "variants": variants, "ratios": ratios, **extra}
-        write_json(self.cfg, self.out, payload)
-        plot(payload, self.out)
-        return payload
+        return finish(self.cfg, self.out, payload, plot)
 
 
 def ablation_command(name: str, doc: str):
@@ -1469,6 +1494,14 @@ def _meminfo(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def finish(cfg: BenchConfig, out: pathlib.Path, payload: dict, plot) -> dict:
+    """A figure's last step: write its JSON (:func:`write_json`), draw it with
+    ``plot(payload, out)`` and return the payload."""
+    write_json(cfg, out, payload)
+    plot(payload, out)
+    return payload
 
 
 def write_json(cfg: BenchConfig, out: pathlib.Path, payload: dict) -> pathlib.Path:
@@ -1588,6 +1621,16 @@ def variant_bars(p: dict, out: pathlib.Path, labels: dict, panels, title: str,
             ax.set_title(sub, fontsize=10)
             if tick_size:
                 ax.tick_params(axis="x", labelsize=tick_size)
+
+
+def bar_plot(labels: dict, panels, title: str, **kw):
+    """The ``plot(payload, out)`` of an ablation figure: :func:`variant_bars`
+    with ``panels``, titled ``"<title>, S = <tokens>, <N> disks"`` (``kw``:
+    its ``size``, ``tick_size``)."""
+    def plot(p, out):
+        variant_bars(p, out, labels, panels,
+                     f"{title}, S = {p['tokens']}, {p['disks']['count']} disks", **kw)
+    return plot
 
 
 def ceiling_lines(ax, ceil: dict, *, unit: float = 1.0):

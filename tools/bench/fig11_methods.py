@@ -228,9 +228,7 @@ def cli(cfg, tokens, datasets, ratio, methods, step_profiles):
                "ceiling_before": ceil_before, "ceiling_after": ceil_after,
                "datasets": results, "average": avg,
                "paper": {"bw_ratio": PAPER_BW_RATIO, "io_ratio": PAPER_IO_RATIO}}
-    C.write_json(cfg, out, payload)
-    plot(payload, out)
-    return payload
+    return C.finish(cfg, out, payload, plot)
 
 
 def main(argv=None):
@@ -253,9 +251,7 @@ def main_steps(cfg, S, datasets, nq, reps, methods, ratio, spec):
                "ratio": ratio, "tokens": S, "queries": nq, "reps": reps,
                "profiles": {pn: d.describe() for pn, d in profiles.items()},
                "datasets": results}
-    C.write_json(cfg, out, payload)
-    plot_steps(payload, out)
-    return payload
+    return C.finish(cfg, out, payload, plot_steps)
 
 
 def plot_steps(p, out):

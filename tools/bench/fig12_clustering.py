@@ -20,46 +20,36 @@ from tools.bench.fig11_methods import LABELS, measure
 
 VARIANTS = ("swarm", "medoid_only", "no_replica")
 PAPER = {"medoid_only": 1.14, "no_replica": 1.33}     # SWARM's latency reduction
+#: bar panels: (measure, scale, panel title, fio ceiling lines)
+plot = C.bar_plot(LABELS, [("io_us_median", 1e3, "I/O time per step (ms, median)", 0),
+                           ("bytes_read_median", 1e6, "bytes read per step (MB)", 0),
+                           ("recall_mean", 1, "attention-mass recall", 0)],
+                  "Fig. 12: clustering ablations")
 
 
 @C.ablation_command("fig12_clustering", __doc__)
 def cli(ab):
-    cfg, trace, disks = ab.cfg, ab.trace, ab.disks
-    start, S, nq, reps = ab.start, ab.S, ab.queries, ab.reps
-    lays = {m: C.build_layout(m, trace, start, S, cache=cfg.cache, ratio=ab.ratio)[0]
-            for m in VARIANTS}
+    lays = {m: ab.layout(m, ratio=ab.ratio) for m in VARIANTS}
     for m, lay in lays.items():
         s = lay.summary()
         print(f"  {m:12s} {s['clusters']:7d} clusters, mean {s['size_mean']:.1f}, "
               f"replication {s['replication']:.2f}", file=sys.stderr)
-    ceil = C.ceilings(disks, cfg.smoke)
-    bench = C.Bench(C.store_dir(cfg, "fig12"), disks, trace, start, S,
-                    [C.Variant(m, lays[m]) for m in VARIANTS], ratio=ab.ratio, cfg=cfg)
-    pos = C.query_positions(trace, start, S, nq)
-    res = measure(bench, VARIANTS, pos, reps, label="fig12")
+    ceil = ab.ceilings()
+    bench = ab.bench("fig12", [C.Variant(m, lays[m]) for m in VARIANTS])
+    res = measure(bench, VARIANTS, ab.positions(), ab.reps, label="fig12")
     bench.close()
     sw = res["swarm"]
     rat = {m: {"latency_ratio": res[m]["io_us_median"] / sw["io_us_median"],
                "bytes_ratio": res[m]["bytes_read_median"] / sw["bytes_read_median"],
                "recall_delta": sw["recall_mean"] - res[m]["recall_mean"],
                "paper_latency_ratio": PAPER[m]} for m in VARIANTS if m != "swarm"}
-    for m, r in res.items():
-        print(f"  {m:12s} I/O {r['io_us_median'] / 1e3:7.2f} ms, read "
-              f"{r['bytes_read_median'] / 1e6:7.2f} MB, recall {r['recall_mean']:.3f}, "
-              f"err {r['rel_error_mean']:.3f}", file=sys.stderr)
+    ab.report(res, ("read {:7.2f} MB", "bytes_read_median", 1e6),
+              ("recall {:.3f}", "recall_mean", 1), ("err {:.3f}", "rel_error_mean", 1))
     return ab.finish("fig12", "clustering ablations", ceil, res, rat, plot, paper=PAPER)
 
 
 def main(argv=None):
     return C.run(cli, argv)
-
-
-def plot(p, out):
-    C.variant_bars(p, out, LABELS, [("io_us_median", 1e3, "I/O time per step (ms, median)", 0),
-                                    ("bytes_read_median", 1e6, "bytes read per step (MB)", 0),
-                                    ("recall_mean", 1, "attention-mass recall", 0)],
-                   f"Fig. 12: clustering ablations, S = {p['tokens']}, "
-                   f"{p['disks']['count']} disks")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ produce the same plan in this planner.
 
 from __future__ import annotations
 
-import sys
-
 from tools.bench import _common as C
 
 POLICIES = {"swarm": {"policy": "balanced", "dedup": True},
@@ -25,20 +23,21 @@ POLICIES = {"swarm": {"policy": "balanced", "dedup": True},
 LABELS = {"swarm": "SWARM", "static": "Static", "no_balance": "No Balance",
           "no_dedup": "No Dedup"}
 PAPER = {"latency_ratio_mean": 2.57, "volume_ratio_mean": 1.24}
+#: bar panels: (measure, scale, panel title, fio ceiling lines)
+plot = C.bar_plot(LABELS, [("io_us_median", 1e3, "I/O time per step (ms, median)", 0),
+                           ("bytes_read_median", 1e6, "I/O volume per step (MB)", 0),
+                           ("max_mean_load_median", 1, "max / mean disk load", 0)],
+                  "Fig. 14: retrieval")
 
 
 @C.ablation_command("fig14_retrieval", __doc__)
 def cli(ab):
-    cfg, trace, disks = ab.cfg, ab.trace, ab.disks
-    start, S, nq, reps = ab.start, ab.S, ab.queries, ab.reps
-    sw = C.build_layout("swarm", trace, start, S, cache=cfg.cache, ratio=ab.ratio)[0]
-    ceil = C.ceilings(disks, cfg.smoke)
-    variants = [C.Variant(n, sw, store_as=None if n == "swarm" else "swarm", **kw)
-                for n, kw in POLICIES.items()]
-    bench = C.Bench(C.store_dir(cfg, "fig14"), disks, trace, start, S, variants,
-                    ratio=ab.ratio, cfg=cfg)
-    pos = C.query_positions(trace, start, S, nq)
-    res = bench.measure(list(POLICIES), list(pos), reps, accuracy=False, progress="fig14")
+    sw = ab.layout("swarm", ratio=ab.ratio)
+    ceil = ab.ceilings()
+    bench = ab.bench("fig14", [C.Variant(n, sw, store_as=None if n == "swarm" else "swarm", **kw)
+                               for n, kw in POLICIES.items()])
+    res = bench.measure(list(POLICIES), list(ab.positions()), ab.reps, accuracy=False,
+                        progress="fig14")
     bench.close()
     base = res["swarm"]
     rat = {n: {"latency_ratio": res[n]["io_us_median"] / base["io_us_median"],
@@ -46,23 +45,14 @@ def cli(ab):
            for n in POLICIES if n != "swarm"}
     summary = {"latency_ratio_mean": sum(r["latency_ratio"] for r in rat.values()) / len(rat),
                "volume_ratio_mean": sum(r["volume_ratio"] for r in rat.values()) / len(rat)}
-    for n, r in res.items():
-        print(f"  {n:12s} I/O {r['io_us_median'] / 1e3:7.2f} ms, read "
-              f"{r['bytes_read_median'] / 1e6:7.2f} MB, max/mean {r['max_mean_load_median']:.2f}",
-              file=sys.stderr)
+    ab.report(res, ("read {:7.2f} MB", "bytes_read_median", 1e6),
+              ("max/mean {:.2f}", "max_mean_load_median", 1))
     return ab.finish("fig14", "retrieval ablations", ceil, res, rat, plot, summary=summary,
                      paper=PAPER)
 
 
 def main(argv=None):
     return C.run(cli, argv)
-
-
-def plot(p, out):
-    C.variant_bars(p, out, LABELS, [("io_us_median", 1e3, "I/O time per step (ms, median)", 0),
-                                    ("bytes_read_median", 1e6, "I/O volume per step (MB)", 0),
-                                    ("max_mean_load_median", 1, "max / mean disk load", 0)],
-                   f"Fig. 14: retrieval, S = {p['tokens']}, {p['disks']['count']} disks")
 
 
 if __name__ == "__main__":

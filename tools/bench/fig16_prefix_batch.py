@@ -75,9 +75,7 @@ def cli(cfg, tokens, batches, ratio):
                "disks": disks.describe(), "steps_per_point": nsteps, "reps": reps,
                "ceiling_before": ceil_before, "ceiling_after": C.ceilings(disks, cfg.smoke),
                "rows": rows}
-    C.write_json(cfg, out, payload)
-    plot(payload, out)
-    return payload
+    return C.finish(cfg, out, payload, plot)
 
 
 def main(argv=None):

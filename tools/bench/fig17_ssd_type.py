@@ -79,9 +79,7 @@ def merge_profiles(cfg, base):
                                           "eff_gbps": x["eff_gbps_median"]}
                                       for m, x in pt["methods"].items()}}
                                   for pt in j["points"]] for prof, j in parts.items()}}
-    C.write_json(cfg, base, payload)
-    plot(payload, base)
-    return payload
+    return C.finish(cfg, base, payload, plot)
 
 
 def plot(p, out):

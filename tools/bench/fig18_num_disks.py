@@ -53,9 +53,7 @@ def cli(cfg, tokens, counts, dataset, ratio, methods):
     payload = {"figure": "fig18", "title": "number of SSDs", "tokens": S, "ratio": ratio,
                "dataset": dataset, "disks": disks.describe(), "queries": nq, "reps": reps,
                "points": points, "targets": targets}
-    C.write_json(cfg, out, payload)
-    plot(payload, out)
-    return payload
+    return C.finish(cfg, out, payload, plot)
 
 
 def main(argv=None):

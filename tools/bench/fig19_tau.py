@@ -67,9 +67,7 @@ def cli(cfg, tokens, taus, pairs, ratio):
     payload = {"figure": "fig19", "title": "tau sensitivity with dataset shift", "tokens": S,
                "ratio": ratio, "disks": disks.describe(), "queries": nq, "reps": reps,
                "ceiling": ceil, "rows": rows}
-    C.write_json(cfg, out, payload)
-    plot(payload, out)
-    return payload
+    return C.finish(cfg, out, payload, plot)
 
 
 def main(argv=None):

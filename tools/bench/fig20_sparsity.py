@@ -63,11 +63,7 @@ def cli(cfg, tokens, ratios, dataset, methods, step_profiles):
     base = method_layouts(cfg, trace, start, S, methods, ratio=0.1)
     ceil = C.ceilings(disks, cfg.smoke)
     points = []
-    for r in ratios:
-        lays = dict(base)
-        if "swarm" in methods and r != 0.1:
-            lays["swarm"] = C.build_layout("swarm", trace, start, S, cache=cfg.cache,
-                                           ratio=r)[0]
+    for r, lays in layouts_per_ratio(cfg, trace, start, S, methods, base, ratios):
         print(f"fig20: r = {r}, S = {S}", file=sys.stderr)
         pt = run_methods(cfg, trace, disks, start, S, methods, ratio=r, nq=nq, reps=reps,
                          label=f"fig20 r={r}", store="fig20", layouts=lays)
@@ -81,13 +77,23 @@ def cli(cfg, tokens, ratios, dataset, methods, step_profiles):
     payload = {"figure": "fig20", "title": "sparsity ratio", "tokens": S,
                "dataset": dataset, "disks": disks.describe(), "queries": nq, "reps": reps,
                "ceiling": ceil, "points": points, "iso_accuracy": iso}
-    C.write_json(cfg, out, payload)
-    plot(payload, out)
-    return payload
+    return C.finish(cfg, out, payload, plot)
 
 
 def main(argv=None):
     return C.run(cli, argv)
+
+
+def layouts_per_ratio(cfg, trace, start, S, methods, base: dict, ratios):
+    """``(r, the methods' layouts at r)`` per r, in order: ``base`` (built at
+    r = 0.1) with SWARM's rebuilt at r (SWARM profiles with r: its activated
+    sets, and so its clusters, depend on r), built when the loop reaches r."""
+    for r in ratios:
+        lays = dict(base)
+        if "swarm" in methods and r != 0.1:
+            lays["swarm"] = C.build_layout("swarm", trace, start, S, cache=cfg.cache,
+                                           ratio=r)[0]
+        yield r, lays
 
 
 def main_steps(cfg, S, ratios, nq, reps, methods, dataset, spec):
@@ -99,11 +105,7 @@ def main_steps(cfg, S, ratios, nq, reps, methods, dataset, spec):
     start, S = C.context(trace, S, dataset)
     base = method_layouts(cfg, trace, start, S, methods, ratio=0.1)
     points = []
-    for r in ratios:
-        lays = dict(base)
-        if "swarm" in methods and r != 0.1:
-            lays["swarm"] = C.build_layout("swarm", trace, start, S, cache=cfg.cache,
-                                           ratio=r)[0]
+    for r, lays in layouts_per_ratio(cfg, trace, start, S, methods, base, ratios):
         print(f"fig20 step view: r = {r}, S = {S}", file=sys.stderr)
         pt = run_steps(cfg, trace, profiles, start, S, methods, ratio=r, nq=nq, reps=reps,
                        label=f"fig20 step r={r}", store="fig20-step", layouts=lays)
@@ -121,9 +123,7 @@ def main_steps(cfg, S, ratios, nq, reps, methods, dataset, spec):
                "tokens": S, "dataset": dataset, "queries": nq, "reps": reps,
                "profiles": {pn: d.describe() for pn, d in profiles.items()},
                "points": points, "iso_accuracy": iso}
-    C.write_json(cfg, out, payload)
-    plot_steps(payload, out)
-    return payload
+    return C.finish(cfg, out, payload, plot_steps)
 
 
 def step_iso_accuracy(points, profile, methods, ref_ratio=0.1):

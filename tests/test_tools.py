@@ -1,0 +1,107 @@
+"""The developer tools' command lines (``tools/``): one click CLI, ``python -m tools``.
+
+The tools' work is benchmarks (not run here); these tests check what their
+command lines parse into and that ``python -m tools`` reaches every tool.
+"""
+
+import json
+import pathlib
+
+import pytest
+
+from tools import __main__ as T
+from tools import bench_decode, bench_layout, fuzz_store
+
+TOOLS_DIR = pathlib.Path(__file__).resolve().parents[1] / "tools"
+
+
+class Parsed(Exception):
+    """Raised by a stand-in for a tool's work, carrying what it was given."""
+
+
+def _capture(monkeypatch, module, name):
+    def stand_in(args, *rest):
+        raise Parsed(vars(args))
+    monkeypatch.setattr(module, name, stand_in)
+
+
+def test_spread_lists_is_argparse_nargs_plus():
+    S = bench_decode.spread_lists
+    assert S(["quality", "--kinds", "python", "prose", "--ratios", "0.05", "0.2", "--out", "o"]) \
+        == ["quality", "--kinds", "python", "--kinds", "prose",
+            "--ratios", "0.05", "--ratios", "0.2", "--out", "o"]
+    # a negative number is a value, an option ends the list, "--" ends parsing
+    assert S(["--ratios", "-1", "2", "--steps", "3"]) == \
+        ["--ratios", "-1", "--ratios", "2", "--steps", "3"]
+    assert S(["--kinds", "--", "--kinds", "a", "b"]) == ["--kinds", "--", "--kinds", "a", "b"]
+    assert S(["--steps", "3", "a", "b"]) == ["--steps", "3", "a", "b"]     # not a list option
+
+
+def test_bench_decode_lists_and_defaults(monkeypatch):
+    pytest.importorskip("torch")
+    _capture(monkeypatch, bench_decode, "load")
+    with pytest.raises(Parsed) as got:
+        bench_decode.main(["throughput", "--kinds", "python", "prose", "--ratios", "0.1", "0.2",
+                           "--disk-paths", "/dev/loop0", "/dev/loop1", "--steps", "8"])
+    a = got.value.args[0]
+    assert (a["what"], a["kinds"], a["ratios"], a["disk_paths"], a["steps"]) == \
+        ("throughput", ["python", "prose"], [0.1, 0.2], ["/dev/loop0", "/dev/loop1"], 8)
+    with pytest.raises(Parsed) as got:
+        bench_decode.main(["quality"])
+    a = got.value.args[0]
+    assert a["methods"] == ["swarm", "quest", "infllm", "pqcache", "sinks", "oracle"]
+    assert (a["ratios"], a["disk_paths"], a["dram_fractions"], a["context"]) == \
+        ([0.05, 0.1, 0.2], None, [0.01, 0.02, 0.05, 0.1], 8192)
+    with pytest.raises(Parsed) as got:                   # the same through python -m tools
+        T.main(["bench_decode", "online", "--kinds", "prose", "python", "--ratios", "0.2"])
+    a = got.value.args[0]
+    assert (a["what"], a["kinds"], a["ratios"]) == ("online", ["prose", "python"], [0.2])
+
+
+def test_bench_layout_comma_lists_and_out(monkeypatch, tmp_path):
+    seen = {}
+
+    def recall(args):
+        seen.update(vars(args))
+        return {"ok": 1}
+    monkeypatch.setattr(bench_layout, "cmd_recall", recall)
+    out = tmp_path / "sub" / "r.json"
+    bench_layout.main(["recall", "--taus", "0.5,0.6", "--layers", "0,2", "--out", str(out)])
+    assert (seen["taus"], seen["layers"], seen["eq2_counts"], seen["context"]) == \
+        ([0.5, 0.6], [0, 2], [0.025, 0.05, 0.1], 3072)
+    assert json.loads(out.read_text()) == {"ok": 1}
+    with pytest.raises(Exception, match="comma list"):
+        bench_layout.main(["recall", "--layers", "0,x"])
+
+
+@pytest.mark.parametrize("outcomes,status", [({"equal": 3, "refused": 1}, 0),
+                                             ({"equal": 3, "hang": 1}, 1)])
+def test_fuzz_store_exit_status(monkeypatch, outcomes, status):
+    res = {"outcomes": outcomes, "failures": [], "seconds": 0.0}
+    monkeypatch.setattr(fuzz_store, "fuzz", lambda *a, **kw: res)
+    assert fuzz_store.main(["--cases", "4"]) == status
+    # the same through python -m tools
+    assert T.main(["fuzz_store", "--cases", "4"]) == status
+
+
+def test_python_m_tools_reaches_every_tool():
+    tools = {p.stem for p in TOOLS_DIR.glob("*.py") if not p.stem.startswith("_")}
+    assert set(T.TOOLS) == tools
+    figures = {p.stem for p in (TOOLS_DIR / "bench").glob("*.py") if not p.stem.startswith("_")}
+    assert set(T.FIGURES) == figures
+    for name in sorted(set(T.TOOLS) - {"train_decoder", "eval_decoder"}):
+        assert T.main([name, "--help"]) == 0, name
+    assert T.main(["bench", "fig19_tau", "--help"]) == 0
+
+
+def test_python_m_tools_passes_the_tools_own_arguments(monkeypatch, tmp_path):
+    # a figure records its command line from ctx.obj: the arguments after its name
+    from tools.bench import fig19_tau
+
+    def cli(cfg, **kw):
+        raise Parsed(cfg.command)
+    cmd = fig19_tau.C.command("fig19_tau", "doc")(cli)
+    monkeypatch.setattr(fig19_tau, "cli", cmd)
+    with pytest.raises(Parsed) as got:
+        T.main(["bench", "fig19_tau", "--smoke", "--qd", "4"])
+    assert got.value.args[0] == "python -m tools.bench.fig19_tau --smoke --qd 4"
