@@ -8,6 +8,7 @@ import json
 import pathlib
 
 import pytest
+from click.testing import CliRunner
 
 from tools import __main__ as T
 from tools import bench_decode, bench_layout, fuzz_store
@@ -89,7 +90,7 @@ def test_python_m_tools_reaches_every_tool():
     assert set(T.TOOLS) == tools
     figures = {p.stem for p in (TOOLS_DIR / "bench").glob("*.py") if not p.stem.startswith("_")}
     assert set(T.FIGURES) == figures
-    for name in sorted(set(T.TOOLS) - {"train_decoder", "eval_decoder"}):
+    for name in sorted(T.TOOLS):
         assert T.main([name, "--help"]) == 0, name
     assert T.main(["bench", "fig19_tau", "--help"]) == 0
 
@@ -105,3 +106,21 @@ def test_python_m_tools_passes_the_tools_own_arguments(monkeypatch, tmp_path):
     with pytest.raises(Parsed) as got:
         T.main(["bench", "fig19_tau", "--smoke", "--qd", "4"])
     assert got.value.args[0] == "python -m tools.bench.fig19_tau --smoke --qd 4"
+
+
+def test_decoder_tools_refuse_bad_plans_before_any_work(tmp_path):
+    """train_decoder and eval_decoder are click commands too: a malformed
+    phase plan, copy mixture or range is a usage error (exit 2) that names
+    the option, before a work directory is made."""
+    from tools import train_decoder, eval_decoder
+    out = tmp_path / "never"
+    for bad in (["--phases", "abc"], ["--phases", "64x0:5"], ["--repeat", "0:2:pairs"],
+                ["--repeat", "0:0.5:bogus"], ["--repeat", "0:0.7:pairs,0:0.7:double"],
+                ["--repeat", "0:0.5,300:0.7:pairs,300:0.7:double,900:0.1"],
+                ["--repeat", "x:0.5"], ["--lr", "0"], ["--decay", "2"]):
+        r = CliRunner().invoke(train_decoder.cli, ["--out", str(out), "--bench", *bad])
+        assert r.exit_code == 2, (bad, r.output)
+        assert "Invalid value" in r.output and "Traceback" not in r.output
+    assert not out.exists()
+    r = CliRunner().invoke(eval_decoder.cli, ["--tokens", "1"])
+    assert r.exit_code == 2 and "--tokens" in r.output
