@@ -87,6 +87,9 @@ def build_base(root: str) -> list[dict]:
             expect[layer] = dict(num_tokens=s.num_tokens(layer),
                                  num_clusters=s.num_clusters(layer),
                                  hot_clusters=int(s.layer(layer).hot.sum()),
+                                 num_copies=s.committed.layers[layer].num_copies,
+                                 replication=s.committed.layers[layer].replication,
+                                 local_window=s.committed.layers[layer].local_window,
                                  clusters=[s.cluster_tokens(layer, c).tolist()
                                            for c in range(s.num_clusters(layer))])
         s.close()
@@ -226,7 +229,7 @@ def _rewrite_commits(store: str, m: dict, paths: list[str]) -> None:
     try:
         uid = bytes.fromhex(m["uuid"])
         gen, msum = int(m["generation"]), int(m["checksum"], 16)
-    except (KeyError, ValueError, TypeError, AttributeError):
+    except (KeyError, ValueError, TypeError, AttributeError, OverflowError):
         return
     if not 0 <= gen < 2**64 or len(uid) != 16:
         return
@@ -404,6 +407,10 @@ def check_store(path: str, base: dict) -> str | None:
                 return f"layer {layer} bytes differ"
             if s.info()["layers"][str(layer)]["hot_clusters"] != want["hot_clusters"]:
                 return f"layer {layer} hot_clusters differ"
+            rec = s.committed.layers[layer]
+            for f in ("num_copies", "replication", "local_window"):
+                if getattr(rec, f) != want[f]:         # NaN too
+                    return f"layer {layer} {f} {getattr(rec, f)!r} != {want[f]!r}"
             for c, toks in enumerate(want["clusters"]):
                 if s.cluster_tokens(layer, c).tolist() != toks:
                     return f"layer {layer} cluster {c} members differ"
