@@ -49,6 +49,12 @@ class _Group(click.Group):
     and exit status 3.  SWARMFS_DEBUG=1 shows tracebacks."""
 
     def invoke(self, ctx):
+        # text from a store may hold lone surrogates (a model name given as
+        # "\ud800" in JSON, a disk path that is not UTF-8): print them
+        # escaped rather than fail in the middle of a line
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(errors="backslashreplace")
         try:
             return super().invoke(ctx)
         except (click.exceptions.ClickException, click.exceptions.Exit,

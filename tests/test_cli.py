@@ -191,3 +191,19 @@ def test_verify_lists_disk_problems_and_lost_tokens(store):
     lines = [x for x in p.stdout.splitlines() if x.startswith("BAD")]
     assert lines and all("disk 0" in x and "offset" in x and "lost" in x for x in lines)
     assert "token(s) lost" in p.stderr
+
+
+def test_text_that_utf8_cannot_encode_is_printed_escaped(tmp_path, rng):
+    """JSON may hold lone surrogates ("\\ud800"), and Store.create takes any
+    str as model_name: every command that prints the store's text prints
+    them escaped (info exited 3, 'internal error: UnicodeEncodeError')."""
+    path = str(tmp_path / "st")
+    with Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16,
+                      model_name="m\ud800") as s:
+        s.write_layer(0, random_kv(rng, 50, 2, 16, "float16"),
+                      random_clusters(rng, 50, 5, 5), extra={"note": "\udcff"})
+    for args in (["info", path], ["info", path, "--json"], ["verify", path],
+                 ["verify", path, "--json"], ["read", path, "--layer", "0", "--cluster", "1"]):
+        p = run(*args)
+        assert "internal error" not in p.stderr
+    assert "\\ud800" in run("info", path).stdout
