@@ -46,6 +46,7 @@ import click
 import numpy as np
 import xxhash
 
+from tools._options import COUNT, POSITIVE, OutPath
 from swarmfs import Store
 from swarmfs import _errors as E
 from swarmfs import _format as F
@@ -535,10 +536,10 @@ def fuzz(cases: int, seed: int, *, timeout: float = 20.0, root: str | None = Non
 
 
 @click.command(help=__doc__.split("\n\n")[0])
-@click.option("--cases", type=int, default=1000)
+@click.option("--cases", type=COUNT, default=1000)
 @click.option("--seed", type=int, default=1)
-@click.option("--timeout", type=float, default=20.0, help="seconds per case")
-@click.option("--json", "json_out", help="write the result as JSON to this file")
+@click.option("--timeout", type=POSITIVE, default=20.0, help="seconds per case")
+@click.option("--json", "json_out", type=OutPath(), help="write the result as JSON to this file")
 def cli(cases, seed, timeout, json_out):
     """Exits 1 if a case ended other than equal, refused (a SwarmError) or skipped."""
     res = fuzz(cases, seed, timeout=timeout,
@@ -549,6 +550,7 @@ def cli(cases, seed, timeout, json_out):
     for f in res["failures"][:20]:
         print("FAIL", f)
     if json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(json_out)), exist_ok=True)
         with open(json_out, "w") as f:
             json.dump(res, f, indent=1)
     run = cases - res["outcomes"].get("skipped", 0)
