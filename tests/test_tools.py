@@ -218,3 +218,11 @@ def test_a_tool_never_deletes_a_directory_it_did_not_make(tmp_path):
     with pytest.raises(click.UsageError, match="not a swarmfs store"):
         bench_metadata.main([str(keep)])
     assert (keep / "thesis.tex").read_text() == "x"
+
+
+def test_the_argparse_tools_name_themselves(capsys):
+    """python -m tools train_decoder --help said 'usage: __main__.py'."""
+    for name in ("train_decoder", "eval_decoder"):
+        with pytest.raises(SystemExit):
+            T.main([name, "--help"])
+        assert f"usage: python -m tools {name}" in capsys.readouterr().out

@@ -46,7 +46,11 @@ def _passthrough(module: str, name: str) -> click.Command:
                                            "help_option_names": []})
     @click.argument("args", nargs=-1, type=click.UNPROCESSED)
     def run(args):
-        code = importlib.import_module(module).main(list(args))
+        prog, sys.argv[0] = sys.argv[0], f"python -m tools {name}"   # argparse's prog
+        try:
+            code = importlib.import_module(module).main(list(args))
+        finally:
+            sys.argv[0] = prog
         click.get_current_context().exit(code or 0)
     return run
 
