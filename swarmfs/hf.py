@@ -287,7 +287,17 @@ class SwarmLayer(CacheLayerMixin):
         return self.cache._update(self, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """transformers' Cache API: (kv length, kv offset) for the attention mask."""
+        """transformers' Cache API: (kv length, kv offset) for the attention mask.
+
+        Raises:
+            ShapeError: no new token to attend (a request whose input ids
+                are shorter than the stored prefix: generate() feeds the
+                ids after the cache's length, here none)."""
+        if int(query_length) <= 0:
+            raise errors.ShapeError(
+                f"the request gives no token after the {self.seen} the cache holds: input "
+                f"ids must start with the stored prefix and may not be shorter than it",
+                layer=self.layer_idx, store=self.cache.path)
         return self.seen + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -357,7 +367,8 @@ class SwarmCache(Cache):
         engine: I/O engine name (``"io_uring"``, ``"threads"``, auto).
 
     Raises:
-        InvalidArgumentError: bad arguments.  ConfigError: no config for a new
+        InvalidArgumentError: bad arguments (ratio, tau, prefetch, method,
+        hot_budget).  ConfigError: no config for a new
         store, or an unsupported model (sliding windows smaller than the
         context).  StoreExistsError: ``store`` holds a store and ``force`` is
         False.
@@ -387,6 +398,10 @@ class SwarmCache(Cache):
         self._index: dict[int, object] = {}
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise errors.InvalidArgumentError(f"ratio must be a number in (0, 1], got {ratio!r}")
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau <= 1:
+            # DecodeSession checks it too, but only at the first decode step,
+            # after the prefill has written the store
+            raise errors.InvalidArgumentError(f"tau must be a number in (0, 1], got {tau!r}")
         if prefetch not in ("none", "previous"):
             raise errors.InvalidArgumentError(f"prefetch must be 'none' or 'previous', got "
                                               f"{prefetch!r}")

@@ -279,3 +279,30 @@ def test_model_without_swarm_attention_is_refused_before_decoding(tmp_path):
         model(prompt(), cache=cache, use_cache=True)     # prefill is dense either way
         with pytest.raises(swarmfs.ConfigError, match="did not attend through swarmfs"):
             model(prompt(1), cache=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("kw", [
+    {"ratio": float("nan")}, {"ratio": "0.1"}, {"ratio": True},
+    {"tau": float("nan")}, {"tau": "x"}, {"tau": 0}, {"tau": 1.5}, {"tau": None},
+    {"prefetch": None}, {"method": "lru"}, {"hot_budget": float("nan")}, {"hot_budget": -0.1}])
+def test_every_bad_argument_is_refused_before_the_prefill(tmp_path, kw):
+    """A bad constructor argument is an InvalidArgumentError at once, before
+    the prefill writes a store (tau='x' was a raw ValueError; tau=nan passed
+    and failed only at the first decode step, after the store was written)."""
+    model = make_model("llama")
+    with pytest.raises(swarmfs.InvalidArgumentError):
+        H.SwarmCache(tmp_path / "x", model.config, **kw)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_request_shorter_than_the_stored_prefix_is_a_shape_error(tmp_path):
+    """generate() feeds the ids after the cache's length; with fewer ids
+    than the stored prefix there are none, and torch failed with a raw
+    RuntimeError ('cannot reshape tensor of 0 elements')."""
+    model = make_model("llama")
+    H.enable(model)
+    with H.SwarmCache(tmp_path / "doc", model.config, ratio=1.0, disks=2) as c:
+        generate(model, prompt(), c, 1)
+    with H.SwarmCache.from_store(tmp_path / "doc", model.config) as again:
+        with pytest.raises(ShapeError, match="no token after the 64"):
+            generate(model, prompt()[:, :20], again, 1)

@@ -48,6 +48,8 @@ import types
 import click
 import numpy as np
 
+from tools import _options as O
+
 EOS = "<|endoftext|>"
 
 
@@ -477,17 +479,17 @@ _P = click.Path(path_type=pathlib.Path)
 @click.option("--layers", type=click.IntRange(min=1), default=4)
 @click.option("--heads", type=click.IntRange(min=1), default=8)
 @click.option("--kv-heads", type=click.IntRange(min=1), default=2)
-@click.option("--rope-theta", type=click.FloatRange(min=1.0), default=500000.0,
+@click.option("--rope-theta", type=O.FiniteFloat(min=1.0), default=500000.0,
               help="RoPE base; a resumed run may change it (the model re-adapts)")
-@click.option("--lr", type=click.FloatRange(min=0.0, min_open=True), default=2e-3)
-@click.option("--lr-floor", type=click.FloatRange(0.0, 1.0), default=0.1,
+@click.option("--lr", type=O.POSITIVE, default=2e-3)
+@click.option("--lr-floor", type=O.FRACTION, default=0.1,
               help="final LR as a fraction of the peak")
 @click.option("--warmup", type=click.IntRange(min=0), default=100)
-@click.option("--decay", type=click.FloatRange(0.0, 1.0), default=0.2,
+@click.option("--decay", type=O.FRACTION, default=0.2,
               help="fraction of the steps in the final LR decay")
-@click.option("--weight-decay", type=click.FloatRange(min=0.0), default=0.1)
-@click.option("--clip", type=click.FloatRange(min=0.0, min_open=True), default=1.0)
-@click.option("--prose-fraction", type=click.FloatRange(0.0, 1.0), default=0.35,
+@click.option("--weight-decay", type=O.NONNEG_FLOAT, default=0.1)
+@click.option("--clip", type=O.POSITIVE, default=1.0)
+@click.option("--prose-fraction", type=O.FRACTION, default=0.35,
               help="probability that a sequence is drawn from the prose stream")
 @click.option("--repeat", default="",
               help="copy augmentation: comma-separated FROM_STEP:PROB[:MODE], the probability "
@@ -498,7 +500,7 @@ _P = click.Path(path_type=pathlib.Path)
                    "with one FROM_STEP form a mixture; see batch_for")
 @click.option("--seed", type=int, default=0)
 @click.option("--threads", type=click.IntRange(min=1), default=2)
-@click.option("--ckpt-every", type=click.FloatRange(min=0.0), default=180.0,
+@click.option("--ckpt-every", type=O.NONNEG_FLOAT, default=180.0,
               help="seconds between checkpoints")
 @click.option("--export", type=_P, default=None,
               help="after training, write the HF model directory here")
