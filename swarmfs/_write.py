@@ -299,7 +299,7 @@ def check_layer_input(kv, clusters, medoids, hot, freq, extra, placement, *,
             raise E.ShapeError(f"extra's keys must be strings (JSON object keys), got "
                                f"{bad[1]!r} in extra{bad[0]}"[:300], store=store, layer=layer)
         try:
-            json.dumps(extra)
+            json.dumps(extra, allow_nan=False)      # NaN/inf are not JSON: refused too
         except (TypeError, ValueError) as exc:
             raise E.ShapeError(f"extra is not JSON-serialisable: {exc}",
                                store=store, layer=layer) from None

@@ -982,6 +982,7 @@ def _deep(n):
     {"a": [{None: 1}]}, {"a": {("t",): 1}},
     _cyclic(),                          # hung in the depth check
     _deep(100_000),                     # tuples were not counted as nesting
+    {"x": float("nan")}, {"x": [1, float("-inf")]},   # not JSON: info --json printed NaN
     {"ok": [1, {"deep": None}], "s": "\u00e9"}])
 def test_extra_round_trips_exactly_or_is_refused(tmp_path, rng, extra):
     """A layer's caller fields either read back exactly as written, or
