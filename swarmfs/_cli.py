@@ -27,6 +27,17 @@ _USER_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError,
                    NotADirectoryError, FileExistsError)
 
 
+class _FiniteRange(click.FloatRange):
+    """click's FloatRange, which lets NaN through (it compares false with
+    both bounds), refusing NaN too."""
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if v != v:
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return v
+
+
 def _fail(exc) -> None:
     click.echo(f"swarmfs: error: {exc}", err=True)
     sys.exit(EXIT_USER)
@@ -49,6 +60,12 @@ class _Group(click.Group):
     and exit status 3.  SWARMFS_DEBUG=1 shows tracebacks."""
 
     def invoke(self, ctx):
+        # text from a store may hold lone surrogates (a model name given as
+        # "\ud800" in JSON, a disk path that is not UTF-8): print them
+        # escaped rather than fail in the middle of a line
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(errors="backslashreplace")
         try:
             return super().invoke(ctx)
         except (click.exceptions.ClickException, click.exceptions.Exit,
@@ -358,7 +375,7 @@ def build(kv_file, store, disks, disk_paths, context, profile_queries, force, ra
     params = _params(ratio, tau, metric, local_window, hot_fraction)
     cap = C.load_capture(kv_file)
     pcap = C.load_capture(profile_queries) if profile_queries else None
-    s, rep = build_store(cap, store, disks=list(disk_paths) or disks or 4, params=params,
+    s, rep = build_store(cap, store, disks=list(disk_paths) or (4 if disks is None else disks), params=params,
                          context=context, force=force, engine=engine, profile_cap=pcap)
     with s:
         info = s.info()
@@ -479,9 +496,10 @@ def _demo_decode(workdir, disks, model, kind, context, evaluate, ratio, engine, 
 @click.option("--snapshot", is_flag=True,
               help="Show the store as committed at mount time (default: follow it; new "
                    "generations appear without remounting).")
-@click.option("--poll-interval", type=click.FloatRange(0.01, 3600), default=0.2,
+@click.option("--poll-interval", type=_FiniteRange(0.01, 3600), default=0.2,
               show_default=True, help="Seconds between manifest polls when following.")
-@click.option("--readahead", type=int, default=16 << 20, show_default=True,
+@click.option("--readahead", type=click.IntRange(0, 1 << 40), default=16 << 20,
+              show_default=True,
               help="Read-ahead window for sequential readers, in bytes (0 = off).")
 @click.option("--no-verify", is_flag=True, help="Do not verify checksums on read.")
 @click.option("--log-file", type=click.Path(), default=None,
@@ -597,7 +615,7 @@ def generate(model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store
     except (OSError, UnicodeDecodeError) as exc:
         raise errors.InvalidArgumentError(f"cannot read --prompt-file {prompt_file}: "
                                           f"{exc}") from None
-    dk = list(disk_paths) or disks or 4
+    dk = list(disk_paths) or (4 if disks is None else disks)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     from rich.console import Console

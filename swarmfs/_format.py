@@ -299,30 +299,53 @@ def _os_error(exc: OSError, what: str, kw: dict) -> E.SwarmError:
                            **kw)
 
 
-def json_depth(x) -> int:
-    """Nesting depth of a parsed JSON value (iterative: no recursion)."""
+def json_depth(x, limit: int | None = None) -> int:
+    """Nesting depth of a JSON-like value (dicts, lists, tuples; iterative:
+    no recursion).  With ``limit``, stops at the first container deeper than
+    it and returns that depth, so a value that contains itself ends too."""
     depth, stack = 0, [(x, 1)]
     while stack:
         v, d = stack.pop()
-        if isinstance(v, dict):
+        if isinstance(v, (dict, list, tuple)):
             depth = max(depth, d)
-            stack.extend((w, d + 1) for w in v.values())
-        elif isinstance(v, list):
-            depth = max(depth, d)
-            stack.extend((w, d + 1) for w in v)
+            if limit is not None and d > limit:
+                return d
+            stack.extend((w, d + 1) for w in (v.values() if isinstance(v, dict) else v))
     return depth
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs):
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return d
 
 
 def parse_json(data: bytes, what: str, **kw):
     """``json.loads`` that never raises anything but ManifestError (bad
-    UTF-8, bad JSON, nesting deeper than ``MAX_JSON_DEPTH``)."""
+    UTF-8, bad JSON, a key twice in one object, nesting deeper than
+    ``MAX_JSON_DEPTH``).  swarmfs never writes a key twice; a parser keeps
+    one of them (Python's the last), so such a file would read as whichever
+    copy the reader happens to keep: it is refused."""
     try:
-        v = json.loads(data)
+        v = json.loads(data, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise E.ManifestError(f"{what} holds the key {exc.args[0]!r} twice in one object "
+                              "(edited or corrupt: which one counts is ambiguous)"[:300],
+                              **kw) from None
     except RecursionError:
         raise E.ManifestError(f"{what} is nested too deeply (corrupt)", **kw) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise E.ManifestError(f"{what} is not valid JSON: {exc}", **kw) from None
-    if json_depth(v) > MAX_JSON_DEPTH:
+    if json_depth(v, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise E.ManifestError(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels "
                               "(corrupt)", **kw)
     return v

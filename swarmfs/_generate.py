@@ -285,6 +285,10 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
         model, tok = load_model(model_dir, dtype)
     ids = _tokens(tok, text)
     n = int(evaluate)
+    if ids.shape[1] < 3:
+        raise errors.InvalidArgumentError(f"--evaluate needs a text of at least 3 tokens "
+                                          f"(2 of context and 1 to evaluate); this one has "
+                                          f"{ids.shape[1]}")
     if isinstance(evaluate, bool) or n < 1 or n > ids.shape[1] - 2:
         raise errors.InvalidArgumentError(f"--evaluate {evaluate} must be in [1, "
                                           f"{ids.shape[1] - 2}] for a text of {ids.shape[1]} "

@@ -377,7 +377,8 @@ def _check(m: dict, store_dir) -> None:
     if bs & (bs - 1):
         fail(f"block_size {bs} is not a power of two")
     gen = integer(m.get("generation"), "generation")
-    integer(m.get("p_global"), "p_global")
+    # the writer's placement takes p_global below 2^62 (_placement.start_disks)
+    integer(m.get("p_global"), "p_global", 0, (1 << 62) - 1)
     dram = m.get("dram")
     if not isinstance(dram, dict):
         fail("dram must be an object")
@@ -432,8 +433,9 @@ def _check(m: dict, store_dir) -> None:
         if M < S or M < C:
             fail(f"layers[{k}] has fewer copies than tokens or clusters", layer=layer)
         r = rec.get("replication")
+        # "not <=": NaN (which Python's JSON parser accepts) compares false
         if isinstance(r, bool) or not isinstance(r, (int, float)) or \
-                abs(r - round(M / S, 6)) > 1e-5:
+                not abs(r - round(M / S, 6)) <= 1e-5:
             fail(f"layers[{k}].replication does not match num_copies / num_tokens",
                  layer=layer)
         idx = rec["index"]

@@ -24,7 +24,7 @@ __all__ = ["Placement", "PLACEMENTS", "start_disks", "stripe_counts", "place_clu
 
 def _count(x, what: str, lo: int = 0) -> int:
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not lo <= x < 1 << 62:
-        raise InvalidArgumentError(f"{what} must be an integer >= {lo}, got {x!r}")
+        raise InvalidArgumentError(f"{what} must be an integer in [{lo}, 2^62), got {x!r}")
     return int(x)
 
 

@@ -252,6 +252,23 @@ def chunk_bounds(sizes: np.ndarray, limit: int) -> np.ndarray:
 
 
 
+def _non_string_key(x):
+    """(where, key) of the first key of a dict inside ``x`` that is not a
+    string, or None.  JSON turns such a key into text (1 -> "1"), so it would
+    not read back as written, and two keys could become one."""
+    stack = [(x, "")]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, dict):
+            for k, w in v.items():
+                if not isinstance(k, str):
+                    return where, k
+                stack.append((w, f"{where}[{k!r}]"))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((w, f"{where}[{i}]") for i, w in enumerate(v))
+    return None
+
+
 def check_layer_input(kv, clusters, medoids, hot, freq, extra, placement, *,
                       entry_shape: tuple, dtype: str, layer: int, store=None):
     """Check the arguments of :meth:`Store.write_layer` (see there) before
@@ -274,11 +291,15 @@ def check_layer_input(kv, clusters, medoids, hot, freq, extra, placement, *,
         if clash:
             raise E.ShapeError(f"extra may not set the layer record's own fields {clash} "
                                "(use the keyword arguments)", store=store, layer=layer)
-        if F.json_depth(extra) > 16:
-            raise E.ShapeError("extra is nested deeper than 16 levels", store=store,
-                               layer=layer)
+        if F.json_depth(extra, 16) > 16:
+            raise E.ShapeError("extra is nested deeper than 16 levels (or contains "
+                               "itself)", store=store, layer=layer)
+        bad = _non_string_key(extra)
+        if bad is not None:
+            raise E.ShapeError(f"extra's keys must be strings (JSON object keys), got "
+                               f"{bad[1]!r} in extra{bad[0]}"[:300], store=store, layer=layer)
         try:
-            json.dumps(extra)
+            json.dumps(extra, allow_nan=False)      # NaN/inf are not JSON: refused too
         except (TypeError, ValueError) as exc:
             raise E.ShapeError(f"extra is not JSON-serialisable: {exc}",
                                store=store, layer=layer) from None

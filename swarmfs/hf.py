@@ -6,11 +6,14 @@ provides :class:`SwarmCache`, a ``transformers.Cache``.  With a Llama, Qwen2,
 Qwen3 or Mistral model::
 
     import swarmfs.hf
-    model = AutoModelForCausalLM.from_pretrained(d, attn_implementation="swarm")
-    # or swarmfs.hf.enable(model) on a loaded model
+    model = swarmfs.hf.enable(AutoModelForCausalLM.from_pretrained(d))
+    # (attn_implementation="swarm" also switches the attention, but only
+    # enable() hooks the embeddings so the prefill fingerprints its prompt)
     cache = swarmfs.hf.SwarmCache("doc-store", model.config, ratio=0.1, disks=4)
     out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
     cache.close()
+    # a later request continuing the document, checked against the store:
+    cache = swarmfs.hf.SwarmCache.from_store("doc-store", model.config, input_ids=request)
 
 What happens (SWARM §5-§7):
 
@@ -64,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 
 import numpy as np
@@ -77,6 +81,7 @@ from ._store import Store, to_torch
 from ._window import stored_window
 
 __all__ = ["ATTENTION", "METHODS", "SwarmCache", "SwarmLayer", "StepStats", "enable", "register",
+           "prefix_fingerprint",
            "swarm_attention_forward"]
 
 #: name of the attention implementation registered with transformers
@@ -186,8 +191,36 @@ def register() -> None:
     _REGISTERED = True
 
 
+#: the input ids of the forward pass running on this thread (set by the hook
+#: :func:`enable` puts on the model's input embeddings): a prefill records
+#: their fingerprint in the store, so that :meth:`SwarmCache.from_store` can
+#: check a later request's ids against it
+_FORWARD = threading.local()
+
+
+def _record_ids(module, args):
+    ids = args[0] if args else None
+    _FORWARD.ids = ids if getattr(ids, "ndim", 0) == 2 else None
+
+
+def _forget_ids(module, args, output):
+    _FORWARD.ids = None            # a later forward of an unhooked model sees none
+
+
+def prefix_fingerprint(ids) -> dict:
+    """{"tokens": n, "xxh3": hex digest of the ids as int64}: what a prefill
+    records of its prompt (layer 0's ``extra["prefix"]``)."""
+    import xxhash
+    a = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
+    return {"tokens": int(a.shape[0]), "xxh3": xxhash.xxh3_64_hexdigest(a.tobytes())}
+
+
 def enable(model):
     """Switch a loaded model to the ``"swarm"`` attention implementation.
+
+    Also hooks the model's input embeddings so that a prefill records a
+    fingerprint of its prompt's token ids in the store (checked by
+    :meth:`SwarmCache.from_store` when given the request's ids).
 
     Returns:
         the model.
@@ -200,6 +233,11 @@ def enable(model):
         model.set_attn_implementation(ATTENTION)
     except (ValueError, KeyError, AttributeError) as exc:
         raise errors.ConfigError(f"cannot switch the model to the swarm attention: {exc}") from None
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None and not getattr(emb, "_swarm_ids_hook", False):
+        emb.register_forward_pre_hook(_record_ids)
+        model.register_forward_hook(_forget_ids)
+        emb._swarm_ids_hook = True
     return model
 
 
@@ -287,7 +325,17 @@ class SwarmLayer(CacheLayerMixin):
         return self.cache._update(self, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """transformers' Cache API: (kv length, kv offset) for the attention mask."""
+        """transformers' Cache API: (kv length, kv offset) for the attention mask.
+
+        Raises:
+            ShapeError: no new token to attend (a request whose input ids
+                are shorter than the stored prefix: generate() feeds the
+                ids after the cache's length, here none)."""
+        if int(query_length) <= 0:
+            raise errors.ShapeError(
+                f"the request gives no token after the {self.seen} the cache holds: input "
+                f"ids must start with the stored prefix and may not be shorter than it",
+                layer=self.layer_idx, store=self.cache.path)
         return self.seen + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -357,7 +405,8 @@ class SwarmCache(Cache):
         engine: I/O engine name (``"io_uring"``, ``"threads"``, auto).
 
     Raises:
-        InvalidArgumentError: bad arguments.  ConfigError: no config for a new
+        InvalidArgumentError: bad arguments (ratio, tau, prefetch, method,
+        hot_budget).  ConfigError: no config for a new
         store, or an unsupported model (sliding windows smaller than the
         context).  StoreExistsError: ``store`` holds a store and ``force`` is
         False.
@@ -387,6 +436,10 @@ class SwarmCache(Cache):
         self._index: dict[int, object] = {}
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise errors.InvalidArgumentError(f"ratio must be a number in (0, 1], got {ratio!r}")
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau <= 1:
+            # DecodeSession checks it too, but only at the first decode step,
+            # after the prefill has written the store
+            raise errors.InvalidArgumentError(f"tau must be a number in (0, 1], got {tau!r}")
         if prefetch not in ("none", "previous"):
             raise errors.InvalidArgumentError(f"prefetch must be 'none' or 'previous', got "
                                               f"{prefetch!r}")
@@ -447,11 +500,21 @@ class SwarmCache(Cache):
     # -- construction from a stored prefix ------------------------------------
     @classmethod
     def from_store(cls, path, config=None, *, ratio: float = defaults.RATIO, append: bool = False,
-                   verify: bool = True, engine: str | None = None, **kw) -> "SwarmCache":
+                   verify: bool = True, engine: str | None = None, input_ids=None,
+                   **kw) -> "SwarmCache":
         """Reopen a stored prefix: decoding continues from the disks, no prefill.
 
         The request's input ids must start with the stored tokens; generate()
-        then feeds only the tokens after them.
+        then feeds only the tokens after them, so the model never sees the
+        stored part of the request again.  Pass the request's ``input_ids``
+        (the same tensor given to ``generate``) and they are checked: the
+        store's prefill recorded a fingerprint of its prompt's ids (xxh3 of
+        the int64 ids, layer 0's ``extra["prefix"]``), and a request that
+        does not start with them, or has no token after the stored tokens,
+        is refused.  Tokens a request appended after the prompt
+        (``append=True``) are counted but not fingerprinted.
+        Without ``input_ids`` nothing checks that the request continues the
+        stored document: another document would attend to its KV.
 
         Args:
             path: the store directory a SwarmCache prefilled.
@@ -464,15 +527,50 @@ class SwarmCache(Cache):
         Raises:
             StoreNotFoundError, ManifestError, DiskError: as ``Store.open``.
             ShapeError: the store's shape or dtype differs from the config's,
-            or its layers hold different numbers of tokens.
+            or its layers hold different numbers of tokens; ``input_ids``
+            that do not start with the stored prompt, have no token after
+            it, hold more than one sequence, or meet a store whose prefill
+            recorded no fingerprint.
         """
         store = Store.open(path, writable=bool(append), verify=verify, engine=engine)
         try:
-            return cls(path, config, ratio=ratio, append=append, engine=engine,
-                       _opened=store, **kw)
+            cache = cls(path, config, ratio=ratio, append=append, engine=engine,
+                        _opened=store, **kw)
+            if input_ids is not None:
+                cache._check_request(input_ids)
+            return cache
         except BaseException:
             store.close()
             raise
+
+    def _check_request(self, input_ids) -> None:
+        """Refuse request ids that do not continue the stored prompt."""
+        st = self.store
+        try:
+            ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids)
+        except (TypeError, ValueError) as exc:
+            raise errors.ShapeError(f"input_ids: {exc}", store=st.path) from None
+        if ids.dtype.kind not in "iu" or ids.ndim not in (1, 2) or \
+                (ids.ndim == 2 and ids.shape[0] != 1):
+            raise errors.ShapeError(f"input_ids must be one sequence of token ids, got "
+                                    f"{ids.dtype} {ids.shape}", store=st.path)
+        ids = ids.reshape(-1)
+        n = self.prefix_length
+        rec = st.layer_record(0).extra.get("prefix") if 0 in st.layers else None
+        if not isinstance(rec, dict) or not isinstance(rec.get("tokens"), int) or \
+                not 0 < rec["tokens"] <= n:
+            raise errors.ShapeError("the store records no fingerprint of its prompt's token "
+                                    "ids (prefilled without swarmfs.hf.enable's hook); open "
+                                    "it without input_ids", store=st.path)
+        if ids.shape[0] <= n:
+            raise errors.ShapeError(f"the request has {ids.shape[0]} tokens; it must continue "
+                                    f"the {n} stored tokens with at least one more",
+                                    store=st.path)
+        p = rec["tokens"]
+        if prefix_fingerprint(ids[:p]) != rec:
+            raise errors.ShapeError(f"the request's first {p} token ids are not the stored "
+                                    f"prompt's (fingerprint differs): it does not continue "
+                                    f"the stored document", store=st.path)
 
     def _stored_length(self) -> int:
         st = self.store
@@ -577,6 +675,9 @@ class SwarmCache(Cache):
             self._create_store(key)
         self._check_kv(layer, key, value)
         S = int(key.shape[2])
+        ids = getattr(_FORWARD, "ids", None)
+        prefix = ({"prefix": prefix_fingerprint(ids[0].cpu().numpy())}
+                  if layer == 0 and ids is not None and tuple(ids.shape) == (1, S) else {})
         q = query[0].detach().float().cpu().numpy()           # [H_q, S, d]
         k32 = key[0].detach().float().cpu().numpy()           # [H_kv, S, d]
         kv = torch.stack([key[0], value[0]], 0).permute(2, 0, 1, 3).contiguous()
@@ -590,7 +691,7 @@ class SwarmCache(Cache):
                                    freq=cl.freq, local_window=W,
                                    extra={"layout": {"tau": cl.stats.tau,
                                                      "metric": cl.stats.metric,
-                                                     "ratio": self.ratio}})
+                                                     "ratio": self.ratio}, **prefix})
             rep = {"clusters": cl.stats.num_clusters, "mean_size": cl.stats.size_mean,
                    "replication": cl.stats.replication, "hot_clusters": int(hot.sum())}
         else:
@@ -599,7 +700,7 @@ class SwarmCache(Cache):
             t1 = time.perf_counter()
             self.store.write_layer(layer, kv, (lay.ptr, lay.members), lay.medoids,
                                    freq=lay.freq, local_window=W,
-                                   extra={"layout": {"method": self.method}})
+                                   extra={"layout": {"method": self.method}, **prefix})
             self._index[layer] = lay.index
             rep = {"clusters": lay.num_clusters, "mean_size": float(lay.sizes.mean()),
                    "replication": float(lay.members.shape[0] / S), "hot_clusters": 0}

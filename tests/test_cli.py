@@ -191,3 +191,59 @@ def test_verify_lists_disk_problems_and_lost_tokens(store):
     lines = [x for x in p.stdout.splitlines() if x.startswith("BAD")]
     assert lines and all("disk 0" in x and "offset" in x and "lost" in x for x in lines)
     assert "token(s) lost" in p.stderr
+
+
+def test_text_that_utf8_cannot_encode_is_printed_escaped(tmp_path, rng):
+    """JSON may hold lone surrogates ("\\ud800"), and Store.create takes any
+    str as model_name: every command that prints the store's text prints
+    them escaped (info exited 3, 'internal error: UnicodeEncodeError')."""
+    path = str(tmp_path / "st")
+    with Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16,
+                      model_name="m\ud800") as s:
+        s.write_layer(0, random_kv(rng, 50, 2, 16, "float16"),
+                      random_clusters(rng, 50, 5, 5), extra={"note": "\udcff"})
+    for args in (["info", path], ["info", path, "--json"], ["verify", path],
+                 ["verify", path, "--json"], ["read", path, "--layer", "0", "--cluster", "1"]):
+        p = run(*args)
+        assert "internal error" not in p.stderr
+    assert "\\ud800" in run("info", path).stdout
+
+
+def test_every_ranged_float_option_refuses_nan():
+    """click's FloatRange lets NaN through (it compares false with both
+    bounds): mount --poll-interval nan got past the range and the mount died
+    with exit 3 ('internal error: ExceptionGroup ...')."""
+    import click
+
+    from swarmfs._cli import main
+    ranged = [(name, p) for name, cmd in main.commands.items() for p in cmd.params
+              if isinstance(p.type, click.FloatRange)]
+    assert ranged
+    for name, p in ranged:
+        with pytest.raises(click.BadParameter):
+            p.type.convert("nan", p, None)
+
+
+@pytest.mark.parametrize("args", [
+    ["--poll-interval", "nan"], ["--poll-interval", "inf"], ["--readahead", "-5"]])
+def test_mount_refuses_bad_numbers_before_mounting(store, tmp_path, args):
+    path, kv, cl = store
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    p = run("mount", path, str(mnt), *args, ok=False)      # returns once mounted
+    if os.path.ismount(mnt):
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], timeout=30)
+        pytest.fail(f"mounted with {args}")
+    assert p.returncode == 2 and "Invalid value" in p.stderr, p.stderr
+
+
+def test_disks_zero_is_refused_not_replaced_by_the_default(tmp_path):
+    """--disks 0 ran with 4 disks ('disks or 4'), while --disks -3 was
+    refused."""
+    pytest.importorskip("torch")
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("def f(x):\n    return x + 1\n" * 20)
+    for n in ("0", "-3"):
+        p = run("generate", "--prompt-file", str(prompt), "--disks", n,
+                "--max-new-tokens", "1", ok=False)
+        assert p.returncode == 1 and "1 to 256 disks" in p.stderr, p.stderr

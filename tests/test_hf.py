@@ -159,11 +159,67 @@ def test_from_store_reuse_equals_fresh_prefill(tmp_path):
         assert again.layout_report == {}              # no prefill, no layout
     assert torch.equal(seq, seq_f)
     assert float((lg_f[1:] - lg).abs().max()) == 0.0
-    # a second request from the same store (append=False left it unchanged)
-    with H.SwarmCache.from_store(tmp_path / "doc", model.config, ratio=0.5) as third:
-        seq3, lg3 = generate(model, seq_f[:, :PROMPT + 1], third, 4)
+    # a second request from the same store (append=False left it unchanged),
+    # its ids checked against the prompt's fingerprint recorded at prefill
+    req = seq_f[:, :PROMPT + 1]
+    with H.SwarmCache.from_store(tmp_path / "doc", model.config, ratio=0.5,
+                                 input_ids=req) as third:
+        seq3, lg3 = generate(model, req, third, 4)
         assert third.store.num_tokens(0) == PROMPT
     assert float((lg3 - lg).abs().max()) == 0.0
+
+
+def test_from_store_refuses_a_request_that_does_not_continue_the_document(tmp_path):
+    """Reusing a stored prefix for another document (or without a token
+    after it) used to decode silently over the stored document's KV; with
+    the request's ids, from_store checks them against the fingerprint the
+    prefill recorded and refuses."""
+    model = make_model("llama")
+    H.enable(model)
+    ids = prompt()
+    with H.SwarmCache(tmp_path / "doc", model.config, ratio=0.5, disks=2,
+                      append=False) as c:
+        generate(model, ids, c, 2)
+        assert c.store.layer_record(0).extra["prefix"] == H.prefix_fingerprint(ids[0].numpy())
+    other = ids.clone()
+    other[0, 3] = (other[0, 3] + 1) % model.config.vocab_size     # one token differs
+    ext = torch.tensor([[1]])
+    for bad, what in ((torch.cat([other, ext], 1), "not the stored prompt"),
+                      (ids, "at least one more"),                 # no token after it
+                      (ids[:, :-1], "at least one more"),         # shorter than the prompt
+                      (torch.cat([ids, ext], 1).repeat(2, 1), "one sequence"),
+                      (torch.cat([ids, ext], 1).float(), "one sequence")):
+        with pytest.raises(ShapeError, match=what):
+            H.SwarmCache.from_store(tmp_path / "doc", model.config, input_ids=bad)
+    good = torch.cat([ids, ext], 1)
+    with H.SwarmCache.from_store(tmp_path / "doc", model.config, input_ids=good) as again:
+        assert again.get_seq_length() == ids.shape[1]
+    # a model switched to the swarm attention without swarmfs.hf.enable has no
+    # hook: its prefill records nothing, and asked to check, from_store says so
+    bare = make_model("llama")
+    H.register()
+    bare.set_attn_implementation(H.ATTENTION)
+    with H.SwarmCache(tmp_path / "noprint", bare.config, ratio=0.5, disks=2,
+                      append=False) as c:
+        generate(bare, ids, c, 2)
+        assert "prefix" not in c.store.layer_record(0).extra
+    with pytest.raises(ShapeError, match="no fingerprint"):
+        H.SwarmCache.from_store(tmp_path / "noprint", model.config, input_ids=good)
+    # appended tokens (append=True) are counted: the request must go past them,
+    # and its prompt part is still checked
+    with H.SwarmCache(tmp_path / "grown", model.config, ratio=0.5, disks=2) as c:
+        seq = generate(model, ids, c, 3)[0]
+    with H.SwarmCache.from_store(tmp_path / "grown", model.config) as c:
+        stored = c.get_seq_length()                 # the new tokens were flushed at close
+    assert stored > ids.shape[1]
+    with pytest.raises(ShapeError, match="at least one more"):
+        H.SwarmCache.from_store(tmp_path / "grown", model.config, input_ids=seq[:, :stored])
+    H.SwarmCache.from_store(tmp_path / "grown", model.config,
+                            input_ids=seq[:, :stored + 1]).close()
+    bad = seq[:, :stored + 1].clone()
+    bad[0, 0] = (bad[0, 0] + 1) % model.config.vocab_size
+    with pytest.raises(ShapeError, match="not the stored prompt"):
+        H.SwarmCache.from_store(tmp_path / "grown", model.config, input_ids=bad)
 
 
 def test_store_shape_or_dtype_mismatch_raises_shape_error(tmp_path):
@@ -279,3 +335,30 @@ def test_model_without_swarm_attention_is_refused_before_decoding(tmp_path):
         model(prompt(), cache=cache, use_cache=True)     # prefill is dense either way
         with pytest.raises(swarmfs.ConfigError, match="did not attend through swarmfs"):
             model(prompt(1), cache=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("kw", [
+    {"ratio": float("nan")}, {"ratio": "0.1"}, {"ratio": True},
+    {"tau": float("nan")}, {"tau": "x"}, {"tau": 0}, {"tau": 1.5}, {"tau": None},
+    {"prefetch": None}, {"method": "lru"}, {"hot_budget": float("nan")}, {"hot_budget": -0.1}])
+def test_every_bad_argument_is_refused_before_the_prefill(tmp_path, kw):
+    """A bad constructor argument is an InvalidArgumentError at once, before
+    the prefill writes a store (tau='x' was a raw ValueError; tau=nan passed
+    and failed only at the first decode step, after the store was written)."""
+    model = make_model("llama")
+    with pytest.raises(swarmfs.InvalidArgumentError):
+        H.SwarmCache(tmp_path / "x", model.config, **kw)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_request_shorter_than_the_stored_prefix_is_a_shape_error(tmp_path):
+    """generate() feeds the ids after the cache's length; with fewer ids
+    than the stored prefix there are none, and torch failed with a raw
+    RuntimeError ('cannot reshape tensor of 0 elements')."""
+    model = make_model("llama")
+    H.enable(model)
+    with H.SwarmCache(tmp_path / "doc", model.config, ratio=1.0, disks=2) as c:
+        generate(model, prompt(), c, 1)
+    with H.SwarmCache.from_store(tmp_path / "doc", model.config) as again:
+        with pytest.raises(ShapeError, match="no token after the 64"):
+            generate(model, prompt()[:, :20], again, 1)

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from swarmfs import Store
 from swarmfs import _errors as E
 from swarmfs import _format as F
+from swarmfs._manifest import LAYER_RECORD_KEYS as Manifest_LAYER_KEYS
 from swarmfs._manifest import Manifest, read_manifest, write_manifest
 from tools.fuzz_store import _paths, _raw_manifest, reseal_manifest
 
@@ -325,3 +326,78 @@ def test_a_layers_caller_fields_round_trip_byte_for_byte(tmp_path):
     after = _raw_manifest(str(tmp_path / "st"))
     assert json.dumps(after["layers"]["0"], indent=1) == want
     assert list(after["layers"]["0"])[:3] == ["local_window", "zz", "note"]
+
+
+# -- JSON a parser reads one way or another -------------------------------------------
+
+def _dump_with_duplicate(x, at, path=()):
+    """``x`` as JSON text, the object at path ``at`` holding its first key
+    twice (same value both times, so the checksum still matches)."""
+    if isinstance(x, dict):
+        items = [f"{json.dumps(k)}: {_dump_with_duplicate(v, at, path + (k,))}"
+                 for k, v in x.items()]
+        if path == at:
+            items.insert(0, items[0])
+        return "{" + ", ".join(items) + "}"
+    if isinstance(x, list):
+        return "[" + ", ".join(_dump_with_duplicate(v, at, path + (i,))
+                               for i, v in enumerate(x)) + "]"
+    return json.dumps(x)
+
+
+def test_a_key_twice_in_any_object_is_refused(golden):
+    """JSON parsers differ on a key given twice (Python keeps the last,
+    others the first or fail); swarmfs never writes one, so a manifest with
+    one is refused, naming the file and the key, in every object of it
+    (the layer records' caller fields included)."""
+    raw = _raw_manifest(golden)
+    objects = [p for p in _paths(raw) if isinstance(_get(raw, p), dict) and _get(raw, p)]
+    assert len(objects) >= 8
+    for at in objects:
+        key = next(iter(_get(raw, at)))
+        with open(os.path.join(golden, F.MANIFEST), "w") as f:
+            f.write(_dump_with_duplicate(raw, at))
+        with pytest.raises(E.ManifestError,
+                           match=re.escape(f"manifest.json holds the key {key!r} twice")):
+            Store.open(golden)
+    with open(os.path.join(golden, F.MANIFEST), "w") as f:
+        json.dump(raw, f, indent=1)
+    Store.open(golden).close()
+
+
+def _get(x, path):
+    for p in path:
+        x = x[p]
+    return x
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_number_in_a_swarmfs_field_is_refused(golden, value):
+    """Python's JSON parser accepts NaN and Infinity; in every number
+    field swarmfs owns they are refused (replication NaN was accepted: NaN
+    compares false with the tolerance)."""
+    raw = _raw_manifest(golden)
+    fields = [p for p in _paths(raw) if p and p[0] != "checksum"
+              and not (len(p) >= 3 and p[0] == "layers"
+                       and p[2] not in Manifest_LAYER_KEYS)
+              and isinstance(_get(raw, p), (int, float))
+              and not isinstance(_get(raw, p), bool)]
+    assert any(p[-1] == "replication" for p in fields)
+    for p in fields:
+        x = copy.deepcopy(raw)
+        _get(x, p[:-1])[p[-1]] = value
+        reseal_manifest(golden, x, deep=True)
+        with pytest.raises(E.ManifestError) as ei:
+            Store.open(golden)
+        name = "format version" if p == ("format_version",) else \
+            [k for k in p if isinstance(k, str)][-1]
+        assert name in str(ei.value), (p, str(ei.value))
+
+
+def test_p_global_is_refused_where_the_writer_could_not_place_from_it():
+    d = _small_manifest()
+    d["p_global"] = (1 << 62) - 1
+    Manifest.load(F.seal_manifest(d), "st")
+    d["p_global"] = 1 << 62
+    with pytest.raises(E.ManifestError, match="p_global"):
+        Manifest.load(F.seal_manifest(d), "st")

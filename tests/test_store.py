@@ -961,3 +961,46 @@ def test_close_during_appends_and_reads_keeps_the_contract(tmp_path, rng, engine
         for pos, kv in committed:
             assert same_bits(s2.read_entries(0, pos), kv)
         assert s2.verify() == []
+
+
+def _cyclic():
+    x = []
+    x.append(x)
+    return {"a": x}
+
+
+def _deep(n):
+    x = "leaf"
+    for _ in range(n):
+        x = (x,)
+    return {"a": x}
+
+
+@pytest.mark.parametrize("extra", [
+    {1: "a", "1": "b"},                 # two keys that JSON makes one (was InternalError)
+    {"a": {1: 2}},                      # read back as {"1": 2}, not as written
+    {"a": [{None: 1}]}, {"a": {("t",): 1}},
+    _cyclic(),                          # hung in the depth check
+    _deep(100_000),                     # tuples were not counted as nesting
+    {"x": float("nan")}, {"x": [1, float("-inf")]},   # not JSON: info --json printed NaN
+    {"ok": [1, {"deep": None}], "s": "\u00e9"}])
+def test_extra_round_trips_exactly_or_is_refused(tmp_path, rng, extra):
+    """A layer's caller fields either read back exactly as written, or
+    write_layer refuses them with a ShapeError naming the layer (never an
+    InternalError, a hang, or fields that read back changed)."""
+    import signal
+    s, kv = _small(tmp_path, rng)
+    signal.signal(signal.SIGALRM, lambda *a: pytest.fail("write_layer hung"))
+    signal.alarm(20)
+    try:
+        s.write_layer(1, kv, random_clusters(rng, 200, 10, 30), extra=extra)
+    except E.ShapeError as exc:
+        assert "layer 1" in str(exc) and "extra" in str(exc)
+    else:
+        with Store.open(tmp_path / "st") as t:
+            assert dict(t.committed.layers[1].extra) == extra
+    finally:
+        signal.alarm(0)
+        s.close()
+    with Store.open(tmp_path / "st") as t:          # the store opens, layer 0 intact
+        assert same_bits(t.read_entries(0, np.arange(200)), kv)

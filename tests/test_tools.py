@@ -8,6 +8,7 @@ import json
 import pathlib
 
 import pytest
+from click.testing import CliRunner
 
 from tools import __main__ as T
 from tools import bench_decode, bench_layout, fuzz_store
@@ -89,7 +90,7 @@ def test_python_m_tools_reaches_every_tool():
     assert set(T.TOOLS) == tools
     figures = {p.stem for p in (TOOLS_DIR / "bench").glob("*.py") if not p.stem.startswith("_")}
     assert set(T.FIGURES) == figures
-    for name in sorted(set(T.TOOLS) - {"train_decoder", "eval_decoder"}):
+    for name in sorted(T.TOOLS):
         assert T.main([name, "--help"]) == 0, name
     assert T.main(["bench", "fig19_tau", "--help"]) == 0
 
@@ -105,3 +106,139 @@ def test_python_m_tools_passes_the_tools_own_arguments(monkeypatch, tmp_path):
     with pytest.raises(Parsed) as got:
         T.main(["bench", "fig19_tau", "--smoke", "--qd", "4"])
     assert got.value.args[0] == "python -m tools.bench.fig19_tau --smoke --qd 4"
+
+
+def test_decoder_tools_refuse_bad_plans_before_any_work(tmp_path):
+    """train_decoder and eval_decoder are click commands too: a malformed
+    phase plan, copy mixture or range is a usage error (exit 2) that names
+    the option, before a work directory is made."""
+    from tools import train_decoder, eval_decoder
+    out = tmp_path / "never"
+    for bad in (["--phases", "abc"], ["--phases", "64x0:5"], ["--repeat", "0:2:pairs"],
+                ["--repeat", "0:0.5:bogus"], ["--repeat", "0:0.7:pairs,0:0.7:double"],
+                ["--repeat", "0:0.5,300:0.7:pairs,300:0.7:double,900:0.1"],
+                ["--repeat", "x:0.5"], ["--lr", "0"], ["--decay", "2"]):
+        r = CliRunner().invoke(train_decoder.cli, ["--out", str(out), "--bench", *bad])
+        assert r.exit_code == 2, (bad, r.output)
+        assert "Invalid value" in r.output and "Traceback" not in r.output
+    assert not out.exists()
+    r = CliRunner().invoke(eval_decoder.cli, ["--tokens", "1"])
+    assert r.exit_code == 2 and "--tokens" in r.output
+
+
+# -- bad option values are usage errors, before any work --------------------------------
+
+def _commands():
+    """(argv prefix, click command) of every click tool and figure, subcommands
+    of groups included (the argparse ones and hidden workers excluded)."""
+    import importlib
+
+    import click
+    out = []
+    for name, (module, _) in sorted(T.TOOLS.items()):
+        cmd = importlib.import_module(module).cli
+        if isinstance(cmd, click.Group):
+            out += [([name, sub], c) for sub, c in sorted(cmd.commands.items()) if not c.hidden]
+        else:
+            out.append(([name], cmd))
+    for name in sorted(T.FIGURES):
+        out.append((["bench", name], importlib.import_module(f"tools.bench.{name}").cli))
+    return out
+
+
+#: options that may be any integer
+_FREE = {"seed"}
+
+
+def _bad_values(param):
+    """Values the option must refuse."""
+    import click
+
+    from tools import _options as O
+    t = param.type
+    if isinstance(t, (click.IntRange, click.FloatRange)):
+        bad = ["x"]
+        if t.min is not None:
+            bad.append(str(t.min - 1))
+            if isinstance(t, click.FloatRange):
+                bad += ["nan", "inf"]
+        if t.max is not None:
+            bad.append(str(t.max + 1))
+        return bad
+    if isinstance(t, O.CommaList):
+        return [",", "x,,y" if t.of is not str else "no-such-thing"]
+    if isinstance(t, click.Choice):
+        return ["no-such-thing"]
+    if isinstance(t, O.DiskSpec):
+        return ["8", "file:2", "files:0"]
+    if isinstance(t, O.OutPath):
+        return ["/proc/self/no-such-dir/x"]
+    return []
+
+
+def test_every_numeric_option_has_a_range():
+    """A count, size, ratio or seconds given as a plain int/float accepted
+    -5 or 0 and failed later with a traceback (bench_select --reps 0:
+    'min() arg is an empty sequence'; bench_engine --repeats 0)."""
+    import click
+    loose = []
+    for argv, cmd in _commands():
+        for p in cmd.params:
+            if isinstance(p, click.Option) and p.name not in _FREE and \
+                    type(p.type) in (click.types.IntParamType, click.types.FloatParamType):
+                loose.append(f"{' '.join(argv)} {p.opts[0]}")
+    assert not loose, loose
+
+
+def test_bad_values_are_usage_errors_before_any_work(monkeypatch):
+    """Every checked option of every tool refuses bad values while the
+    command line is parsed (click.UsageError: exit status 2 from the
+    shell); the command's work never starts."""
+    import click
+    tried = 0
+    for argv, cmd in _commands():
+        monkeypatch.setattr(cmd, "callback", lambda *a, **kw: pytest.fail(f"{argv} ran"))
+        pre = argv + (["quality"] if argv == ["bench_decode"] else [])
+        for p in cmd.params:
+            if not isinstance(p, click.Option):
+                continue
+            for bad in _bad_values(p):
+                with pytest.raises(click.UsageError):
+                    T.main(pre + [p.opts[0], bad])
+                tried += 1
+    assert tried > 100
+
+
+def test_a_bad_value_is_one_usage_line_from_the_shell(tmp_path):
+    import subprocess
+    import sys
+    for args in (["fuzz_store", "--cases", "-5"], ["bench_select", "--tokens", "abc"],
+                 ["bench_engine", "--sizes", "4Q"], ["bench", "fig19_tau", "--queries", "0"],
+                 ["fuzz_store", "--json", str(tmp_path / "f" / "x.json")],
+                 ["fuzz_store", "--json", str(tmp_path)]):
+        (tmp_path / "f").write_text("a file, not a directory")
+        p = subprocess.run([sys.executable, "-m", "tools"] + args, capture_output=True,
+                           text=True, timeout=120, cwd=TOOLS_DIR.parent)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (args, p.stderr)
+        assert "Invalid value" in p.stderr, (args, p.stderr)
+
+
+def test_a_tool_never_deletes_a_directory_it_did_not_make(tmp_path):
+    """bench_metadata ROOT (and bench_mount --dir's stores) removed the
+    directory first, whatever it held."""
+    import click
+
+    from tools import bench_metadata
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "thesis.tex").write_text("x")
+    with pytest.raises(click.UsageError, match="not a swarmfs store"):
+        bench_metadata.main([str(keep)])
+    assert (keep / "thesis.tex").read_text() == "x"
+
+
+def test_the_decoder_tools_name_themselves(capsys):
+    """python -m tools train_decoder --help said 'usage: __main__.py'."""
+    for name in ("train_decoder", "eval_decoder"):
+        assert T.main([name, "--help"]) == 0
+        assert f"Usage: python -m tools {name}" in capsys.readouterr().out

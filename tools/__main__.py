@@ -6,8 +6,7 @@
 
 Each subcommand is the ``cli`` of its module, imported only when it runs (so
 ``--help`` does not load torch); ``python -m tools.bench_engine ...`` runs the
-same command.  ``train_decoder`` and ``eval_decoder`` keep their own
-argparse parsers and get their arguments unchanged.
+same command.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ TOOLS = {
     "bench_mount": ("tools.bench_mount", "the FUSE mount against the fast path"),
     "bench_select": ("tools.bench_select", "selection latency and planning time"),
     "fuzz_store": ("tools.fuzz_store", "fuzz a store's metadata"),
-    "train_decoder": ("tools.train_decoder", "train the decoder (argparse)"),
-    "eval_decoder": ("tools.eval_decoder", "evaluate the decoder (argparse)"),
+    "train_decoder": ("tools.train_decoder", "train the decoder swarm-llama"),
+    "eval_decoder": ("tools.eval_decoder", "evaluate the decoder on held-out text"),
 }
 #: the paper's evaluation, ``python -m tools bench NAME``
 FIGURES = {
@@ -38,17 +37,6 @@ FIGURES = {
     "fig18_num_disks": "Fig. 18: number of disks", "fig19_tau": "Fig. 19: tau",
     "fig20_sparsity": "Fig. 20: sparsity", "table4_selection": "Table 4: selection",
 }
-
-
-def _passthrough(module: str, name: str) -> click.Command:
-    """A command handing its arguments unparsed to an argparse ``main(argv)``."""
-    @click.command(name, context_settings={"ignore_unknown_options": True,
-                                           "help_option_names": []})
-    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-    def run(args):
-        code = importlib.import_module(module).main(list(args))
-        click.get_current_context().exit(code or 0)
-    return run
 
 
 class LazyGroup(click.Group):
@@ -66,10 +54,7 @@ class LazyGroup(click.Group):
     def get_command(self, ctx, name):
         if name not in self.lazy:
             return super().get_command(ctx, name)
-        module = self.lazy[name][0]
-        if name in ("train_decoder", "eval_decoder"):
-            return _passthrough(module, name)
-        return importlib.import_module(module).cli
+        return importlib.import_module(self.lazy[name][0]).cli
 
     def format_commands(self, ctx, formatter):
         rows = [(n, h) for n, (_, h) in sorted(self.lazy.items())]

@@ -57,6 +57,8 @@ import types
 import click
 import numpy as np
 
+from tools._options import COUNT, DISKS, FRACTION, NONNEG, RATIO, OutPath
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -610,28 +612,30 @@ class _ListsCommand(click.Command):
 @click.option("--checkpoint", default=None)
 @click.option("--fallback-checkpoint", default="/work/train/ckpt/last.pt")
 @click.option("--tokenizer", default="/work/train/tokenizer.json")
-@click.option("--kinds", multiple=True, default=["python", "prose"])
+@click.option("--kinds", multiple=True, default=["python", "prose"],
+              type=click.Choice(["python", "prose"]))
 @click.option("--text-python", default=None)
 @click.option("--text-prose", default=None)
-@click.option("--context", type=int, default=8192)
-@click.option("--offset", type=int, default=0, help="skip this many tokens first")
-@click.option("--continuation", type=int, default=64)
-@click.option("--steps", type=int, default=32)
-@click.option("--ratios", type=float, multiple=True, default=[0.05, 0.1, 0.2])
-@click.option("--methods", multiple=True,
+@click.option("--context", type=COUNT, default=8192)
+@click.option("--offset", type=NONNEG, default=0, help="skip this many tokens first")
+@click.option("--continuation", type=COUNT, default=64)
+@click.option("--steps", type=COUNT, default=32)
+@click.option("--ratios", type=RATIO, multiple=True, default=[0.05, 0.1, 0.2])
+@click.option("--methods", multiple=True, type=click.Choice(
+                  ["swarm", "quest", "infllm", "pqcache", "sinks", "oracle"]),
               default=["swarm", "quest", "infllm", "pqcache", "sinks", "oracle"])
-@click.option("--disks", type=int, default=4)
+@click.option("--disks", type=DISKS, default=4)
 @click.option("--disk-paths", multiple=True, default=None,
               help="throughput: devices (e.g. the testbed's loop devices), split evenly "
                    "between the two swarmfs stores; overrides --disks")
-@click.option("--online-window", type=int, default=32,
+@click.option("--online-window", type=COUNT, default=32,
               help="W for the online run: steps before a new entry joins (eq. 9)")
 @click.option("--workdir", default=None, help="where the stores go (default $TMPDIR)")
-@click.option("--dram-fractions", type=float, multiple=True,
+@click.option("--dram-fractions", type=FRACTION, multiple=True,
               default=[0.01, 0.02, 0.05, 0.1])
-@click.option("--threads", type=int, default=2, help="torch threads")
-@click.option("--reps", type=int, default=3, help="repetitions (reuse)")
-@click.option("--out", default=None)
+@click.option("--threads", type=COUNT, default=2, help="torch threads")
+@click.option("--reps", type=COUNT, default=3, help="repetitions (reuse)")
+@click.option("--out", type=OutPath(), default=None)
 def cli(**options):
     args = types.SimpleNamespace(**{k: list(v) if isinstance(v, tuple) else v
                                     for k, v in options.items()})

@@ -51,6 +51,7 @@ import types
 import click
 import numpy as np
 
+from tools._options import COUNT, DISKS, POSITIVE, QUEUE_DEPTH, CommaList, OutPath
 from swarmfs._engine import READ, Engine, open_disk
 
 SIZES = {"4K": 4 << 10, "16K": 16 << 10, "64K": 64 << 10, "128K": 128 << 10,
@@ -163,7 +164,7 @@ def throughput(a):
     }
     rng = np.random.default_rng(1)
     results = []
-    sizes = [SIZES[s.strip().upper()] for s in a.sizes.split(",")]
+    sizes = [SIZES[s] for s in a.sizes]
     print(f"CPU: {cpu_model()}; disks: {len(paths)} files on {fs_type(a.dir)}; "
           f"queue depth {a.qd}; ring flags {engines['swarmfs'].ring_flags}")
     hdr = (f"{'size':>6} {'contender':>16} {'kIOPS':>8} {'GB/s':>7} {'wall µs/req':>12} "
@@ -345,20 +346,21 @@ def plot(results, path, qd, ndisks):
 @click.option("--dir", default="/dev/shm/swarmfs-engine-bench" if
               os.path.isdir("/dev/shm") else "bench-out/engine-disks",
               help="where the disk files live (default: tmpfs)")
-@click.option("--disks", type=int, default=4)
-@click.option("--disk-size", type=int, default=256 << 20, help="bytes per disk file")
-@click.option("--qd", type=int, default=32, help="queue depth for all contenders")
-@click.option("--sizes", default="4K,128K", help="request sizes, e.g. 4K,16K,128K,1M")
-@click.option("--bytes", type=int, default=512 << 20, help="bytes read per run")
-@click.option("--min-requests", type=int, default=4000)
-@click.option("--max-requests", type=int, default=100000)
-@click.option("--repeats", type=int, default=7)
-@click.option("--slow-iops", type=int, default=20,
+@click.option("--disks", type=DISKS, default=4)
+@click.option("--disk-size", type=COUNT, default=256 << 20, help="bytes per disk file")
+@click.option("--qd", type=QUEUE_DEPTH, default=32, help="queue depth for all contenders")
+@click.option("--sizes", type=CommaList(choices=list(SIZES), upper=True), default="4K,128K", help="request sizes, e.g. 4K,16K,128K,1M")
+@click.option("--bytes", type=COUNT, default=512 << 20, help="bytes read per run")
+@click.option("--min-requests", type=COUNT, default=4000)
+@click.option("--max-requests", type=COUNT, default=100000)
+@click.option("--repeats", type=COUNT, default=7)
+@click.option("--slow-iops", type=COUNT, default=20,
               help="isolation: read requests/s of the throttled disk")
-@click.option("--reads", type=int, default=20000, help="isolation: healthy reads per mode")
-@click.option("--seconds", type=float, default=3.0,
+@click.option("--reads", type=COUNT, default=20000, help="isolation: healthy reads per mode")
+@click.option("--seconds", type=POSITIVE, default=3.0,
               help="isolation: at most this long per mode")
-@click.option("--out", default=None, help="output prefix (.json, .png)")
+@click.option("--out", type=OutPath(prefix=True), default=None,
+              help="output prefix (.json, .png)")
 def cli(**options):
     a = types.SimpleNamespace(**options)
     if a.out is None:

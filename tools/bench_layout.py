@@ -47,6 +47,8 @@ import types
 
 import click
 import numpy as np
+
+from tools._options import FiniteFloat, COUNT, CommaList, OutPath
 from tools._shared_data import data_dir
 
 DATA = data_dir()
@@ -198,24 +200,9 @@ def cmd_recall(args) -> dict:
             "heldout": int(args.heldout), "ratio": 0.1, "results": results}
 
 
-class _CommaList(click.ParamType):
-    """A comma-separated list of ``of`` values (empty items skipped)."""
-    name = "list"
-
-    def __init__(self, of):
-        self.of = of
-
-    def convert(self, value, param, ctx):
-        if not isinstance(value, str):        # a default given as a list
-            return value
-        try:
-            return [self.of(x) for x in value.split(",") if x]
-        except ValueError:
-            self.fail(f"{value!r} is not a comma list of {self.of.__name__}s", param, ctx)
-
-
 _CACHE = pathlib.Path(tempfile.gettempdir()) / "swarmfs-bench"
-_PATH = click.Path(path_type=pathlib.Path)
+_PATH = click.Path(path_type=pathlib.Path, file_okay=False)
+_OUT = OutPath(path=True)
 
 
 def _write(result: dict, out: pathlib.Path | None) -> None:
@@ -230,29 +217,32 @@ def cli():
 
 
 @cli.command(help="time and peak RSS per S")
-@click.option("--sizes", default="16384,32768,65536,131072")
-@click.option("--layer", type=int, default=2)
+@click.option("--sizes", type=CommaList(int, item=COUNT, keep_text=True),
+              default="16384,32768,65536,131072")
+@click.option("--layer", type=click.IntRange(0, 5), default=2)
 @click.option("--cache", type=_PATH, default=_CACHE)
-@click.option("--out", type=_PATH)
+@click.option("--out", type=_OUT)
 def scale(out, **options):
     _write(cmd_scale(types.SimpleNamespace(**options)), out)
 
 
 @cli.command(help="held-out recall per layer and metric")
-@click.option("--datasets", default="wikitext2,gsm8k")
-@click.option("--context", type=int, default=3072)
-@click.option("--heldout", type=int, default=256)
-@click.option("--heldout-span", type=int, default=None,
+@click.option("--datasets", type=CommaList(choices=list(TEXTS), keep_text=True),
+              default="wikitext2,gsm8k")
+@click.option("--context", type=COUNT, default=3072)
+@click.option("--heldout", type=COUNT, default=256)
+@click.option("--heldout-span", type=COUNT, default=None,
               help="held-out queries come from [context, context + span)")
-@click.option("--max-queries", type=int, default=2048)
-@click.option("--taus", type=_CommaList(float), default=None,
+@click.option("--max-queries", type=COUNT, default=2048)
+@click.option("--taus", type=CommaList(float, item=FiniteFloat(0, 1)), default=None,
               help="Jaccard radii (default: the library default)")
-@click.option("--layers", type=_CommaList(int), default=None)
-@click.option("--eq2-counts", type=_CommaList(float), default=[0.025, 0.05, 0.1],
+@click.option("--layers", type=CommaList(int, item=click.IntRange(0, 5)), default=None)
+@click.option("--eq2-counts", type=CommaList(float, item=FiniteFloat(0, 1, min_open=True)),
+              default=[0.025, 0.05, 0.1],
               help="eq. 2 thresholds as fractions of the profiled queries")
 @click.option("--seed", type=int, default=0)
 @click.option("--cache", type=_PATH, default=_CACHE)
-@click.option("--out", type=_PATH)
+@click.option("--out", type=_OUT)
 def recall(out, **options):
     _write(cmd_recall(types.SimpleNamespace(**options)), out)
 

@@ -17,6 +17,7 @@ import click
 import numpy as np
 
 from swarmfs import Store
+from tools._options import clear_store_dir
 
 
 def _cpu():
@@ -30,7 +31,7 @@ def measure(root: str) -> dict:
     kv = rng.standard_normal((S, 2, H, d)).astype(np.float16)
     cl = np.array_split(rng.permutation(S), 512)
     res = {}
-    shutil.rmtree(root, ignore_errors=True)
+    clear_store_dir(root)
     s = Store.create(root, disks=4, num_layers=2, num_kv_heads=H, head_dim=d)
     t = time.perf_counter()
     s.write_layer(0, kv, cl)
@@ -55,7 +56,8 @@ def measure(root: str) -> dict:
 
 
 @click.command(help=__doc__.split("\n\n")[0])
-@click.argument("root", default="/tmp/swarmfs-bench-meta")
+@click.argument("root", default="/tmp/swarmfs-bench-meta",
+                type=click.Path(file_okay=False))
 def cli(root):
     print(json.dumps(measure(root)))
 

@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import types
 import click
 import numpy as np
 
+from tools._options import COUNT, DISKS, NONNEG, CommaList, OutPath, clear_store_dir
 from swarmfs import Store
 
 MiB = 1 << 20
@@ -60,7 +60,7 @@ def build_big(path, *, disks, clusters, cluster_mib, seed=0):
                 if s.num_clusters(0) == clusters and int(s.layer(0).sizes[0]) == n \
                         and s.num_disks == disks:
                     return
-    shutil.rmtree(path, ignore_errors=True)
+    clear_store_dir(path, option="--dir")
     rng = np.random.default_rng(seed)
     S = n * clusters
     kv = rng.standard_normal((S,) + shape, dtype=np.float32).astype(np.float16)
@@ -76,7 +76,7 @@ def build_wide(path, *, disks, clusters, seed=1):
             with Store.open(path) as s:
                 if s.num_clusters(0) == clusters and s.num_disks == disks:
                     return
-    shutil.rmtree(path, ignore_errors=True)
+    clear_store_dir(path, option="--dir")
     rng = np.random.default_rng(seed)
     S = clusters * 4
     kv = rng.standard_normal((S, 2, 2, 16), dtype=np.float32).astype(np.float16)
@@ -171,7 +171,7 @@ def measure_follow(path, mnt, runs):
     visible on a mount that follows the store (``runs`` appends)."""
     if runs <= 0:
         return []
-    shutil.rmtree(path, ignore_errors=True)
+    clear_store_dir(path, option="--dir")
     rng = np.random.default_rng(2)
     s = Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16,
                      dtype="float16")
@@ -225,19 +225,19 @@ def readahead_sweep(big, mnt, sizes_kb, runs, store):
 
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--dir", default="/tmp/swarmfs-bench")
-@click.option("--disks", type=int, default=4)
-@click.option("--cluster-mib", type=int, default=64)
-@click.option("--big-clusters", type=int, default=4)
-@click.option("--clusters", type=int, default=100_000)
-@click.option("--runs", type=int, default=5)
-@click.option("--ls-runs", type=int, default=3)
-@click.option("--follow-runs", type=int, default=5)
-@click.option("--readahead-sweep", default="",
+@click.option("--disks", type=DISKS, default=4)
+@click.option("--cluster-mib", type=COUNT, default=64)
+@click.option("--big-clusters", type=COUNT, default=4)
+@click.option("--clusters", type=COUNT, default=100_000)
+@click.option("--runs", type=COUNT, default=5)
+@click.option("--ls-runs", type=NONNEG, default=3)
+@click.option("--follow-runs", type=NONNEG, default=5)
+@click.option("--readahead-sweep", type=CommaList(int, item=NONNEG), default=None,
               help="comma-separated read_ahead_kb values to compare instead of the "
                    "main benchmark (root only)")
-@click.option("--concurrent", type=int, default=4)
-@click.option("--threads", type=int, default=8)
-@click.option("--out", default="bench_mount.json")
+@click.option("--concurrent", type=COUNT, default=4)
+@click.option("--threads", type=COUNT, default=8)
+@click.option("--out", type=OutPath(), default="bench_mount.json")
 def cli(**options):
     a = types.SimpleNamespace(**options)
     os.makedirs(a.dir, exist_ok=True)
@@ -251,7 +251,7 @@ def cli(**options):
     store = Store.open(big)
     if a.readahead_sweep:
         sweep = readahead_sweep(big, os.path.join(a.dir, "mnt"),
-                                [int(x) for x in a.readahead_sweep.split(",")], a.runs, store)
+                                a.readahead_sweep, a.runs, store)
         for k, v in sweep.items():
             print(f"{k}: median {v:.4f} s")
         with open(a.out, "w") as f:

@@ -40,6 +40,7 @@ import types
 import click
 import numpy as np
 
+from tools._options import FiniteFloat, COUNT, POSITIVE, CommaList, OutPath
 from swarmfs import plan_reads
 from swarmfs._index2 import pack_medoids_i8x2, select_i8x2
 from swarmfs._kernels import (cpu_flags, kernel_path, pack_medoids, pack_medoids_i8,
@@ -336,14 +337,17 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
 
 
 @click.command(help=__doc__.split("\n\n")[0])
-@click.option("--tokens", default="131072,262144,524288,1048576")
-@click.option("--cluster-sizes", default="14.9,19.4,25.2,32.8",
+@click.option("--tokens", type=CommaList(int, item=COUNT),
+              default="131072,262144,524288,1048576")
+@click.option("--cluster-sizes", type=CommaList(float, item=FiniteFloat(min=1)),
+              default="14.9,19.4,25.2,32.8",
               help="mean entries per cluster at each --tokens value (C = S / size); "
                    "default: the layout's measured sizes (MiniLM over WikiText-2: "
                    "14.9 at 128K, bench_layout.py) grown as S^0.377 as measured "
                    "from 16K to 128K")
-@click.option("--reps", type=int, default=200)
+@click.option("--reps", type=COUNT, default=200)
 @click.option("--paths", default="auto",
+              type=CommaList(choices=["auto", "all", "scalar", "avx2", "avx512", "neon"]),
               help="kernel paths to measure, comma-separated (scalar, avx2, avx512, "
                    "neon; 'all' = every path this CPU runs; default: the auto path)")
 @click.option("--assembly", is_flag=True,
@@ -355,10 +359,10 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
                    "the demo's capture cast to fp16 (store written under DIR)")
 @click.option("--two-level", is_flag=True,
               help="also time the two-level int8 index (select_i8x2) on each path")
-@click.option("--group-size", type=int, default=32)
-@click.option("--coverage", type=float, default=3.0)
+@click.option("--group-size", type=COUNT, default=32)
+@click.option("--coverage", type=POSITIVE, default=3.0)
 @click.option("--no-naive", is_flag=True, help="skip the naive full-key scan")
-@click.option("--out", default="bench-out/select")
+@click.option("--out", type=OutPath(prefix=True), default="bench-out/select")
 @click.pass_context
 def cli(ctx, **options):
     a = types.SimpleNamespace(**options)
@@ -373,8 +377,14 @@ def cli(ctx, **options):
     rng = np.random.default_rng(0)
     rows = []
     auto = kernel_path()
-    paths = supported_paths()[::-1] if a.paths == "all" else \
-        [auto if p == "auto" else p for p in a.paths.split(",")]
+    if "all" in a.paths and a.paths != ["all"]:
+        raise click.BadParameter("'all' stands alone", param_hint="--paths")
+    paths = supported_paths()[::-1] if a.paths == ["all"] else \
+        [auto if p == "auto" else p for p in a.paths]
+    missing = [p for p in paths if p not in supported_paths()]
+    if missing:
+        raise click.BadParameter(f"this CPU does not run {', '.join(missing)} (it runs "
+                                 f"{', '.join(supported_paths())})", param_hint="--paths")
     print(f"CPU flags: {' '.join(cpu_flags())}; auto path: {auto}; measured: "
           f"{', '.join(paths)}; one thread (int8 2t: select_i8 with threads=2, same run)")
     if a.two_level:
@@ -383,8 +393,11 @@ def cli(ctx, **options):
           " ".join(f"{p + ' int8':>12} {p + ' int8 2t':>14} {p + ' prob':>12} "
                    f"{p + ' logit':>12}" for p in paths) +
           f" {'split ms':>9} {'paper':>7}")
-    sizes = [float(x) for x in a.cluster_sizes.split(",")]
-    toks = [int(x) for x in a.tokens.split(",")]
+    sizes, toks = a.cluster_sizes, a.tokens
+    if len(sizes) not in (1, len(toks)):
+        raise click.BadParameter(f"{len(sizes)} cluster sizes for {len(toks)} --tokens "
+                                 "values (give one, or one per value)",
+                                 param_hint="--cluster-sizes")
     if len(sizes) == 1:
         sizes = sizes * len(toks)
     for S, cs in zip(toks, sizes):

@@ -24,14 +24,15 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import pathlib
 import platform
 import sys
 import time
+import types
 
+import click
 import numpy as np
 
 SOURCES = ("python", "wikitext2", "shakespeare", "gsm8k")
@@ -89,14 +90,24 @@ def token_nll(model, ids: np.ndarray) -> np.ndarray:
         return torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none").numpy()
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=pathlib.Path, default=None, help="model directory (default: DEFAULT_DECODER)")
-    p.add_argument("--tokens", type=int, default=16384, help="held-out tokens scored per source")
-    p.add_argument("--window", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", type=pathlib.Path, default=None)
-    args = p.parse_args(argv)
+@click.command(help=__doc__.split("\n\n")[0])
+@click.option("--model", type=click.Path(path_type=pathlib.Path), default=None,
+              help="model directory (default: DEFAULT_DECODER)")
+@click.option("--tokens", type=click.IntRange(min=2), default=16384,
+              help="held-out tokens scored per source")
+@click.option("--window", type=click.IntRange(min=2), default=2048)
+@click.option("--threads", type=click.IntRange(min=1), default=2)
+@click.option("--json", "json_path", type=click.Path(path_type=pathlib.Path), default=None)
+def cli(**options):
+    evaluate(types.SimpleNamespace(**options))
+
+
+def main(argv=None):
+    """Run :func:`cli` (``argv`` None: the command line, as a program)."""
+    return cli.main(args=argv, obj=argv, standalone_mode=argv is None)
+
+
+def evaluate(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from swarmfs.models import DEFAULT_DECODER, training_texts
@@ -161,9 +172,9 @@ def main(argv=None) -> int:
     result["wall_s"] = round(time.time() - t0, 1)
     result["cpu_s"] = round(time.process_time() - c0, 1)
     print(f"[eval] {result['wall_s']} s wall, {result['cpu_s']} s CPU")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    if args.json_path:
+        args.json_path.parent.mkdir(parents=True, exist_ok=True)
+        args.json_path.write_text(json.dumps(result, indent=1))
     return 0
 
 

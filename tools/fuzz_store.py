@@ -46,6 +46,7 @@ import click
 import numpy as np
 import xxhash
 
+from tools._options import COUNT, POSITIVE, OutPath
 from swarmfs import Store
 from swarmfs import _errors as E
 from swarmfs import _format as F
@@ -87,6 +88,9 @@ def build_base(root: str) -> list[dict]:
             expect[layer] = dict(num_tokens=s.num_tokens(layer),
                                  num_clusters=s.num_clusters(layer),
                                  hot_clusters=int(s.layer(layer).hot.sum()),
+                                 num_copies=s.committed.layers[layer].num_copies,
+                                 replication=s.committed.layers[layer].replication,
+                                 local_window=s.committed.layers[layer].local_window,
                                  clusters=[s.cluster_tokens(layer, c).tolist()
                                            for c in range(s.num_clusters(layer))])
         s.close()
@@ -226,7 +230,7 @@ def _rewrite_commits(store: str, m: dict, paths: list[str]) -> None:
     try:
         uid = bytes.fromhex(m["uuid"])
         gen, msum = int(m["generation"]), int(m["checksum"], 16)
-    except (KeyError, ValueError, TypeError, AttributeError):
+    except (KeyError, ValueError, TypeError, AttributeError, OverflowError):
         return
     if not 0 <= gen < 2**64 or len(uid) != 16:
         return
@@ -404,6 +408,10 @@ def check_store(path: str, base: dict) -> str | None:
                 return f"layer {layer} bytes differ"
             if s.info()["layers"][str(layer)]["hot_clusters"] != want["hot_clusters"]:
                 return f"layer {layer} hot_clusters differ"
+            rec = s.committed.layers[layer]
+            for f in ("num_copies", "replication", "local_window"):
+                if getattr(rec, f) != want[f]:         # NaN too
+                    return f"layer {layer} {f} {getattr(rec, f)!r} != {want[f]!r}"
             for c, toks in enumerate(want["clusters"]):
                 if s.cluster_tokens(layer, c).tolist() != toks:
                     return f"layer {layer} cluster {c} members differ"
@@ -528,10 +536,10 @@ def fuzz(cases: int, seed: int, *, timeout: float = 20.0, root: str | None = Non
 
 
 @click.command(help=__doc__.split("\n\n")[0])
-@click.option("--cases", type=int, default=1000)
+@click.option("--cases", type=COUNT, default=1000)
 @click.option("--seed", type=int, default=1)
-@click.option("--timeout", type=float, default=20.0, help="seconds per case")
-@click.option("--json", "json_out", help="write the result as JSON to this file")
+@click.option("--timeout", type=POSITIVE, default=20.0, help="seconds per case")
+@click.option("--json", "json_out", type=OutPath(), help="write the result as JSON to this file")
 def cli(cases, seed, timeout, json_out):
     """Exits 1 if a case ended other than equal, refused (a SwarmError) or skipped."""
     res = fuzz(cases, seed, timeout=timeout,
@@ -542,6 +550,7 @@ def cli(cases, seed, timeout, json_out):
     for f in res["failures"][:20]:
         print("FAIL", f)
     if json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(json_out)), exist_ok=True)
         with open(json_out, "w") as f:
             json.dump(res, f, indent=1)
     run = cases - res["outcomes"].get("skipped", 0)

@@ -37,15 +37,18 @@ Usage (the command that produced the committed model is in docs/model.md)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import pathlib
 import sys
 import time
+import types
 
+import click
 import numpy as np
+
+from tools import _options as O
 
 EOS = "<|endoftext|>"
 
@@ -54,9 +57,14 @@ def parse_phases(spec: str) -> list[tuple[int, int, int]]:
     """``"512x16:300,2048x4:100"`` -> [(seq_len, batch, steps), ...]."""
     phases = []
     for part in spec.split(","):
-        shape, steps = part.split(":")
-        seq, batch = shape.split("x")
-        phases.append((int(seq), int(batch), int(steps)))
+        try:
+            shape, steps = part.split(":")
+            seq, batch = shape.split("x")
+            phases.append((int(seq), int(batch), int(steps)))
+        except ValueError:
+            raise ValueError(f"--phases {part!r}: expected SEQxBATCH:STEPS") from None
+        if phases[-1][0] < 2 or phases[-1][1] < 1 or phases[-1][2] < 1:
+            raise ValueError(f"--phases {part!r}: sequence >= 2, batch and steps >= 1")
     return phases
 
 
@@ -198,8 +206,14 @@ def repeat_at(spec: str, step: int) -> list[tuple[float, str]]:
     ``pure`` windows, 30% ``double`` windows and 50% plain text."""
     parts = []
     for part in filter(None, spec.split(",")):
-        start, p, *m = part.split(":")
+        try:
+            start, p, *m = part.split(":")
+            int(start), float(p)
+        except ValueError:
+            raise ValueError(f"--repeat {part!r}: expected FROM_STEP:PROB[:MODE]") from None
         mode = m[0] if m else "span"
+        if len(m) > 1 or not 0.0 <= float(p) <= 1.0 or int(start) < 0:
+            raise ValueError(f"--repeat {part!r}: FROM_STEP >= 0, PROB in [0, 1], one MODE")
         if mode not in REPEAT_MODES:
             raise ValueError(f"--repeat {part!r}: mode must be one of {', '.join(REPEAT_MODES)}")
         parts.append((int(start), float(p), mode))
@@ -451,46 +465,66 @@ def bench(args, streams, tok_path: pathlib.Path) -> None:
               f"(median of {n})", flush=True)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/work/train"),
-                   help="work directory (tokenizer, token streams, ckpt/, loss curve); outside the repo")
-    p.add_argument("--phases", default="512x16:1200,2048x4:300,8192x1:60",
-                   help="comma-separated SEQxBATCH:STEPS, trained in order")
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--rope-theta", type=float, default=500000.0,
-                   help="RoPE base; a resumed run may change it (the model re-adapts)")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--lr-floor", type=float, default=0.1, help="final LR as a fraction of the peak")
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--decay", type=float, default=0.2, help="fraction of the steps in the final LR decay")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--prose-fraction", type=float, default=0.35,
-                   help="probability that a sequence is drawn from the prose stream")
-    p.add_argument("--repeat", default="",
-                   help="copy augmentation: comma-separated FROM_STEP:PROB[:MODE], the probability "
-                        "that a window gets a copy from that step on; MODE span (default: a copied "
-                        "span), double (a passage followed by itself), random (random token ids "
-                        "followed by themselves, then text), pure (the whole window so) or pairs "
-                        "(random-id segments of varied lengths, each followed by itself); "
-                        "parts with one FROM_STEP form a mixture; see "
-                        "batch_for")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ckpt-every", type=float, default=180.0, help="seconds between checkpoints")
-    p.add_argument("--export", type=pathlib.Path, default=None,
-                   help="after training, write the HF model directory here")
-    p.add_argument("--curve-dir", type=pathlib.Path, default=None,
-                   help="also write loss_curve.png and training.json here")
-    p.add_argument("--export-only", action="store_true", help="skip training, export the checkpoint")
-    p.add_argument("--bench", action="store_true", help="time STEPS steps of each phase, then stop")
-    args = p.parse_args(argv)
+_P = click.Path(path_type=pathlib.Path)
+
+
+@click.command(help=__doc__.split("\n\n")[0])
+@click.option("--out", type=_P, default=pathlib.Path("/work/train"),
+              help="work directory (tokenizer, token streams, ckpt/, loss curve); outside the repo")
+@click.option("--phases", default="512x16:1200,2048x4:300,8192x1:60",
+              help="comma-separated SEQxBATCH:STEPS, trained in order")
+@click.option("--vocab", type=click.IntRange(min=257), default=8192)
+@click.option("--hidden", type=click.IntRange(min=1), default=256)
+@click.option("--intermediate", type=click.IntRange(min=1), default=768)
+@click.option("--layers", type=click.IntRange(min=1), default=4)
+@click.option("--heads", type=click.IntRange(min=1), default=8)
+@click.option("--kv-heads", type=click.IntRange(min=1), default=2)
+@click.option("--rope-theta", type=O.FiniteFloat(min=1.0), default=500000.0,
+              help="RoPE base; a resumed run may change it (the model re-adapts)")
+@click.option("--lr", type=O.POSITIVE, default=2e-3)
+@click.option("--lr-floor", type=O.FRACTION, default=0.1,
+              help="final LR as a fraction of the peak")
+@click.option("--warmup", type=click.IntRange(min=0), default=100)
+@click.option("--decay", type=O.FRACTION, default=0.2,
+              help="fraction of the steps in the final LR decay")
+@click.option("--weight-decay", type=O.NONNEG_FLOAT, default=0.1)
+@click.option("--clip", type=O.POSITIVE, default=1.0)
+@click.option("--prose-fraction", type=O.FRACTION, default=0.35,
+              help="probability that a sequence is drawn from the prose stream")
+@click.option("--repeat", default="",
+              help="copy augmentation: comma-separated FROM_STEP:PROB[:MODE], the probability "
+                   "that a window gets a copy from that step on; MODE span (default: a copied "
+                   "span), double (a passage followed by itself), random (random token ids "
+                   "followed by themselves, then text), pure (the whole window so) or pairs "
+                   "(random-id segments of varied lengths, each followed by itself); parts "
+                   "with one FROM_STEP form a mixture; see batch_for")
+@click.option("--seed", type=int, default=0)
+@click.option("--threads", type=click.IntRange(min=1), default=2)
+@click.option("--ckpt-every", type=O.NONNEG_FLOAT, default=180.0,
+              help="seconds between checkpoints")
+@click.option("--export", type=_P, default=None,
+              help="after training, write the HF model directory here")
+@click.option("--curve-dir", type=_P, default=None,
+              help="also write loss_curve.png and training.json here")
+@click.option("--export-only", is_flag=True, help="skip training, export the checkpoint")
+@click.option("--bench", is_flag=True, help="time STEPS steps of each phase, then stop")
+def cli(**options):
+    args = types.SimpleNamespace(**options)
+    try:
+        parse_phases(args.phases)
+        for part in filter(None, args.repeat.split(",")):     # every mixture in the plan
+            repeat_at(args.repeat, int(part.split(":")[0]) if part[:1].isdigit() else 0)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    run(args)
+
+
+def main(argv=None):
+    """Run :func:`cli` (``argv`` None: the command line, as a program)."""
+    return cli.main(args=argv, obj=argv, standalone_mode=argv is None)
+
+
+def run(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     streams = prepare(args.out, args.vocab)
     tok_path = args.out / "tokenizer.json"

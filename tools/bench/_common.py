@@ -101,6 +101,7 @@ import time
 import click
 import numpy as np
 
+from tools import _options as O
 from tools import _testbed
 from tools._shared_data import data_dir
 
@@ -1317,23 +1318,23 @@ def ceilings(disks: Disks, smoke: bool) -> dict:
 def _options(disks: str) -> list:
     """The click options every figure takes (fields of :class:`BenchConfig`)."""
     return [
-        click.Option(["--disks"], default=disks, show_default=True,
+        click.Option(["--disks"], type=O.DiskSpec(), default=disks, show_default=True,
                      help="testbed | testbed:NAME | files:N | comma list of devices/files"),
-        click.Option(["--out"], type=click.Path(path_type=pathlib.Path), default=None,
+        click.Option(["--out"], type=O.OutPath(prefix=True, path=True), default=None,
                      help="output prefix (.json, .png)"),
         click.Option(["--smoke"], is_flag=True,
                      help="tiny sizes on file disks (CI): checks the harness, not performance"),
-        click.Option(["--queries"], type=int, default=None, help="held-out queries per point"),
-        click.Option(["--reps"], type=int, default=None, help="timed repetitions per query"),
-        click.Option(["--qd"], type=int, default=128, show_default=True,
+        click.Option(["--queries"], type=O.COUNT, default=None, help="held-out queries per point"),
+        click.Option(["--reps"], type=O.COUNT, default=None, help="timed repetitions per query"),
+        click.Option(["--qd"], type=O.QUEUE_DEPTH, default=128, show_default=True,
                      help="engine queue depth"),
         click.Option(["--cache"], type=click.Path(path_type=pathlib.Path), default=CACHE,
                      show_default=True, help="trace/layout cache and store directories"),
-        click.Option(["--trace-tokens"], type=int, default=None,
+        click.Option(["--trace-tokens"], type=O.COUNT, default=None,
                      help="tokens to capture (default: what the figure needs)"),
-        click.Option(["--block-s"], type=float, default=None,
+        click.Option(["--block-s"], type=O.NONNEG_FLOAT, default=None,
                      help=f"seconds per timed block (default {BLOCK_S}; smoke 0)"),
-        click.Option(["--warmup-s"], type=float, default=None,
+        click.Option(["--warmup-s"], type=O.NONNEG_FLOAT, default=None,
                      help=f"untimed replay before a block (default {WARMUP_S}; smoke 0)"),
         click.Option(["--trace"], type=click.Choice(TRACES), default="minilm",
                      show_default=True,
@@ -1462,9 +1463,10 @@ def ablation_command(name: str, doc: str):
     one loaded context: 128K tokens of WikiText-2, 24 held-out queries and 3
     repetitions by default; 2K, 3 and 1 with ``--smoke``."""
     def deco(f):
-        @click.option("--ratio", type=float, default=0.1, show_default=True)
-        @click.option("--dataset", default="wikitext2", show_default=True)
-        @click.option("--tokens", type=int, default=None, help="context length S")
+        @click.option("--ratio", type=O.RATIO, default=0.1, show_default=True)
+        @click.option("--dataset", type=click.Choice(list(DATASETS)), default="wikitext2",
+                      show_default=True)
+        @click.option("--tokens", type=O.COUNT, default=None, help="context length S")
         def body(cfg, tokens, dataset, ratio):
             S = tokens or (2048 if cfg.smoke else 131072)
             trace, disks, out = setup(cfg, name, trace_tokens=4096 if cfg.smoke else 0)

@@ -32,6 +32,8 @@ from __future__ import annotations
 import sys
 
 import click
+
+from tools import _options as O
 import numpy as np
 
 from tools.bench import _common as C
@@ -195,13 +197,15 @@ def method_options(f):
                      help="only the step-time view (selection + planning + I/O + assembly) "
                           "on these device profiles side by side, e.g. "
                           "pm9a3=testbed:evalstep-pm9a3,fast=testbed:evalstep-fast")(f)
-    return click.option("--methods", default=",".join(METHODS), show_default=True)(f)
+    return click.option("--methods", type=O.CommaList(choices=METHODS, keep_text=True),
+                        default=",".join(METHODS), show_default=True)(f)
 
 
 @C.command("fig11_methods", __doc__)
-@click.option("--tokens", type=int, default=None, help="context length S")
-@click.option("--datasets", default=None, help="comma list (default all three; smoke wikitext2)")
-@click.option("--ratio", type=float, default=0.1, show_default=True)
+@click.option("--tokens", type=O.COUNT, default=None, help="context length S")
+@click.option("--datasets", type=O.CommaList(choices=list(C.DATASETS), keep_text=True),
+              default=None, help="comma list (default all three; smoke wikitext2)")
+@click.option("--ratio", type=O.RATIO, default=0.1, show_default=True)
 @method_options
 def cli(cfg, tokens, datasets, ratio, methods, step_profiles):
     S = tokens or (2048 if cfg.smoke else 131072)

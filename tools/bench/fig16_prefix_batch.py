@@ -18,6 +18,8 @@ from __future__ import annotations
 import sys
 
 import click
+
+from tools import _options as O
 import numpy as np
 
 from tools.bench import _common as C
@@ -28,9 +30,11 @@ SEGMENT = 131072
 
 
 @C.command("fig16_prefix_batch", __doc__)
-@click.option("--tokens", default=None, help="comma list of prefix lengths")
-@click.option("--batches", default="1,4,8", show_default=True)
-@click.option("--ratio", type=float, default=0.1, show_default=True)
+@click.option("--tokens", type=O.CommaList(int, item=O.COUNT, keep_text=True), default=None,
+              help="comma list of prefix lengths")
+@click.option("--batches", type=O.CommaList(int, item=O.COUNT, keep_text=True), default="1,4,8",
+              show_default=True)
+@click.option("--ratio", type=O.RATIO, default=0.1, show_default=True)
 def cli(cfg, tokens, batches, ratio):
     sizes = [int(x) for x in (tokens or ("1024,2048" if cfg.smoke else
                                          "131072,262144,524288,1048576")).split(",")]

@@ -20,15 +20,19 @@ import sys
 
 import click
 
+from tools import _options as O
+
 from tools.bench import _common as C
 from tools.bench.fig11_methods import LABELS, METHODS, run_methods
 
 
 @C.command("fig17_ssd_type", __doc__)
-@click.option("--tokens", default=None, help="comma list of prefix lengths")
-@click.option("--ndisks", type=int, default=4, show_default=True)
-@click.option("--ratio", type=float, default=0.1, show_default=True)
-@click.option("--methods", default=",".join(METHODS), show_default=True)
+@click.option("--tokens", type=O.CommaList(int, item=O.COUNT, keep_text=True), default=None,
+              help="comma list of prefix lengths")
+@click.option("--ndisks", type=O.DISKS, default=4, show_default=True)
+@click.option("--ratio", type=O.RATIO, default=0.1, show_default=True)
+@click.option("--methods", type=O.CommaList(choices=METHODS, keep_text=True),
+              default=",".join(METHODS), show_default=True)
 @click.option("--merge", is_flag=True, help="only combine per-profile results")
 def cli(cfg, tokens, ndisks, ratio, methods, merge):
     base = cfg.prefix()

@@ -16,16 +16,21 @@ import sys
 
 import click
 
+from tools import _options as O
+
 from tools.bench import _common as C
 from tools.bench.fig11_methods import LABELS, METHODS, method_layouts, run_methods
 
 
 @C.command("fig18_num_disks", __doc__)
-@click.option("--tokens", type=int, default=None, help="context length S")
-@click.option("--counts", default=None, help="comma list of disk counts")
-@click.option("--dataset", default="wikitext2", show_default=True)
-@click.option("--ratio", type=float, default=0.1, show_default=True)
-@click.option("--methods", default=",".join(METHODS), show_default=True)
+@click.option("--tokens", type=O.COUNT, default=None, help="context length S")
+@click.option("--counts", type=O.CommaList(int, item=O.DISKS, keep_text=True), default=None,
+              help="comma list of disk counts")
+@click.option("--dataset", type=click.Choice(list(C.DATASETS)), default="wikitext2",
+              show_default=True)
+@click.option("--ratio", type=O.RATIO, default=0.1, show_default=True)
+@click.option("--methods", type=O.CommaList(choices=METHODS, keep_text=True),
+              default=",".join(METHODS), show_default=True)
 def cli(cfg, tokens, counts, dataset, ratio, methods):
     S = tokens or (2048 if cfg.smoke else 65536)
     counts = [int(x) for x in (counts or ("1,2" if cfg.smoke else "1,2,4,8")).split(",")]

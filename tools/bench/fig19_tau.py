@@ -18,6 +18,8 @@ import sys
 
 import click
 
+from tools import _options as O
+
 from tools.bench import _common as C
 from tools.bench.fig11_methods import measure
 
@@ -26,10 +28,13 @@ PAIRS = "wikitext2:wikitext2,shakespeare:shakespeare,gsm8k:gsm8k," \
 
 
 @C.command("fig19_tau", __doc__)
-@click.option("--tokens", type=int, default=None, help="context length S")
-@click.option("--taus", default=None, help="comma list of tau")
-@click.option("--pairs", default=None, help="context:profile dataset pairs")
-@click.option("--ratio", type=float, default=0.1, show_default=True)
+@click.option("--tokens", type=O.COUNT, default=None, help="context length S")
+@click.option("--taus", type=O.CommaList(float, item=O.FiniteFloat(0, 1), keep_text=True),
+              default=None, help="comma list of tau")
+@click.option("--pairs", type=O.CommaList(choices=[f"{a}:{b}" for a in C.DATASETS
+                                                  for b in C.DATASETS], keep_text=True),
+              default=None, help="context:profile dataset pairs")
+@click.option("--ratio", type=O.RATIO, default=0.1, show_default=True)
 def cli(cfg, tokens, taus, pairs, ratio):
     S = tokens or (2048 if cfg.smoke else 32768)
     taus = [float(x) for x in (taus or ("0.5,0.7" if cfg.smoke else

@@ -29,6 +29,8 @@ from __future__ import annotations
 import sys
 
 import click
+
+from tools import _options as O
 import numpy as np
 
 from tools.bench import _common as C
@@ -45,9 +47,11 @@ from tools.bench.fig11_methods import (
 
 
 @C.command("fig20_sparsity", __doc__)
-@click.option("--tokens", type=int, default=None, help="context length S")
-@click.option("--ratios", default=None, help="comma list of sparsity ratios r")
-@click.option("--dataset", default="wikitext2", show_default=True)
+@click.option("--tokens", type=O.COUNT, default=None, help="context length S")
+@click.option("--ratios", type=O.CommaList(float, item=O.RATIO, keep_text=True), default=None,
+              help="comma list of sparsity ratios r")
+@click.option("--dataset", type=click.Choice(list(C.DATASETS)), default="wikitext2",
+              show_default=True)
 @method_options
 def cli(cfg, tokens, ratios, dataset, methods, step_profiles):
     S = tokens or (2048 if cfg.smoke else 65536)

@@ -30,6 +30,8 @@ import time
 
 import click
 
+from tools import _options as O
+
 from tools import _testbed as T
 from tools.bench import _common as C
 from tools.bench.fig11_methods import LABELS
@@ -51,20 +53,22 @@ LOW_END = {"name": "swarmfs-900p", "disks": 4, "size": "2G", "profile": "900p"}
 
 
 @click.command(help=__doc__.split("\n")[0])
-@click.option("--disks", default="testbed", show_default=True)
+@click.option("--disks", type=O.DiskSpec(), default="testbed", show_default=True)
 @click.option("--smoke", is_flag=True)
-@click.option("--only", default=None, help="comma list of figures (fig11,...,table4)")
-@click.option("--skip", default="")
+@click.option("--only", type=O.CommaList(choices=[f[0] for f in FIGURES], keep_text=True),
+              default=None, help="comma list of figures (fig11,...,table4)")
+@click.option("--skip", type=O.CommaList(choices=[f[0] for f in FIGURES], keep_text=True),
+              default=None)
 @click.option("--no-900p", "no_900p", is_flag=True, help="fig17 on the main testbed only")
 @click.option("--cache", default=str(C.CACHE), show_default=True)
-@click.option("--trace-tokens", type=int, default=None,
+@click.option("--trace-tokens", type=O.COUNT, default=None,
               help="capture this many trace tokens first (default: what fig16 needs)")
 @click.option("--trace", type=click.Choice(C.TRACES), default="minilm", show_default=True,
               help="the trace every figure runs on (see tools/bench/_common.py)")
 @click.pass_context
 def cli(ctx, disks, smoke, only, skip, no_900p, cache, trace_tokens, trace):
     only = set(only.split(",")) if only else None
-    skip = set(filter(None, skip.split(",")))
+    skip = set(filter(None, (skip or "").split(",")))
     C.OUT.mkdir(parents=True, exist_ok=True)
     common = ["--disks", disks, "--cache", cache, "--trace", trace] + \
         (["--smoke"] if smoke else [])

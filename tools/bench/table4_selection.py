@@ -22,6 +22,8 @@ from __future__ import annotations
 import sys
 
 import click
+
+from tools import _options as O
 import numpy as np
 
 from tools.bench import _common as C
@@ -34,8 +36,9 @@ PAPER = {131072: (1.635, 0.236, 0.053), 262144: (3.136, 0.374, 0.104),
 
 
 @C.command("table4_selection", __doc__)
-@click.option("--tokens", default=None, help="comma list of prefix lengths")
-@click.option("--ratio", type=float, default=0.1, show_default=True)
+@click.option("--tokens", type=O.CommaList(int, item=O.COUNT, keep_text=True), default=None,
+              help="comma list of prefix lengths")
+@click.option("--ratio", type=O.RATIO, default=0.1, show_default=True)
 @click.option("--no-synthetic", is_flag=True, help="skip the synthetic measurement")
 def cli(cfg, tokens, ratio, no_synthetic):
     from swarmfs.layout._baselines import flat_keys
