@@ -555,7 +555,9 @@ def reuse(args, model, tok):
                 model(nxt, cache=c, use_cache=True)
             t["swarm_prefill"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            with hf.SwarmCache.from_store(path, model.config, ratio=r) as c:
+            # the request's ids are checked against the prompt fingerprint (timed too)
+            with hf.SwarmCache.from_store(path, model.config, ratio=r,
+                                          input_ids=torch.cat([ctx, nxt], 1)) as c:
                 model(nxt, cache=c, use_cache=True)
             t["from_store"].append(time.perf_counter() - t0)
     out = {"context": args.context, "ratio": r, "kind": args.kinds[0],
