@@ -23,6 +23,7 @@ from ._native import ffi, lib
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
            "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum",
            "choose_clusters", "select_fused", "pack_medoids", "gather_kv", "kernel_path",
+           "select_threads",
            "set_kernel_path", "supported_paths", "cpu_flags", "KERNEL_PATHS"]
 
 
@@ -650,6 +651,18 @@ def head_logits_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int) -> np.ndarra
     return out
 
 
+def select_threads(threads, what: str = "") -> int:
+    """``threads`` of the int8 selection checked: 1 or 2 (an int, not a bool).
+
+    Raises:
+        InvalidArgumentError: anything else.
+    """
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) \
+            or threads not in (1, 2):
+        _fail(f"{what}threads must be 1 or 2, got {threads!r}")
+    return int(threads)
+
+
 def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
               ptr: np.ndarray, members: np.ndarray, num_tokens: int, budget: int,
               window: int, check: bool = True, threads: int = 1) -> tuple[np.ndarray, int]:
@@ -672,9 +685,7 @@ def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
     q, H, C, d = _check_i8(ix, q, num_kv_heads, "select_i8")
     if not float(scale) > 0:
         _fail(f"select_i8: scale {scale} must be positive")
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) \
-            or threads not in (1, 2):
-        _fail(f"select_i8: threads must be 1 or 2, got {threads!r}")
+    threads = select_threads(threads, "select_i8: ")
     Hq = q.shape[0]
     ptr = np.ascontiguousarray(ptr, dtype=np.int64)
     members = np.ascontiguousarray(members, dtype=np.int32)

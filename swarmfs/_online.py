@@ -37,7 +37,7 @@ from ._report import attention_logits, token_mass
 from ._retrieve import Retrieval, Retriever
 from ._window import entry_budget
 
-__all__ = ["DecodeSession", "StepResult", "PipelinedStep", "pipelined_step"]
+__all__ = ["DecodeSession", "StepResult", "PipelinedStep", "pipelined_step", "check_tau"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,19 @@ class StepResult:
     admitted: np.ndarray
     evicted: np.ndarray
     flushed: np.ndarray
+
+
+def check_tau(tau, error=errors.LayoutError, **where) -> float:
+    """The eq. 9 radius tau checked: a number in (0, 1].
+
+    Raises:
+        ``error`` (LayoutError by default; SwarmError subclasses only), with
+        ``where`` (layer, store) in its message.
+    """
+    if isinstance(tau, bool) or not isinstance(tau, (int, float, np.number)) or \
+            not 0 < tau <= 1:
+        raise error(f"tau must be a number in (0, 1], got {tau!r}", **where)
+    return float(tau)
 
 
 class DecodeSession:
@@ -108,10 +121,7 @@ class DecodeSession:
                  t_base_us: float = defaults.T_BASE_US,
                  t_transfer_us: float = defaults.T_TRANSFER_US,
                  adapt_cache: bool = True, group: int | None = None):
-        if isinstance(tau, bool) or not isinstance(tau, (int, float, np.number)) or \
-                not 0 < tau <= 1:
-            raise errors.LayoutError(f"tau must be a number in (0, 1], got {tau!r}",
-                                     layer=layer)
+        check_tau(tau, layer=layer)
         if group is not None:
             if new_cluster_size is not None:
                 raise errors.InvalidArgumentError("give new_cluster_size, not both it and "

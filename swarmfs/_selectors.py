@@ -328,10 +328,8 @@ class MedoidSelector:
                                                                    np.integer)) \
                 or not np.isfinite(coverage) or coverage <= 0:
             raise InvalidArgumentError(f"coverage must be a finite number > 0, got {coverage!r}")
-        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or \
-                threads not in (1, 2):
-            raise InvalidArgumentError(f"threads must be 1 or 2, got {threads!r}")
-        self.threads = int(threads)
+        from ._kernels import select_threads
+        self.threads = select_threads(threads)
         self.store = store
         self.score = score
         self.index = index

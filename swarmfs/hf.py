@@ -75,7 +75,7 @@ import numpy as np
 from . import _errors as errors
 from . import _defaults as defaults
 from ._demo import LayoutParams, _layout_layer
-from ._online import DecodeSession
+from ._online import DecodeSession, check_tau
 from ._retrieve import Retriever
 from ._store import Store, to_torch
 from ._window import stored_window
@@ -221,6 +221,12 @@ def enable(model):
     Also hooks the model's input embeddings so that a prefill records a
     fingerprint of its prompt's token ids in the store (checked by
     :meth:`SwarmCache.from_store` when given the request's ids).
+
+    Concurrency: the ids a forward pass sees are kept per thread (and
+    forgotten when the model's forward returns), so forwards of one enabled
+    model may run on several threads at once, each with its own
+    ``SwarmCache``: each prefill records its own prompt.  One cache is used
+    by one thread at a time.
 
     Returns:
         the model.
@@ -436,10 +442,9 @@ class SwarmCache(Cache):
         self._index: dict[int, object] = {}
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise errors.InvalidArgumentError(f"ratio must be a number in (0, 1], got {ratio!r}")
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau <= 1:
-            # DecodeSession checks it too, but only at the first decode step,
-            # after the prefill has written the store
-            raise errors.InvalidArgumentError(f"tau must be a number in (0, 1], got {tau!r}")
+        # the DecodeSessions' rule, checked now: they start only at the first
+        # decode step, after the prefill has written the store
+        check_tau(tau, errors.InvalidArgumentError)
         if prefetch not in ("none", "previous"):
             raise errors.InvalidArgumentError(f"prefetch must be 'none' or 'previous', got "
                                               f"{prefetch!r}")

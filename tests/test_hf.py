@@ -362,3 +362,40 @@ def test_a_request_shorter_than_the_stored_prefix_is_a_shape_error(tmp_path):
     with H.SwarmCache.from_store(tmp_path / "doc", model.config) as again:
         with pytest.raises(ShapeError, match="no token after the 64"):
             generate(model, prompt()[:, :20], again, 1)
+
+
+def test_concurrent_prefills_each_record_their_own_prompt(tmp_path):
+    """enable()'s contract: forwards of one model on several threads at once,
+    each with its own SwarmCache, each record their own prompt's fingerprint
+    (the ids are kept per thread), and each store then accepts its own
+    request and refuses the others'."""
+    import threading
+    model = make_model("llama")
+    H.enable(model)
+    prompts = [prompt(seed=s) for s in range(4)]
+    errors_seen = []
+
+    def prefill(i, rnd):
+        try:
+            with torch.no_grad(), H.SwarmCache(tmp_path / f"r{rnd}-{i}", model.config,
+                                               ratio=0.5, disks=2, append=False) as c:
+                model(prompts[i], cache=c, use_cache=True)
+        except BaseException as exc:        # noqa: BLE001 -- reported below
+            errors_seen.append(exc)
+
+    for rnd in range(3):
+        threads = [threading.Thread(target=prefill, args=(i, rnd)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads) and not errors_seen, errors_seen
+    ext = torch.tensor([[1]])
+    for rnd in range(3):
+        for i in range(4):
+            path = tmp_path / f"r{rnd}-{i}"
+            H.SwarmCache.from_store(path, model.config,
+                                    input_ids=torch.cat([prompts[i], ext], 1)).close()
+            with pytest.raises(ShapeError, match="not the stored prompt"):
+                H.SwarmCache.from_store(path, model.config,
+                                        input_ids=torch.cat([prompts[(i + 1) % 4], ext], 1))

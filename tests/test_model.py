@@ -11,6 +11,7 @@ from swarmfs import InvalidArgumentError
 from swarmfs.models import DEFAULT_DECODER, documents, heldout_documents, heldout_texts
 
 from conftest import DATA
+from tools.eval_decoder import repeat_losses
 
 needs_data = pytest.mark.skipif(not (DATA / "wikitext2_raw_test.raw").exists(),
                                 reason="shared data (WikiText-2) not present")
@@ -64,17 +65,6 @@ def decoder():
     model = transformers.AutoModelForCausalLM.from_pretrained(
         DEFAULT_DECODER, dtype=torch.float32, attn_implementation="sdpa").eval()
     return tok, model
-
-
-def repeat_losses(model, ids):
-    """Mean NLL (nats/token) on the first occurrence and on the repeat of ids+ids."""
-    import torch
-    L = len(ids)
-    x = torch.tensor([ids + ids])
-    with torch.inference_mode():
-        logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
-    return float(nll[: L - 1].mean()), float(nll[L:].mean())
 
 
 @needs_model

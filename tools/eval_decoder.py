@@ -90,6 +90,23 @@ def token_nll(model, ids: np.ndarray) -> np.ndarray:
         return torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none").numpy()
 
 
+def repeat_nll(model, passage) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token NLL (nats) on a passage followed by itself: (first, repeat),
+    the targets 1..L-1 of the first occurrence and L+1..2L-1 of the repeat
+    (the copy check: a model that attends back scores the repeat far below
+    the first occurrence)."""
+    passage = np.asarray(passage, dtype=np.int64)
+    L = passage.shape[0]
+    nll = token_nll(model, np.concatenate([passage, passage]))   # nll[i] scores seq[i + 1]
+    return nll[: L - 1], nll[L:]
+
+
+def repeat_losses(model, passage) -> tuple[float, float]:
+    """Mean NLL (nats/token) of :func:`repeat_nll`: (first, repeat)."""
+    first, repeat = repeat_nll(model, passage)
+    return float(first.mean()), float(repeat.mean())
+
+
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--model", type=click.Path(path_type=pathlib.Path), default=None,
               help="model directory (default: DEFAULT_DECODER)")
@@ -150,8 +167,7 @@ def evaluate(args) -> int:
         for L in (2048, 4096):
             passage = ids_by[src][:L]
             seq = np.concatenate([passage, passage])
-            nll = token_nll(model, seq)           # nll[i] scores seq[i + 1]
-            first, repeat = nll[: L - 1], nll[L:]  # targets 1..L-1 and L+1..2L-1
+            first, repeat = repeat_nll(model, passage)
             bnll = ngram.bigram_nll(seq[:-1], seq[1:])
             r = {"passage_tokens": L, "total_tokens": 2 * L,
                  "model_first": float(first.mean()), "model_repeat": float(repeat.mean()),

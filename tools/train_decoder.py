@@ -198,33 +198,46 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
     return np.stack(rows)
 
 
-def repeat_at(spec: str, step: int) -> list[tuple[float, str]]:
-    """``"310:0.5,427:1.0,952:0.5:double"`` -> the copy augmentation at ``step``:
-    a list of (probability, mode), each part in force from its step on (mode
-    ``span`` when not given).  Parts with the same step form a mixture:
-    ``"0:0.5:pure,600:0.2:pure,600:0.3:double"`` gives from step 600 on 20%
-    ``pure`` windows, 30% ``double`` windows and 50% plain text."""
-    parts = []
+def parse_repeat(spec: str) -> dict[int, list[tuple[float, str]]]:
+    """``--repeat`` -> {start step: [(probability, mode), ...]}: each part
+    ``FROM_STEP:PROB[:MODE]`` (mode ``span`` when not given); parts with the
+    same step form a mixture, whose probabilities may add up to at most 1.
+
+    Raises:
+        ValueError: a malformed part, an unknown mode, a probability outside
+            [0, 1], a negative step, or a mixture adding up to more than 1.
+    """
+    plan: dict[int, list[tuple[float, str]]] = {}
     for part in filter(None, spec.split(",")):
         try:
             start, p, *m = part.split(":")
-            int(start), float(p)
+            start, p = int(start), float(p)
         except ValueError:
             raise ValueError(f"--repeat {part!r}: expected FROM_STEP:PROB[:MODE]") from None
         mode = m[0] if m else "span"
-        if len(m) > 1 or not 0.0 <= float(p) <= 1.0 or int(start) < 0:
+        if len(m) > 1 or not 0.0 <= p <= 1.0 or start < 0:
             raise ValueError(f"--repeat {part!r}: FROM_STEP >= 0, PROB in [0, 1], one MODE")
         if mode not in REPEAT_MODES:
             raise ValueError(f"--repeat {part!r}: mode must be one of {', '.join(REPEAT_MODES)}")
-        parts.append((int(start), float(p), mode))
-    in_force = [s for s, _, _ in parts if s <= step]
-    if not in_force:
-        return []
-    latest = max(in_force)
-    mix = [(p, mode) for s, p, mode in parts if s == latest and p > 0]
-    if sum(p for p, _ in mix) > 1.0 + 1e-9:
-        raise ValueError(f"--repeat: the probabilities from step {latest} add up to more than 1")
-    return mix
+        plan.setdefault(start, [])
+        if p > 0:
+            plan[start].append((p, mode))
+    for start, mix in plan.items():
+        if sum(p for p, _ in mix) > 1.0 + 1e-9:
+            raise ValueError(f"--repeat: the probabilities from step {start} add up to more than 1")
+    return plan
+
+
+def repeat_at(plan, step: int) -> list[tuple[float, str]]:
+    """The copy augmentation in force at ``step`` (``plan``: a ``--repeat``
+    string or :func:`parse_repeat`'s result): the mixture of the latest
+    start step <= ``step``, e.g. ``"0:0.5:pure,600:0.2:pure,600:0.3:double"``
+    gives from step 600 on 20% ``pure`` windows, 30% ``double`` windows and
+    50% plain text; before the first start, none."""
+    if isinstance(plan, str):
+        plan = parse_repeat(plan)
+    in_force = [start for start in plan if start <= step]
+    return list(plan[max(in_force)]) if in_force else []
 
 
 REPEAT_MODES = ("span", "double", "random", "pure", "pairs")
@@ -325,6 +338,7 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
     cpu0, wall0 = time.process_time(), time.time()
     bar = tqdm(total=total, initial=min(step, total), mininterval=15, dynamic_ncols=False, ncols=110)
     ends = np.cumsum([n for _, _, n in phases])
+    repeat_plan = parse_repeat(args.repeat)
     override = args.out / "phases.override"
     while step < total:
         # the plan may be shortened while running (paused by benchmarks): OUT/phases.override
@@ -343,7 +357,7 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         x = torch.from_numpy(batch_for(streams, args.seed, step, seq, batch, args.prose_fraction,
-                                       repeat_at(args.repeat, step), config.vocab_size))
+                                       repeat_at(repeat_plan, step), config.vocab_size))
         t0 = time.time()
         logits = model(input_ids=x[:, :-1], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
@@ -381,17 +395,13 @@ def copy_probe(model, probe_ids: list[int], lengths=(300, 1024)) -> dict:
     themselves, per passage length in tokens (below 0.5: the model copies;
     about 1.0: it does not attend back).  The check of tests/test_model.py,
     run at every checkpoint so a run shows when copying forms (or is lost)."""
-    import torch
+    from tools.eval_decoder import repeat_losses
     was_training = model.training
     model.eval()
     out = {}
-    with torch.inference_mode():
-        for n in lengths:
-            ids = probe_ids[:n]
-            x = torch.tensor([ids + ids])
-            logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
-            out[str(n)] = round(float(nll[n:].mean() / nll[: n - 1].mean()), 3)
+    for n in lengths:
+        first, repeat = repeat_losses(model, probe_ids[:n])
+        out[str(n)] = round(repeat / first, 3)
     model.train(was_training)
     return out
 
@@ -512,8 +522,7 @@ def cli(**options):
     args = types.SimpleNamespace(**options)
     try:
         parse_phases(args.phases)
-        for part in filter(None, args.repeat.split(",")):     # every mixture in the plan
-            repeat_at(args.repeat, int(part.split(":")[0]) if part[:1].isdigit() else 0)
+        parse_repeat(args.repeat)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     run(args)

@@ -1457,6 +1457,12 @@ class Ablation:
         return finish(self.cfg, self.out, payload, plot)
 
 
+#: the figures' shared context options: ``--tokens`` (S) and ``--dataset``
+tokens_option = click.option("--tokens", type=O.COUNT, default=None, help="context length S")
+dataset_option = click.option("--dataset", type=click.Choice(list(DATASETS)),
+                              default="wikitext2", show_default=True)
+
+
 def ablation_command(name: str, doc: str):
     """:func:`command` for an ablation figure: also ``--tokens``,
     ``--dataset``, ``--ratio``; the function gets an :class:`Ablation` with
@@ -1464,9 +1470,8 @@ def ablation_command(name: str, doc: str):
     repetitions by default; 2K, 3 and 1 with ``--smoke``."""
     def deco(f):
         @click.option("--ratio", type=O.RATIO, default=0.1, show_default=True)
-        @click.option("--dataset", type=click.Choice(list(DATASETS)), default="wikitext2",
-                      show_default=True)
-        @click.option("--tokens", type=O.COUNT, default=None, help="context length S")
+        @dataset_option
+        @tokens_option
         def body(cfg, tokens, dataset, ratio):
             S = tokens or (2048 if cfg.smoke else 131072)
             trace, disks, out = setup(cfg, name, trace_tokens=4096 if cfg.smoke else 0)

@@ -202,7 +202,7 @@ def method_options(f):
 
 
 @C.command("fig11_methods", __doc__)
-@click.option("--tokens", type=O.COUNT, default=None, help="context length S")
+@C.tokens_option
 @click.option("--datasets", type=O.CommaList(choices=list(C.DATASETS), keep_text=True),
               default=None, help="comma list (default all three; smoke wikitext2)")
 @click.option("--ratio", type=O.RATIO, default=0.1, show_default=True)

@@ -23,11 +23,10 @@ from tools.bench.fig11_methods import LABELS, METHODS, method_layouts, run_metho
 
 
 @C.command("fig18_num_disks", __doc__)
-@click.option("--tokens", type=O.COUNT, default=None, help="context length S")
+@C.tokens_option
 @click.option("--counts", type=O.CommaList(int, item=O.DISKS, keep_text=True), default=None,
               help="comma list of disk counts")
-@click.option("--dataset", type=click.Choice(list(C.DATASETS)), default="wikitext2",
-              show_default=True)
+@C.dataset_option
 @click.option("--ratio", type=O.RATIO, default=0.1, show_default=True)
 @click.option("--methods", type=O.CommaList(choices=METHODS, keep_text=True),
               default=",".join(METHODS), show_default=True)

@@ -28,7 +28,7 @@ PAIRS = "wikitext2:wikitext2,shakespeare:shakespeare,gsm8k:gsm8k," \
 
 
 @C.command("fig19_tau", __doc__)
-@click.option("--tokens", type=O.COUNT, default=None, help="context length S")
+@C.tokens_option
 @click.option("--taus", type=O.CommaList(float, item=O.FiniteFloat(0, 1), keep_text=True),
               default=None, help="comma list of tau")
 @click.option("--pairs", type=O.CommaList(choices=[f"{a}:{b}" for a in C.DATASETS

@@ -47,11 +47,10 @@ from tools.bench.fig11_methods import (
 
 
 @C.command("fig20_sparsity", __doc__)
-@click.option("--tokens", type=O.COUNT, default=None, help="context length S")
+@C.tokens_option
 @click.option("--ratios", type=O.CommaList(float, item=O.RATIO, keep_text=True), default=None,
               help="comma list of sparsity ratios r")
-@click.option("--dataset", type=click.Choice(list(C.DATASETS)), default="wikitext2",
-              show_default=True)
+@C.dataset_option
 @method_options
 def cli(cfg, tokens, ratios, dataset, methods, step_profiles):
     S = tokens or (2048 if cfg.smoke else 65536)
