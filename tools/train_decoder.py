@@ -390,7 +390,7 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
           f"{time.process_time() - cpu0:.0f} s CPU this run", flush=True)
 
 
-def copy_probe(model, probe_ids: list[int], lengths=(300, 1024)) -> dict:
+def copy_probe(model, probe_ids: list[int], lengths=(48, 300, 1024)) -> dict:
     """Repeat / first-occurrence loss ratio of held-out passages followed by
     themselves, per passage length in tokens (below 0.5: the model copies;
     about 1.0: it does not attend back).  The check of tests/test_model.py,
