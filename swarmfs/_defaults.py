@@ -7,7 +7,7 @@ README's "Python API" and the CLI's ``--help`` show the same values.
 from __future__ import annotations
 
 __all__ = ["RATIO", "LOCAL_WINDOW", "T_BASE_US", "T_TRANSFER_US", "SSD_GBPS", "HOT_FRACTION",
-           "ONLINE_TAU", "MAX_JOINS", "NEW_CLUSTER_SIZE", "FLUSH_BATCH"]
+           "ONLINE_TAU", "MAX_JOINS", "NEW_CLUSTER_SIZE", "FLUSH_BATCH", "DECODER_TAU"]
 
 #: Sparsity ratio r: the fraction of a context's entries a query may use
 #: (the entry budget is ceil(r x S)); SWARM §8.1 evaluates at 0.10.
@@ -26,6 +26,14 @@ SSD_GBPS = 3.0
 #: DRAM budget for hot clusters, as a fraction of a layer's KV bytes (eq. 6
 #: chooses which clusters fill it).
 HOT_FRACTION = 0.02
+#: Algorithm 1's clustering radius tau for a decoder's prompt laid out by
+#: ``swarmfs.hf.SwarmCache`` (and so ``swarmfs demo`` and ``generate``) when
+#: its ``layout`` gives none.  Lower than the offline layout's default (0.6,
+#: tuned on MiniLM): the shipped decoder copies, its heads attend to single
+#: far-back tokens that are rarely co-activated, and at 0.6 the merged
+#: clusters cost recall (8K held-out tokens, r = 0.1: recall 0.90 / 0.89 at
+#: 0.6 against 0.98 / 0.97 at 0.3 on Python / prose; docs/benchmarks.md §10).
+DECODER_TAU = 0.3
 #: Eq. 9 radius of the online maintenance (§6.2): a new entry joins clusters
 #: co-activated in more than (1 - tau) of the W steps it is observed.
 ONLINE_TAU = 0.5

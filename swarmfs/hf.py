@@ -391,7 +391,8 @@ class SwarmCache(Cache):
             attends to the whole context (exactly dense attention).
         disks: N file disks or a list of disk paths (as ``Store.create``).
         layout: :class:`swarmfs._demo.LayoutParams` (tau, local window,
-            hot fraction, eq. 6 costs); its ratio is replaced by ``ratio``.
+            hot fraction, eq. 6 costs); its ratio is replaced by ``ratio``,
+            and a tau of None by ``defaults.DECODER_TAU`` (0.3).
         prefetch: ``"none"`` or ``"previous"`` (§7, see the module docstring).
         method: ``"swarm"`` (co-activation clusters, medoid index), or one of
             the evaluation's baselines laid out by ``swarmfs.layout._baselines``
@@ -450,6 +451,8 @@ class SwarmCache(Cache):
                                               f"{prefetch!r}")
         self.ratio = float(ratio)
         self.params = dataclasses.replace(layout or LayoutParams(), ratio=self.ratio)
+        if self.params.tau is None:
+            self.params = dataclasses.replace(self.params, tau=defaults.DECODER_TAU)
         self.prefetch_mode = prefetch
         self.append, self.tau, self.record = bool(append), float(tau), bool(record)
         self._disks, self._force, self._engine = disks, force, engine

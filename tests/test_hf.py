@@ -127,6 +127,26 @@ def test_prefill_keeps_no_prefix_kv_in_dram(tmp_path):
         assert all(st.num_clusters(li) > 1 for li in st.layers)
 
 
+def test_decoder_layout_tau_default_and_override(tmp_path):
+    """SwarmCache lays a prompt out at ``DECODER_TAU`` when its ``layout``
+    gives no tau (the shipped decoder's rarely co-activated far-back keys
+    lose recall at the offline default), and keeps a tau the caller sets."""
+    from swarmfs import _defaults
+    from swarmfs._demo import LayoutParams
+    model = make_model("llama")
+    ids = prompt(300)
+    H.enable(model)
+    for name, layout, want in (("default", None, _defaults.DECODER_TAU),
+                               ("no-tau", LayoutParams(), _defaults.DECODER_TAU),
+                               ("tau", LayoutParams(tau=0.6), 0.6)):
+        with H.SwarmCache(tmp_path / name, model.config, ratio=0.1, disks=2,
+                          layout=layout) as cache:
+            generate(model, ids, cache, 1)
+            for layer in cache.store.layers:
+                assert cache.store.layer_record(layer).extra["layout"]["tau"] == want
+    assert _defaults.DECODER_TAU == 0.3
+
+
 def test_sparse_budget_differs_from_dense_by_a_small_amount(tmp_path):
     """r < 1 decodes; its logits move away from dense, less as r grows
     (measured on this random model: max |diff| ~0.15 at r = 0.1, ~0.05 at
