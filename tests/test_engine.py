@@ -458,7 +458,7 @@ def test_reader_of_healthy_disk_does_not_wait_for_a_throttled_disk(tmp_path, eng
     slow read is in flight, and close() waits for the slow read to finish while
     a call that starts during close raises SwarmError."""
     T = _testbed()
-    name = f"swarmfs-engine-pytest-{os.getpid()}"
+    name = f"swarmfs-engine-pytest-{os.getpid()}-{engine_kind}"
     backing = str(tmp_path / "backing")
     fast = tmp_path / "fast.bin"
     fast.write_bytes(rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())

@@ -51,6 +51,9 @@ __all__ = [
 ]
 
 DEFAULT_NAME = "swarmfs-testbed"
+#: Seconds `down` waits for a detached loop device that is still open elsewhere
+#: (udev probing) to go away before reporting it busy.
+DETACH_WAIT_S = 3.0
 
 # Both profile figures are divided by this.  Measured on the 2-core dev VM
 # (Linux 6.18, tmpfs backing, fio io_uring O_DIRECT randread qd 32; commands and
@@ -546,8 +549,17 @@ def _down_locked(name: str, backing: str | None) -> dict:
             files.add(plain)
             _detach(dev)
             report["devices_detached"].append(dev)
-            if os.path.exists(f"/sys/block/{os.path.basename(dev)}/loop"):
-                report["devices_busy"].append(dev)  # open elsewhere: autoclear on close
+    # a device still open elsewhere (udev's probe after our writes holds it for
+    # milliseconds) is only marked autoclear and goes when closed: wait for that,
+    # bounded, so that `down` then `up` of one name does not see it left over
+    deadline = time.monotonic() + DETACH_WAIT_S
+    while True:
+        busy = [d for d in report["devices_detached"]
+                if os.path.exists(f"/sys/block/{os.path.basename(d)}/loop")]
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    report["devices_busy"] = busy                  # open elsewhere: autoclear on close
     dirs = [d for d in (state.get("backing"), backing) if d]
     for d in dirs:
         files.update(p for p in glob.glob(os.path.join(glob.escape(d), f"{name}-disk*.img"))
