@@ -16,7 +16,7 @@ ENGINE_OPT = click.option("--engine", type=click.Choice(["auto", "io_uring", "th
                           default=None, help="I/O engine (default: $SWARMFS_ENGINE or auto).")
 
 
-__all__ = ["main"]
+__all__ = ["main", "FiniteFloat"]
 
 #: exit statuses: 0 ok, 1 a user error or damaged store (SwarmError), 2 a
 #: malformed command line (click), 3 an internal error (a bug in swarmfs)
@@ -27,15 +27,23 @@ _USER_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError,
                    NotADirectoryError, FileExistsError)
 
 
-class _FiniteRange(click.FloatRange):
-    """click's FloatRange, which lets NaN through (it compares false with
-    both bounds), refusing NaN too."""
+class FiniteFloat(click.FloatRange):
+    """click's FloatRange that also refuses NaN and infinities (a NaN
+    compares false with both bounds, so FloatRange lets it through).  The
+    one such type: ``tools/_options`` uses it too."""
 
     def convert(self, value, param, ctx):
+        """click's conversion and range check, then NaN and +-inf refused
+        (click.BadParameter: a usage error naming the option)."""
         v = super().convert(value, param, ctx)
-        if v != v:
-            self.fail(f"{value!r} is not a number", param, ctx)
+        if v != v or v in (float("inf"), float("-inf")):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
         return v
+
+
+def _disks_arg(disk_paths, disks):
+    """``--disk PATH ...`` if given, else ``--disks N`` (default 4)."""
+    return list(disk_paths) or (4 if disks is None else disks)
 
 
 def _fail(exc) -> None:
@@ -375,7 +383,7 @@ def build(kv_file, store, disks, disk_paths, context, profile_queries, force, ra
     params = _params(ratio, tau, metric, local_window, hot_fraction)
     cap = C.load_capture(kv_file)
     pcap = C.load_capture(profile_queries) if profile_queries else None
-    s, rep = build_store(cap, store, disks=list(disk_paths) or (4 if disks is None else disks), params=params,
+    s, rep = build_store(cap, store, disks=_disks_arg(disk_paths, disks), params=params,
                          context=context, force=force, engine=engine, profile_cap=pcap)
     with s:
         info = s.info()
@@ -496,7 +504,7 @@ def _demo_decode(workdir, disks, model, kind, context, evaluate, ratio, engine, 
 @click.option("--snapshot", is_flag=True,
               help="Show the store as committed at mount time (default: follow it; new "
                    "generations appear without remounting).")
-@click.option("--poll-interval", type=_FiniteRange(0.01, 3600), default=0.2,
+@click.option("--poll-interval", type=FiniteFloat(0.01, 3600), default=0.2,
               show_default=True, help="Seconds between manifest polls when following.")
 @click.option("--readahead", type=click.IntRange(0, 1 << 40), default=16 << 20,
               show_default=True,
@@ -615,7 +623,7 @@ def generate(model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store
     except (OSError, UnicodeDecodeError) as exc:
         raise errors.InvalidArgumentError(f"cannot read --prompt-file {prompt_file}: "
                                           f"{exc}") from None
-    dk = list(disk_paths) or (4 if disks is None else disks)
+    dk = _disks_arg(disk_paths, disks)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     from rich.console import Console

@@ -450,9 +450,10 @@ class SwarmCache(Cache):
             raise errors.InvalidArgumentError(f"prefetch must be 'none' or 'previous', got "
                                               f"{prefetch!r}")
         self.ratio = float(ratio)
-        self.params = dataclasses.replace(layout or LayoutParams(), ratio=self.ratio)
-        if self.params.tau is None:
-            self.params = dataclasses.replace(self.params, tau=defaults.DECODER_TAU)
+        layout = layout or LayoutParams()
+        self.params = dataclasses.replace(
+            layout, ratio=self.ratio,
+            tau=defaults.DECODER_TAU if layout.tau is None else layout.tau)
         self.prefetch_mode = prefetch
         self.append, self.tau, self.record = bool(append), float(tau), bool(record)
         self._disks, self._force, self._engine = disks, force, engine

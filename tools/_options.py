@@ -18,19 +18,10 @@ import re
 
 import click
 
+from swarmfs._cli import FiniteFloat
+
 __all__ = ["FiniteFloat", "COUNT", "NONNEG", "POSITIVE", "NONNEG_FLOAT", "RATIO", "FRACTION", "DISKS",
            "QUEUE_DEPTH", "CommaList", "OutPath", "DiskSpec", "clear_store_dir"]
-
-class FiniteFloat(click.FloatRange):
-    """click's FloatRange that also refuses NaN and infinities (a NaN
-    compares false with both bounds, so FloatRange lets it through)."""
-
-    def convert(self, value, param, ctx):
-        v = super().convert(value, param, ctx)
-        if v != v or v in (float("inf"), float("-inf")):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return v
-
 
 #: a count of things or repetitions: >= 1
 COUNT = click.IntRange(min=1)
