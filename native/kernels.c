@@ -1927,19 +1927,107 @@ int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const
     return R;
 }
 
-/* ---- assembly: entries straight into K and V [H, n_total, d] ------------------ */
+/* ---- assembly: entries straight into K and V [H, n_total, d] ------------------
+ * Entry i (its H K rows, then its H V rows, dbytes each) goes to column
+ * dst_idx[i] of every head of K and V.  A large gather (at least
+ * SE_GATHER_STREAM_BYTES written) uses non-temporal stores of whole 64-byte
+ * lines where the path, the row size and the output alignment allow: the
+ * output is far larger than L2 and is not read back by this call, so storing
+ * around the cache saves the read-for-ownership of every destination line
+ * (2-3x the GB/s of memcpy here, docs/benchmarks.md section 9).  The bytes
+ * written are the same on every path. */
+#define SE_GATHER_STREAM_BYTES ((uint64_t)4 << 20)
 
-void se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
-                  uint64_t dbytes, const int64_t *dst_idx, int64_t n_total, char *k, char *v)
+static void gather_kv_copy(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
+                           uint64_t dbytes, const int64_t *dst_idx, uint64_t hstride, char *k,
+                           char *v)
 {
     for (int64_t i = 0; i < n; i++) {
         const char *row = src + src_off[i];
         uint64_t at = (uint64_t)dst_idx[i] * dbytes;
         for (int64_t h = 0; h < H; h++) {
-            memcpy(k + (uint64_t)h * (uint64_t)n_total * dbytes + at, row + (uint64_t)h * dbytes,
-                   dbytes);
-            memcpy(v + (uint64_t)h * (uint64_t)n_total * dbytes + at,
-                   row + (uint64_t)(H + h) * dbytes, dbytes);
+            memcpy(k + (uint64_t)h * hstride + at, row + (uint64_t)h * dbytes, dbytes);
+            memcpy(v + (uint64_t)h * hstride + at, row + (uint64_t)(H + h) * dbytes, dbytes);
         }
+    }
+}
+
+#if SE_X86
+__attribute__((target("avx512f")))
+static void gather_kv_stream512(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
+                                uint64_t dbytes, const int64_t *dst_idx, uint64_t hstride,
+                                char *k, char *v)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const char *row = src + src_off[i];
+        uint64_t at = (uint64_t)dst_idx[i] * dbytes;
+        for (int64_t h = 0; h < 2 * H; h++) {
+            char *d = (h < H ? k + (uint64_t)h * hstride : v + (uint64_t)(h - H) * hstride) + at;
+            const char *s = row + (uint64_t)h * dbytes;
+            for (uint64_t j = 0; j < dbytes; j += 64)
+                _mm512_stream_si512((void *)(d + j), _mm512_loadu_si512(s + j));
+        }
+    }
+    _mm_sfence();
+}
+
+__attribute__((target("avx2")))
+static void gather_kv_stream256(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
+                                uint64_t dbytes, const int64_t *dst_idx, uint64_t hstride,
+                                char *k, char *v)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const char *row = src + src_off[i];
+        uint64_t at = (uint64_t)dst_idx[i] * dbytes;
+        for (int64_t h = 0; h < 2 * H; h++) {
+            char *d = (h < H ? k + (uint64_t)h * hstride : v + (uint64_t)(h - H) * hstride) + at;
+            const char *s = row + (uint64_t)h * dbytes;
+            for (uint64_t j = 0; j < dbytes; j += 64) {   /* a whole line per pair */
+                __m256i a = _mm256_loadu_si256((const __m256i *)(s + j));
+                __m256i b = _mm256_loadu_si256((const __m256i *)(s + j + 32));
+                _mm256_stream_si256((__m256i *)(d + j), a);
+                _mm256_stream_si256((__m256i *)(d + j + 32), b);
+            }
+        }
+    }
+    _mm_sfence();
+}
+#endif
+
+/* The gather's strategy: 2 = 512-bit streaming stores, 1 = 256-bit streaming
+ * stores, 0 = memcpy.  Streaming needs whole 64-byte lines: rows of a
+ * multiple of 64 bytes and 64-byte aligned K and V. */
+static int gather_kv_mode(int path, uint64_t dbytes, uint64_t written, const char *k,
+                          const char *v)
+{
+    if (written < SE_GATHER_STREAM_BYTES || dbytes % 64 || ((uintptr_t)k | (uintptr_t)v) % 64)
+        return 0;
+    if (path == SE_PATH_AVX512)
+        return 2;
+    if (path == SE_PATH_AVX2)
+        return 1;
+    return 0;
+}
+
+int se_gather_kv_mode(uint64_t dbytes, int64_t n, int64_t H, const char *k, const char *v)
+{
+    return gather_kv_mode(se_kernel_path(), dbytes, (uint64_t)n * 2 * (uint64_t)H * dbytes, k, v);
+}
+
+void se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
+                  uint64_t dbytes, const int64_t *dst_idx, int64_t n_total, char *k, char *v)
+{
+    uint64_t hstride = (uint64_t)n_total * dbytes;
+    switch (se_gather_kv_mode(dbytes, n, H, k, v)) {
+#if SE_X86
+    case 2:
+        gather_kv_stream512(src, src_off, n, H, dbytes, dst_idx, hstride, k, v);
+        return;
+    case 1:
+        gather_kv_stream256(src, src_off, n, H, dbytes, dst_idx, hstride, k, v);
+        return;
+#endif
+    default:
+        gather_kv_copy(src, src_off, n, H, dbytes, dst_idx, hstride, k, v);
     }
 }

@@ -22,7 +22,9 @@ from ._native import ffi, lib
 
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
            "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum",
-           "choose_clusters", "select_fused", "pack_medoids", "gather_kv", "kernel_path",
+           "choose_clusters", "select_fused", "pack_medoids", "gather_kv", "gather_kv_mode",
+           "empty_aligned",
+           "kernel_path",
            "select_threads",
            "set_kernel_path", "supported_paths", "cpu_flags", "KERNEL_PATHS"]
 
@@ -162,6 +164,17 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
         k, v: C-contiguous writable [H, n_total, d] arrays of one 2- or 4-byte
             dtype (entry bytes = 2 * H * d * itemsize).
 
+    A call that writes at least 4 MiB, with rows (d * itemsize) a multiple of
+    64 bytes and 64-byte aligned K and V, stores around the cache
+    (non-temporal stores of whole lines, AVX-512 or AVX2 path;
+    :func:`gather_kv_mode`; torch CPU tensors and :func:`empty_aligned` are
+    aligned, plain ``np.empty`` arrays usually are not), which spares the read-for-ownership of each
+    output line: 2-3x the GB/s of memcpy for outputs larger than L2
+    (docs/benchmarks.md section 9).  The bytes written are the same.
+
+    Concurrency: calls may run at the same time on different outputs; two
+    calls writing one output at once are the caller's race.
+
     Raises:
         InvalidArgumentError: shapes, bounds or dtypes that do not fit.
     """
@@ -185,6 +198,41 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
                      H, db, ffi.from_buffer("int64_t[]", dst_idx), nt,
                      ffi.from_buffer("char[]", k, require_writable=True),
                      ffi.from_buffer("char[]", v, require_writable=True))
+
+
+def empty_aligned(shape, dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an ``align``-byte
+    boundary (numpy's own allocations are only 16-byte aligned), so that
+    :func:`gather_kv` can store whole cache lines into it.
+
+    Raises:
+        InvalidArgumentError: a negative dimension or a non-power-of-two align."""
+    dt = np.dtype(dtype)
+    try:
+        shape = tuple(int(x) for x in (shape if np.iterable(shape) else (shape,)))
+    except (TypeError, ValueError):
+        _fail(f"empty_aligned: shape {shape!r} is not a tuple of integers")
+    if any(x < 0 for x in shape) or align <= 0 or align & (align - 1):
+        _fail(f"empty_aligned: shape {shape} or align {align} out of range")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    at = (-raw.ctypes.data) % align
+    return raw[at:at + nbytes].view(dt).reshape(shape)
+
+
+def gather_kv_mode(k: np.ndarray, v: np.ndarray, n: int) -> str:
+    """How :func:`gather_kv` stores ``n`` entries into these K and V on the
+    current kernel path: ``"stream512"`` or ``"stream256"`` (non-temporal
+    stores of whole 64-byte lines) or ``"copy"`` (memcpy).
+
+    Raises:
+        InvalidArgumentError: K and V are not [H, n_total, d] arrays."""
+    if not (isinstance(k, np.ndarray) and isinstance(v, np.ndarray)) or k.ndim != 3:
+        _fail("gather_kv_mode: k and v must be [H, n, d] arrays")
+    H, _, d = k.shape
+    mode = lib.se_gather_kv_mode(d * k.itemsize, int(n), H, ffi.cast("char *", k.ctypes.data),
+                                 ffi.cast("char *", v.ctypes.data))
+    return ("copy", "stream256", "stream512")[int(mode)]
 
 
 def xxh3_rows(buf: np.ndarray, row: int) -> np.ndarray:

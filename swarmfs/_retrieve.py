@@ -24,6 +24,7 @@ import numpy as np
 from . import _errors as errors
 from . import _stages as stages
 from ._defaults import RATIO
+from ._kernels import empty_aligned
 from ._selectors import MedoidSelector, Selector
 from ._store import Store, to_torch
 from ._window import entry_budget, window_positions, window_size
@@ -588,6 +589,8 @@ class Retriever:
                 dtype with cap >= n, C-contiguous, reused across steps as a
                 serving engine would (no page faults on fresh memory); the
                 returned K and V are the views ``k[:, :n]``, ``v[:, :n]``.
+                64-byte aligned buffers (:meth:`kv_buffers`, torch tensors)
+                let large steps store around the cache.
 
         Returns:
             A :class:`Retrieval` with K and V [H_kv, n, head_dim].
@@ -693,8 +696,26 @@ class Retriever:
                 return kt, vt, kt.view(_torch.int16).numpy().view(dt), \
                     vt.view(_torch.int16).numpy().view(dt)
             return kt, vt, kt.numpy(), vt.numpy()
-        kw, vw = np.empty(shape, dt), np.empty(shape, dt)
+        kw, vw = empty_aligned(shape, dt), empty_aligned(shape, dt)
         return kw, vw, kw, vw
+
+    def kv_buffers(self, cap: int) -> tuple[np.ndarray, np.ndarray]:
+        """Reusable outputs for :meth:`retrieve` ``(out=...)``: K and V
+        [H_kv, cap, head_dim] of the store dtype (numpy; bfloat16 stores get
+        their uint16 bits), zeroed and 64-byte aligned, so that assembly
+        stores whole cache lines around the cache (``gather_kv``).  Torch
+        CPU tensors are aligned as well and may be passed instead.
+
+        Raises:
+            InvalidArgumentError: cap < 1."""
+        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 1:
+            raise errors.InvalidArgumentError(f"kv_buffers: cap {cap!r} must be a positive "
+                                              "integer")
+        shape = (self.store.num_kv_heads, int(cap), self.store.head_dim)
+        k, v = empty_aligned(shape, self.store.np_dtype), empty_aligned(shape, self.store.np_dtype)
+        k.fill(0)
+        v.fill(0)
+        return k, v
 
     def _stats(self, plan, t0, t1, t2, t3, t4, t5, *, budget, clusters, hot, n, dram,
                dups) -> RetrievalStats:

@@ -164,6 +164,59 @@ def test_gather_kv_writes_entries_into_head_major_k_and_v(rng):
         gather_kv(buf, [64], [0], k, v[:, :, :2])                # shapes differ
 
 
+def _aligned(shape, dtype, offset=0):
+    """A zeroed array whose data starts offset bytes past a 64-byte boundary."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(nbytes + 128, np.uint8)
+    at = (-raw.ctypes.data) % 64 + offset
+    return raw[at:at + nbytes].view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("d,dtype,offset,want", [
+    (64, np.float16, 0, "stream"),     # 128-byte rows, aligned: streaming stores
+    (32, np.float32, 0, "stream"),     # 128-byte rows (MiniLM, fp32)
+    (128, np.float16, 0, "stream"),    # 256-byte rows (Qwen3-32B)
+    (64, np.float16, 32, "copy"),      # K and V not 64-byte aligned
+    (24, np.float16, 0, "copy"),       # 48-byte rows: not whole lines
+])
+def test_gather_kv_large_outputs_equal_on_every_path(rng, each_path, d, dtype, offset, want):
+    """A gather large enough to store around the cache (>= 4 MiB written)
+    writes the same bytes as the reference on every kernel path, and leaves
+    the columns it does not own untouched; the mode is as documented."""
+    from swarmfs._kernels import gather_kv, gather_kv_mode, set_kernel_path
+    H = 8
+    n = (5 << 20) // (2 * H * d * np.dtype(dtype).itemsize) + 1     # > 4 MiB written
+    nt = n + 37
+    rows = rng.standard_normal((n, 2, H, d)).astype(dtype)
+    eb = rows[0].nbytes
+    stride = eb + 64                                    # entries apart, as staging is
+    buf = np.zeros(64 + n * stride, np.uint8)
+    src = 64 + np.arange(n, dtype=np.uint64) * np.uint64(stride)
+    for i in range(0, n, 4096):                         # fill the staging rows
+        j = min(n, i + 4096)
+        view = buf[64 + i * stride:64 + j * stride].reshape(j - i, stride)
+        view[:, :eb] = rows[i:j].reshape(j - i, -1).view(np.uint8)
+    dst = rng.permutation(nt)[:n]
+    rest = np.setdiff1d(np.arange(nt), dst)
+    for path in each_path:
+        assert set_kernel_path(path) == path
+        k = _aligned((H, nt, d), dtype, offset)
+        v = _aligned((H, nt, d), dtype, offset)
+        k[:, rest] = 7
+        v[:, rest] = 7
+        mode = gather_kv_mode(k, v, n)
+        if want == "copy" or path in ("scalar", "neon"):
+            assert mode == "copy", (path, mode)
+        else:
+            assert mode == {"avx2": "stream256", "avx512": "stream512"}[path], (path, mode)
+        gather_kv(buf, src, dst, k, v)
+        assert np.array_equal(k[:, dst], rows[:, 0].transpose(1, 0, 2)), path
+        assert np.array_equal(v[:, dst], rows[:, 1].transpose(1, 0, 2)), path
+        assert (k[:, rest] == 7).all() and (v[:, rest] == 7).all(), path
+        # a small gather into the same output stays on memcpy
+        assert gather_kv_mode(k, v, 4) == "copy"
+
+
 def test_choice_kernels_refuse_a_table_that_does_not_fit(rng):
     from swarmfs._kernels import choose_clusters, select_fused
     sc = np.zeros(3, np.float32)

@@ -226,6 +226,36 @@ def test_retrieve_into_caller_buffers(store, rng):
     assert same_bits(st_.rows[st_.slot[toks]], kv[toks].reshape(len(toks), -1).view(np.uint8))
 
 
+def test_retrieve_into_kv_buffers_stores_whole_lines_on_every_path(tmp_path, rng, each_path):
+    """A step large enough for streaming stores (>= 4 MiB of K and V, 128-byte
+    rows, 64-byte aligned kv_buffers) returns the stored bytes on every kernel
+    path, from SSD and from the DRAM pool, into the reused buffers."""
+    from swarmfs._kernels import gather_kv_mode, set_kernel_path
+    S_, H_, D_ = 6144, 8, 64                        # 2 KiB entries
+    s, kv, _ = random_layer_store(tmp_path / "big", rng, S=S_, H=H_, HQ=16, D=D_, disks=4,
+                                  clusters=96, hot=(0, 1), local_window=64)
+    try:
+        r = Retriever(s, ratio=0.5)
+        kb, vb = r.kv_buffers(S_)
+        assert kb.shape == (H_, S_, D_) and kb.dtype == np.float16 and not kb.any()
+        assert kb.ctypes.data % 64 == 0 and vb.ctypes.data % 64 == 0
+        for path in each_path:
+            set_kernel_path(path)
+            q = rng.standard_normal((16, D_)).astype(np.float32)
+            out = r.retrieve(0, q, torch=False, out=(kb, vb))
+            n = len(out.positions)
+            assert n >= 3000 and out.stats.entries_dram > 0 and out.stats.entries_ssd > 0
+            if path in ("avx2", "avx512"):
+                assert gather_kv_mode(kb, vb, out.stats.entries_ssd) != "copy"
+            assert same_bits(kb[:, :n], kv[out.positions][:, 0].transpose(1, 0, 2)), path
+            assert same_bits(vb[:, :n], kv[out.positions][:, 1].transpose(1, 0, 2)), path
+        for bad in (0, -3, 2.5, True):
+            with pytest.raises(E.InvalidArgumentError):
+                r.kv_buffers(bad)
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("verify", [False, True])
 def test_retriever_state_of_an_older_generation_never_reads_reclaimed_space(tmp_path, rng,
                                                                              verify):

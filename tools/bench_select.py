@@ -182,8 +182,7 @@ def bench_assembly(reps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, batches=(1, 4, 
         qs = rng.standard_normal((max(batches), Hq, d)).astype(np.float32)
         out = {}
         cap = S                            # output buffers reused across steps
-        kb = np.zeros((H, cap, d), np.float16)
-        vb = np.zeros((H, cap, d), np.float16)
+        kb, vb = ret.kv_buffers(cap)       # 64-byte aligned, as torch tensors are
         for b in batches:
             q = qs[:b] if b > 1 else qs[0]
             ret.retrieve(0, q, torch=False, out=(kb, vb))

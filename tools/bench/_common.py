@@ -1157,8 +1157,7 @@ class Bench:
         one untimed pass over the queries (the largest step's entries)."""
         r, L = self.retrievers[name], self.layer[name]
         n = max(int(r.retrieve(L, q, torch=False).positions.shape[0]) for q in queries)
-        shape = (self.trace.wide.store_kv_heads, n, self.trace.wide.store_head_dim)
-        return np.zeros(shape, np.float16), np.zeros(shape, np.float16)
+        return r.kv_buffers(n)
 
     def step_block(self, name: str, queries, bufs) -> dict:
         """One timed block of whole decode steps of variant ``name``.
