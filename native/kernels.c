@@ -858,6 +858,28 @@ static uint32_t nth_u32(uint32_t *a, int64_t n, int64_t k)
     return a[k];
 }
 
+/* A key t such that at least k (1 <= k <= n) of keys[0..n) are <= t, and at
+ * most k - 1 plus those sharing t's upper 22 bits: two counting passes over
+ * the upper 11 and the next 11 bits (no comparisons to mispredict, unlike a
+ * quickselect).  cnt: scratch of >= 2049 uint32. */
+static uint32_t key_threshold(const uint32_t *keys, int64_t n, int64_t k, uint32_t *cnt)
+{
+    memset(cnt, 0, sizeof(uint32_t) * 2049);
+    for (int64_t i = 0; i < n; i++)
+        cnt[keys[i] >> 21]++;
+    int64_t below = 0;
+    uint32_t b = 0;
+    for (; b < 2047 && below + (int64_t)cnt[b] < k; b++)
+        below += cnt[b];
+    memset(cnt, 0, sizeof(uint32_t) * 2049);
+    for (int64_t i = 0; i < n; i++)          /* keys outside bucket b count in slot 2048 */
+        cnt[(keys[i] >> 21) == b ? (keys[i] >> 10) & 2047 : 2048]++;
+    uint32_t sb = 0;
+    for (; sb < 2047 && below + (int64_t)cnt[sb] < k; sb++)
+        below += cnt[sb];
+    return (b << 21) | (sb << 10) | 1023u;
+}
+
 /* Stable LSD radix sort of (key << 32 | id) by the upper 32 bits, 3 passes of
  * 11 bits; ids come in ascending order, so ties stay in id order. */
 static void radix_sort_keys(uint64_t *a, uint64_t *tmp, int64_t n)
@@ -898,7 +920,7 @@ int64_t se_choose_clusters(const float *scores, int64_t C, const int64_t *ptr,
     }
     uint64_t *seen = calloc((size_t)(S + 63) / 64 + 1, 8);
     uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)C);
-    uint32_t *sel = malloc(sizeof(uint32_t) * (size_t)C);
+    uint32_t *sel = malloc(sizeof(uint32_t) * (size_t)(C > 2049 ? C : 2049));  /* counts */
     uint64_t *cand = malloc(sizeof(uint64_t) * (size_t)C);
     uint64_t *tmp = malloc(sizeof(uint64_t) * (size_t)C);
     if (!seen || !keys || !sel || !cand || !tmp) {
@@ -920,11 +942,11 @@ int64_t se_choose_clusters(const float *scores, int64_t C, const int64_t *ptr,
          * smallest key (with every tie of it): collect them in id order */
         int64_t m = 0;
         if (k < C) {
-            memcpy(sel, keys, sizeof(uint32_t) * (size_t)C);
-            uint32_t t = nth_u32(sel, C, k - 1);
-            for (int64_t c = 0; c < C; c++)
-                if (keys[c] <= t)
-                    cand[m++] = ((uint64_t)keys[c] << 32) | (uint64_t)c;
+            uint32_t t = key_threshold(keys, C, k, sel);
+            for (int64_t c = 0; c < C; c++) {          /* branch-free */
+                cand[m] = ((uint64_t)keys[c] << 32) | (uint64_t)c;
+                m += keys[c] <= t;
+            }
         } else {
             for (int64_t c = 0; c < C; c++)
                 cand[m++] = ((uint64_t)keys[c] << 32) | (uint64_t)c;
@@ -1182,7 +1204,7 @@ static void quant_query(const float *q, int64_t Hq, int64_t d, int8_t *q8, float
 
 static void i8_logits_scalar(const int8_t *P, const float *sm, int64_t C, int64_t H,
                              int64_t d, const int8_t *q8, const float *sq, int64_t Hq,
-                             int64_t g0, int64_t g1, float *lg)
+                             int64_t g0, int64_t g1, float *lg, int64_t ldc)
 {
     int64_t G = Hq / H, nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
     for (int64_t g = g0; g < g1; g++)
@@ -1193,7 +1215,7 @@ static void i8_logits_scalar(const int8_t *P, const float *sm, int64_t C, int64_
                 int32_t dot = 0;
                 for (int64_t j = 0; j < d; j++)
                     dot += (int32_t)p[(j / 4) * 64 + (j % 4)] * q8[h * d + j];
-                lg[(h - g0 * G) * C + r] = (float)dot * (sm[g * Cp + r] * sq[h]);
+                lg[(h - g0 * G) * ldc + r] = (float)dot * (sm[g * Cp + r] * sq[h]);
             }
         }
 }
@@ -1215,7 +1237,7 @@ static void query_words(const int8_t *q8, int64_t Hq, int64_t d, int bias, uint3
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void i8_logits_vnni(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
                            int64_t H, int64_t d, const uint32_t *qw, const float *sq,
-                           int64_t Hq, int64_t g0, int64_t g1, float *lg)
+                           int64_t Hq, int64_t g0, int64_t g1, float *lg, int64_t ldc)
 {
     int64_t G = Hq / H, nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
     for (int64_t g = g0; g < g1; g++)
@@ -1241,7 +1263,7 @@ static void i8_logits_vnni(const int8_t *P, const float *sm, const int32_t *ms, 
                 int64_t r0 = b * 16, nr = C - r0 < 16 ? C - r0 : 16;
                 __mmask16 mk = (__mmask16)((1u << nr) - 1);
                 for (int k = 0; k < nh; k++)
-                    _mm512_mask_storeu_ps(lg + (hb - g0 * G + k) * C + r0, mk,
+                    _mm512_mask_storeu_ps(lg + (hb - g0 * G + k) * ldc + r0, mk,
                         _mm512_mul_ps(_mm512_cvtepi32_ps(acc[k]),
                                       _mm512_mul_ps(f, _mm512_set1_ps(sq[hb + k]))));
             }
@@ -1253,7 +1275,7 @@ static void i8_logits_vnni(const int8_t *P, const float *sm, const int32_t *ms, 
 __attribute__((target("avx2")))
 static void i8_logits_avx2(const int8_t *P, const float *sm, int64_t C, int64_t H, int64_t d,
                            const uint32_t *qw, const float *sq, int64_t Hq, int64_t g0,
-                           int64_t g1, float *lg)
+                           int64_t g1, float *lg, int64_t ldc)
 {
     int64_t G = Hq / H, nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -1286,7 +1308,7 @@ static void i8_logits_avx2(const int8_t *P, const float *sm, int64_t C, int64_t 
                                                  _mm256_mul_ps(f, _mm256_set1_ps(sq[hb + k])));
                         float t[8];
                         _mm256_storeu_ps(t, v);
-                        memcpy(lg + (hb - g0 * G + k) * C + r0, t, sizeof(float) * (size_t)nr);
+                        memcpy(lg + (hb - g0 * G + k) * ldc + r0, t, sizeof(float) * (size_t)nr);
                     }
                 }
         }
@@ -1334,24 +1356,24 @@ static int i8_query_make(int path, const float *q, int64_t Hq, int64_t d, i8_que
 }
 
 /* Logits of the query heads of KV heads [g0, g1) against the int8 index:
- * lg [(g1 - g0) * Hq / H, C], on the given path (AVX-512: VNNI where the CPU
- * has it, else the AVX2 kernel). */
+ * lg [(g1 - g0) * Hq / H rows of stride ldc >= C], on the given path (AVX-512:
+ * VNNI where the CPU has it, else the AVX2 kernel). */
 static void i8_logits(int path, const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
                       int64_t H, int64_t d, const i8_query *t, int64_t Hq, int64_t g0,
-                      int64_t g1, float *lg)
+                      int64_t g1, float *lg, int64_t ldc)
 {
 #if SE_X86
     if (path == SE_PATH_AVX512 && have_vnni()) {
-        i8_logits_vnni(P, sm, ms, C, H, d, t->qw, t->sq, Hq, g0, g1, lg);
+        i8_logits_vnni(P, sm, ms, C, H, d, t->qw, t->sq, Hq, g0, g1, lg, ldc);
         return;
     }
     if (path == SE_PATH_AVX512 || path == SE_PATH_AVX2) {
-        i8_logits_avx2(P, sm, C, H, d, t->qw, t->sq, Hq, g0, g1, lg);
+        i8_logits_avx2(P, sm, C, H, d, t->qw, t->sq, Hq, g0, g1, lg, ldc);
         return;
     }
 #endif
     (void)ms;
-    i8_logits_scalar(P, sm, C, H, d, t->q8, t->sq, Hq, g0, g1, lg);
+    i8_logits_scalar(P, sm, C, H, d, t->q8, t->sq, Hq, g0, g1, lg, ldc);
 }
 
 int se_head_logits_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
@@ -1364,7 +1386,7 @@ int se_head_logits_i8(const int8_t *P, const float *sm, const int32_t *ms, int64
     i8_query t;
     if (i8_query_make(path, q, Hq, d, &t) < 0)
         return -ENOMEM;
-    i8_logits(path, P, sm, ms, C, H, d, &t, Hq, 0, H, lg);
+    i8_logits(path, P, sm, ms, C, H, d, &t, Hq, 0, H, lg, C);
     i8_query_free(&t);
     return 0;
 }
@@ -1408,7 +1430,7 @@ static void *i8_part_run(void *arg)
     int64_t G = p->Hq / p->H;
     for (int64_t g = p->g0; g < p->g1; g++) {
         i8_logits(p->path, p->P, p->sm, p->ms, p->C, p->H, p->d, p->t, p->Hq, g, g + 1,
-                  p->work + p->C);
+                  p->work + p->C, p->C);
         softmax_acc(p->path, p->work + p->C, G, p->C, p->scale, p->work, g == p->g0);
     }
     return NULL;
@@ -1461,6 +1483,50 @@ int64_t se_select_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_
     return se_choose_clusters(work, C, ptr, members, S, budget, w, out, entries);
 }
 
+/* score[c] += share[grp[c]] for c < C: a gather (vpgatherdd on the vector paths). */
+#if SE_X86
+__attribute__((target("avx512f")))
+static void add_shares_avx512(float *score, const float *share, const int32_t *grp, int64_t C)
+{
+    int64_t c = 0;
+    for (; c + 16 <= C; c += 16) {
+        __m512 v = _mm512_i32gather_ps(_mm512_loadu_si512(grp + c), share, 4);
+        _mm512_storeu_ps(score + c, _mm512_add_ps(_mm512_loadu_ps(score + c), v));
+    }
+    for (; c < C; c++)
+        score[c] += share[grp[c]];
+}
+
+__attribute__((target("avx2")))
+static void add_shares_avx2(float *score, const float *share, const int32_t *grp, int64_t C)
+{
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8) {
+        __m256 v = _mm256_i32gather_ps(share, _mm256_loadu_si256((const __m256i *)(grp + c)), 4);
+        _mm256_storeu_ps(score + c, _mm256_add_ps(_mm256_loadu_ps(score + c), v));
+    }
+    for (; c < C; c++)
+        score[c] += share[grp[c]];
+}
+#endif
+
+static void add_shares(int path, float *score, const float *share, const int32_t *grp,
+                       int64_t C)
+{
+#if SE_X86
+    if (path == SE_PATH_AVX512) {
+        add_shares_avx512(score, share, grp, C);
+        return;
+    }
+    if (path == SE_PATH_AVX2) {
+        add_shares_avx2(score, share, grp, C);
+        return;
+    }
+#endif
+    for (int64_t c = 0; c < C; c++)
+        score[c] += share[grp[c]];
+}
+
 /* ---- two-level int8 selection: super-centroids, then the best groups exactly ----
  * Per KV head g the medoids are grouped (k-means over that head's keys, in
  * Python); each group's rows lie in whole blocks of the reordered index P
@@ -1511,7 +1577,7 @@ int64_t se_select_i8x2(const int8_t *P, const float *sm, const int32_t *ms, int6
             return -ENOMEM;
         float mx[64];
         for (int64_t g = 0; g < H; g++) {
-            i8_logits(path, Ps, sms, mss, K, H, d, &t, Hq, g, g + 1, Lc);
+            i8_logits(path, Ps, sms, mss, K, H, d, &t, Hq, g, g + 1, Lc, K);
             for (int64_t k = 0; k < K; k++)
                 keys[k] = 0;
             for (int64_t h0 = 0; h0 < G; h0 += 64) {
@@ -1555,9 +1621,8 @@ int64_t se_select_i8x2(const int8_t *P, const float *sm, const int32_t *ms, int6
                         continue;
                     const int64_t base = g * nblk + b0;
                     i8_logits(path, P + base * D4 * 64, sm + g * Crows + b0 * 16,
-                              ms + g * Crows + b0 * 16, nr, 1, d, &tg, G, 0, 1, tmp);
-                    for (int64_t h = 0; h < G; h++)
-                        memcpy(rowbuf + h * nc + col, tmp + h * nr, sizeof(float) * (size_t)nr);
+                              ms + g * Crows + b0 * 16, nr, 1, d, &tg, G, 0, 1, rowbuf + col,
+                              nc);
                     for (int64_t r = 0; r < nr; r++) {
                         int32_t rr = (int32_t)(b0 * 16 + r);
                         colsrc[col + r] = rr;
@@ -1588,9 +1653,7 @@ int64_t se_select_i8x2(const int8_t *P, const float *sm, const int32_t *ms, int6
                     share[k] = acc[c] * expf(-glogn[g * K + k]);
                 }
             }
-            const int32_t *grp = mgrp + g * C;        /* sequential: a gather from share */
-            for (int64_t c = 0; c < C; c++)
-                score[c] += share[grp[c]];
+            add_shares(path, score, share, mgrp + g * C, C);
         }
         i8_query_free(&t);
     }

@@ -5,7 +5,10 @@ SWARM §5.2 scores a query against every cluster's medoid.  At 128K tokens
 72 M multiply-adds per query, ~0.45 ms of AVX512-VNNI on one core
 (docs/benchmarks.md §9).  This index does less work per query, as
 approximate nearest-neighbour indexes do (IVF): per KV head, the medoid keys
-are grouped by k-means into K groups of about ``group_size`` medoids; a
+are split into K groups of exactly ``group_size`` medoids (the last one
+smaller) by recursive balanced bisection along principal axes (a PCA tree);
+equal groups fill whole 16-row blocks of the fine index, so no row is
+padding and one coarse logit stands for the same count everywhere; a
 query scores the K centroids first, then only the medoids of its best
 groups exactly (``se_select_i8x2``).  Groups it skips still count: in each
 query head's softmax a skipped group stands as one term, members x
@@ -64,21 +67,45 @@ class Int8Index2(NamedTuple):
                    + self.gblk.nbytes + self.glogn.nbytes + self.mgrp.nbytes)
 
 
-def _kmeans(x: np.ndarray, K: int, iters: int, rng) -> np.ndarray:
-    """Lloyd's k-means of x float32 [n, d] into K groups: labels int64 [n]
-    (deterministic for a given rng; empty groups stay empty)."""
-    n = x.shape[0]
-    cent = x[rng.choice(n, K, replace=False)].copy()
-    x2 = np.einsum("ij,ij->i", x, x)[:, None]
-    lab = np.zeros(n, np.int64)
+def _principal_axis(xs: np.ndarray, iters: int = 6, rows: int = 2048) -> np.ndarray:
+    """The first principal axis of centred rows xs float32 [n, d], by power
+    iteration from the longest row over at most ``rows`` evenly strided rows
+    (deterministic; a few matrix-vector products instead of an
+    eigendecomposition per tree node)."""
+    if xs.shape[0] > rows:
+        xs = xs[::-(-xs.shape[0] // rows)]
+    v = xs[int(np.argmax(np.einsum("ij,ij->i", xs, xs)))].copy()
     for _ in range(iters):
-        dist = x2 - 2.0 * (x @ cent.T) + np.einsum("ij,ij->i", cent, cent)[None, :]
-        lab = np.argmin(dist, axis=1)
-        cnt = np.bincount(lab, minlength=K).astype(np.float32)
-        sums = np.zeros_like(cent)
-        np.add.at(sums, lab, x) if n < 4096 else _group_sum(sums, lab, x)
-        keep = cnt > 0
-        cent[keep] = sums[keep] / cnt[keep, None]
+        v = xs.T @ (xs @ v)
+        nv = float(np.linalg.norm(v))
+        if not nv > 0 or not np.isfinite(nv):
+            return np.eye(xs.shape[1], 1)[:, 0]
+        v /= nv
+    return v
+
+
+def _balanced_groups(x: np.ndarray, group_size: int) -> np.ndarray:
+    """Groups of exactly ``group_size`` rows (one last group smaller) of x
+    float32 [n, d] by recursive balanced bisection along each part's first
+    principal axis (a PCA tree): labels int64 [n], numbered in tree order.
+    Deterministic.  Equal groups fill whole 16-row blocks of the fine index
+    (no padding) and make one coarse logit stand for the same number of
+    medoids everywhere."""
+    n = x.shape[0]
+    lab = np.zeros(n, np.int64)
+    stack = [(np.arange(n), 0)]
+    while stack:
+        idx, first = stack.pop()
+        leaves = -(-idx.shape[0] // group_size)
+        if leaves <= 1:
+            lab[idx] = first
+            continue
+        left = group_size * (leaves // 2)               # whole groups on the left
+        xs = x[idx] - x[idx].mean(axis=0)
+        proj = xs @ _principal_axis(xs)
+        order = np.argpartition(proj, left - 1)
+        stack.append((idx[order[left:]], first + leaves // 2))
+        stack.append((idx[order[:left]], first))
     return lab
 
 
@@ -90,11 +117,12 @@ def _group_sum(out: np.ndarray, lab: np.ndarray, x: np.ndarray) -> None:
 
 
 def pack_medoids_i8x2(m: np.ndarray, num_kv_heads: int, *, group_size: int = 32,
-                      bf16: bool = False, iters: int = 5, seed: int = 0) -> Int8Index2:
+                      bf16: bool = False) -> Int8Index2:
     """Build the two-level int8 index of a medoid index [C, H_kv*d] (fp16, or
     bf16 as uint16 with ``bf16=True``), made once per layer index as
-    ``MedoidSelector(levels=2)`` does: per KV head, k-means (``iters`` Lloyd
-    rounds, seeded) of the C keys into K = ceil(C / group_size) groups; the
+    ``MedoidSelector(levels=2)`` does: per KV head, the C keys split into
+    K = ceil(C / group_size) groups of exactly ``group_size`` (the last one
+    smaller) by :func:`_balanced_groups` (deterministic); the
     fine level is :func:`pack_medoids_i8` of the reordered rows (each group
     padded to whole blocks of 16), the coarse level the groups' fp32 mean
     keys, quantised the same way.
@@ -118,11 +146,9 @@ def pack_medoids_i8x2(m: np.ndarray, num_kv_heads: int, *, group_size: int = 32,
         xf = raw.view(np.float16).astype(np.float32)
     xf = np.nan_to_num(xf, nan=0.0, posinf=65504.0, neginf=-65504.0)
     K = max(1, math.ceil(C / group_size)) if C else 1
-    K = min(K, max(C, 1))
-    rng = np.random.default_rng(seed)
     labs, blocks = [], []
     for h in range(H):
-        lab = _kmeans(xf[:, h], K, iters, rng) if C else np.zeros(0, np.int64)
+        lab = _balanced_groups(xf[:, h], group_size) if C else np.zeros(0, np.int64)
         cnt = np.bincount(lab, minlength=K)
         labs.append((lab, cnt))
         blocks.append((cnt + 15) // 16)

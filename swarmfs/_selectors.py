@@ -297,8 +297,8 @@ class MedoidSelector:
             its fp16 rounding.  Ignored by ``"logit"``, and on the NEON path
             (no int8 kernel there yet; the exact score runs instead).
         levels: 1 (default) scores every medoid; 2 selects through the
-            two-level int8 index (``swarmfs._index2``: per KV head, k-means
-            groups of ``group_size`` medoids under centroids, the best groups
+            two-level int8 index (``swarmfs._index2``: per KV head, balanced
+            groups of ``group_size`` medoids (a PCA tree) under centroids, the best groups
             scored exactly, ``coverage`` x the budget's share of them), an
             approximation for less work per query; only ``select`` and only
             with ``index="int8"`` (``scores`` stays one-level).  Recall and

@@ -21,6 +21,8 @@ def _clustered(rng, C, H, d, centres=12):
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_every_medoid_is_in_one_group_per_head(rng, bf16):
+    """Groups of exactly group_size medoids (the last one smaller), each
+    medoid in one group per head, each with its own quantised row."""
     H, d, C = 3, 16, 203
     m = _clustered(rng, C, H, d)
     if bf16:
@@ -28,11 +30,14 @@ def test_every_medoid_is_in_one_group_per_head(rng, bf16):
     ix = pack_medoids_i8x2(m, H, group_size=10, bf16=bf16)
     K = ix.gblk.shape[1] - 1
     assert K == 21 and ix.fine.rows % 16 == 0
+    again = pack_medoids_i8x2(m, H, group_size=10, bf16=bf16)      # deterministic
+    assert np.array_equal(again.rowmed, ix.rowmed) and np.array_equal(again.mgrp, ix.mgrp)
     for h in range(H):
         rows = ix.rowmed[h]
         assert sorted(rows[rows >= 0].tolist()) == list(range(C))
         counts = np.exp(ix.glogn[h][np.isfinite(ix.glogn[h])]).round()
         assert counts.sum() == C
+        assert (counts[:-1] == 10).all() and counts[-1] == 3     # balanced: 20 x 10 + 3
         for k in range(K):                   # a group's rows: its members, then padding
             seg = rows[ix.gblk[h, k] * 16: ix.gblk[h, k + 1] * 16]
             n = int(round(np.exp(ix.glogn[h, k]))) if np.isfinite(ix.glogn[h, k]) else 0

@@ -88,6 +88,37 @@ def test_selection_equals_the_rule(S, C, budget, w, seed, ties):
         assert len(before) < min(budget, S)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from(["normal", "narrow", "ties", "special"]),
+       st.sampled_from([0.01, 0.1, 0.5]))
+def test_selection_equals_the_rule_with_many_clusters(seed, kind, r):
+    """Thousands of clusters, so the choice finds its candidates by a key
+    threshold (two counting passes) rather than taking them all: scores
+    whose keys share their upper 22 bits ("narrow": 1 + i ulp), heavy ties,
+    NaN, +-inf and +-0 all give the rule's clusters."""
+    rng = np.random.default_rng(seed)
+    S = int(rng.integers(2000, 12000))
+    C = int(rng.integers(500, 3000))
+    clusters = random_clusters(rng, S, C, extra_copies=S // 4)
+    ptr, members = csr(clusters)
+    if kind == "normal":
+        scores = rng.standard_normal(C).astype(np.float32)
+    elif kind == "narrow":
+        scores = (np.float32(1) + rng.integers(0, 64, C) * np.finfo(np.float32).eps
+                  ).astype(np.float32)
+    elif kind == "ties":
+        scores = rng.integers(0, 4, C).astype(np.float32)
+    else:
+        scores = rng.choice(np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30, -1e-30, 2.0],
+                                     np.float32), C)
+    budget = int(np.ceil(r * S))
+    w = int(rng.integers(0, 64))
+    sel = select_clusters(scores, ptr, members, num_tokens=S, budget=budget, window=w)
+    want, n = reference(scores, clusters, S, budget, w)
+    assert sel.clusters.tolist() == want
+    assert sel.entries == n
+
+
 @settings(max_examples=20, deadline=None)
 @given(st.integers(0, 2**31))
 def test_r1_returns_every_token_8_kv_heads_4096(tmp_path_factory, seed):
