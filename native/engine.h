@@ -229,7 +229,7 @@ void se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H
                   uint64_t dbytes, const int64_t *dst_idx, int64_t n_total, char *k, char *v);
 /* How se_gather_kv will store for these arguments on the current kernel path:
  * 2 = 512-bit non-temporal stores, 1 = 256-bit non-temporal stores, 0 = memcpy
- * (calls writing under 4 MiB, rows not a multiple of 64 bytes, K or V not
+ * (calls writing under 16 MiB, rows not a multiple of 64 bytes, K or V not
  * 64-byte aligned, or a path without them). */
 int se_gather_kv_mode(uint64_t dbytes, int64_t n, int64_t H, const char *k, const char *v);
 

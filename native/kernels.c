@@ -1995,11 +1995,13 @@ int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const
  * dst_idx[i] of every head of K and V.  A large gather (at least
  * SE_GATHER_STREAM_BYTES written) uses non-temporal stores of whole 64-byte
  * lines where the path, the row size and the output alignment allow: the
- * output is far larger than L2 and is not read back by this call, so storing
- * around the cache saves the read-for-ownership of every destination line
- * (2-3x the GB/s of memcpy here, docs/benchmarks.md section 9).  The bytes
- * written are the same on every path. */
-#define SE_GATHER_STREAM_BYTES ((uint64_t)4 << 20)
+ * output is far larger than L2, so storing around the cache saves the
+ * read-for-ownership of every destination line.  Measured with the read
+ * that consumes K and V (docs/benchmarks.md section 9): at 54 MB the gather
+ * takes 0.6x the time and gather + read 0.84x; at 13.5 MB the gather gains
+ * what the read then loses (the output no longer sits in L3), hence the
+ * threshold.  The bytes written are the same on every path. */
+#define SE_GATHER_STREAM_BYTES ((uint64_t)16 << 20)
 
 static void gather_kv_copy(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
                            uint64_t dbytes, const int64_t *dst_idx, uint64_t hstride, char *k,

@@ -164,12 +164,13 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
         k, v: C-contiguous writable [H, n_total, d] arrays of one 2- or 4-byte
             dtype (entry bytes = 2 * H * d * itemsize).
 
-    A call that writes at least 4 MiB, with rows (d * itemsize) a multiple of
-    64 bytes and 64-byte aligned K and V, stores around the cache
+    A call that writes at least 16 MiB, with rows (d * itemsize) a multiple
+    of 64 bytes and 64-byte aligned K and V, stores around the cache
     (non-temporal stores of whole lines, AVX-512 or AVX2 path;
     :func:`gather_kv_mode`; torch CPU tensors and :func:`empty_aligned` are
-    aligned, plain ``np.empty`` arrays usually are not), which spares the read-for-ownership of each
-    output line: 2-3x the GB/s of memcpy for outputs larger than L2
+    aligned, plain ``np.empty`` arrays usually are not), which spares the
+    read-for-ownership of each output line: at 54 MB the gather takes 0.6x
+    the time and, with the read that consumes K and V, 0.84x
     (docs/benchmarks.md section 9).  The bytes written are the same.
 
     Concurrency: calls may run at the same time on different outputs; two

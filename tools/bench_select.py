@@ -43,7 +43,8 @@ import numpy as np
 from tools._options import FiniteFloat, COUNT, POSITIVE, CommaList, OutPath
 from swarmfs import plan_reads
 from swarmfs._index2 import pack_medoids_i8x2, select_i8x2
-from swarmfs._kernels import (cpu_flags, kernel_path, pack_medoids, pack_medoids_i8,
+from swarmfs._kernels import (cpu_flags, empty_aligned, gather_kv, gather_kv_mode,
+                              kernel_path, pack_medoids, pack_medoids_i8,
                               select_fused, select_i8, set_kernel_path, softmax_sum,
                               supported_paths)
 from swarmfs._selectors import (group_queries, head_logits, select_clusters,
@@ -268,6 +269,57 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
 
 
 
+GATHER_SHAPES = (("Qwen3-32B, 32K, r = 0.1", 8, 128, np.float16, 3284),
+                 ("Qwen3-32B, 128K, r = 0.1", 8, 128, np.float16, 13108),
+                 ("MiniLM widened (Fig. 11 store), 128K, r = 0.1", 16, 64, np.float16, 13108))
+
+
+def bench_gather(reps, rng, paths, rounds=3):
+    """``gather_kv`` alone on each kernel path (the scalar path is memcpy, the
+    vector paths store around the cache when the call writes >= 16 MiB), entries
+    from a staging buffer in random order into 64-byte aligned K and V
+    [H, n + n/8, d] at ascending columns (the other eighth stands for the
+    DRAM-resident rows), as ``retrieve`` places a step; then the same followed
+    by one read of K and V (np.copyto into scratch) standing for the
+    attention that consumes them.  Paths interleaved ``rounds`` times;
+    the minimum over rounds of each round's median."""
+    out = []
+    for name, H, d, dt, n in GATHER_SHAPES:
+        nt = n + n // 8
+        eb = 2 * H * d * np.dtype(dt).itemsize
+        buf = rng.integers(0, 255, n * eb + 64, dtype=np.uint8)
+        src = 64 + rng.permutation(n).astype(np.uint64) * np.uint64(eb)
+        dst = np.sort(rng.permutation(nt)[:n])
+        k, v = empty_aligned((H, nt, d), dt), empty_aligned((H, nt, d), dt)
+        sk, sv = empty_aligned((H, nt, d), dt), empty_aligned((H, nt, d), dt)
+        for x in (k, v, sk, sv):
+            x.fill(0)
+        res = {}
+        for _ in range(rounds):
+            for p in paths:
+                set_kernel_path(p)
+                g, c = [], []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    gather_kv(buf, src, dst, k, v)
+                    t1 = time.perf_counter()
+                    np.copyto(sk, k)
+                    np.copyto(sv, v)
+                    g.append(t1 - t)
+                    c.append(time.perf_counter() - t1)
+                r = res.setdefault(p, {"mode": gather_kv_mode(k, v, n), "gather_ms": [],
+                                       "read_after_ms": []})
+                r["gather_ms"].append(statistics.median(g) * 1e3)
+                r["read_after_ms"].append(statistics.median(c) * 1e3)
+        set_kernel_path("auto")
+        for p, r in res.items():
+            r["gather_ms"], r["read_after_ms"] = min(r["gather_ms"]), min(r["read_after_ms"])
+            r["gather_gbps"] = n * eb / (r["gather_ms"] * 1e-3) / 1e9
+        out.append({"shape": name, "kv_heads": H, "head_dim": d, "dtype": np.dtype(dt).name,
+                    "entries": n, "bytes": n * eb, "paths": res})
+    return out
+
+
 def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)):
     """The int8 index against the exact "prob" score on a real layout: the
     demo's capture (all-MiniLM-L6-v2 over its default text) cast to fp16,
@@ -351,6 +403,9 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
                    "neon; 'all' = every path this CPU runs; default: the auto path)")
 @click.option("--assembly", is_flag=True,
               help="also retrieve at batch 1/4/8 from a tmpfs store (GB/s, assembly)")
+@click.option("--gather", is_flag=True,
+              help="only time gather_kv (assembly) on each --paths path, with and "
+                   "without streaming stores, and a read of K/V after it")
 @click.option("--pipeline", is_flag=True,
               help="also time a decode step over 8 layers, sequential vs pipelined")
 @click.option("--recall", metavar="DIR",
@@ -384,6 +439,24 @@ def cli(ctx, **options):
     if missing:
         raise click.BadParameter(f"this CPU does not run {', '.join(missing)} (it runs "
                                  f"{', '.join(supported_paths())})", param_hint="--paths")
+    if a.gather:
+        paths = paths if "scalar" in paths else ["scalar"] + paths
+        print(f"CPU flags: {' '.join(cpu_flags())}; gather_kv on {', '.join(paths)} "
+              "(scalar = memcpy), interleaved; ms = min over 3 rounds of medians")
+        res = bench_gather(max(a.reps // 4, 10), rng, paths)
+        for row in res:
+            for p, r in row["paths"].items():
+                print(f"{row['shape']:>46} {row['bytes'] / 1e6:6.1f} MB  {p:>7} {r['mode']:>9}: "
+                      f"gather {r['gather_ms']:7.3f} ms ({r['gather_gbps']:5.1f} GB/s), "
+                      f"read after {r['read_after_ms']:6.3f} ms, sum "
+                      f"{r['gather_ms'] + r['read_after_ms']:7.3f} ms")
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out + "-gather.json", "w") as f:
+            json.dump({"gather": res, "cpu_flags": cpu_flags(), "paths": paths,
+                       "command": "python -m tools.bench_select " +
+                       " ".join(argv or sys.argv[1:])}, f, indent=1)
+        print(f"wrote {a.out}-gather.json")
+        return
     print(f"CPU flags: {' '.join(cpu_flags())}; auto path: {auto}; measured: "
           f"{', '.join(paths)}; one thread (int8 2t: select_i8 with threads=2, same run)")
     if a.two_level:
