@@ -119,9 +119,15 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
                           "prob_ms": median_ms(fused("prob"), reps),
                           "logit_ms": median_ms(fused("logit"), reps)}
     set_kernel_path("auto")
+    # the read floor: one pass over the int8 index with next to no arithmetic
+    # (numpy's max over it as uint64, SIMD: the core's streaming-read rate),
+    # the least any score that reads every medoid costs
+    flat = ix8.data.reshape(-1).view(np.uint64)
+    t_floor = median_ms(flat.max, reps, "floor")
     t_split = median_ms(split, max(reps // 4, 5))
     t_prob = per_path[paths[0]]["prob_ms"]
     t_logit = per_path[paths[0]]["logit_ms"]
+    ix8_bytes = ix8.data.nbytes
     medoids = packed = ix8 = ix2 = None            # free the index before the naive scan allocates keys
     keys = rng.standard_normal((S, H * d), dtype=np.float32) if naive_scan else None
 
@@ -135,6 +141,8 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
     return {"tokens": S, "medoids": C, "mean_cluster_size": cluster_size,
             "naive_ms": t_naive, "swarm_ms": t_prob, "swarm_logit_ms": t_logit,
             "split_ms": t_split, "paths": per_path,
+            "int8_index_bytes": int(ix8_bytes), "int8_read_floor_ms": t_floor,
+            "int8_read_floor_min_ms": MINIMA["floor"],
             "speedup": t_naive / t_prob,
             "swarm_index_bytes": C * H * d * 2,
             "paper_naive_ms": PAPER.get(S, (None, None))[0],
@@ -481,6 +489,8 @@ def cli(ctx, **options):
                        f"{r['paths'][p]['prob_ms']:12.3f} {r['paths'][p]['logit_ms']:12.3f}"
                        for p in paths) +
               f" {r['split_ms']:9.3f} {r['paper_swarm_ms'] or 0:7.3f}" +
+              f" | read floor {r['int8_read_floor_ms']:.3f} (min "
+              f"{r['int8_read_floor_min_ms']:.3f}) for {r['int8_index_bytes'] / 1e6:.1f} MB" +
               "".join(f" | {p} int8 min {r['paths'][p]['int8_min_ms']:.3f}" +
                       (f", 2-level {r['paths'][p]['int8x2_ms']:.3f} (min "
                        f"{r['paths'][p]['int8x2_min_ms']:.3f})" if a.two_level else "")
