@@ -252,7 +252,7 @@ int se_set_kernel_path(int path);
 /* Cluster choice (SWARM 5.2, eq. 8): clusters in descending score (ties: lower
  * id; NaN lowest) until the union of the window (the last w of S tokens) and
  * the chosen clusters' members (CSR ptr [C+1], members) holds budget distinct
- * entries (capped at S).  Partial: a quickselect threshold and a radix sort of
+ * entries (capped at S).  Partial: a key threshold (two counting passes) and a radix sort of
  * the clusters above it, a bitmap of seen tokens, no full sort.  Writes the
  * chosen ids to out [C] in order and the distinct entries to *entries;
  * returns how many were chosen, or -EINVAL / -ENOMEM. */

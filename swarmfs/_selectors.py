@@ -229,7 +229,7 @@ def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: in
 def _select(scores, ptr, members, S: int, budget: int, w: int) -> Selection:
     """:func:`select_clusters` on trusted arrays (the Retriever's own index):
     int64 ``ptr``, int32 (or int64) ``members``, 0 <= w <= S, 0 <= budget <= S.  In C
-    (``se_choose_clusters``: a quickselect threshold, a radix sort of the
+    (``se_choose_clusters``: a key threshold by two counting passes, a radix sort of the
     clusters above it, a bitmap of seen tokens)."""
     from ._kernels import choose_clusters
     clusters, entries = choose_clusters(scores, ptr, members, num_tokens=S, budget=budget,
