@@ -2018,45 +2018,42 @@ static void gather_kv_copy(const char *src, const uint64_t *src_off, int64_t n, 
 }
 
 #if SE_X86
-__attribute__((target("avx512f")))
-static void gather_kv_stream512(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
-                                uint64_t dbytes, const int64_t *dst_idx, uint64_t hstride,
-                                char *k, char *v)
-{
-    for (int64_t i = 0; i < n; i++) {
-        const char *row = src + src_off[i];
-        uint64_t at = (uint64_t)dst_idx[i] * dbytes;
-        for (int64_t h = 0; h < 2 * H; h++) {
-            char *d = (h < H ? k + (uint64_t)h * hstride : v + (uint64_t)(h - H) * hstride) + at;
-            const char *s = row + (uint64_t)h * dbytes;
-            for (uint64_t j = 0; j < dbytes; j += 64)
-                _mm512_stream_si512((void *)(d + j), _mm512_loadu_si512(s + j));
-        }
+/* One streaming gather per vector width: LINE(d, s) stores the 64-byte line
+ * at s to d around the cache (the rows are whole lines: gather_kv_mode). */
+#define GATHER_KV_STREAM(name, isa, LINE)                                                     \
+    __attribute__((target(isa)))                                                              \
+    static void name(const char *src, const uint64_t *src_off, int64_t n, int64_t H,          \
+                     uint64_t dbytes, const int64_t *dst_idx, uint64_t hstride, char *k,      \
+                     char *v)                                                                 \
+    {                                                                                         \
+        for (int64_t i = 0; i < n; i++) {                                                     \
+            const char *row = src + src_off[i];                                               \
+            uint64_t at = (uint64_t)dst_idx[i] * dbytes;                                      \
+            for (int64_t h = 0; h < 2 * H; h++) {                                             \
+                char *d = (h < H ? k + (uint64_t)h * hstride                                  \
+                                 : v + (uint64_t)(h - H) * hstride) + at;                     \
+                const char *s = row + (uint64_t)h * dbytes;                                   \
+                for (uint64_t j = 0; j < dbytes; j += 64)                                     \
+                    LINE(d + j, s + j);                                                       \
+            }                                                                                 \
+        }                                                                                     \
+        _mm_sfence();                                                                         \
     }
-    _mm_sfence();
-}
 
-__attribute__((target("avx2")))
-static void gather_kv_stream256(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
-                                uint64_t dbytes, const int64_t *dst_idx, uint64_t hstride,
-                                char *k, char *v)
-{
-    for (int64_t i = 0; i < n; i++) {
-        const char *row = src + src_off[i];
-        uint64_t at = (uint64_t)dst_idx[i] * dbytes;
-        for (int64_t h = 0; h < 2 * H; h++) {
-            char *d = (h < H ? k + (uint64_t)h * hstride : v + (uint64_t)(h - H) * hstride) + at;
-            const char *s = row + (uint64_t)h * dbytes;
-            for (uint64_t j = 0; j < dbytes; j += 64) {   /* a whole line per pair */
-                __m256i a = _mm256_loadu_si256((const __m256i *)(s + j));
-                __m256i b = _mm256_loadu_si256((const __m256i *)(s + j + 32));
-                _mm256_stream_si256((__m256i *)(d + j), a);
-                _mm256_stream_si256((__m256i *)(d + j + 32), b);
-            }
-        }
-    }
-    _mm_sfence();
-}
+#define LINE512(d, s) _mm512_stream_si512((void *)(d), _mm512_loadu_si512(s))
+#define LINE256(d, s)                                                                         \
+    do {                                                                                      \
+        _mm256_stream_si256((__m256i *)(void *)(d),                                           \
+                            _mm256_loadu_si256((const __m256i *)(const void *)(s)));          \
+        _mm256_stream_si256((__m256i *)(void *)((d) + 32),                                    \
+                            _mm256_loadu_si256((const __m256i *)(const void *)((s) + 32)));   \
+    } while (0)
+
+GATHER_KV_STREAM(gather_kv_stream512, "avx512f", LINE512)
+GATHER_KV_STREAM(gather_kv_stream256, "avx2", LINE256)
+#undef LINE512
+#undef LINE256
+#undef GATHER_KV_STREAM
 #endif
 
 /* The gather's strategy: 2 = 512-bit streaming stores, 1 = 256-bit streaming
