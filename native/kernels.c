@@ -1854,6 +1854,87 @@ uint64_t key_set(uint64_t *kb, uint64_t k)
     return old & b;
 }
 
+/* Step 4 a run at a time, when no aligned ranges can overlap (as
+ * `simple` in coalesce_add) and two entries share a run iff their keys are
+ * adjacent (`adjacent`: E + max_gap >> tz == 1) or never (== 0).  Per word
+ * of the key bitmap, bit operations give the keys that start a run (no set
+ * key before them, or the first key of a disk) and those that end one; the
+ * starts and ends pair up in order, and each run makes one request [its
+ * first offset, its last + E) unless it is longer than a chunk.  Each
+ * request's first key is marked in qb, whose rank then names an entry's
+ * request.  Returns the number of requests. */
+static inline __attribute__((always_inline))
+void run_request(uint64_t s, uint64_t e, int ob, int tz, uint64_t omin, uint64_t E,
+                 uint64_t chunk, uint64_t *qb, int32_t *rd, uint64_t *rs, uint64_t *re,
+                 int64_t *q)
+{
+    /* entries s + j, j < L, at offsets o(s) + (j << tz); entry j in chunk
+     * (j << tz) / chunk (a division only for a run that needs it) */
+    uint64_t omask = ((uint64_t)1 << ob) - 1, L = e - s + 1;
+    for (uint64_t j = 0, j2; j < L; j = j2) {
+        j2 = L;
+        if (__builtin_expect(((L - 1) << tz) >= chunk, 0)) {
+            uint64_t ch = (j << tz) / chunk;   /* first entry of the next chunk: */
+            uint64_t nx = (((ch + 1) * chunk) + ((uint64_t)1 << tz) - 1) >> tz;
+            j2 = nx < L ? nx : L;
+            qb[(s + j) >> 6] |= (uint64_t)1 << ((s + j) & 63);
+        }
+        rd[*q] = (int32_t)(s >> ob);
+        rs[*q] = omin + (((s + j) & omask) << tz);
+        re[*q] = omin + (((s + j2 - 1) & omask) << tz) + E;
+        ++*q;
+    }
+}
+
+static inline __attribute__((always_inline))
+int64_t coalesce_runs(const uint64_t *kb, int64_t kwords, int ob, int tz, uint64_t omin,
+                      uint64_t E, uint64_t chunk, int adjacent, uint64_t *qb, int32_t *rd,
+                      uint64_t *rs, uint64_t *re)
+{
+    uint64_t omask = ((uint64_t)1 << ob) - 1;
+    /* a disk's first and last keys within a word, when disks are < 64 keys */
+    uint64_t first = 0;
+    for (int j = 0; ob < 6 && j < 64; j += 1 << ob)
+        first |= (uint64_t)1 << j;
+    uint64_t last = ob < 6 ? first << (((uint64_t)1 << ob) - 1) : 0;
+    int64_t q = 0;
+    uint64_t open = 0, s0 = 0;             /* a run open from an earlier word */
+    memset(qb, 0, sizeof(uint64_t) * (size_t)kwords);
+    for (int64_t w = 0; w < kwords; w++) {
+        uint64_t b = kb[w], st = b, en = b;
+        if (adjacent) {
+            uint64_t base = (uint64_t)w << 6, df = first, dl = last;
+            if (ob >= 6) {
+                df = (base & omask) == 0;                          /* bit 0 */
+                dl = ((base | 63) & omask) == omask ? (uint64_t)1 << 63 : 0;
+            }
+            uint64_t before = (b << 1) | (w > 0 ? kb[w - 1] >> 63 : 0);
+            uint64_t after = (b >> 1) | (w + 1 < kwords ? kb[w + 1] << 63 : 0);
+            st = (b & ~before) | (b & df);
+            en = (b & ~after) | (b & dl);
+        }
+        qb[w] |= st;
+        if (open && en) {                  /* the open run ends here */
+            run_request(s0, ((uint64_t)w << 6) | (uint64_t)__builtin_ctzll(en), ob, tz, omin,
+                        E, chunk, qb, rd, rs, re, &q);
+            en &= en - 1;
+            open = 0;
+        }
+        for (; st; st &= st - 1) {
+            uint64_t s = ((uint64_t)w << 6) | (uint64_t)__builtin_ctzll(st);
+            if (!en) {                     /* (the word's last start) */
+                open = 1;
+                s0 = s;
+                break;
+            }
+            run_request(s, ((uint64_t)w << 6) | (uint64_t)__builtin_ctzll(en), ob, tz, omin, E,
+                        chunk, qb, rd, rs, re, &q);
+            en &= en - 1;
+        }
+    }
+    return q;
+}
+
 /* The planner (se_plan_reads, after its argument checks).  Two ways through
  * each of its two orderings, chosen by the spans of the values:
  *
@@ -1910,7 +1991,7 @@ int64_t plan_body(int64_t m, const int64_t *tok, const int32_t *cdisk, const uin
 
     static __thread struct scratch sc;     /* the planner's own (scratch_get) */
     char *scratch = scratch_get(&sc, (size_t)m * (8 * 15 + 4 * 5) + 32 + (size_t)ndisks * 24 +
-                                         words * 24 + (size_t)kwords * 12 + 256);
+                                         words * 24 + (size_t)kwords * 20 + 256);
     if (!scratch)
         return -ENOMEM;
     char *sp = scratch;
@@ -1939,7 +2020,8 @@ int64_t plan_body(int64_t m, const int64_t *tok, const int32_t *cdisk, const uin
     uint32_t *mc = TAKE(uint32_t, m);
     tword *tw = TAKE(tword, words);                   /* token bitmaps */
     uint64_t *kb = TAKE(uint64_t, kwords);            /* key bitmap */
-    uint32_t *kp = TAKE(uint32_t, kwords);            /* keys below word w */
+    uint32_t *kp = TAKE(uint32_t, kwords);            /* keys (requests) below word w */
+    uint64_t *qb = TAKE(uint64_t, kwords);            /* requests' first keys */
 #undef TAKE
     if (kwords)
         memset(kb, 0, sizeof(uint64_t) * (size_t)kwords);
@@ -2127,14 +2209,20 @@ int64_t plan_body(int64_t m, const int64_t *tok, const int32_t *cdisk, const uin
     uint64_t chunk = max_request == 0 ? (uint64_t)1 << 62 : max_request > E ? max_request : E;
     coalescer cs = {E, E + max_gap, chunk, ~(bs - 1), -1, ~(uint64_t)0, 0, 0, 0, 0, 0,
                     ~(uint64_t)0, rd, rs, re};
-    if (keyed) {
+    /* no aligned ranges overlap: entries and E in whole blocks, and entries
+     * (distinct keys: at least 2**tz apart) at least E apart; and two
+     * entries share a run iff their keys are adjacent, or never */
+    uint64_t omask = ((uint64_t)1 << ob) - 1, g = (E + max_gap) >> tz;
+    int simple = !((omin | ozor | E) & (bs - 1)) && (!ozor || E <= (uint64_t)1 << tz);
+    int runs = keyed && simple && g <= 1;
+    int64_t R = 0;
+    if (runs) {
+        /* 4. requests, a run of the key bitmap at a time */
+        R = coalesce_runs(kb, kwords, ob, tz, omin, E, chunk, g == 1, qb, rd, rs, re);
+    } else if (keyed) {
         /* 4. requests, reading the key bitmap in bit order: at[p] by the
          * entry's place p in that order (kp: the keys below each word) */
-        uint64_t omask = ((uint64_t)1 << ob) - 1;
         int64_t p = 0;
-        /* no aligned ranges overlap: entries and E in whole blocks, and
-         * entries (distinct keys: at least 2**tz apart) at least E apart */
-        int simple = !((omin | ozor | E) & (bs - 1)) && (!ozor || E <= (uint64_t)1 << tz);
         if (simple)
             for (int64_t w = 0; w < kwords; w++) {
                 kp[w] = (uint32_t)p;
@@ -2197,7 +2285,8 @@ int64_t plan_body(int64_t m, const int64_t *tok, const int32_t *cdisk, const uin
         for (int64_t j = 0; j < n; j++)
             coalesce_add(&cs, key[j] >> 52, key[j] & (((uint64_t)1 << 52) - 1), order[j], at, 0);
     }
-    int64_t R = cs.q + 1;
+    if (!runs)
+        R = cs.q + 1;
 
     /* 5. submission order: round robin over the disks, request r of each in turn */
     for (int64_t r = 0; r < R; r++)
@@ -2228,7 +2317,22 @@ int64_t plan_body(int64_t m, const int64_t *tok, const int32_t *cdisk, const uin
 
     /* 6. per entry in the plan: its token, and where it lands in the
      * staging buffer */
-    if (keyed) {
+    if (runs) {
+        /* an entry's request: the request starts at or below its key */
+        uint32_t acc = 0;
+        for (int64_t w = 0; w < kwords; w++) {
+            kp[w] = acc;
+            acc += (uint32_t)__builtin_popcountll(qb[w]);
+        }
+        for (int64_t u = 0; u < n; u++) {
+            uint64_t c = pk[u] & 0xffffffffu, k = pk[u] >> 32, w = k >> 6;
+            chosen[u] = (int64_t)c;
+            utok[u] = tok[c];
+            uint64_t upto = ~(uint64_t)0 >> (63 - (k & 63));    /* keys <= k */
+            uint32_t q = kp[w] + (uint32_t)__builtin_popcountll(qb[w] & upto) - 1;
+            src[u] = qdst[q] + (omin + ((k & omask) << tz) - rs[q]);
+        }
+    } else if (keyed) {
         uint64_t below_all = ~(uint64_t)0;
         for (int64_t u = 0; u < n; u++) {
             uint64_t c = pk[u] & 0xffffffffu, k = pk[u] >> 32;
