@@ -3,8 +3,9 @@
 ``plan_reads`` is a pure function of numpy arrays (SWARM §6.1, eq. 8): it
 turns candidate copies of KV entries into block-aligned read requests, one
 batch for the engine.  Nothing here does I/O; the steps below run in one C
-call (``se_plan_reads``: radix sorts, the greedy bucket choice, one pass to
-coalesce and order), so a 13K-entry step costs no Python per step either.
+call (``se_plan_reads``: token and (disk, offset) bitmaps in place of sorts
+where the values' spans allow, radix sorts else, the greedy bucket choice,
+one pass to coalesce), so a 13K-entry step costs no Python per entry.
 
 Steps:
   1. Dedup (eq. 8): group candidate copies by token; each token is read once.
@@ -174,15 +175,12 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
     eb = int(entry_bytes)
     m = tok.shape[0]
     cap = max(m, 1)
-    # the outputs in one allocation (int64/uint64 fields first, then 32-bit)
-    out = np.empty(cap * 48 + 16 * ndisks, np.uint8)
-    utok, chosen = out[:8 * cap].view(np.int64), out[8 * cap:16 * cap].view(np.int64)
-    src, roff = out[16 * cap:24 * cap].view(np.uint64), out[24 * cap:32 * cap].view(np.uint64)
-    rdst = out[32 * cap:40 * cap].view(np.uint64)
-    disk_entries = out[40 * cap:40 * cap + 8 * ndisks].view(np.int64)
-    disk_bytes = out[40 * cap + 8 * ndisks:40 * cap + 16 * ndisks].view(np.int64)
-    rest = out[40 * cap + 16 * ndisks:]
-    rdisk, rlen = rest[:4 * cap].view(np.int32), rest[4 * cap:8 * cap].view(np.uint32)
+    # the outputs in one allocation per type (slices: cheaper than views)
+    i64, u64 = np.empty(2 * cap + 2 * ndisks, np.int64), np.empty(3 * cap, np.uint64)
+    utok, chosen = i64[:cap], i64[cap:2 * cap]
+    disk_entries, disk_bytes = i64[2 * cap:2 * cap + ndisks], i64[2 * cap + ndisks:]
+    src, roff, rdst = u64[:cap], u64[cap:2 * cap], u64[2 * cap:]
+    rdisk, rlen = np.empty(cap, np.int32), np.empty(cap, np.uint32)
     n_entries = ffi.new("int64_t *")
     staging = ffi.new("uint64_t *")
     w = ffi.from_buffer

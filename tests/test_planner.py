@@ -382,3 +382,120 @@ def test_arguments_that_would_overflow_a_request_are_refused(kw):
     args.update(kw)
     with pytest.raises(InvalidArgumentError):
         plan_reads([0, 1], [0, 0], [0, 64], **args)
+
+
+def _planner_ways(tok, cdisk, coff, *, E, bs, dedup, max_gap=0):
+    """The ways se_plan_reads takes (native/kernels.c plan_body's conditions,
+    mirrored): (token bitmap, key bitmap, coalescing without merges, a run
+    at a time).  A key bitmap falls back to the radix sort when two chosen
+    entries share a key."""
+    tok, cdisk, coff = (np.asarray(a).astype(np.int64) for a in (tok, cdisk, coff))
+    m = tok.shape[0]
+    token_bitmap = dedup and (int(tok.max()) >> 6) + 1 <= m
+    omin, omax, o0 = int(coff.min()), int(coff.max()), int(coff[0])
+    ozor = int(np.bitwise_or.reduce(coff ^ o0))
+    tz = (ozor & -ozor).bit_length() - 1 if ozor else 0
+    ob, dmax = ((omax - omin) >> tz).bit_length(), int(cdisk.max())
+    key_bitmap = (ob + dmax.bit_length() <= 32
+                  and ((dmax << ob) | ((omax - omin) >> tz)) < 16 * m + 65536)
+    simple = not ((omin | ozor | E) & (bs - 1)) and (not ozor or E <= 1 << tz)
+    return token_bitmap, key_bitmap, simple, key_bitmap and simple and (E + max_gap) >> tz <= 1
+
+
+def _case(name, rng):
+    """Inputs (tok, cdisk, coff, ndisks, E, bs, max_gap, max_request, dedup)
+    and the ways they take (as _planner_ways; a collision: the key radix
+    fallback)."""
+    E, bs, gap, maxr, dedup, nd = 4096, 4096, 0, MAX_REQUEST, True, 5
+    n = int(rng.integers(300, 700))
+    S = 4 * n
+    base = rng.choice(S, n, replace=False)
+    reps = rng.integers(1, 4, n) if name != "two_copies" else np.where(rng.random(n) < 0.3, 2, 1)
+    tok = np.repeat(base, reps)
+    m = tok.shape[0]
+    # copies striped over the disks, each copy at its own place (as the store does)
+    slot = rng.permutation(m)
+    cdisk, coff = slot % nd, (slot // nd).astype(np.uint64) * np.uint64(E) + np.uint64(8192)
+    ways = (True, True, True, True)
+    if name == "unaligned":        # 100-byte entries 200 bytes apart: each its own
+        E, bs = 100, 512           # run, merged where they share a block
+        coff = (slot // nd).astype(np.uint64) * np.uint64(200) + np.uint64(7)
+        ways = (True, True, False, False)
+    elif name == "overlapping":    # entries longer than their spacing, short chunks
+        E, maxr = 12288, 8192
+        ways = (True, True, False, False)
+    elif name == "collision":      # two tokens' only copies at one place
+        tok, cdisk, coff = tok[reps.cumsum() - 1], cdisk[reps.cumsum() - 1], coff[reps.cumsum() - 1]
+        cdisk[1], coff[1] = cdisk[0], coff[0]
+    elif name == "sparse_tokens":  # token ids far above 64 per candidate: the token sort
+        tok = tok * 4099 % (2**31 - 1)
+        ways = (False, True, True, True)
+    elif name == "wide_offsets":   # offsets spread over 2**51: the key radix sort
+        coff = coff + (slot % 2).astype(np.uint64) * np.uint64(2**51)
+        ways = (True, False, True, False)
+    elif name == "no_dedup":
+        dedup = False
+        ways = (False, True, True, True)
+    elif name == "single_copies":  # no multi-copy token
+        tok = np.unique(tok)
+        m = tok.shape[0]
+        cdisk, coff = cdisk[:m], coff[:m]
+    elif name == "one_token":      # every candidate a copy of one token
+        tok = np.full(m, 5)
+    elif name == "tiny":           # fewer candidates than one AVX-512 step
+        tok, cdisk, coff = tok[:11], cdisk[:11], coff[:11]
+        ways = _planner_ways(tok, cdisk, coff, E=E, bs=bs, dedup=dedup)
+    elif name == "long_runs":      # runs longer than max_request: split
+        maxr = 3 * E + 100
+    elif name == "gap":            # runs across free slots: one entry at a time
+        gap = 2 * E
+        ways = (True, True, True, False)
+    elif name == "apart":          # entries shorter than their spacing: runs of one
+        E, bs = 512, 512
+    elif name in ("disks_abut", "small_disks"):
+        # one copy per token, every slot taken, a power of two per disk: the
+        # last key of a disk is next to the first of the next (64 or 8 keys
+        # a disk: whole words, or several disks in a word)
+        per = 64 if name == "disks_abut" else 8
+        m = per * nd
+        tok, slot = rng.permutation(m), rng.permutation(m)
+        cdisk, coff = slot % nd, (slot // nd).astype(np.uint64) * np.uint64(E)
+        if name == "small_disks":
+            maxr = 3 * E + 100     # and each run split in two
+    return tok, cdisk.astype(np.int32), coff, nd, E, bs, gap, maxr, dedup, ways
+
+
+@pytest.mark.parametrize("name", ["two_copies", "mixed_copies", "unaligned", "overlapping",
+                                  "collision", "sparse_tokens", "wide_offsets", "no_dedup",
+                                  "single_copies", "one_token", "tiny", "long_runs", "gap",
+                                  "apart", "disks_abut", "small_disks"])
+@pytest.mark.parametrize("policy", ["balanced", "first"])
+def test_each_way_through_the_native_planner_equals_the_specification(name, policy, each_path):
+    """The token bitmap (dedup without a token sort) and its fallback, the
+    key bitmap (order without a (disk, offset) sort) and its fallbacks (keys
+    too wide, two entries at one key), coalescing with and without merges,
+    a run at a time (runs split at max_request, runs of one, disks whose keys
+    abut, within a word or across words) or an entry at a time, multi-copy
+    tokens of equal and of mixed copy counts, on every kernel path (the range
+    pass has an AVX-512 form): equal to the numpy specification."""
+    from swarmfs._kernels import set_kernel_path
+    for seed in range(3):
+        tok, cdisk, coff, nd, E, bs, gap, maxr, dedup, ways = _case(name,
+                                                                   np.random.default_rng(seed))
+        assert _planner_ways(tok, cdisk, coff, E=E, bs=bs, dedup=dedup, max_gap=gap) == ways
+        kw = dict(ndisks=nd, entry_bytes=E, block_size=bs, max_gap=gap, max_request=maxr,
+                  policy=policy, dedup=dedup)
+        want = reference_plan(tok, cdisk, coff, **kw)
+        if name == "unaligned":
+            assert want.num_requests < want.num_entries * 0.7   # merged
+        if name in ("long_runs", "disks_abut", "small_disks"):
+            assert (want.length > E).any() and (want.length <= maxr + E).all()
+        if name in ("long_runs", "small_disks"):      # runs split after 4 entries
+            assert (want.length == 4 * E).any()
+        for path in each_path:
+            set_kernel_path(path)
+            got = plan_reads(tok, cdisk, coff, **kw)
+            for f in ("disk", "offset", "length", "dst", "tokens", "src", "copy",
+                      "disk_entries", "disk_bytes"):
+                assert getattr(got, f).tolist() == getattr(want, f).tolist(), (path, f)
+            assert got.staging_bytes == want.staging_bytes
