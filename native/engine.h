@@ -68,6 +68,9 @@ typedef struct {
     uint64_t gave_up;         /* executes that stopped retrying a transient error */
     uint64_t fallback_executes; /* uring executes run with pread because this
                                    thread's ring could not be set up           */
+    uint64_t long_waits;      /* submit-and-wait calls that took a second or
+                                 more (each io_uring_enter waits at most one):
+                                 a slow disk, or a late wake-up                */
     uint64_t rings_created;   /* rings set up (one per thread that executed)   */
     uint64_t rings_closed;    /* rings torn down (thread exit, close, broken)  */
     uint64_t in_flight;       /* gauge: se_execute calls running now           */

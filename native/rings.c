@@ -3,8 +3,8 @@
  *
  * One ring per (engine, thread), as liburing's documentation and 3FS USRBIO
  * recommend: a ring is set up the first time a thread executes (or registers
- * a buffer), with IORING_SETUP_SINGLE_ISSUER and COOP_TASKRUN where the
- * kernel has them; the disks are registered files of
+ * a buffer), with IORING_SETUP_SINGLE_ISSUER, DEFER_TASKRUN and COOP_TASKRUN
+ * where the kernel has them; the disks are registered files of
  * every ring.  A thread finds its rings in a thread-local table keyed by the
  * engine's unique id; a pthread key destructor tears them down when the thread
  * exits, se_close tears down all of an engine's rings, and a ring that broke
@@ -162,11 +162,29 @@ static int tls_add(se_engine *e, struct se_ring *r)
 
 /* ---- ring set-up ------------------------------------------------------- */
 
-/* DEFER_TASKRUN is not used: a full-suite run with it once hung with three
- * O_DIRECT writes that never completed (Linux 6.18; cause not established).
- * COOP_TASKRUN avoids the task-work IPIs too; waits are bounded anyway
- * (SE_STALL_NS in engine.c). */
+/* DEFER_TASKRUN (Linux 6.1+, needs SINGLE_ISSUER): completions, including
+ * those of requests io-wq ran (every read of a tmpfs file), are queued as task
+ * work that the ring's own thread runs in a batch when it waits
+ * (io_uring_enter with GETEVENTS), instead of each io-wq worker taking the
+ * completion lock, filling the CQE and waking the waiter itself.  At 4 KiB on
+ * tmpfs that is worth about a tenth of the IOPS (docs/benchmarks.md section
+ * 1); fio uses it too.  The flip side: completions reach the CQ ring only
+ * while the ring's thread waits in it, which se_execute always does until its
+ * requests are reaped (a ring torn down with requests in flight hands its task
+ * work to the kernel's exit work).  An earlier engine with it hung once in a
+ * full suite run, in an unbounded io_uring_submit_and_wait with three punted
+ * O_DIRECT writes outstanding (cause not established; a wake-up that never
+ * came fits).  Waits are now bounded: each io_uring_enter waits at most a
+ * second, and the next one runs whatever task work is pending, so a missed
+ * wake-up costs at most a second (long_waits counts waits of a second or
+ * more) and requests without any completion for SE_STALL_NS fail with
+ * ETIMEDOUT: a stall is an error, not a hang.  Repeated suite runs and a
+ * stress of punted O_DIRECT writes from many threads (tests/test_engine.py)
+ * did not reproduce it.  COOP_TASKRUN (no task-work IPIs) is the fallback on
+ * kernels without DEFER_TASKRUN. */
 static const unsigned flag_attempts[] = {
+    IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_COOP_TASKRUN |
+        IORING_SETUP_SUBMIT_ALL,
     IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SUBMIT_ALL,
     IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SUBMIT_ALL,
     IORING_SETUP_SUBMIT_ALL,

@@ -5,7 +5,8 @@ Two back ends sit behind one interface (see ``native/engine.c``):
 * ``io_uring`` (default): liburing through cffi, **one ring per calling
   thread** (as liburing's documentation and 3FS USRBIO recommend).  A thread's
   ring is set up the first time it reads or writes, with
-  ``IORING_SETUP_SINGLE_ISSUER | COOP_TASKRUN`` where the kernel has them; the disks are registered files of every ring; the ring
+  ``IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN | COOP_TASKRUN`` where the
+  kernel has them; the disks are registered files of every ring; the ring
   is torn down when the thread exits or the engine closes.  All SQEs of a plan
   are filled in C and submitted with as few ``io_uring_enter`` calls as the
   ring allows (one when the plan fits in the queue depth); CQEs are reaped in
@@ -303,11 +304,15 @@ class EngineStats:
         fixed_requests: requests that used a registered (fixed) buffer.
         disks: per-disk :class:`DiskStats`.
         ring_flags: io_uring setup flags in use, e.g.
-            ``("SINGLE_ISSUER", "COOP_TASKRUN", "SUBMIT_ALL")``.
+            ``("SINGLE_ISSUER", "DEFER_TASKRUN", "COOP_TASKRUN", "SUBMIT_ALL")``.
         rings: rings alive now (one per thread that used the engine).
         in_flight: execute calls running now.
         enter_errors: ``io_uring_enter`` calls that failed.
         gave_up: calls that stopped retrying a transient error and failed.
+        long_waits: waits for requests in the kernel that took a second or
+            more (each ``io_uring_enter`` waits at most a second, then the
+            engine waits again; requests with no completion for 60 s fail with
+            ETIMEDOUT): a slow disk, or a completion whose wake-up came late.
         fallback_executes: io_uring executes that ran with ``pread`` because
             the calling thread's ring could not be set up (e.g.
             ``RLIMIT_MEMLOCK``).
@@ -342,6 +347,7 @@ class EngineStats:
     in_flight: int = 0
     enter_errors: int = 0
     gave_up: int = 0
+    long_waits: int = 0
     fallback_executes: int = 0
     buffers_registered: bool = False
     registered_buffers: int = 0
@@ -663,6 +669,7 @@ class Engine:
             ring_flags=self.ring_flags,
             rings=int(c.rings_created) - int(c.rings_closed), in_flight=int(c.in_flight),
             enter_errors=int(c.enter_errors), gave_up=int(c.gave_up),
+            long_waits=int(c.long_waits),
             fallback_executes=int(c.fallback_executes),
             buffers_registered=nbuf > 0 and buffer_error is None,
             registered_buffers=nbuf, buffer_register_errors=int(c.buffer_register_errors),

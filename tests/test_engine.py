@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 
@@ -312,6 +313,140 @@ def test_threads_read_concurrently_through_one_engine(disks, engine_kind):
         assert uring_fds() == before + 1
     eng.close()
     assert uring_fds() == before
+
+
+def _kernel_at_least(major, minor):
+    rel = os.uname().release.split("-")[0].split(".")
+    return (int(rel[0]), int(rel[1])) >= (major, minor)
+
+
+@pytest.mark.skipif(not _kernel_at_least(6, 1), reason="IORING_SETUP_DEFER_TASKRUN is Linux 6.1+")
+def test_rings_defer_task_work_where_the_kernel_can(disks):
+    """Linux 6.1+: every ring is set up with DEFER_TASKRUN (completions are run
+    by the ring's thread when it waits), and a plan larger than the ring, read
+    by the opener and by another thread, completes."""
+    _, data, fds = disks
+    eng = make_engine(fds, "io_uring", qd=8)
+    assert {"SINGLE_ISSUER", "DEFER_TASKRUN", "COOP_TASKRUN"} <= set(eng.ring_flags)
+    n = 200
+    disk = (np.arange(n) % 3).astype(np.int32)
+    off = (np.arange(n) * 4096 % (1 << 20)).astype(np.uint64)
+    dst = np.arange(n, dtype=np.uint64) * 4096
+
+    def read():
+        buf = eng.alloc(n * 4096)
+        eng.execute(READ, disk, off, [4096] * n, dst, buf)
+        for i in range(n):
+            assert (buf.array[dst[i]:dst[i] + 4096] == data[disk[i]][off[i]:off[i] + 4096]).all()
+        buf.release()
+
+    read()
+    errors = []
+
+    def read_in_a_thread():
+        try:
+            read()
+        except Exception as exc:  # reported below
+            errors.append(repr(exc))
+
+    t = threading.Thread(target=read_in_a_thread)
+    t.start()
+    t.join()
+    assert errors == []
+    s = eng.stats()
+    assert s.requests == 2 * n and s.errors == 0 and s.gave_up == 0
+    eng.close()
+
+
+@pytest.fixture
+def tmpfs_disks(rng):
+    """Two 1 MiB files on tmpfs (/dev/shm), opened O_DIRECT for writing: files
+    that cannot be read or written without blocking, so every request of
+    theirs is punted to io-wq (IOSQE_ASYNC)."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    d = tempfile.mkdtemp(prefix="swarmfs-test-", dir="/dev/shm")
+    fds, data = [], []
+    try:
+        for i in range(2):
+            p = os.path.join(d, f"d{i}")
+            b = rng.integers(0, 256, size=1 << 20, dtype=np.uint8)
+            with open(p, "wb") as f:
+                f.write(b.tobytes())
+            try:
+                fds.append(open_disk(p, write=True))
+            except E.SwarmError as exc:
+                pytest.skip(f"no O_DIRECT on /dev/shm: {exc}")
+            data.append(b)
+        yield fds, data
+    finally:
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(d)
+
+
+def test_punted_direct_writes_from_many_threads_all_complete(tmpfs_disks, engine_kind):
+    """The shape of the one hang seen with DEFER_TASKRUN: small plans of
+    O_DIRECT writes punted to io-wq.  Eight threads, each with its own ring,
+    write three blocks to the same two tmpfs files (io-wq serialises writes to
+    one file) and read them back, 40 times each; every call completes with the
+    right bytes and nothing fails or is abandoned."""
+    fds, _ = tmpfs_disks
+    eng = make_engine(fds, engine_kind)
+    if engine_kind == "io_uring":
+        assert eng.stats().async_disks == 2
+    nthreads, iters = 8, 40
+    failures = []
+
+    def work(k):
+        r = np.random.default_rng(k)
+        wbuf, rbuf = eng.alloc(3 * 4096), eng.alloc(3 * 4096)
+        try:
+            for it in range(iters):
+                # blocks 2k or 2k + 1 (+ 16, + 32): no other thread writes them
+                disk = np.array([0, 1, it % 2], dtype=np.int32)
+                blk = (np.array([0, 1, 2]) * nthreads * 2 + k * 2 + it % 2) % 256
+                off = (blk * 4096).astype(np.uint64)
+                dst = np.arange(3, dtype=np.uint64) * 4096
+                wbuf.array[:3 * 4096] = r.integers(0, 256, 3 * 4096, dtype=np.uint8)
+                eng.execute(WRITE, disk, off, [4096] * 3, dst, wbuf)
+                eng.execute(READ, disk, off, [4096] * 3, dst, rbuf)
+                if not np.array_equal(rbuf.array[:3 * 4096], wbuf.array[:3 * 4096]):
+                    failures.append((k, it))
+        except Exception as exc:  # reported below
+            failures.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(nthreads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    s = eng.stats()
+    assert s.requests == nthreads * iters * 6 and s.errors == 0
+    assert s.gave_up == 0 and s.in_flight == 0
+    eng.close()
+
+
+def test_a_wait_of_more_than_a_second_is_counted_and_completes():
+    """A disk that answers after 1.5 s (a pipe whose data is written then)
+    keeps the reader in waits of at most a second each: the read completes
+    with the data, and stats() counts the long wait."""
+    r, w = os.pipe()
+    try:
+        eng = Engine([r], kind="io_uring", queue_depth=8, block_sizes=[512])
+        buf = eng.alloc(4096)
+        t = threading.Timer(1.5, os.write, args=(w, b"s" * 4096))
+        t.start()
+        eng.execute(READ, [0], [0], [4096], [0], buf)
+        t.join()
+        assert bytes(buf.array[:4096]) == b"s" * 4096
+        s = eng.stats()
+        assert s.long_waits >= 1 and s.errors == 0 and s.gave_up == 0
+        eng.close()
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def test_close_waits_for_calls_in_flight_and_later_calls_raise(disks, engine_kind):
