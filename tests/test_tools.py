@@ -242,3 +242,19 @@ def test_the_decoder_tools_name_themselves(capsys):
     for name in ("train_decoder", "eval_decoder"):
         assert T.main([name, "--help"]) == 0
         assert f"Usage: python -m tools {name}" in capsys.readouterr().out
+
+
+def test_bench_select_gather_runs_every_path(tmp_path):
+    """bench_select --gather (the assembly benchmark) runs each kernel path
+    it names and says which store mode ran; scalar is the memcpy reference."""
+    from swarmfs._kernels import supported_paths
+    T.main(["bench_select", "--gather", "--reps", "4", "--paths", "all",
+            "--out", str(tmp_path / "g")])
+    res = json.loads((tmp_path / "g-gather.json").read_text())
+    assert set(res["paths"]) == set(supported_paths())
+    for row in res["gather"]:
+        assert row["paths"]["scalar"]["mode"] == "copy" and row["bytes"] > 0
+        for p, r in row["paths"].items():
+            assert r["gather_ms"] > 0 and r["read_after_ms"] > 0
+            if p in ("avx2", "avx512") and row["bytes"] >= 16 << 20:
+                assert r["mode"].startswith("stream"), (row["shape"], p)
