@@ -11,13 +11,14 @@ Each wrapper checks its arguments before C touches memory and raises only
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 from typing import NamedTuple
 
 import numpy as np
 
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, boundary
 from ._native import ffi, lib
 
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
@@ -201,21 +202,31 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
                      ffi.from_buffer("char[]", v, require_writable=True))
 
 
+@boundary
 def empty_aligned(shape, dtype, align: int = 64) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on an ``align``-byte
     boundary (numpy's own allocations are only 16-byte aligned), so that
-    :func:`gather_kv` can store whole cache lines into it.
+    :func:`gather_kv` can store whole cache lines into it.  Thread-safe.
 
     Raises:
-        InvalidArgumentError: a negative dimension or a non-power-of-two align."""
-    dt = np.dtype(dtype)
+        InvalidArgumentError: a shape that is not non-negative integers, an
+            unknown dtype, an align that is not a power of two, or more
+            memory than can be had."""
     try:
-        shape = tuple(int(x) for x in (shape if np.iterable(shape) else (shape,)))
+        dt = np.dtype(dtype)
     except (TypeError, ValueError):
-        _fail(f"empty_aligned: shape {shape!r} is not a tuple of integers")
-    if any(x < 0 for x in shape) or align <= 0 or align & (align - 1):
-        _fail(f"empty_aligned: shape {shape} or align {align} out of range")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        _fail(f"empty_aligned: unknown dtype {dtype!r}")
+    dims = tuple(shape) if np.iterable(shape) else (shape,)
+    if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0
+               for x in dims):
+        _fail(f"empty_aligned: shape {shape!r} must be non-negative integers")
+    if isinstance(align, bool) or not isinstance(align, (int, np.integer)) or align <= 0 \
+            or align & (align - 1):
+        _fail(f"empty_aligned: align {align!r} must be a power of two")
+    shape = tuple(int(x) for x in dims)
+    nbytes = math.prod(shape) * dt.itemsize                 # Python ints: no overflow
+    if nbytes > 1 << 62:
+        raise MemoryError(nbytes)
     raw = np.empty(nbytes + align, np.uint8)
     at = (-raw.ctypes.data) % align
     return raw[at:at + nbytes].view(dt).reshape(shape)
@@ -227,9 +238,14 @@ def gather_kv_mode(k: np.ndarray, v: np.ndarray, n: int) -> str:
     stores of whole 64-byte lines) or ``"copy"`` (memcpy).
 
     Raises:
-        InvalidArgumentError: K and V are not [H, n_total, d] arrays."""
-    if not (isinstance(k, np.ndarray) and isinstance(v, np.ndarray)) or k.ndim != 3:
-        _fail("gather_kv_mode: k and v must be [H, n, d] arrays")
+        InvalidArgumentError: K and V are not [H, n_total, d] arrays of one
+            shape and dtype, or n is not a count."""
+    if not (isinstance(k, np.ndarray) and isinstance(v, np.ndarray)) or k.ndim != 3 or \
+            k.shape != v.shape or k.dtype != v.dtype:
+        _fail("gather_kv_mode: k and v must be [H, n, d] arrays of one shape and dtype")
+    n = _count_arg(n, "gather_kv_mode: n")
+    if n < 0:
+        _fail(f"gather_kv_mode: n {n} must be >= 0")
     H, _, d = k.shape
     mode = lib.se_gather_kv_mode(d * k.itemsize, int(n), H, ffi.cast("char *", k.ctypes.data),
                                  ffi.cast("char *", v.ctypes.data))

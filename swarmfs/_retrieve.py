@@ -700,14 +700,17 @@ class Retriever:
         return kw, vw, kw, vw
 
     def kv_buffers(self, cap: int) -> tuple[np.ndarray, np.ndarray]:
-        """Reusable outputs for :meth:`retrieve` ``(out=...)``: K and V
-        [H_kv, cap, head_dim] of the store dtype (numpy; bfloat16 stores get
-        their uint16 bits), zeroed and 64-byte aligned, so that assembly
-        stores whole cache lines around the cache (``gather_kv``).  Torch
-        CPU tensors are aligned as well and may be passed instead.
+        """Reusable outputs for :meth:`retrieve` ``(out=...)``: numpy K and V
+        [H_kv, cap, head_dim] of the store's numpy dtype (``Store.np_dtype``;
+        ml_dtypes bfloat16 for a bfloat16 store), zeroed and 64-byte aligned,
+        so that assembly stores whole cache lines around the cache
+        (``gather_kv``).  Torch CPU tensors are aligned as well and may be
+        passed instead.  Each call returns new buffers; one pair serves one
+        retrieval at a time.
 
         Raises:
-            InvalidArgumentError: cap < 1."""
+            InvalidArgumentError: cap is not a positive integer, or the
+                buffers do not fit in memory."""
         if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 1:
             raise errors.InvalidArgumentError(f"kv_buffers: cap {cap!r} must be a positive "
                                               "integer")

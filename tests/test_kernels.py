@@ -399,3 +399,23 @@ def test_choose_and_select_fused_with_out_of_range_counts_raise_or_cap():
         select_clusters(sc, ptr, members, num_tokens=64, budget=1.5, window=0)
     with pytest.raises(E.InvalidArgumentError):
         select_clusters(sc, ptr, members, num_tokens=64, budget="8", window=0)
+
+
+def test_empty_aligned_and_gather_kv_mode_refuse_bad_arguments():
+    from swarmfs._kernels import empty_aligned, gather_kv_mode
+    a = empty_aligned((3, 5, 64), np.float16)
+    assert a.ctypes.data % 64 == 0 and a.shape == (3, 5, 64) and a.flags.c_contiguous
+    assert empty_aligned(7, np.uint8, align=4096).ctypes.data % 4096 == 0
+    assert empty_aligned((0, 4), np.float32).size == 0
+    for shape, dt, al in (((-1, 4), np.float16, 64), ((2.5, 4), np.float16, 64),
+                          ((True, 4), np.float16, 64), ((2, 4), "no-such-dtype", 64),
+                          ((2, 4), np.float16, 48), ((2, 4), np.float16, 0),
+                          ((1 << 62, 1 << 10), np.float32, 64)):      # far more than memory
+        with pytest.raises(InvalidArgumentError):
+            empty_aligned(shape, dt, align=al)
+    b = empty_aligned((3, 5, 64), np.float16)
+    assert gather_kv_mode(a, b, 5) == "copy"                         # far under 16 MiB
+    for args in ((a, b[:, :4], 5), (a, b.astype(np.float32), 5), (a[0], b[0], 5),
+                 (a, b, -1), (a, b, 2.5), (a, "b", 5)):
+        with pytest.raises(InvalidArgumentError):
+            gather_kv_mode(*args)
