@@ -1240,6 +1240,48 @@ static void i8_logits_vnni(const int8_t *P, const float *sm, const int32_t *ms, 
                            int64_t Hq, int64_t g0, int64_t g1, float *lg, int64_t ldc)
 {
     int64_t G = Hq / H, nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
+    if (G == 1) {
+        /* one query head per KV head (no GQA): one accumulator per block would
+         * make each block a chain of dependent vpdpbusd (latency-bound), so
+         * four blocks run side by side */
+        for (int64_t g = g0; g < g1; g++) {
+            const uint32_t *qh = qw + g * D4;
+            const __m512 fq = _mm512_set1_ps(sq[g]);
+            for (int64_t b = 0; b < nblk; b += 4) {
+                int64_t nb = nblk - b < 4 ? nblk - b : 4;
+                __m512i acc[4];
+                for (int64_t u = 0; u < 4; u++)
+                    acc[u] = u < nb ? _mm512_sub_epi32(_mm512_setzero_si512(),
+                        _mm512_slli_epi32(_mm512_loadu_si512(ms + g * Cp + (b + u) * 16), 7))
+                                    : _mm512_setzero_si512();
+                const int8_t *p = P + (g * nblk + b) * D4 * 64;
+                if (nb == 4) {
+                    for (int64_t j4 = 0; j4 < D4; j4++) {
+                        __m512i qv = _mm512_set1_epi32((int)qh[j4]);
+#pragma GCC unroll 4
+                        for (int u = 0; u < 4; u++)
+                            acc[u] = _mm512_dpbusd_epi32(
+                                acc[u], qv, _mm512_loadu_si512(p + (u * D4 + j4) * 64));
+                    }
+                } else {
+                    for (int64_t j4 = 0; j4 < D4; j4++) {
+                        __m512i qv = _mm512_set1_epi32((int)qh[j4]);
+                        for (int64_t u = 0; u < nb; u++)
+                            acc[u] = _mm512_dpbusd_epi32(
+                                acc[u], qv, _mm512_loadu_si512(p + (u * D4 + j4) * 64));
+                    }
+                }
+                for (int64_t u = 0; u < nb; u++) {
+                    int64_t r0 = (b + u) * 16, nr = C - r0 < 16 ? C - r0 : 16;
+                    __mmask16 mk = (__mmask16)((1u << nr) - 1);
+                    __m512 f = _mm512_loadu_ps(sm + g * Cp + r0);
+                    _mm512_mask_storeu_ps(lg + (g - g0) * ldc + r0, mk,
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(acc[u]), _mm512_mul_ps(f, fq)));
+                }
+            }
+        }
+        return;
+    }
     for (int64_t g = g0; g < g1; g++)
         for (int64_t h0 = 0; h0 < G; h0 += 8) {
             int64_t nh = G - h0 < 8 ? G - h0 : 8, hb = g * G + h0;

@@ -243,7 +243,7 @@ def _quantise(x):
     return qx, np.where(mx > 0, mx / np.float32(127), 0).astype(np.float32)[..., 0]
 
 
-@pytest.mark.parametrize("G,C", [(1, 5), (8, 37), (12, 301)])
+@pytest.mark.parametrize("G,C", [(1, 5), (1, 101), (1, 128), (8, 37), (12, 301)])
 def test_int8_logits_are_the_integer_dots_on_every_path(each_path, rng, G, C):
     from swarmfs._kernels import head_logits_i8, pack_medoids_i8, set_kernel_path
     H, d = 2, 24                             # C not a multiple of 16: a padded block
