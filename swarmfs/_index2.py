@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._errors import InvalidArgumentError
-from ._kernels import Int8Index, _check_csr, _native_failure, pack_medoids_i8
+from ._kernels import Int8Index, _check_csr, _count_arg, _native_failure, pack_medoids_i8
 from ._native import ffi, lib
 
 __all__ = ["Int8Index2", "pack_medoids_i8x2", "select_i8x2", "groups_to_score"]
@@ -230,8 +230,17 @@ def select_i8x2(ix: Int8Index2, q: np.ndarray, num_kv_heads: int, *, scale: floa
                                    f"({H} KV heads, {C} medoids)")
     if not float(scale) > 0:
         raise InvalidArgumentError(f"select_i8x2: scale {scale} must be positive")
+    budget = _count_arg(budget, "select_i8x2: budget")
+    window = _count_arg(window, "select_i8x2: window")
+    num_tokens = _count_arg(num_tokens, "select_i8x2: num_tokens")
+    if isinstance(coverage, bool) or not isinstance(coverage, (int, float, np.integer,
+                                                               np.floating)) \
+            or not math.isfinite(coverage) or coverage <= 0:
+        raise InvalidArgumentError(f"select_i8x2: coverage {coverage!r} must be a finite "
+                                   "number > 0")
     if ngroups is None:
         ngroups = groups_to_score(ix, budget, num_tokens, coverage) if ptr is not None else K
+    ngroups = min(_count_arg(ngroups, "select_i8x2: ngroups"), K)
     score = np.empty(max(C, 1), np.float32)
     out = np.empty(max(C, 1), np.int64)
     ent = ffi.new("int64_t *")

@@ -178,7 +178,8 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
     calls writing one output at once are the caller's race.
 
     Raises:
-        InvalidArgumentError: shapes, bounds or dtypes that do not fit.
+        InvalidArgumentError: shapes, bounds or dtypes that do not fit
+            (object arrays included), or K and V that overlap.
     """
     k = _arr(k, "k", writable=True)
     v = _arr(v, "v", writable=True)
@@ -186,6 +187,10 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
     if k.ndim != 3 or k.shape != v.shape or k.dtype != v.dtype:
         _fail(f"gather_kv: k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must be one "
               "[H, n, d] shape and dtype")
+    if k.dtype.hasobject or k.itemsize not in (2, 4):
+        _fail(f"gather_kv: K and V must hold 2- or 4-byte numbers, got {k.dtype}")
+    if np.may_share_memory(k, v):            # C-contiguous: the byte ranges decide
+        _fail("gather_kv: k and v share memory (V would overwrite K)")
     H, nt, d = k.shape
     db = d * k.itemsize
     src_off, dst_idx = _pair(src_off, np.uint64, "src_off", dst_idx, np.int64, "dst_idx",
@@ -244,8 +249,6 @@ def gather_kv_mode(k: np.ndarray, v: np.ndarray, n: int) -> str:
             k.shape != v.shape or k.dtype != v.dtype:
         _fail("gather_kv_mode: k and v must be [H, n, d] arrays of one shape and dtype")
     n = _count_arg(n, "gather_kv_mode: n")
-    if n < 0:
-        _fail(f"gather_kv_mode: n {n} must be >= 0")
     H, _, d = k.shape
     mode = lib.se_gather_kv_mode(d * k.itemsize, int(n), H, ffi.cast("char *", k.ctypes.data),
                                  ffi.cast("char *", v.ctypes.data))
@@ -518,12 +521,15 @@ def _check_csr(C: int, ptr: np.ndarray, members: np.ndarray, num_tokens: int,
 
 
 def _count_arg(x, what: str) -> int:
-    """An entry count (budget, window) for the C kernels: an integer, capped
-    at 2**62 (any count above the context means the whole context)."""
+    """An entry count (budget, window) for the C kernels: a non-negative
+    integer, capped at 2**62 (any count above the context means the whole
+    context)."""
     try:
         v = operator.index(x)
     except TypeError:
         _fail(f"{what} must be an integer, got {x!r}")
+    if v < 0:
+        _fail(f"{what} must be >= 0, got {v}")
     return min(v, 1 << 62)
 
 
@@ -541,6 +547,10 @@ def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
     """
     sc = np.ascontiguousarray(scores, dtype=np.float32)
     ptr = np.ascontiguousarray(ptr, dtype=np.int64)
+    members = np.asarray(members)
+    if check and members.size and members.dtype.kind in "iu" and \
+            (members.min() < 0 or members.max() >= min(int(num_tokens), 2**31)):
+        _fail("choose_clusters: a member is outside the context")   # before narrowing
     members = np.ascontiguousarray(members, dtype=np.int32)
     C = sc.shape[0]
     _check_csr(C, ptr, members, num_tokens, check)
@@ -764,7 +774,8 @@ def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
                          ffi.from_buffer("float[]", q), Hq, float(scale),
                          ffi.from_buffer("int64_t[]", ptr),
                          ffi.from_buffer("int32_t[]", members),
-                         int(num_tokens), int(budget), int(window), int(threads),
+                         int(num_tokens), _count_arg(budget, "select_i8: budget"),
+                         _count_arg(window, "select_i8: window"), int(threads),
                          ffi.from_buffer("float[]", work, require_writable=True),
                          ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
     if n < 0:

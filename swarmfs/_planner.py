@@ -200,6 +200,13 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
     if R < 0:
         raise InternalError(f"plan_reads failed: {os.strerror(-R)}")
     n = int(n_entries[0])
+    if int(rlen[:R].sum(dtype=np.uint64)) != int(staging[0]):
+        # requests are laid back to back in staging: a sum that differs means
+        # a request (runs merged where their blocks overlap) reached 4 GiB
+        raise InvalidArgumentError(
+            f"a read request would reach 4 GiB (entries of {eb} bytes, max_request "
+            f"{max_request}, block size {block_size}): use block-aligned entries or a "
+            "smaller max_request")
     return Plan(disk=rdisk[:R], offset=roff[:R], length=rlen[:R], dst=rdst[:R],
                 staging_bytes=int(staging[0]), tokens=utok[:n], src=src[:n], copy=chosen[:n],
                 disk_entries=disk_entries, disk_bytes=disk_bytes, entry_bytes=eb)

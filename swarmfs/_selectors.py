@@ -216,8 +216,11 @@ def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: in
                                    f"window {w} must be >= 0")
     w = min(w, S)
     budget = min(budget, S)
-    if ptr.shape[0] and (ptr[0] != 0 or ptr[-1] != members.shape[0]):
-        raise InvalidArgumentError("select_clusters: pointers do not cover the members")
+    if ptr.shape[0] and (ptr[0] != 0 or ptr[-1] != members.shape[0] or
+                         np.any(ptr[1:] < ptr[:-1])):
+        raise InvalidArgumentError("select_clusters: pointers do not cover the members "
+                                   "in order (they must start at 0, never decrease and "
+                                   "end at the member count)")
     if members.size and (members.min() < 0 or members.max() >= S):
         raise InvalidArgumentError(f"select_clusters: a member is outside [0, {S})")
     if S >= 2**31:

@@ -419,3 +419,45 @@ def test_empty_aligned_and_gather_kv_mode_refuse_bad_arguments():
                  (a, b, -1), (a, b, 2.5), (a, "b", 5)):
         with pytest.raises(InvalidArgumentError):
             gather_kv_mode(*args)
+
+
+def test_adversarial_arguments_are_refused_before_any_native_work(rng):
+    """Found by attacking the kernels: object K/V were written over with raw
+    bytes (a later read crashed), K given as V got V's bytes, a member of
+    2**32 + 1 was narrowed to 1 and accepted, a float budget was truncated,
+    a budget of 2**63 overflowed, and coverage nan / inf escaped as
+    ValueError / OverflowError."""
+    from swarmfs._index2 import pack_medoids_i8x2, select_i8x2
+    from swarmfs._kernels import choose_clusters, gather_kv, pack_medoids_i8, select_i8
+    buf = np.zeros(4096, np.uint8)
+    k = np.empty((2, 8, 4), object)
+    with pytest.raises(InvalidArgumentError, match="2- or 4-byte"):
+        gather_kv(buf, [0], [0], k, np.empty((2, 8, 4), object))
+    kk = np.zeros((2, 8, 4), np.float16)
+    with pytest.raises(InvalidArgumentError, match="share memory"):
+        gather_kv(buf, [0], [0], kk, kk)
+    with pytest.raises(InvalidArgumentError):
+        choose_clusters(np.ones(2, np.float32), [0, 1, 2], np.array([0, 2**32 + 1]),
+                        num_tokens=4, budget=4, window=0)
+    H, Hq, d, C = 2, 4, 8, 40
+    m = rng.standard_normal((C, H * d)).astype(np.float16)
+    q = rng.standard_normal((Hq, d)).astype(np.float32)
+    ptr = np.arange(C + 1, dtype=np.int64)
+    members = np.arange(C, dtype=np.int32)
+    ix, ix2 = pack_medoids_i8(m, H), pack_medoids_i8x2(m, H, group_size=8)
+    for bad in (3.7, -1, "5"):
+        with pytest.raises(InvalidArgumentError):
+            select_i8(ix, q, H, scale=0.3, ptr=ptr, members=members, num_tokens=C,
+                      budget=bad, window=0)
+        with pytest.raises(InvalidArgumentError):
+            select_i8x2(ix2, q, H, scale=0.3, ptr=ptr, members=members, num_tokens=C,
+                        budget=bad, window=0)
+    got = select_i8(ix, q, H, scale=0.3, ptr=ptr, members=members, num_tokens=C,
+                    budget=2**63, window=0)               # more than the context: all of it
+    assert got[1] == C
+    for cov in (float("nan"), float("inf"), 0, True):
+        with pytest.raises(InvalidArgumentError):
+            select_i8x2(ix2, q, H, scale=0.3, ptr=ptr, members=members, num_tokens=C,
+                        budget=4, window=0, coverage=cov)
+    assert select_i8x2(ix2, q, H, scale=0.3, ptr=ptr, members=members, num_tokens=C,
+                       budget=C, window=0, ngroups=2**63)[1] == C

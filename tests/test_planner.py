@@ -499,3 +499,18 @@ def test_each_way_through_the_native_planner_equals_the_specification(name, poli
                       "disk_entries", "disk_bytes"):
                 assert getattr(got, f).tolist() == getattr(want, f).tolist(), (path, f)
             assert got.staging_bytes == want.staging_bytes
+
+
+def test_a_request_that_would_reach_4_gib_is_refused():
+    """Six 1 GiB entries one byte off block alignment: split at max_request,
+    then merged again where their blocks overlap, the one request was 6 GiB
+    and its uint32 length wrapped to 2 GiB (staging_bytes said 6 GiB)."""
+    from swarmfs._errors import InvalidArgumentError
+    n, E = 6, 2**30
+    off = np.arange(n, dtype=np.uint64) * np.uint64(E) + np.uint64(1)
+    with pytest.raises(InvalidArgumentError, match="4 GiB"):
+        plan_reads(np.arange(n), [0] * n, off, ndisks=1, entry_bytes=E, block_size=512,
+                   max_request=2**30)
+    ok = plan_reads(np.arange(n), [0] * n, off - np.uint64(1), ndisks=1, entry_bytes=E,
+                    block_size=512, max_request=2**30)          # aligned: six 1 GiB requests
+    assert ok.length.tolist() == [E] * n and ok.staging_bytes == n * E

@@ -292,3 +292,12 @@ def test_exact_medoid_scores_are_the_per_head_rule(small_fp16_store, rng, score)
                               budget=120, window=16)
         assert chosen.clusters.tolist() == ref.clusters.tolist()
         assert chosen.entries == ref.entries >= 120
+
+
+def test_pointers_out_of_order_are_refused_not_followed():
+    """ptr [0, 2**40, 3] passed the first/last check and the C choice read
+    members far outside the array (SIGSEGV)."""
+    for ptr in ([0, 2**40, 3], [0, 3, 1, 3], [0, -1, 3]):
+        with pytest.raises(InvalidArgumentError, match="in order"):
+            select_clusters(np.array([1.0, 0.5, 0.2][:len(ptr) - 1], np.float32),
+                            np.array(ptr), np.array([0, 1, 2]), num_tokens=4, budget=4)
