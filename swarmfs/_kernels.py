@@ -43,6 +43,8 @@ def _arr(x, what: str, *, writable: bool = False) -> np.ndarray:
             x = np.asarray(x)
         except (TypeError, ValueError) as exc:
             _fail(f"{what} is not an array: {exc}")
+    if x.dtype.hasobject:              # C reads and writes raw bytes: never object pointers
+        _fail(f"{what} holds Python objects ({x.dtype}), not numbers")
     if not x.flags.c_contiguous:
         if writable:
             _fail(f"{what} must be C-contiguous")
@@ -133,8 +135,8 @@ def scatter_rows(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray,
     ``dst`` and the C-contiguous row array ``src`` (rows of ``row`` bytes).
 
     Raises:
-        InvalidArgumentError: a row outside a buffer, or arrays of different
-            lengths.
+        InvalidArgumentError: a row outside a buffer, arrays of different
+            lengths, or a buffer of Python objects.
     """
     row = _pos(row, "row")
     dst = _arr(dst, "dst", writable=True)

@@ -431,8 +431,15 @@ def test_adversarial_arguments_are_refused_before_any_native_work(rng):
     from swarmfs._kernels import choose_clusters, gather_kv, pack_medoids_i8, select_i8
     buf = np.zeros(4096, np.uint8)
     k = np.empty((2, 8, 4), object)
-    with pytest.raises(InvalidArgumentError, match="2- or 4-byte"):
+    with pytest.raises(InvalidArgumentError, match="Python objects"):
         gather_kv(buf, [0], [0], k, np.empty((2, 8, 4), object))
+    with pytest.raises(InvalidArgumentError, match="2- or 4-byte"):
+        gather_kv(buf, [0], [0], np.zeros((2, 8, 4), np.float64), np.zeros((2, 8, 4)))
+    from swarmfs._kernels import scatter_rows, xxh3_rows
+    with pytest.raises(InvalidArgumentError, match="Python objects"):   # the same kind:
+        scatter_rows(np.empty(64, object), [0], np.zeros(8, np.uint8), [0], 8)  # raw bytes
+    with pytest.raises(InvalidArgumentError, match="Python objects"):   # over pointers
+        xxh3_rows(np.empty(64, object), 8)
     kk = np.zeros((2, 8, 4), np.float16)
     with pytest.raises(InvalidArgumentError, match="share memory"):
         gather_kv(buf, [0], [0], kk, kk)
