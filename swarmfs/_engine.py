@@ -572,6 +572,11 @@ class Engine:
         if length.size and (length.min() <= 0 or length.max() > _MAX_REQUEST):
             raise E.OutOfRangeError(f"request lengths must be in [1, {_MAX_REQUEST}] bytes",
                                     store=self.store, layer=layer, cluster=cluster)
+        disk = np.asarray(disk)
+        if disk.size and (disk.dtype.kind not in "iu" or disk.min() < 0 or
+                          disk.max() >= len(self.fds)):      # before narrowing to int32
+            raise E.OutOfRangeError(f"disk indices must be integers in [0, {len(self.fds)})",
+                                    store=self.store, layer=layer, cluster=cluster)
         disk = np.ascontiguousarray(disk, dtype=np.int32)
         off = np.ascontiguousarray(off, dtype=np.uint64)
         length = np.ascontiguousarray(length, dtype=np.uint32)

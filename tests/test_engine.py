@@ -154,6 +154,9 @@ def test_misaligned_request_names_the_disk(disks, engine_kind):
         eng.execute(READ, [1], [0], [700], [0], buf)
     with pytest.raises(E.OutOfRangeError):
         eng.execute(READ, [3], [0], [512], [0], buf)
+    for disk in ([2**32 + 1], [-1], [1.0]):     # 2**32 + 1 narrowed to int32 was disk 1
+        with pytest.raises(E.OutOfRangeError):
+            eng.execute(READ, np.array(disk), [0], [512], [0], buf, check=False)
     assert eng.stats().requests == 0  # nothing was submitted
 
 
