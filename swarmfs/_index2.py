@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._errors import InvalidArgumentError
-from ._kernels import Int8Index, _check_csr, _count_arg, _native_failure, pack_medoids_i8
+from ._kernels import Int8Index, _count_arg, _csr_args, _native_failure, pack_medoids_i8
 from ._native import ffi, lib
 
 __all__ = ["Int8Index2", "pack_medoids_i8x2", "select_i8x2", "groups_to_score"]
@@ -246,9 +246,7 @@ def select_i8x2(ix: Int8Index2, q: np.ndarray, num_kv_heads: int, *, scale: floa
     ent = ffi.new("int64_t *")
     w = ffi.from_buffer
     if ptr is not None:
-        ptr = np.ascontiguousarray(ptr, dtype=np.int64)
-        members = np.ascontiguousarray(members, dtype=np.int32)
-        _check_csr(C, ptr, members, num_tokens, check)
+        ptr, members = _csr_args(C, ptr, members, num_tokens, check)
         pp, mp = w("int64_t[]", ptr), w("int32_t[]", members)
     else:
         pp = mp = ffi.NULL

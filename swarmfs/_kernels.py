@@ -522,6 +522,21 @@ def _check_csr(C: int, ptr: np.ndarray, members: np.ndarray, num_tokens: int,
         _fail("cluster pointers decrease or a member is outside the context")
 
 
+def _csr_args(C: int, ptr, members, num_tokens: int, check: bool):
+    """The cluster table as the C kernels take it: (int64 ptr, int32
+    members), checked by :func:`_check_csr`; with ``check`` the members'
+    range is checked before they are narrowed to int32 (2**32 + 1 would
+    become 1)."""
+    members = np.asarray(members)
+    if check and members.size and (members.dtype.kind not in "iu" or members.min() < 0 or
+                                   members.max() >= min(int(num_tokens), 2**31)):
+        _fail("a cluster member is outside the context")
+    ptr = np.ascontiguousarray(ptr, dtype=np.int64)
+    members = np.ascontiguousarray(members, dtype=np.int32)
+    _check_csr(C, ptr, members, num_tokens, check)
+    return ptr, members
+
+
 def _count_arg(x, what: str) -> int:
     """An entry count (budget, window) for the C kernels: a non-negative
     integer, capped at 2**62 (any count above the context means the whole
@@ -548,14 +563,8 @@ def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
         (int64 [c] cluster ids best first, distinct entries).
     """
     sc = np.ascontiguousarray(scores, dtype=np.float32)
-    ptr = np.ascontiguousarray(ptr, dtype=np.int64)
-    members = np.asarray(members)
-    if check and members.size and members.dtype.kind in "iu" and \
-            (members.min() < 0 or members.max() >= min(int(num_tokens), 2**31)):
-        _fail("choose_clusters: a member is outside the context")   # before narrowing
-    members = np.ascontiguousarray(members, dtype=np.int32)
     C = sc.shape[0]
-    _check_csr(C, ptr, members, num_tokens, check)
+    ptr, members = _csr_args(C, ptr, members, num_tokens, check)
     out = np.empty(max(C, 1), dtype=np.int64)
     ent = ffi.new("int64_t *")
     n = lib.se_choose_clusters(ffi.from_buffer("float[]", sc), C,
@@ -614,9 +623,7 @@ def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: floa
               f"with {H} KV heads")
     Hq, d = q.shape
     C = m.shape[0]
-    ptr = np.ascontiguousarray(ptr, dtype=np.int64)
-    members = np.ascontiguousarray(members, dtype=np.int32)
-    _check_csr(C, ptr, members, num_tokens, check)
+    ptr, members = _csr_args(C, ptr, members, num_tokens, check)
     work = np.empty(C * (Hq + 1) + 1, dtype=np.float32)
     out = np.empty(max(C, 1), dtype=np.int64)
     ent = ffi.new("int64_t *")
@@ -764,9 +771,7 @@ def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
         _fail(f"select_i8: scale {scale} must be positive")
     threads = select_threads(threads, "select_i8: ")
     Hq = q.shape[0]
-    ptr = np.ascontiguousarray(ptr, dtype=np.int64)
-    members = np.ascontiguousarray(members, dtype=np.int32)
-    _check_csr(C, ptr, members, num_tokens, check)
+    ptr, members = _csr_args(C, ptr, members, num_tokens, check)
     work = np.empty(C * (Hq // H + 1) + 1, dtype=np.float32)
     out = np.empty(max(C, 1), dtype=np.int64)
     ent = ffi.new("int64_t *")

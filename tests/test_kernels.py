@@ -459,6 +459,14 @@ def test_adversarial_arguments_are_refused_before_any_native_work(rng):
         with pytest.raises(InvalidArgumentError):
             select_i8x2(ix2, q, H, scale=0.3, ptr=ptr, members=members, num_tokens=C,
                         budget=bad, window=0)
+    wide = members.astype(np.int64)
+    wide[3] = 2**32 + 1                                   # narrowed to int32 it would be 1
+    with pytest.raises(InvalidArgumentError, match="outside the context"):
+        select_i8(ix, q, H, scale=0.3, ptr=ptr, members=wide, num_tokens=C, budget=4,
+                  window=0)
+    with pytest.raises(InvalidArgumentError, match="outside the context"):
+        select_i8x2(ix2, q, H, scale=0.3, ptr=ptr, members=wide, num_tokens=C, budget=4,
+                    window=0)
     got = select_i8(ix, q, H, scale=0.3, ptr=ptr, members=members, num_tokens=C,
                     budget=2**63, window=0)               # more than the context: all of it
     assert got[1] == C
