@@ -69,8 +69,23 @@ def median_ms(f, reps, key=None):
     return statistics.median(ts) * 1e3
 
 
+def cold_ms(f, reps, evict):
+    """Median ms of f() right after ``evict`` (a write pass over memory far
+    larger than the caches), as in a decode step whose reads and assembly
+    have pushed the medoid index out of cache."""
+    f()
+    ts = []
+    for _ in range(reps):
+        evict()
+        t = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
 def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=None,
-                    two_level=False, group_size=32, coverage=3.0, naive_scan=True):
+                    two_level=False, group_size=32, coverage=3.0, naive_scan=True,
+                    cold=False):
     C = int(round(S / cluster_size))
     q = rng.standard_normal((1, Hq, d)).astype(np.float32)
     sizes = rng.integers(max(int(cluster_size) // 2, 1), int(cluster_size * 1.5) + 1, size=C)
@@ -108,6 +123,10 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
 
     per_path = {}
     paths = paths or [kernel_path()]
+    junk = np.ones(400 << 17, np.uint64) if cold else None      # 400 MiB
+
+    def evict():
+        junk[::8] += 1
     for path in paths:
         set_kernel_path(path)
         per_path[path] = {"int8_ms": median_ms(int8(1), reps, "int8"),
@@ -117,7 +136,10 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
                           **({"int8x2_ms": median_ms(int8x2, reps, "x2"),
                               "int8x2_min_ms": MINIMA["x2"]} if two_level else {}),
                           "prob_ms": median_ms(fused("prob"), reps),
-                          "logit_ms": median_ms(fused("logit"), reps)}
+                          "logit_ms": median_ms(fused("logit"), reps),
+                          **({"int8_cold_ms": cold_ms(int8(1), max(reps // 4, 5), evict),
+                              **({"int8x2_cold_ms": cold_ms(int8x2, max(reps // 4, 5), evict)}
+                                 if two_level else {})} if cold else {})}
     set_kernel_path("auto")
     # the read floor: one pass over the int8 index with next to no arithmetic
     # (numpy's max over it as uint64, SIMD: the core's streaming-read rate),
@@ -127,6 +149,7 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
     t_split = median_ms(split, max(reps // 4, 5))
     t_prob = per_path[paths[0]]["prob_ms"]
     t_logit = per_path[paths[0]]["logit_ms"]
+    junk = None
     ix8_bytes = ix8.data.nbytes
     medoids = packed = ix8 = ix2 = None            # free the index before the naive scan allocates keys
     keys = rng.standard_normal((S, H * d), dtype=np.float32) if naive_scan else None
@@ -424,6 +447,12 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
 @click.option("--group-size", type=COUNT, default=32)
 @click.option("--coverage", type=POSITIVE, default=3.0)
 @click.option("--no-naive", is_flag=True, help="skip the naive full-key scan")
+@click.option("--cold", is_flag=True,
+              help="also time the int8 selections right after a 400 MiB write pass "
+                   "(the index out of cache, as inside a decode step)")
+@click.option("--kv-heads", type=COUNT, default=8, help="KV heads (Qwen3-32B: 8)")
+@click.option("--query-heads", type=COUNT, default=64, help="query heads (Qwen3-32B: 64)")
+@click.option("--head-dim", type=COUNT, default=128, help="head dim (Qwen3-32B: 128)")
 @click.option("--out", type=OutPath(prefix=True), default="bench-out/select")
 @click.pass_context
 def cli(ctx, **options):
@@ -467,6 +496,14 @@ def cli(ctx, **options):
         return
     print(f"CPU flags: {' '.join(cpu_flags())}; auto path: {auto}; measured: "
           f"{', '.join(paths)}; one thread (int8 2t: select_i8 with threads=2, same run)")
+    if a.query_heads % a.kv_heads or a.head_dim % 4:
+        raise click.BadParameter(f"{a.query_heads} query heads over {a.kv_heads} KV heads "
+                                 f"with head dim {a.head_dim}: the query heads must be a "
+                                 "multiple of the KV heads and the head dim of 4",
+                                 param_hint="--query-heads")
+    print(f"shape: {a.kv_heads} KV heads, {a.query_heads} query heads, head dim "
+          f"{a.head_dim}" + (" (Qwen3-32B)" if (a.kv_heads, a.query_heads, a.head_dim) ==
+                             (8, 64, 128) else ""))
     if a.two_level:
         print(f"two-level index: group size {a.group_size}, coverage {a.coverage}")
     print(f"{'tokens':>8} {'medoids':>8} {'naive ms':>9} " +
@@ -482,7 +519,9 @@ def cli(ctx, **options):
         sizes = sizes * len(toks)
     for S, cs in zip(toks, sizes):
         r = bench_selection(S, cs, a.reps, rng, paths=paths, two_level=a.two_level,
-                            group_size=a.group_size, coverage=a.coverage, naive_scan=not a.no_naive)
+                            group_size=a.group_size, coverage=a.coverage,
+                            naive_scan=not a.no_naive, cold=a.cold, H=a.kv_heads,
+                            Hq=a.query_heads, d=a.head_dim)
         rows.append(r)
         print(f"{S:8d} {r['medoids']:8d} {r['naive_ms']:9.3f} " +
               " ".join(f"{r['paths'][p]['int8_ms']:12.3f} {r['paths'][p]['int8_2threads_ms']:14.3f} "
@@ -492,8 +531,11 @@ def cli(ctx, **options):
               f" | read floor {r['int8_read_floor_ms']:.3f} (min "
               f"{r['int8_read_floor_min_ms']:.3f}) for {r['int8_index_bytes'] / 1e6:.1f} MB" +
               "".join(f" | {p} int8 min {r['paths'][p]['int8_min_ms']:.3f}" +
+                      (f", cold {r['paths'][p]['int8_cold_ms']:.3f}" if a.cold else "") +
                       (f", 2-level {r['paths'][p]['int8x2_ms']:.3f} (min "
-                       f"{r['paths'][p]['int8x2_min_ms']:.3f})" if a.two_level else "")
+                       f"{r['paths'][p]['int8x2_min_ms']:.3f}"
+                       + (f", cold {r['paths'][p]['int8x2_cold_ms']:.3f}" if a.cold else "")
+                       + ")" if a.two_level else "")
                       for p in paths), flush=True)
     plan = bench_planning(max(a.reps // 4, 20), rng)
     print(f"planning {plan['entries']} entries ({plan['candidates']} candidate copies, "
@@ -525,6 +567,8 @@ def cli(ctx, **options):
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"selection": rows, "planning": plan, "cluster_sizes": sizes,
+                   "shape": {"kv_heads": a.kv_heads, "query_heads": a.query_heads,
+                             "head_dim": a.head_dim},
                    "cpu_flags": cpu_flags(), "auto_path": auto, "paths": paths,
                    "command": "python -m tools.bench_select " + " ".join(argv or sys.argv[1:])},
                   f, indent=1)
