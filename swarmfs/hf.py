@@ -489,7 +489,8 @@ class SwarmCache(Cache):
                                          "with SwarmCache.from_store(path)", store=self.path)
             if not force and os.path.exists(os.path.join(self.path, "manifest.json")):
                 raise errors.StoreExistsError("a store already exists here (reopen it with "
-                                              "SwarmCache.from_store, or force=True to replace it)",
+                                              "SwarmCache.from_store; to replace it: force=True, "
+                                              "or --force on the command line)",
                                               store=self.path)
             num_layers = int(self.config.num_hidden_layers)
         else:
