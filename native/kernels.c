@@ -2566,24 +2566,16 @@ GATHER_KV_STREAM(gather_kv_stream256, "avx2", LINE256)
 #undef GATHER_KV_STREAM
 #endif
 
-/* The gather's strategy: 2 = 512-bit streaming stores, 1 = 256-bit streaming
- * stores, 0 = memcpy.  Streaming needs whole 64-byte lines: rows of a
- * multiple of 64 bytes and 64-byte aligned K and V. */
-static int gather_kv_mode(int path, uint64_t dbytes, uint64_t written, const char *k,
-                          const char *v)
-{
-    if (written < SE_GATHER_STREAM_BYTES || dbytes % 64 || ((uintptr_t)k | (uintptr_t)v) % 64)
-        return 0;
-    if (path == SE_PATH_AVX512)
-        return 2;
-    if (path == SE_PATH_AVX2)
-        return 1;
-    return 0;
-}
-
+/* The gather's strategy (engine.h): 2 = 512-bit streaming stores, 1 = 256-bit
+ * streaming stores, 0 = memcpy.  Streaming needs whole 64-byte lines: rows of
+ * a multiple of 64 bytes and 64-byte aligned K and V. */
 int se_gather_kv_mode(uint64_t dbytes, int64_t n, int64_t H, const char *k, const char *v)
 {
-    return gather_kv_mode(se_kernel_path(), dbytes, (uint64_t)n * 2 * (uint64_t)H * dbytes, k, v);
+    uint64_t written = (uint64_t)n * 2 * (uint64_t)H * dbytes;
+    if (written < SE_GATHER_STREAM_BYTES || dbytes % 64 || ((uintptr_t)k | (uintptr_t)v) % 64)
+        return 0;
+    int path = se_kernel_path();
+    return path == SE_PATH_AVX512 ? 2 : path == SE_PATH_AVX2 ? 1 : 0;
 }
 
 void se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,

@@ -189,7 +189,7 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
     if k.ndim != 3 or k.shape != v.shape or k.dtype != v.dtype:
         _fail(f"gather_kv: k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must be one "
               "[H, n, d] shape and dtype")
-    if k.dtype.hasobject or k.itemsize not in (2, 4):
+    if k.itemsize not in (2, 4):                 # (_arr refused object arrays)
         _fail(f"gather_kv: K and V must hold 2- or 4-byte numbers, got {k.dtype}")
     if np.may_share_memory(k, v):            # C-contiguous: the byte ranges decide
         _fail("gather_kv: k and v share memory (V would overwrite K)")
@@ -233,7 +233,7 @@ def empty_aligned(shape, dtype, align: int = 64) -> np.ndarray:
     shape = tuple(int(x) for x in dims)
     nbytes = math.prod(shape) * dt.itemsize                 # Python ints: no overflow
     if nbytes > 1 << 62:
-        raise MemoryError(nbytes)
+        _fail(f"empty_aligned: {nbytes} bytes is more than any memory")
     raw = np.empty(nbytes + align, np.uint8)
     at = (-raw.ctypes.data) % align
     return raw[at:at + nbytes].view(dt).reshape(shape)
@@ -517,9 +517,11 @@ def _check_csr(C: int, ptr: np.ndarray, members: np.ndarray, num_tokens: int,
               f"not fit {C} clusters")
     if int(num_tokens) < 0 or int(num_tokens) >= 2**31:
         _fail(f"num_tokens {num_tokens} outside [0, 2**31)")
-    if full and (np.any(np.diff(ptr) < 0) or
-                 (members.size and (members.min() < 0 or members.max() >= num_tokens))):
-        _fail("cluster pointers decrease or a member is outside the context")
+    if full and np.any(np.diff(ptr) < 0):
+        _fail("cluster pointers are not in order (they must start at 0, never decrease "
+              "and end at the member count)")
+    if full and members.size and (members.min() < 0 or members.max() >= num_tokens):
+        _fail("a cluster member is outside the context")
 
 
 def _csr_args(C: int, ptr, members, num_tokens: int, check: bool):

@@ -215,18 +215,12 @@ def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: in
         raise InvalidArgumentError(f"select_clusters: num_tokens {S}, budget {budget} and "
                                    f"window {w} must be >= 0")
     w = min(w, S)
-    budget = min(budget, S)
-    if ptr.shape[0] and (ptr[0] != 0 or ptr[-1] != members.shape[0] or
-                         np.any(ptr[1:] < ptr[:-1])):
-        raise InvalidArgumentError("select_clusters: pointers do not cover the members "
-                                   "in order (they must start at 0, never decrease and "
-                                   "end at the member count)")
-    if members.size and (members.min() < 0 or members.max() >= S):
-        raise InvalidArgumentError(f"select_clusters: a member is outside [0, {S})")
-    if S >= 2**31:
-        raise InvalidArgumentError(f"select_clusters: at most 2**31 - 1 tokens, got {S}")
-    return _select(scores, ptr.astype(np.int64, copy=False),
-                   members.astype(np.int32, copy=False), S, budget, w)
+    from ._kernels import choose_clusters
+    # the cluster table's rule (pointers in order, members in the context, S < 2**31)
+    # is checked in one place: choose_clusters with check=True
+    clusters, entries = choose_clusters(scores, ptr, members, num_tokens=S,
+                                        budget=min(budget, S), window=w, check=True)
+    return Selection(clusters, entries, w)
 
 
 def _select(scores, ptr, members, S: int, budget: int, w: int) -> Selection:

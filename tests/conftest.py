@@ -3,6 +3,7 @@ stores, the real MiniLM layer (captured once per session) and the
 poll-with-deadline helper (tests never sleep a fixed time)."""
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -127,3 +128,27 @@ def minilm_layer2():
     text = read_text(WIKI, max_chars=30_000) if WIKI.is_file() else stdlib_text(30_000)
     cap = capture(text=text, max_tokens=2304, layers=[2], progress=False)
     return cap.q[0], cap.k[0], cap.scaling
+
+
+def run_in_threads(work, n: int, *, poll=None, timeout: float = 120) -> list:
+    """Run ``work(k)`` for k in range(n), on n threads at once; ``poll()`` is
+    called in a loop while any runs.  Returns what went wrong: the repr of
+    each exception a thread raised, and each thread still running after
+    ``timeout`` seconds (a hang is a failure, not a stuck test)."""
+    errors = []
+
+    def wrapped(k):
+        try:
+            work(k)
+        except Exception as exc:   # reported to the caller
+            errors.append(repr(exc))
+    threads = [threading.Thread(target=wrapped, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    if poll is not None:
+        while any(t.is_alive() for t in threads):
+            poll()
+    for t in threads:
+        t.join(timeout)
+    return errors + [f"thread {k} still running after {timeout} s"
+                     for k, t in enumerate(threads) if t.is_alive()]

@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import wait_until
+from conftest import run_in_threads, wait_until
 
 from swarmfs import _errors as E
 from swarmfs._engine import READ, WRITE, Engine, logical_block_size, open_disk
@@ -286,24 +286,15 @@ def test_threads_read_concurrently_through_one_engine(disks, engine_kind):
     def work(seed):
         r = np.random.default_rng(seed)
         buf = eng.alloc(nreq * 16 * 512)
-        try:
-            for _ in range(iters):
-                disk, off, length, dst = random_plan(r, nreq, 3)
-                eng.execute(READ, disk, off, length, dst, buf)
-                for i in range(nreq):
-                    if not np.array_equal(buf.array[dst[i]:dst[i] + length[i]],
-                                          data[disk[i]][off[i]:off[i] + length[i]]):
-                        failures.append((seed, i))
-        except Exception as exc:  # reported below
-            failures.append(repr(exc))
+        for _ in range(iters):
+            disk, off, length, dst = random_plan(r, nreq, 3)
+            eng.execute(READ, disk, off, length, dst, buf)
+            for i in range(nreq):
+                if not np.array_equal(buf.array[dst[i]:dst[i] + length[i]],
+                                      data[disk[i]][off[i]:off[i] + length[i]]):
+                    failures.append((seed, i))
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(nthreads)]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        snapshots.append(eng.stats())
-    for t in threads:
-        t.join()
+    failures += run_in_threads(work, nthreads, poll=lambda: snapshots.append(eng.stats()))
     assert failures == []
     s = eng.stats()
     assert s.requests == nthreads * iters * nreq and s.errors == 0 and s.in_flight == 0
@@ -404,26 +395,19 @@ def test_punted_direct_writes_from_many_threads_all_complete(tmpfs_disks, engine
     def work(k):
         r = np.random.default_rng(k)
         wbuf, rbuf = eng.alloc(3 * 4096), eng.alloc(3 * 4096)
-        try:
-            for it in range(iters):
-                # blocks 2k or 2k + 1 (+ 16, + 32): no other thread writes them
-                disk = np.array([0, 1, it % 2], dtype=np.int32)
-                blk = (np.array([0, 1, 2]) * nthreads * 2 + k * 2 + it % 2) % 256
-                off = (blk * 4096).astype(np.uint64)
-                dst = np.arange(3, dtype=np.uint64) * 4096
-                wbuf.array[:3 * 4096] = r.integers(0, 256, 3 * 4096, dtype=np.uint8)
-                eng.execute(WRITE, disk, off, [4096] * 3, dst, wbuf)
-                eng.execute(READ, disk, off, [4096] * 3, dst, rbuf)
-                if not np.array_equal(rbuf.array[:3 * 4096], wbuf.array[:3 * 4096]):
-                    failures.append((k, it))
-        except Exception as exc:  # reported below
-            failures.append(repr(exc))
+        for it in range(iters):
+            # blocks 2k or 2k + 1 (+ 16, + 32): no other thread writes them
+            disk = np.array([0, 1, it % 2], dtype=np.int32)
+            blk = (np.array([0, 1, 2]) * nthreads * 2 + k * 2 + it % 2) % 256
+            off = (blk * 4096).astype(np.uint64)
+            dst = np.arange(3, dtype=np.uint64) * 4096
+            wbuf.array[:3 * 4096] = r.integers(0, 256, 3 * 4096, dtype=np.uint8)
+            eng.execute(WRITE, disk, off, [4096] * 3, dst, wbuf)
+            eng.execute(READ, disk, off, [4096] * 3, dst, rbuf)
+            if not np.array_equal(rbuf.array[:3 * 4096], wbuf.array[:3 * 4096]):
+                failures.append((k, it))
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(nthreads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    failures += run_in_threads(work, nthreads)
     assert failures == []
     s = eng.stats()
     assert s.requests == nthreads * iters * 6 and s.errors == 0
@@ -903,32 +887,25 @@ def test_buffers_registered_and_released_from_many_threads_stay_correct(disks):
 
     def work(seed):
         r = np.random.default_rng(seed)
-        try:
-            for k in range(40):
-                buf = eng.alloc(int(r.integers(1, 9)) << 16)
-                with lock:
-                    shared.append(buf)
-                    victim = shared.pop(int(r.integers(0, len(shared)))) \
-                        if len(shared) > 3 else None
-                if victim is not None:
-                    victim.release()              # maybe another thread's buffer
-                n = buf.size // 4096
-                disk = r.integers(0, 3, n).astype(np.int32)
-                off = r.integers(0, 255, n).astype(np.uint64) * 4096
-                dst = np.arange(n, dtype=np.uint64) * 4096
-                eng.execute(READ, disk, off, [4096] * n, dst, buf)
-                for i in range(0, n, 7):
-                    if buf.array[dst[i]:dst[i] + 4096].tobytes() != \
-                            data[disk[i]][off[i]:off[i] + 4096].tobytes():
-                        failures.append((seed, k, i))
-        except Exception as exc:  # reported below
-            failures.append(repr(exc))
+        for k in range(40):
+            buf = eng.alloc(int(r.integers(1, 9)) << 16)
+            with lock:
+                shared.append(buf)
+                victim = shared.pop(int(r.integers(0, len(shared)))) \
+                    if len(shared) > 3 else None
+            if victim is not None:
+                victim.release()              # maybe another thread's buffer
+            n = buf.size // 4096
+            disk = r.integers(0, 3, n).astype(np.int32)
+            off = r.integers(0, 255, n).astype(np.uint64) * 4096
+            dst = np.arange(n, dtype=np.uint64) * 4096
+            eng.execute(READ, disk, off, [4096] * n, dst, buf)
+            for i in range(0, n, 7):
+                if buf.array[dst[i]:dst[i] + 4096].tobytes() != \
+                        data[disk[i]][off[i]:off[i] + 4096].tobytes():
+                    failures.append((seed, k, i))
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    failures += run_in_threads(work, 4)
     assert failures == []
     s = eng.stats()
     assert s.errors == 0 and s.buffer_register_errors == 0

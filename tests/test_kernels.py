@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import replicated_csr
+from conftest import replicated_csr, run_in_threads
 
 from swarmfs import _errors as E
 from swarmfs import _kernels as K
@@ -476,3 +476,55 @@ def test_adversarial_arguments_are_refused_before_any_native_work(rng):
                         budget=4, window=0, coverage=cov)
     assert select_i8x2(ix2, q, H, scale=0.3, ptr=ptr, members=members, num_tokens=C,
                        budget=C, window=0, ngroups=2**63)[1] == C
+
+
+def test_streaming_gathers_plans_and_selections_from_many_threads(rng):
+    """gather_kv's contract: calls may run at the same time on different
+    outputs (so may plan_reads and select_i8, which keep per-thread scratch).
+    Four threads, each with its own 64-byte aligned K/V written by streaming
+    stores (> 16 MiB per call), plan and select 10 times; every result equals
+    the single-threaded one."""
+    from swarmfs import plan_reads
+    from swarmfs._kernels import empty_aligned, gather_kv, gather_kv_mode, pack_medoids_i8, \
+        select_i8
+    H, d, n = 8, 128, 4200                                  # 4 KiB entries: 17 MB per call
+    rows = rng.standard_normal((n, 2, H, d)).astype(np.float16)
+    buf = rows.reshape(-1).view(np.uint8)
+    perm = rng.permutation(n)                               # staging order != token order
+    src = perm.astype(np.uint64) * np.uint64(rows[0].nbytes)
+    dst = np.arange(n, dtype=np.int64)
+    want_k = rows[perm][:, 0].transpose(1, 0, 2)
+    C, Hq = 600, 32
+    m = rng.standard_normal((C, H * d)).astype(np.float16)
+    ix = pack_medoids_i8(m, H)
+    q = rng.standard_normal((Hq, d)).astype(np.float32)
+    ptr = np.arange(C + 1, dtype=np.int64) * 7
+    members = rng.permutation(C * 7).astype(np.int32)
+    kw = dict(scale=d ** -0.5, ptr=ptr, members=members, num_tokens=C * 7, budget=420,
+              window=16)
+    want_sel = select_i8(ix, q, H, **kw)
+    tok = rng.integers(0, 5000, 3000)
+    cd = rng.integers(0, 4, 3000).astype(np.int32)
+    co = rng.integers(0, 1 << 20, 3000).astype(np.uint64) * np.uint64(4096)
+    plan = dict(ndisks=4, entry_bytes=4096, block_size=4096)
+    want_plan = plan_reads(tok, cd, co, **plan)
+    bad = []
+
+    def work(t):
+        k, v = empty_aligned((H, n, d), np.float16), empty_aligned((H, n, d), np.float16)
+        if gather_kv_mode(k, v, n) == "copy" and kernel_path() in ("avx2", "avx512"):
+            bad.append((t, "not streaming"))
+        for it in range(10):
+            gather_kv(buf, src, dst, k, v)
+            if not np.array_equal(k, want_k):
+                bad.append((t, it, "k"))
+            got = select_i8(ix, q, H, **kw)
+            if got[0].tolist() != want_sel[0].tolist() or got[1] != want_sel[1]:
+                bad.append((t, it, "select"))
+            p = plan_reads(tok, cd, co, **plan)
+            if not (np.array_equal(p.offset, want_plan.offset) and
+                    np.array_equal(p.src, want_plan.src)):
+                bad.append((t, it, "plan"))
+
+    bad += run_in_threads(work, 4)
+    assert bad == []
