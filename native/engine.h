@@ -227,9 +227,11 @@ int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const
                       uint64_t *staging, int64_t *disk_entries, int64_t *disk_bytes);
 
 /* Assembly: entry i (K of H heads then V of H heads, dbytes per head, at
- * src + src_off[i]) goes to column dst_idx[i] of k and v [H, n_total, dbytes]. */
-void se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
-                  uint64_t dbytes, const int64_t *dst_idx, int64_t n_total, char *k, char *v);
+ * src + src_off[i]) goes to column dst_idx[i] of k and v [H, n_total, dbytes];
+ * nthreads 2 splits a large call over a second thread.  Returns 1 if it did. */
+int se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
+                 uint64_t dbytes, const int64_t *dst_idx, int64_t n_total, char *k, char *v,
+                 int nthreads);
 /* How se_gather_kv will store for these arguments on the current kernel path:
  * 2 = 512-bit non-temporal stores, 1 = 256-bit non-temporal stores, 0 = memcpy
  * (calls writing under 16 MiB, rows not a multiple of 64 bytes, K or V not

@@ -26,7 +26,7 @@ __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_ro
            "choose_clusters", "select_fused", "pack_medoids", "gather_kv", "gather_kv_mode",
            "empty_aligned",
            "kernel_path",
-           "select_threads",
+           "thread_count",
            "set_kernel_path", "supported_paths", "cpu_flags", "KERNEL_PATHS"]
 
 
@@ -155,7 +155,7 @@ def scatter_rows(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray,
 
 
 def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.ndarray,
-              v: np.ndarray) -> None:
+              v: np.ndarray, *, threads: int = 1) -> bool:
     """Write entries straight into K and V: entry i (its K heads then its V
     heads, as stored) at byte ``src_off[i]`` of ``src`` goes to
     ``k[:, dst_idx[i]]`` and ``v[:, dst_idx[i]]`` (in C, no intermediate copy).
@@ -166,6 +166,15 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
         dst_idx: int64 [n] output columns in [0, n_total).
         k, v: C-contiguous writable [H, n_total, d] arrays of one 2- or 4-byte
             dtype (entry bytes = 2 * H * d * itemsize).
+        threads: 1 or 2.  With 2, a call that writes at least 4 MiB places
+            the second half of its entries on a second thread started for
+            the call and joined before it returns (both cores for one step's
+            assembly, issue 10): at 4-54 MB 0.6-0.8x the one-thread time on a
+            2-core VM; below 4 MiB the thread's start costs more than it
+            saves, so such calls stay on one thread.
+
+    Returns:
+        True if the call was split over two threads.
 
     A call that writes at least 16 MiB, with rows (d * itemsize) a multiple
     of 64 bytes and 64-byte aligned K and V, stores around the cache
@@ -177,12 +186,15 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
     (docs/benchmarks.md section 9).  The bytes written are the same.
 
     Concurrency: calls may run at the same time on different outputs; two
-    calls writing one output at once are the caller's race.
+    calls writing one output at once are the caller's race (a split call's
+    two threads write disjoint columns when ``dst_idx`` holds no repeats).
 
     Raises:
         InvalidArgumentError: shapes, bounds or dtypes that do not fit
-            (object arrays included), or K and V that overlap.
+            (object arrays included), K and V that overlap, or threads not
+            1 or 2.
     """
+    threads = thread_count(threads, "gather_kv: ")
     k = _arr(k, "k", writable=True)
     v = _arr(v, "v", writable=True)
     src = _arr(src, "src")
@@ -199,14 +211,15 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
                              "gather_kv: ")
     n = src_off.shape[0]
     if not n:
-        return
+        return False
     if int(src_off.max()) + 2 * H * db > src.nbytes or dst_idx.min() < 0 or \
             dst_idx.max() >= nt:
         _fail("gather_kv: an entry outside the source or the output")
-    lib.se_gather_kv(ffi.from_buffer("char[]", src), ffi.from_buffer("uint64_t[]", src_off), n,
-                     H, db, ffi.from_buffer("int64_t[]", dst_idx), nt,
-                     ffi.from_buffer("char[]", k, require_writable=True),
-                     ffi.from_buffer("char[]", v, require_writable=True))
+    return bool(lib.se_gather_kv(ffi.from_buffer("char[]", src),
+                                 ffi.from_buffer("uint64_t[]", src_off), n, H, db,
+                                 ffi.from_buffer("int64_t[]", dst_idx), nt,
+                                 ffi.from_buffer("char[]", k, require_writable=True),
+                                 ffi.from_buffer("char[]", v, require_writable=True), threads))
 
 
 @boundary
@@ -737,8 +750,9 @@ def head_logits_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int) -> np.ndarra
     return out
 
 
-def select_threads(threads, what: str = "") -> int:
-    """``threads`` of the int8 selection checked: 1 or 2 (an int, not a bool).
+def thread_count(threads, what: str = "") -> int:
+    """``threads`` of a native call that can use both cores (the int8
+    selection, the assembly) checked: 1 or 2 (an int, not a bool).
 
     Raises:
         InvalidArgumentError: anything else.
@@ -771,7 +785,7 @@ def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
     q, H, C, d = _check_i8(ix, q, num_kv_heads, "select_i8")
     if not float(scale) > 0:
         _fail(f"select_i8: scale {scale} must be positive")
-    threads = select_threads(threads, "select_i8: ")
+    threads = thread_count(threads, "select_i8: ")
     Hq = q.shape[0]
     ptr, members = _csr_args(C, ptr, members, num_tokens, check)
     work = np.empty(C * (Hq // H + 1) + 1, dtype=np.float32)

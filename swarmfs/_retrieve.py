@@ -290,6 +290,10 @@ class Retriever:
             medoid index); the baselines of §8 plug in here (``_selectors``).
         score: the medoid score when ``selector`` is None: ``"prob"``
             (per-head softmax over the medoids, summed) or ``"logit"``.
+        assembly_threads: 1 or 2 threads placing a retrieval's entries into
+            K and V (:func:`swarmfs._kernels.gather_kv`; only placements of
+            at least 4 MiB are split).  Default 2 when this process may run
+            on two or more CPUs, else 1.
 
     Concurrency:
         Any number of threads may call :meth:`retrieve`, :meth:`prefetch`,
@@ -318,7 +322,7 @@ class Retriever:
                  local_window: int | None = None, hot: dict | None = None,
                  policy: str = "balanced", dedup: bool = True, max_gap: int = 0,
                  selector: Selector | None = None, score: str = "prob",
-                 sparsity: float | None = None):
+                 sparsity: float | None = None, assembly_threads: int | None = None):
         import numbers
         if sparsity is not None:
             if ratio is not None:
@@ -341,6 +345,7 @@ class Retriever:
         self.ratio = float(ratio)
         self.local_window = local_window
         self.policy, self.dedup, self.max_gap = policy, dedup, max_gap
+        self.assembly_threads = stages.assembly_threads(assembly_threads, store.path)
         self._hot = dict(hot or {})
         self.selector = selector if selector is not None else MedoidSelector(store, score)
         self._fused = stages.fuses(self.selector)     # scores and chooses in one pass
@@ -621,9 +626,11 @@ class Retriever:
             n = pos.shape[0]
             k, v, kw, vw = self._outputs(n, torch, pinned) if out is None else \
                 self._given_outputs(out, n)
-            placed = stages.submit(self.store, li, plan, cand, s_idx, kw, vw)   # submit
+            placed = stages.submit(self.store, li, plan, cand, s_idx, kw, vw,  # submit
+                                   threads=self.assembly_threads)
             t4 = time.perf_counter()
-            stages.assemble(pool, slots, self.store.entry_bytes, d_idx, kw, vw)  # assemble
+            stages.assemble(pool, slots, self.store.entry_bytes, d_idx, kw, vw,  # assemble
+                            threads=self.assembly_threads)
         finally:
             st.unpin(dram_toks)
         t5 = time.perf_counter()

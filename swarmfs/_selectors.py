@@ -325,8 +325,8 @@ class MedoidSelector:
                                                                    np.integer)) \
                 or not np.isfinite(coverage) or coverage <= 0:
             raise InvalidArgumentError(f"coverage must be a finite number > 0, got {coverage!r}")
-        from ._kernels import select_threads
-        self.threads = select_threads(threads)
+        from ._kernels import thread_count
+        self.threads = thread_count(threads)
         self.store = store
         self.score = score
         self.index = index

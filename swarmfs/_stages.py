@@ -23,12 +23,13 @@ entry or per request.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 
 from . import _errors as errors
-from ._kernels import gather_kv
+from ._kernels import gather_kv, thread_count
 from ._selectors import Selector, _select
 
 __all__ = ["queries", "score", "fuses", "select", "choose", "plan", "merge_positions",
@@ -171,12 +172,31 @@ def merge_positions(dram: np.ndarray, ssd: np.ndarray):
     return pos, d_idx, s_idx
 
 
+def assembly_threads(threads, store=None) -> int:
+    """Threads that place a retrieval's entries (``Retriever(assembly_threads=)``):
+    ``threads`` checked (1 or 2), or for None 2 when this process may run on
+    two or more CPUs, else 1.
+
+    Raises:
+        InvalidArgumentError: anything but None, 1 or 2 (naming the store).
+    """
+    if threads is None:
+        try:
+            return 2 if len(os.sched_getaffinity(0)) >= 2 else 1
+        except (AttributeError, OSError):
+            return 2 if (os.cpu_count() or 1) >= 2 else 1
+    try:
+        return thread_count(threads, "assembly_threads: ")
+    except errors.InvalidArgumentError as e:
+        raise errors.InvalidArgumentError(str(e), store=store) from None
+
+
 def submit(store, li, plan, copies: np.ndarray, s_idx: np.ndarray, k: np.ndarray,
-           v: np.ndarray) -> float:
+           v: np.ndarray, *, threads: int = 1) -> float:
     """Stage 5: read ``plan`` (of ``copies``) in one batched submission,
     checksum-verified, and place plan entry i at index ``s_idx[i]`` of K and V
-    [H_kv, n, d] (the C kernel ``gather_kv``, straight from the staging
-    buffer).
+    [H_kv, n, d] (the C kernel ``gather_kv`` on ``threads`` threads, straight
+    from the staging buffer).
 
     Returns:
         Seconds spent placing entries (assembly inside the read's time).
@@ -189,16 +209,16 @@ def submit(store, li, plan, copies: np.ndarray, s_idx: np.ndarray, k: np.ndarray
 
     def place(buf, src):
         t = time.perf_counter()
-        gather_kv(buf, src, s_idx, k, v)
+        gather_kv(buf, src, s_idx, k, v, threads=threads)
         placed[0] = time.perf_counter() - t
     store.execute(li, plan, copies, consume=place)
     return placed[0]
 
 
 def assemble(pool: np.ndarray, slots: np.ndarray, entry_bytes: int, d_idx: np.ndarray,
-             k: np.ndarray, v: np.ndarray) -> None:
+             k: np.ndarray, v: np.ndarray, *, threads: int = 1) -> None:
     """Stage 6: rows ``slots`` of the DRAM pool uint8 [*, entry_bytes] (local
     window and hot clusters) into K and V [H_kv, n, d] at indices ``d_idx``
-    (the C kernel ``gather_kv``)."""
+    (the C kernel ``gather_kv`` on ``threads`` threads)."""
     eb = np.uint64(entry_bytes)
-    gather_kv(pool.reshape(-1), slots.astype(np.uint64) * eb, d_idx, k, v)
+    gather_kv(pool.reshape(-1), slots.astype(np.uint64) * eb, d_idx, k, v, threads=threads)

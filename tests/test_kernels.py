@@ -1,11 +1,12 @@
 """The C data kernels' wrappers (``swarmfs._kernels``): results, and bad
 arguments refused with InvalidArgumentError before C touches memory."""
 
+import itertools
 import os
 
 import numpy as np
 import pytest
-from conftest import replicated_csr, run_in_threads
+from conftest import replicated_csr, run_in_threads, same_bits
 
 from swarmfs import _errors as E
 from swarmfs import _kernels as K
@@ -198,7 +199,7 @@ def test_gather_kv_large_outputs_equal_on_every_path(rng, each_path, d, dtype, o
         view[:, :eb] = rows[i:j].reshape(j - i, -1).view(np.uint8)
     dst = rng.permutation(nt)[:n]
     rest = np.setdiff1d(np.arange(nt), dst)
-    for path in each_path:
+    for path, threads in itertools.product(each_path, (1, 2)):
         assert set_kernel_path(path) == path
         k = _aligned((H, nt, d), dtype, offset)
         v = _aligned((H, nt, d), dtype, offset)
@@ -209,12 +210,48 @@ def test_gather_kv_large_outputs_equal_on_every_path(rng, each_path, d, dtype, o
             assert mode == "copy", (path, mode)
         else:
             assert mode == {"avx2": "stream256", "avx512": "stream512"}[path], (path, mode)
-        gather_kv(buf, src, dst, k, v)
-        assert np.array_equal(k[:, dst], rows[:, 0].transpose(1, 0, 2)), path
-        assert np.array_equal(v[:, dst], rows[:, 1].transpose(1, 0, 2)), path
-        assert (k[:, rest] == 7).all() and (v[:, rest] == 7).all(), path
+        assert gather_kv(buf, src, dst, k, v, threads=threads) == (threads == 2)
+        assert np.array_equal(k[:, dst], rows[:, 0].transpose(1, 0, 2)), (path, threads)
+        assert np.array_equal(v[:, dst], rows[:, 1].transpose(1, 0, 2)), (path, threads)
+        assert (k[:, rest] == 7).all() and (v[:, rest] == 7).all(), (path, threads)
         # a small gather into the same output stays on memcpy
         assert gather_kv_mode(k, v, 4) == "copy"
+
+
+@pytest.mark.parametrize("n", [1, 2, 1023, 1024, 1025, 1281])
+def test_gather_kv_on_two_threads_splits_from_4_mib_and_writes_the_same(rng, each_path, n):
+    """threads=2 splits a call that writes at least 4 MiB (4 KiB entries: 1024
+    of them) into two halves, odd counts included; below that it stays on one
+    thread; either way the bytes equal the one-thread gather's, on every
+    path, in memcpy mode (unaligned K and V)."""
+    from swarmfs._kernels import gather_kv, gather_kv_mode, set_kernel_path
+    H, d = 8, 128
+    rows = rng.standard_normal((n, 2, H, d)).astype(np.float16)
+    buf = rows.reshape(-1).view(np.uint8)
+    perm = rng.permutation(n)
+    src = perm.astype(np.uint64) * np.uint64(rows[0].nbytes)
+    dst = rng.permutation(n + 5)[:n]
+    for path in each_path:
+        set_kernel_path(path)
+        k1, v1 = _aligned((H, n + 5, d), np.float16, 16), _aligned((H, n + 5, d), np.float16, 16)
+        k2, v2 = _aligned((H, n + 5, d), np.float16, 16), _aligned((H, n + 5, d), np.float16, 16)
+        for x in (k1, v1, k2, v2):
+            x[...] = 3
+        assert gather_kv_mode(k1, v1, n) == "copy"
+        assert gather_kv(buf, src, dst, k1, v1) is False
+        assert gather_kv(buf, src, dst, k2, v2, threads=2) == (n >= 1024), (path, n)
+        assert same_bits(k1, k2) and same_bits(v1, v2), (path, n)
+        assert same_bits(k2[:, dst], rows[perm][:, 0].transpose(1, 0, 2)), (path, n)
+
+
+@pytest.mark.parametrize("threads", [0, 3, -1, True, 2.0, "2", None])
+def test_gather_kv_refuses_a_thread_count_other_than_1_or_2(threads):
+    from swarmfs._kernels import gather_kv
+    k, v = np.zeros((2, 4, 4), np.float16), np.zeros((2, 4, 4), np.float16)
+    buf = np.ones(64, np.uint8)
+    with pytest.raises(E.InvalidArgumentError, match="threads"):
+        gather_kv(buf, [0], [0], k, v, threads=threads)
+    assert not k.any() and not v.any()                 # nothing written
 
 
 def test_choice_kernels_refuse_a_table_that_does_not_fit(rng):
@@ -482,7 +519,8 @@ def test_streaming_gathers_plans_and_selections_from_many_threads(rng):
     """gather_kv's contract: calls may run at the same time on different
     outputs (so may plan_reads and select_i8, which keep per-thread scratch).
     Four threads, each with its own 64-byte aligned K/V written by streaming
-    stores (> 16 MiB per call), plan and select 10 times; every result equals
+    stores (> 16 MiB per call, every other call split over a second thread),
+    plan and select 10 times; every result equals
     the single-threaded one."""
     from swarmfs import plan_reads
     from swarmfs._kernels import empty_aligned, gather_kv, gather_kv_mode, pack_medoids_i8, \
@@ -515,7 +553,7 @@ def test_streaming_gathers_plans_and_selections_from_many_threads(rng):
         if gather_kv_mode(k, v, n) == "copy" and kernel_path() in ("avx2", "avx512"):
             bad.append((t, "not streaming"))
         for it in range(10):
-            gather_kv(buf, src, dst, k, v)
+            gather_kv(buf, src, dst, k, v, threads=1 + (t + it) % 2)   # split or not
             if not np.array_equal(k, want_k):
                 bad.append((t, it, "k"))
             got = select_i8(ix, q, H, **kw)

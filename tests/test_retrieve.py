@@ -1,5 +1,7 @@
 """Retrieval: selection, DRAM partition, dedup and the baselines' selectors."""
 
+import itertools
+
 import numpy as np
 import pytest
 from conftest import random_clusters, random_kv, random_layer_store, same_bits
@@ -229,18 +231,21 @@ def test_retrieve_into_caller_buffers(store, rng):
 def test_retrieve_into_kv_buffers_stores_whole_lines_on_every_path(tmp_path, rng, each_path):
     """A step large enough for streaming stores (>= 16 MiB of K and V, 256-byte
     rows, 64-byte aligned kv_buffers) returns the stored bytes on every kernel
-    path, from SSD and from the DRAM pool, into the reused buffers."""
+    path, placed by one thread or split over two (assembly_threads), from SSD
+    and from the DRAM pool, into the reused buffers."""
     from swarmfs._kernels import gather_kv_mode, set_kernel_path
     S_, H_, D_ = 4096, 16, 128                      # 8 KiB entries
     s, kv, _ = random_layer_store(tmp_path / "big", rng, S=S_, H=H_, HQ=16, D=D_, disks=4,
                                   clusters=96, hot=(0, 1), local_window=64)
     try:
         r = Retriever(s, ratio=0.75)
+        assert r.assembly_threads in (1, 2)
         kb, vb = r.kv_buffers(S_)
         assert kb.shape == (H_, S_, D_) and kb.dtype == np.float16 and not kb.any()
         assert kb.ctypes.data % 64 == 0 and vb.ctypes.data % 64 == 0
-        for path in each_path:
+        for path, threads in itertools.product(each_path, (1, 2)):
             set_kernel_path(path)
+            r.assembly_threads = threads            # both ways place the same bytes
             q = rng.standard_normal((16, D_)).astype(np.float32)
             out = r.retrieve(0, q, torch=False, out=(kb, vb))
             n = len(out.positions)
@@ -252,6 +257,10 @@ def test_retrieve_into_kv_buffers_stores_whole_lines_on_every_path(tmp_path, rng
         for bad in (0, -3, 2.5, True):
             with pytest.raises(E.InvalidArgumentError):
                 r.kv_buffers(bad)
+        for bad in (0, 3, 1.5, True, "2"):
+            with pytest.raises(E.InvalidArgumentError, match="assembly_threads") as ei:
+                Retriever(s, assembly_threads=bad)
+            assert ei.value.store == str(s.path)
     finally:
         s.close()
 

@@ -246,7 +246,8 @@ def test_the_decoder_tools_name_themselves(capsys):
 
 def test_bench_select_gather_runs_every_path(tmp_path):
     """bench_select --gather (the assembly benchmark) runs each kernel path
-    it names and says which store mode ran; scalar is the memcpy reference."""
+    it names, on one thread and on two, and says which store mode ran;
+    scalar is the memcpy reference."""
     from swarmfs._kernels import supported_paths
     T.main(["bench_select", "--gather", "--reps", "4", "--paths", "all",
             "--out", str(tmp_path / "g")])
@@ -254,7 +255,27 @@ def test_bench_select_gather_runs_every_path(tmp_path):
     assert set(res["paths"]) == set(supported_paths())
     for row in res["gather"]:
         assert row["paths"]["scalar"]["mode"] == "copy" and row["bytes"] > 0
+        assert set(row["paths"]) == {p + t for p in supported_paths() for t in ("", "/2t")}
         for p, r in row["paths"].items():
             assert r["gather_ms"] > 0 and r["read_after_ms"] > 0
-            if p in ("avx2", "avx512") and row["bytes"] >= 16 << 20:
+            assert r["threads"] == (2 if p.endswith("/2t") else 1)
+            if p.split("/")[0] in ("avx2", "avx512") and row["bytes"] >= 16 << 20:
                 assert r["mode"].startswith("stream"), (row["shape"], p)
+
+
+def test_bench_select_assembly_and_pipeline_measure_one_and_two_assembly_threads(rng):
+    """bench_select --assembly and --pipeline (small shapes): each batch and
+    each mode is measured with one assembly thread and with two, and every
+    figure is a positive time."""
+    from tools.bench_select import bench_assembly, bench_pipeline
+    asm = bench_assembly(2, rng, S=4096, batches=(1, 4))
+    assert set(asm) == {1, 2}
+    for t in (1, 2):
+        assert set(asm[t]) == {1, 4}
+        for x in asm[t].values():
+            assert x["entries"] > 0 and x["total_us"] > 0 and x["assemble_us"] > 0
+        assert asm[t][1]["gbps_vs_batch1"] == 1.0
+    pipe = bench_pipeline(2, rng, L=2, S=2048)
+    for mode in ("sequential", "pipelined", "sequential_2t", "pipelined_2t"):
+        assert pipe[mode]["step_us"] > 0 and pipe[mode]["retrieval_us"] > 0, mode
+    assert pipe["speedup"] > 0 and pipe["speedup_2t"] > 0

@@ -30,6 +30,7 @@ over 4 disks: dedup (eq. 8), entry buckets (§6.1), coalescing.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -195,7 +196,11 @@ def bench_assembly(reps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, batches=(1, 4, 
     """Retrieve at batch 1, 4 and 8 from a store on tmpfs (Qwen3-32B-shaped
     entries, 4 KiB fp16) into reused K/V buffers (``retrieve(out=...)``): GB/s
     of returned entry bytes over the retrieval's wall time, and assembly alone
-    (entries written into K/V by gather_kv)."""
+    (entries written into K/V by gather_kv), with one and with two assembly
+    threads (``Retriever.assembly_threads``), interleaved step by step.
+
+    Returns:
+        {threads: {batch: medians}}."""
     import tempfile
 
     from swarmfs import Retriever, Store
@@ -212,29 +217,37 @@ def bench_assembly(reps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, batches=(1, 4, 
         del kv
         ret = Retriever(s, ratio=r)
         qs = rng.standard_normal((max(batches), Hq, d)).astype(np.float32)
-        out = {}
+        out = {1: {}, 2: {}}
         cap = S                            # output buffers reused across steps
         kb, vb = ret.kv_buffers(cap)       # 64-byte aligned, as torch tensors are
         for b in batches:
             q = qs[:b] if b > 1 else qs[0]
             ret.retrieve(0, q, torch=False, out=(kb, vb))
-            res = [ret.retrieve(0, q, torch=False, out=(kb, vb)) for _ in range(reps)]
-            tot = [x.stats.total_us for x in res]
-            asm = [x.stats.assemble_us for x in res]
-            nbytes = res[0].stats.entries * s.entry_bytes
-            out[b] = {"entries": res[0].stats.entries, "bytes": nbytes,
-                      "total_us": statistics.median(tot), "assemble_us": statistics.median(asm),
-                      "gbps": nbytes / statistics.median(tot) / 1e3,
-                      "assemble_gbps": nbytes / statistics.median(asm) / 1e3,
-                      "io_us": statistics.median([x.stats.io_us for x in res]),
-                      "select_us": statistics.median([x.stats.score_us + x.stats.select_us
-                                                      for x in res]),
-                      "plan_us": statistics.median([x.stats.plan_us for x in res])}
+            res = {1: [], 2: []}
+            for _ in range(reps):          # one and two assembly threads interleaved
+                for t in (1, 2):
+                    ret.assembly_threads = t
+                    res[t].append(ret.retrieve(0, q, torch=False, out=(kb, vb)))
+            for t in (1, 2):
+                x = res[t]
+                tot = [y.stats.total_us for y in x]
+                asm = [y.stats.assemble_us for y in x]
+                nbytes = x[0].stats.entries * s.entry_bytes
+                out[t][b] = {"entries": x[0].stats.entries, "bytes": nbytes,
+                             "total_us": statistics.median(tot),
+                             "assemble_us": statistics.median(asm),
+                             "gbps": nbytes / statistics.median(tot) / 1e3,
+                             "assemble_gbps": nbytes / statistics.median(asm) / 1e3,
+                             "io_us": statistics.median([y.stats.io_us for y in x]),
+                             "select_us": statistics.median([y.stats.score_us +
+                                                             y.stats.select_us for y in x]),
+                             "plan_us": statistics.median([y.stats.plan_us for y in x])}
         s.close()
-    for b in batches:
-        out[b]["gbps_vs_batch1"] = out[b]["gbps"] / out[batches[0]]["gbps"]
-        out[b]["assemble_gbps_vs_batch1"] = out[b]["assemble_gbps"] / \
-            out[batches[0]]["assemble_gbps"]
+    for t in (1, 2):
+        for b in batches:
+            o, o1 = out[t][b], out[t][batches[0]]
+            o["gbps_vs_batch1"] = o["gbps"] / o1["gbps"]
+            o["assemble_gbps_vs_batch1"] = o["assemble_gbps"] / o1["assemble_gbps"]
     return out
 
 
@@ -242,7 +255,8 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
     """A decode step over L layers from a tmpfs store, with numpy attention of
     the Hq query heads over each layer's retrieved K/V: sequential (each
     layer retrieves, then attends) against ``pipelined_step`` (layer L+1's
-    retrieval prefetched while layer L steps and attends).  Medians."""
+    retrieval prefetched while layer L steps and attends), each with one
+    assembly thread and with two (keys ``*_2t``).  Medians."""
     import tempfile
 
     from swarmfs import DecodeSession, Retriever, Store, pipelined_step
@@ -268,8 +282,8 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
             hot[: len(cl) // 50] = True
             s.write_layer(layer, kv, cl, hot=hot, local_window=256)
         out = {}
-        for mode in ("sequential", "pipelined"):
-            r_obj = Retriever(s, ratio=r)
+        for mode, threads in itertools.product(("sequential", "pipelined"), (1, 2)):
+            r_obj = Retriever(s, ratio=r, assembly_threads=threads)
             sess = [DecodeSession(r_obj, layer, adapt_cache=True) for layer in range(L)]
             rows = []
             for t in range(steps + 2):
@@ -292,10 +306,11 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
             r_obj.close()
             rows = rows[2:]                    # warm-up: layer states, packed index
             med = [statistics.median(c) for c in zip(*rows)]
-            out[mode] = {"step_us": med[0], "sum_us": med[1], "max_us": med[2],
+            out[mode if threads == 1 else mode + "_2t"] = {"step_us": med[0], "sum_us": med[1], "max_us": med[2],
                          "retrieval_us": med[3], "compute_us": med[4]}
         s.close()
     out["speedup"] = out["sequential"]["step_us"] / out["pipelined"]["step_us"]
+    out["speedup_2t"] = out["sequential_2t"]["step_us"] / out["pipelined_2t"]["step_us"]
     return out
 
 
@@ -312,8 +327,9 @@ def bench_gather(reps, rng, paths, rounds=3):
     [H, n + n/8, d] at ascending columns (the other eighth stands for the
     DRAM-resident rows), as ``retrieve`` places a step; then the same followed
     by one read of K and V (np.copyto into scratch) standing for the
-    attention that consumes them.  Paths interleaved ``rounds`` times;
-    the minimum over rounds of each round's median."""
+    attention that consumes them.  Each path on one thread and split over
+    two (``threads=2``, key ``PATH/2t``); paths and thread counts interleaved
+    ``rounds`` times; the minimum over rounds of each round's median."""
     out = []
     for name, H, d, dt, n in GATHER_SHAPES:
         nt = n + n // 8
@@ -327,19 +343,20 @@ def bench_gather(reps, rng, paths, rounds=3):
             x.fill(0)
         res = {}
         for _ in range(rounds):
-            for p in paths:
+            for p, threads in itertools.product(paths, (1, 2)):
                 set_kernel_path(p)
                 g, c = [], []
                 for _ in range(reps):
                     t = time.perf_counter()
-                    gather_kv(buf, src, dst, k, v)
+                    gather_kv(buf, src, dst, k, v, threads=threads)
                     t1 = time.perf_counter()
                     np.copyto(sk, k)
                     np.copyto(sv, v)
                     g.append(t1 - t)
                     c.append(time.perf_counter() - t1)
-                r = res.setdefault(p, {"mode": gather_kv_mode(k, v, n), "gather_ms": [],
-                                       "read_after_ms": []})
+                r = res.setdefault(p if threads == 1 else p + "/2t",
+                                   {"mode": gather_kv_mode(k, v, n), "threads": threads,
+                                    "gather_ms": [], "read_after_ms": []})
                 r["gather_ms"].append(statistics.median(g) * 1e3)
                 r["read_after_ms"].append(statistics.median(c) * 1e3)
         set_kernel_path("auto")
@@ -483,7 +500,7 @@ def cli(ctx, **options):
         res = bench_gather(max(a.reps // 4, 10), rng, paths)
         for row in res:
             for p, r in row["paths"].items():
-                print(f"{row['shape']:>46} {row['bytes'] / 1e6:6.1f} MB  {p:>7} {r['mode']:>9}: "
+                print(f"{row['shape']:>46} {row['bytes'] / 1e6:6.1f} MB  {p:>10} {r['mode']:>9}: "
                       f"gather {r['gather_ms']:7.3f} ms ({r['gather_gbps']:5.1f} GB/s), "
                       f"read after {r['read_after_ms']:6.3f} ms, sum "
                       f"{r['gather_ms'] + r['read_after_ms']:7.3f} ms")
@@ -549,8 +566,10 @@ def cli(ctx, **options):
     if a.assembly:
         asm = bench_assembly(max(a.reps // 4, 20), rng)
         plan["assembly"] = asm
-        for b, x in asm.items():
-            print(f"batch {b}: {x['entries']} entries, retrieve {x['total_us']:.0f} µs "
+        for (t, b), x in ((tb, x) for t, row in asm.items() for tb, x in
+                          (((t, b), x) for b, x in row.items())):
+            print(f"{t} assembly thread{'s' if t > 1 else ''}, "
+                  f"batch {b}: {x['entries']} entries, retrieve {x['total_us']:.0f} µs "
                   f"(select {x['select_us']:.0f}, plan {x['plan_us']:.0f}, I/O {x['io_us']:.0f}, "
                   f"assemble {x['assemble_us']:.0f}) = {x['gbps']:.2f} GB/s "
                   f"({x['gbps_vs_batch1']:.2f}x batch 1); assembly {x['assemble_gbps']:.1f} GB/s "
@@ -558,12 +577,13 @@ def cli(ctx, **options):
     if a.pipeline:
         pipe = bench_pipeline(max(a.reps // 10, 8), rng)
         plan["pipeline"] = pipe
-        for mode in ("sequential", "pipelined"):
+        for mode in ("sequential", "pipelined", "sequential_2t", "pipelined_2t"):
             x = pipe[mode]
             print(f"decode step, 8 layers, {mode}: {x['step_us'] / 1e3:.2f} ms (retrieval "
                   f"{x['retrieval_us'] / 1e3:.2f} ms + compute {x['compute_us'] / 1e3:.2f} ms; "
                   f"sum {x['sum_us'] / 1e3:.2f}, max {x['max_us'] / 1e3:.2f})")
-        print(f"pipelined / sequential step: {1 / pipe['speedup']:.2f}")
+        print(f"pipelined / sequential step: {1 / pipe['speedup']:.2f} (one assembly "
+              f"thread), {1 / pipe['speedup_2t']:.2f} (two)")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"selection": rows, "planning": plan, "cluster_sizes": sizes,
