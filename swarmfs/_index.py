@@ -16,7 +16,7 @@ import numpy as np
 from . import _errors as errors
 from ._placement import copy_locations, stripe_counts
 
-__all__ = ["LayerIndex", "concat_ranges"]
+__all__ = ["LayerIndex", "concat_ranges", "unique_ints", "union_ints"]
 
 
 @errors.boundary
@@ -31,6 +31,31 @@ def concat_ranges(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
     if total == 0:
         return np.empty(0, dtype=np.int64)
     return np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(total, dtype=np.int64)
+
+
+def unique_ints(x) -> np.ndarray:
+    """The sorted distinct values of an integer array (``np.unique``'s
+    result: flattened, same dtype), by one sort and a comparison of
+    neighbours.  numpy 2.3+ takes a hash-based path in ``np.unique`` that
+    costs 2x-12x as much on the 50-20,000 positions of one decode step (a
+    measured 41 against 6 µs at 500 int64), and every step's stages (pinning
+    DRAM rows, admitting hot clusters, uniting a batch's clusters) take
+    distinct positions several times.
+
+    Not for object or float arrays (NaN never equals itself).
+    """
+    s = np.sort(np.asarray(x).reshape(-1))
+    if s.shape[0] < 2:
+        return s
+    keep = np.empty(s.shape[0], dtype=bool)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
+
+
+def union_ints(a, b) -> np.ndarray:
+    """``np.union1d`` of two integer arrays by :func:`unique_ints`."""
+    return unique_ints(np.concatenate([np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)]))
 
 
 class LayerIndex:

@@ -33,6 +33,7 @@ import numpy as np
 from . import _defaults as defaults
 from . import _errors as errors
 from ._hot import hot_clusters
+from ._index import union_ints
 from ._report import attention_logits, token_mass
 from ._retrieve import Retrieval, Retriever
 from ._window import entry_budget
@@ -155,9 +156,12 @@ class DecodeSession:
         self.freq = li.freq.astype(np.float64).copy()
         self.hot_budget = int(hot_budget_bytes if hot_budget_bytes is not None else
                               int(li.sizes[hot].sum()) * self.store.entry_bytes)
-        self.pend_rows = np.empty((0, self.store.entry_bytes), np.uint8)
-        self.pend_age = np.empty(0, np.int64)
-        self.pend_f = np.zeros((0, li.num_clusters), np.int32)
+        # pending entries in capacity-doubling buffers: a step appends one
+        # row (O(C), not a copy of all pending counts), a flush drops the oldest
+        self._n_pend = 0
+        self._rows = np.empty((16, self.store.entry_bytes), np.uint8)
+        self._age = np.zeros(16, np.int64)
+        self._f = np.zeros((16, li.num_clusters), np.int32)
         self.hits = 0
         self.lookups = 0
 
@@ -243,7 +247,7 @@ class DecodeSession:
         """Eq. 9 counts: pending entries x selected clusters whose medoids drew
         at least the uniform share of this step's attention."""
         if n_pend:
-            self.pend_age += 1
+            self._age[:n_pend] += 1
         if not n_pend or ret.clusters.size == 0:
             return
         scale = self.store.head_dim ** -0.5
@@ -292,7 +296,7 @@ class DecodeSession:
         idle[sel] = False
         self.freq[sel] += 1.0
         self.freq[idle] = np.maximum(self.freq[idle] - 1.0, 0.0)
-        cand = np.union1d(np.flatnonzero(hot), sel)     # ascending: ties keep id order
+        cand = union_ints(np.flatnonzero(hot), sel)     # ascending: ties keep id order
         want = np.zeros_like(hot)
         want[cand] = hot_clusters(self.freq[cand], ret.index.sizes[cand],
                                   budget_bytes=self.hot_budget,
@@ -335,11 +339,47 @@ class DecodeSession:
             arrs.append(x)
         return np.ascontiguousarray(np.stack(arrs)).reshape(1, -1).view(np.uint8)
 
+    @property
+    def pend_rows(self) -> np.ndarray:
+        """uint8 [pending, entry_bytes]: the pending entries' rows, oldest first."""
+        return self._rows[:self._n_pend]
+
+    @property
+    def pend_age(self) -> np.ndarray:
+        """int64 [pending]: steps each pending entry has been seen."""
+        return self._age[:self._n_pend]
+
+    @property
+    def pend_f(self) -> np.ndarray:
+        """int32 [pending, C]: eq. 9 co-activation counts of the pending entries."""
+        return self._f[:self._n_pend]
+
     def _add_pending(self, row: np.ndarray) -> None:
-        self.pend_rows = np.concatenate([self.pend_rows, row])
-        self.pend_age = np.append(self.pend_age, 0)
-        self.pend_f = np.concatenate([self.pend_f,
-                                      np.zeros((1, self.pend_f.shape[1]), np.int32)])
+        n = self._n_pend
+        if n == self._rows.shape[0]:                    # full: double the capacity
+            cap = 2 * n
+            rows = np.empty((cap, self._rows.shape[1]), np.uint8)
+            age = np.zeros(cap, np.int64)
+            f = np.zeros((cap, self._f.shape[1]), np.int32)
+            rows[:n], age[:n], f[:n] = self._rows, self._age, self._f
+            self._rows, self._age, self._f = rows, age, f
+        self._rows[n] = row[0]
+        self._age[n] = 0
+        self._f[n] = 0
+        self._n_pend = n + 1
+
+    def _drop_pending(self, n: int, new_clusters: int) -> None:
+        """Forget the ``n`` oldest pending entries (written now) and give the
+        rest a zero count for each of ``new_clusters`` clusters made since."""
+        rest = self._n_pend - n
+        self._rows[:rest] = self._rows[n:n + rest]
+        self._age[:rest] = self._age[n:n + rest]
+        self._f[:rest] = self._f[n:n + rest]
+        if new_clusters:
+            f = np.zeros((self._f.shape[0], self._f.shape[1] + new_clusters), np.int32)
+            f[:rest, :self._f.shape[1]] = self._f[:rest]
+            self._f = f
+        self._n_pend = rest
 
     def joins(self, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Clusters each matured entry joins, as a CSR ``(ptr, clusters)``:
@@ -380,10 +420,7 @@ class DecodeSession:
         pos = self.store.append(self.layer, kv, joins, new_cluster_size=self.new_cluster_size,
                                 expect_tokens=li.num_tokens)
         C_new = self.store.num_clusters(self.layer)
-        self.pend_rows, self.pend_age = self.pend_rows[n:], self.pend_age[n:]
-        self.pend_f = np.concatenate([self.pend_f[n:],
-                                      np.zeros((self.pend_f.shape[0] - n, C_new - C_old),
-                                               np.int32)], axis=1)
+        self._drop_pending(n, C_new - C_old)
         self.freq = np.concatenate([self.freq, np.zeros(C_new - C_old)])
         self.r.refresh(self.layer, hot=np.concatenate([hot, np.zeros(C_new - C_old, bool)]))
         return pos

@@ -24,6 +24,7 @@ import numpy as np
 from . import _errors as errors
 from . import _stages as stages
 from ._defaults import RATIO
+from ._index import union_ints, unique_ints
 from ._kernels import empty_aligned
 from ._selectors import MedoidSelector, Selector
 from ._store import Store, to_torch
@@ -164,7 +165,7 @@ class _LayerState:
             raise errors.InvalidArgumentError(f"hot-cluster mask of shape {want_hot.shape} for "
                                               f"{li.num_clusters} clusters", layer=layer)
         hot_ids = np.flatnonzero(want_hot)
-        toks = np.union1d(self.window, li.members[li.cluster_copies(hot_ids)])
+        toks = union_ints(self.window, li.members[li.cluster_copies(hot_ids)])
         rows = np.empty((0, store.entry_bytes), np.uint8)
         if toks.size:          # read through ``li``: the generation this state serves
             copies = li.token_copies(toks)
@@ -198,7 +199,7 @@ class _LayerState:
         """
         with self.lock:
             ssd = self.refs[toks] <= 0
-            dram = np.union1d(window, toks[~ssd])
+            dram = union_ints(window, toks[~ssd])
             slots = self.slot[dram]
             if slots.size and slots.min() < 0:
                 raise errors.InternalError("a resident token has no DRAM slot",
@@ -217,7 +218,7 @@ class _LayerState:
         if toks.size == 0:
             return
         with self.lock:
-            new = np.unique(toks[self.refs[toks] == 0])
+            new = unique_ints(toks[self.refs[toks] == 0])
             if new.size:
                 at = np.minimum(np.searchsorted(src_toks, new), max(src_toks.shape[0] - 1, 0))
                 if src_toks.shape[0] == 0 or np.any(src_toks[at] != new):
@@ -246,7 +247,7 @@ class _LayerState:
             if self.refs[toks].min() < 0:
                 raise errors.InternalError("a DRAM reference count went negative",
                                            layer=self.li.layer)
-            gone = np.unique(toks[self.refs[toks] == 0])
+            gone = unique_ints(toks[self.refs[toks] == 0])
             if gone.size:
                 self.free = np.concatenate([self.free, self.slot[gone]])
                 self.slot[gone] = -1
@@ -490,7 +491,7 @@ class Retriever:
         with st.lock:
             admitted = np.flatnonzero(want & ~st.hot)
             evicted = np.flatnonzero(st.hot & ~want)
-            toks = np.unique(st.li.members[st.li.cluster_copies(admitted)]) \
+            toks = unique_ints(st.li.members[st.li.cluster_copies(admitted)]) \
                 if admitted.size else np.empty(0, np.int64)
             at = np.searchsorted(retrieval.positions, toks)
             if toks.size and (at.max() >= retrieval.positions.shape[0] or

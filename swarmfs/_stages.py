@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from . import _errors as errors
+from ._index import unique_ints
 from ._kernels import gather_kv, thread_count
 from ._selectors import Selector, _select
 
@@ -91,7 +92,7 @@ def choose(scores, members_ptr, members, num_tokens: int, budget: int,
     scores = np.atleast_2d(scores)
     sel = [_select(s, members_ptr, members, num_tokens, budget, window).clusters
            for s in scores]
-    return np.unique(np.concatenate(sel)) if len(sel) > 1 else sel[0]
+    return unique_ints(np.concatenate(sel)) if len(sel) > 1 else sel[0]
 
 
 def _top_tokens(li, scores: np.ndarray, window: np.ndarray, budget: int) -> np.ndarray:
@@ -102,7 +103,7 @@ def _top_tokens(li, scores: np.ndarray, window: np.ndarray, budget: int) -> np.n
     sc[:, window] = -np.inf
     top = np.argpartition(-sc, want - 1, axis=1)[:, :want] if want > 0 else \
         np.empty((sc.shape[0], 0), np.int64)
-    return li.token_copies(np.unique(top))
+    return li.token_copies(unique_ints(top))
 
 
 def fuses(selector: Selector) -> bool:
@@ -138,7 +139,7 @@ def select(selector: Selector, layer: int, q: np.ndarray, li, *, budget: int,
         else:
             sel = [x.clusters for x in selector.select(layer, q, budget=budget,
                                                        window=window.shape[0], li=li)]
-            clusters = np.unique(np.concatenate(sel)) if len(sel) > 1 else sel[0]
+            clusters = unique_ints(np.concatenate(sel)) if len(sel) > 1 else sel[0]
             return clusters, li.cluster_copies(clusters)
     if selector.kind == "tokens":
         return np.empty(0, dtype=np.int64), _top_tokens(li, scores, window, budget)

@@ -30,7 +30,7 @@ from . import _write
 from ._disks import ReaderLease, create_disks, open_disks
 from ._engine import Engine, EngineStats, device_size
 from ._executor import Executor
-from ._index import LayerIndex
+from ._index import LayerIndex, unique_ints
 from ._manifest import LayerRecord, Manifest, ModelIdentity, read_manifest, write_manifest
 from ._planner import MAX_REQUEST, Plan, plan_reads
 
@@ -672,7 +672,7 @@ class Store:
         li = self.layer(layer)
         t = li.check_tokens(tokens)
         self._check_plan_args(max_gap, max_request, policy, dedup)
-        copies = li.token_copies(np.unique(t))
+        copies = li.token_copies(unique_ints(t))
         return self.plan_copies(li, copies, key=li.members[copies], max_gap=max_gap,
                                 max_request=max_request, policy=policy, dedup=dedup)
 
@@ -840,7 +840,7 @@ class Store:
         li = self.layer(layer)
         t = li.check_tokens(tokens)
         self._check_plan_args(max_gap, MAX_REQUEST, policy)
-        copies = li.token_copies(np.unique(t))
+        copies = li.token_copies(unique_ints(t))
         plan = plan_reads(li.members[copies], li.copy_disk[copies], li.copy_off[copies],
                           ndisks=self.num_disks, entry_bytes=self.entry_bytes,
                           block_size=self.block_size, policy=policy, max_gap=max_gap)

@@ -30,7 +30,7 @@ from . import _errors as E
 from . import _format as F
 from ._disks import truncate_to, write_commit_records
 from ._engine import WRITE
-from ._index import concat_ranges
+from ._index import concat_ranges, unique_ints
 from ._kernels import scatter_rows, xxh3_ranges, xxh3_rows
 from ._manifest import LAYER_RECORD_KEYS, IndexRecord, LayerRecord, Manifest, read_manifest
 from ._placement import PLACEMENTS, copy_locations, place_clusters
@@ -728,7 +728,7 @@ def _append_locked(tx: Transaction, store, layer: int, kv, joins, *, new_cluster
         raise E.OutOfRangeError(f"cluster {int(jcl[(jcl < 0) | (jcl >= C)][0])} does not "
                                 "exist", store=store.path, layer=layer)
     jtok = np.repeat(np.arange(n, dtype=np.int64), np.diff(jptr))
-    if np.unique(jtok * C + jcl).shape[0] != jtok.shape[0]:
+    if unique_ints(jtok * C + jcl).shape[0] != jtok.shape[0]:
         raise E.ShapeError("a new token joins the same cluster twice", store=store.path,
                            layer=layer)
     # new clusters for tokens that join nothing: runs of `new_cluster_size` tokens
@@ -754,7 +754,7 @@ def _append_locked(tx: Transaction, store, layer: int, kv, joins, *, new_cluster
     write = np.concatenate([grow, np.arange(C, C + k_new)])
     w_copies = concat_ranges(ptr[write], sizes[write])
     w_tok = members[w_copies]
-    old_tok = np.unique(w_tok[w_tok < S])
+    old_tok = unique_ints(w_tok[w_tok < S])
     rows = np.empty((old_tok.shape[0] + n, store.entry_bytes), np.uint8)
     if old_tok.size:
         rows[:old_tok.shape[0]] = store.read_entries(layer, old_tok).reshape(

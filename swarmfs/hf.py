@@ -75,6 +75,7 @@ import numpy as np
 from . import _errors as errors
 from . import _defaults as defaults
 from ._demo import LayoutParams, _layout_layer
+from ._index import union_ints
 from ._online import DecodeSession, check_tau
 from ._retrieve import Retriever
 from ._store import Store, to_torch
@@ -747,7 +748,7 @@ class SwarmCache(Cache):
         r = self.retriever
         li = r.index(layer)
         sel = r.select(layer, q)
-        return np.union1d(np.unique(li.members[li.cluster_copies(sel)]), r.window(layer))
+        return union_ints(li.members[li.cluster_copies(sel)], r.window(layer))
 
     def _decode(self, layer: int, module, query, key, value, scaling, mask=None):
         torch = _torch()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from swarmfs import _errors as E
 from swarmfs import _format as F
-from swarmfs._index import LayerIndex, concat_ranges
+from swarmfs._index import LayerIndex, concat_ranges, union_ints, unique_ints
 from swarmfs._placement import place_clusters
 
 
@@ -136,3 +136,22 @@ def test_csr_lookups_agree_with_the_cluster_table(C, N, S, extra, seed):
     got = li.token_copies(toks)
     assert np.array_equal(np.sort(got), np.sort(np.concatenate(
         [np.flatnonzero(members == t) for t in toks])))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-2**62, 2**62), max_size=300),
+       st.lists(st.integers(-5, 5), max_size=40),
+       st.sampled_from([np.int64, np.int32, np.uint64, np.int16, np.uint8]))
+def test_unique_and_union_ints_equal_numpys(a, b, dtype):
+    """unique_ints / union_ints (the decode step's sort-based distinct values)
+    return exactly np.unique / np.union1d: values, order, dtype and shape,
+    for empty, single, repeated, negative and extreme inputs of each int dtype."""
+    info = np.iinfo(dtype)
+    x = np.array([v for v in a if info.min <= v <= info.max], dtype=dtype)
+    y = np.array([v for v in b if info.min <= v <= info.max], dtype=dtype)
+    for got, want in ((unique_ints(x), np.unique(x)), (unique_ints(y), np.unique(y)),
+                      (union_ints(x, y), np.union1d(x, y)),
+                      (unique_ints(np.concatenate([x, x])), np.unique(x)),
+                      (unique_ints(x.reshape(-1, 1)), np.unique(x.reshape(-1, 1)))):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(got, want)

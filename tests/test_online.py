@@ -48,6 +48,39 @@ def test_pending_entries_are_served_then_placed_by_eq9(store, rng):
                      .view(np.uint8))
 
 
+
+def test_many_pending_entries_grow_the_buffers_and_stay_exact(store, rng):
+    """A window of 40 steps keeps up to 47 entries pending, past the pending
+    buffers' first two capacities (16, 32): every step serves each pending
+    entry's exact K and V, flushes (with new clusters made in between) keep
+    the rest and their counts, and everything reads back bit-exact."""
+    s, kv, cl = store
+    r = Retriever(s, ratio=0.2)
+    sess = DecodeSession(r, 0, window=40, flush_batch=8, tau=0.7, max_joins=2,
+                         new_cluster_size=3)
+    steps = 70
+    new_kv = random_kv(rng, steps, H, D, "float16")
+    flushed, most = [], 0
+    for t in range(steps):
+        q = rng.standard_normal((HQ, D)).astype(np.float32)
+        n_stored, n_pending = s.num_tokens(0), sess.pending
+        most = max(most, n_pending)
+        out = sess.step(q, new_kv[t, 0], new_kv[t, 1])
+        at = np.flatnonzero(out.positions >= n_stored)
+        assert (out.positions[at] - S).tolist() == list(range(n_stored - S, n_stored - S +
+                                                              n_pending))
+        assert same_bits(out.k[:, at], new_kv[out.positions[at] - S, 0].transpose(1, 0, 2))
+        assert same_bits(out.v[:, at], new_kv[out.positions[at] - S, 1].transpose(1, 0, 2))
+        assert sess.pend_f.shape == (sess.pending, s.num_clusters(0))
+        assert sess.pend_age.tolist() == sorted(sess.pend_age.tolist(), reverse=True)
+        flushed.extend(out.flushed.tolist())
+    assert most > 32 and len(flushed) >= 16
+    flushed += sess.flush().tolist()
+    assert flushed == list(range(S, S + steps)) and sess.pending == 0
+    all_kv = np.concatenate([kv, new_kv])
+    assert same_bits(s.read_entries(0, np.arange(S + steps)), all_kv)
+    assert s.verify() == []
+
 def test_eq9_joins_follow_the_counts(store):
     s, _, _ = store
     sess = DecodeSession(Retriever(s), 0, window=10, tau=0.5, max_joins=2)
