@@ -34,7 +34,8 @@ from . import _defaults as defaults
 from . import _errors as errors
 from ._hot import hot_clusters
 from ._index import union_ints
-from ._report import attention_logits, token_mass
+from ._kernels import empty_aligned
+from ._report import query_token_mass
 from ._retrieve import Retrieval, Retriever
 from ._window import entry_budget
 
@@ -47,9 +48,12 @@ class StepResult:
 
     Attributes:
         k, v: numpy [H_kv, n, head_dim]: the retrieved entries followed by the
-            new entries still pending in DRAM (store dtype).
-        positions: int64 [n] token positions (pending ones are >= the layer's
-            stored length).
+            new entries still pending in DRAM (store dtype), then, with
+            ``step(include_new=True)``, this step's own entry.  With
+            ``DecodeSession(reuse_outputs=True)`` they are views of the
+            session's buffers, valid until its next step.
+        positions: int64 [n] token positions (pending ones, and this step's
+            own entry, are >= the layer's stored length).
         retrieval: the underlying :class:`Retrieval` of stored entries.
         admitted, evicted: clusters that entered / left the hot set.
         flushed: positions of entries written to the store at this step.
@@ -94,6 +98,13 @@ class DecodeSession:
             store's hot set takes).
         t_base_us, t_transfer_us: eq. 6 costs (µs).
         adapt_cache: run cache replacement (False: the hot set stays).
+        reuse_outputs: retrieve into K/V buffers the session keeps and grows
+            (64-byte aligned, so assembly streams whole lines), and place the
+            pending entries (and with ``include_new`` this step's entry) after
+            the retrieved ones in place: no copy of the retrieved K/V per step
+            and no fresh pages to fault in.  The returned K/V are then views
+            valid until the next step (a step with a given ``retrieval``
+            copies as without this option).
 
     Concurrency:
         One thread at a time may call :meth:`step` or :meth:`flush` for a
@@ -121,8 +132,12 @@ class DecodeSession:
                  flush_batch: int = defaults.FLUSH_BATCH, hot_budget_bytes: int | None = None,
                  t_base_us: float = defaults.T_BASE_US,
                  t_transfer_us: float = defaults.T_TRANSFER_US,
-                 adapt_cache: bool = True, group: int | None = None):
+                 adapt_cache: bool = True, group: int | None = None,
+                 reuse_outputs: bool = False):
         check_tau(tau, layer=layer)
+        if not isinstance(reuse_outputs, (bool, np.bool_)):
+            raise errors.InvalidArgumentError(f"reuse_outputs must be True or False, got "
+                                              f"{reuse_outputs!r}", layer=layer)
         if group is not None:
             if new_cluster_size is not None:
                 raise errors.InvalidArgumentError("give new_cluster_size, not both it and "
@@ -153,6 +168,8 @@ class DecodeSession:
         self.flush_batch = int(flush_batch)
         self.t_base, self.t_transfer = float(t_base_us), float(t_transfer_us)
         self.adapt_cache = adapt_cache
+        self.reuse_outputs = bool(reuse_outputs)
+        self._kb = self._vb = None                   # reuse_outputs: K/V buffers
         self.freq = li.freq.astype(np.float64).copy()
         self.hot_budget = int(hot_budget_bytes if hot_budget_bytes is not None else
                               int(li.sizes[hot].sum()) * self.store.entry_bytes)
@@ -166,8 +183,8 @@ class DecodeSession:
         self.lookups = 0
 
     # -- one step ------------------------------------------------------------
-    def step(self, q, k_new=None, v_new=None, *, retrieval: Retrieval | None = None
-             ) -> StepResult:
+    def step(self, q, k_new=None, v_new=None, *, retrieval: Retrieval | None = None,
+             include_new: bool = False) -> StepResult:
         """Serve one decode step and add this step's new entry.
 
         Every argument is checked before any state changes: a rejected step
@@ -183,13 +200,18 @@ class DecodeSession:
                 ``Retriever.prefetch(layer, q, torch=False)`` started while the
                 previous layer computed); default: retrieve now.  It must be of
                 this layer's current index (else ``SwarmError``).
+            include_new: also return this step's own entry (``k_new``,
+                ``v_new``) after the pending ones, at the position it will be
+                stored at, so that the caller's attention needs no copy to
+                add it (``swarmfs.hf`` does this).  It is not part of this
+                step's co-activation counts.
 
         Returns:
             A :class:`StepResult`.
 
         Raises:
             ShapeError: a query, K or V of the wrong shape or dtype, or K/V
-                holding NaN or inf.
+                holding NaN or inf; ``include_new`` without K and V.
             ConcurrentUseError: another thread is stepping this layer of the
                 Retriever (this or another session); nothing was done.
             SwarmError: the layer changed under the session (another writer).
@@ -201,20 +223,30 @@ class DecodeSession:
         row = None
         if k_new is not None or v_new is not None:
             row = self._new_row(k_new, v_new)
+        if not isinstance(include_new, (bool, np.bool_)):
+            raise errors.InvalidArgumentError(f"include_new must be True or False, got "
+                                              f"{include_new!r}", layer=self.layer)
+        if include_new and row is None:
+            raise errors.ShapeError("include_new needs this step's k_new and v_new",
+                                    layer=self.layer)
         lock = self.r.step_lock(self.layer)
         if not lock.acquire(blocking=False):
             raise errors.ConcurrentUseError("another thread is stepping this layer (one "
                                             "DecodeSession.step per layer at a time)",
                                             layer=self.layer)
         try:
-            return self._step(qf[0], row, retrieval)
+            return self._step(qf[0], row, retrieval, bool(include_new))
         finally:
             lock.release()
 
-    def _step(self, q: np.ndarray, row, retrieval) -> StepResult:
+    def _step(self, q: np.ndarray, row, retrieval, include_new: bool) -> StepResult:
         self._check_layer(self.r.index(self.layer))
+        n_pend = self._n_pend
+        n_new = n_pend + (1 if include_new else 0)     # entries after the retrieved ones
+        out = None
         if retrieval is None:
-            ret = self.r.retrieve(self.layer, q, torch=False)
+            out = self._outputs(n_new) if self.reuse_outputs else None
+            ret = self.r.retrieve(self.layer, q, torch=False, out=out)
         else:
             ret = retrieval
             if not isinstance(ret, Retrieval) or ret.layer != self.layer or \
@@ -226,15 +258,22 @@ class DecodeSession:
         li = self.r.index(self.layer)
         self._check_layer(li)
         S = li.num_tokens
-        n_pend = self.pend_rows.shape[0]
-        pos = np.concatenate([ret.positions, S + np.arange(n_pend)])
+        n_ret = ret.positions.shape[0]
+        pos = np.concatenate([ret.positions, S + np.arange(n_new)])
         k, v = ret.k, ret.v
-        if n_pend:
-            pk = self.pend_rows.view(self.store.np_dtype).reshape(
-                n_pend, 2, self.store.num_kv_heads, self.store.head_dim)
-            k = np.concatenate([k, pk[:, 0].transpose(1, 0, 2)], axis=1)
-            v = np.concatenate([v, pk[:, 1].transpose(1, 0, 2)], axis=1)
-        self._count_coactivation(q, k, ret, n_pend)
+        if n_new:
+            new = self._rows[:n_pend] if not include_new else \
+                np.concatenate([self._rows[:n_pend], row])
+            pk = new.view(self.store.np_dtype).reshape(n_new, 2, self.store.num_kv_heads,
+                                                       self.store.head_dim)
+            if out is not None:                     # in place, after the retrieved entries
+                k, v = out[0][:, :n_ret + n_new], out[1][:, :n_ret + n_new]
+                k[:, n_ret:] = pk[:, 0].transpose(1, 0, 2)
+                v[:, n_ret:] = pk[:, 1].transpose(1, 0, 2)
+            else:
+                k = np.concatenate([k, pk[:, 0].transpose(1, 0, 2)], axis=1)
+                v = np.concatenate([v, pk[:, 1].transpose(1, 0, 2)], axis=1)
+        self._count_coactivation(q, k[:, :n_ret + n_pend], ret, n_pend)
         admitted, evicted = self._replace_cache(ret) if self.adapt_cache else \
             (np.empty(0, np.int64), np.empty(0, np.int64))
         if row is not None:
@@ -242,6 +281,17 @@ class DecodeSession:
         flushed = self._flush_matured()
         return StepResult(k=k, v=v, positions=pos, retrieval=ret, admitted=admitted,
                           evicted=evicted, flushed=flushed)
+
+    def _outputs(self, after: int):
+        """The session's K/V buffers [H_kv, cap, d], grown (by 1.25x) to hold
+        any retrieval of the layer (at most its S distinct entries) plus
+        ``after`` entries: untouched columns cost no memory until used."""
+        need = self.store.num_tokens(self.layer) + after
+        if self._kb is None or self._kb.shape[1] < need:
+            shape = (self.store.num_kv_heads, need + need // 4, self.store.head_dim)
+            self._kb = empty_aligned(shape, self.store.np_dtype)
+            self._vb = empty_aligned(shape, self.store.np_dtype)
+        return self._kb, self._vb
 
     def _count_coactivation(self, q, k, ret: Retrieval, n_pend: int) -> None:
         """Eq. 9 counts: pending entries x selected clusters whose medoids drew
@@ -251,7 +301,7 @@ class DecodeSession:
         if not n_pend or ret.clusters.size == 0:
             return
         scale = self.store.head_dim ** -0.5
-        mass = token_mass(attention_logits(q[:, None, :], k, scale))[0]      # [n]
+        mass = query_token_mass(q, k, scale)                                # [n]
         active = mass >= 1.0 / mass.shape[0]
         n_ret = ret.positions.shape[0]
         pend_active = np.flatnonzero(active[n_ret:])

@@ -291,10 +291,14 @@ class Retriever:
             medoid index); the baselines of §8 plug in here (``_selectors``).
         score: the medoid score when ``selector`` is None: ``"prob"``
             (per-head softmax over the medoids, summed) or ``"logit"``.
-        assembly_threads: 1 or 2 threads placing a retrieval's entries into
-            K and V (:func:`swarmfs._kernels.gather_kv`; only placements of
-            at least 4 MiB are split).  Default 2 when this process may run
-            on two or more CPUs, else 1.
+        assembly_threads: 1 (default) or 2 threads placing a retrieval's
+            entries into K and V (:func:`swarmfs._kernels.gather_kv`; only
+            placements of at least 4 MiB are split).  2 pays when the other
+            core is idle during assembly (0.6-0.76x the assembly stage,
+            0.83x the retrieval of a sequential decode step); beside the
+            layer pipeline's prefetch or a BLAS whose threads spin on the
+            other core it costs more than it saves (docs/benchmarks.md §9,
+            sixth pass), hence not the default.
 
     Concurrency:
         Any number of threads may call :meth:`retrieve`, :meth:`prefetch`,

@@ -23,7 +23,6 @@ entry or per request.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -175,17 +174,13 @@ def merge_positions(dram: np.ndarray, ssd: np.ndarray):
 
 def assembly_threads(threads, store=None) -> int:
     """Threads that place a retrieval's entries (``Retriever(assembly_threads=)``):
-    ``threads`` checked (1 or 2), or for None 2 when this process may run on
-    two or more CPUs, else 1.
+    ``threads`` checked (1 or 2); None is 1.
 
     Raises:
         InvalidArgumentError: anything but None, 1 or 2 (naming the store).
     """
     if threads is None:
-        try:
-            return 2 if len(os.sched_getaffinity(0)) >= 2 else 1
-        except (AttributeError, OSError):
-            return 2 if (os.cpu_count() or 1) >= 2 else 1
+        return 1
     try:
         return thread_count(threads, "assembly_threads: ")
     except errors.InvalidArgumentError as e:

@@ -734,7 +734,9 @@ class SwarmCache(Cache):
         s = self.sessions.get(layer)
         if s is None:
             r = self._ensure_retriever()
-            kw = {} if self.append else {"flush_batch": 1 << 62}
+            kw = {"reuse_outputs": True}           # K/V built in place, no copies per step
+            if not self.append:
+                kw["flush_batch"] = 1 << 62
             if self.hot_budget is not None:
                 kw["hot_budget_bytes"] = int(self.hot_budget * self.store.num_tokens(layer) *
                                              self.store.entry_bytes)
@@ -776,7 +778,7 @@ class SwarmCache(Cache):
                 wait_us = (tm - tw) * 1e6
                 measure_us = (time.perf_counter() - tm) * 1e6
             t0 = time.perf_counter()
-            res = sess.step(q, k_new, v_new, retrieval=ret)
+            res = sess.step(q, k_new, v_new, retrieval=ret, include_new=True)
             t1 = time.perf_counter()
             if self.prefetch_mode == "previous" and T == 1:
                 # §7: start layer L+1's retrieval now, with its previous query
@@ -784,11 +786,11 @@ class SwarmCache(Cache):
                 nxt = (layer + 1) % len(self.layers)
                 if nxt in self._prev_q and nxt not in self._futures:
                     self._futures[nxt] = r.prefetch(nxt, self._prev_q[nxt], torch=False)
-            kk = torch.cat([to_torch(res.k, st.dtype), key[0, :, t:t + 1, :]], dim=1)[None]
-            vv = torch.cat([to_torch(res.v, st.dtype), value[0, :, t:t + 1, :]], dim=1)[None]
+            kk = to_torch(res.k, st.dtype)[None]       # retrieved, pending, this token
+            vv = to_torch(res.v, st.dtype)[None]
             m = None
             if mask is not None:      # e.g. padding in the prompt: the mask's columns
-                cols = torch.from_numpy(np.append(res.positions, first + t))
+                cols = torch.from_numpy(np.append(res.positions[:-1], first + t))
                 m = mask[:, :, t:t + 1, :].index_select(-1, cols.to(mask.device))
                 if m.dtype == torch.bool and bool(m.all()):
                     m = None
@@ -803,7 +805,7 @@ class SwarmCache(Cache):
             self.stats.append(StepStats(
                 step=step, layer=layer, clusters=rs.clusters_selected,
                 hot=rs.hot_clusters_selected, entries=rs.entries,
-                entries_ssd=rs.entries_ssd, pending=int(res.positions.shape[0] - rs.entries),
+                entries_ssd=rs.entries_ssd, pending=int(res.positions.shape[0] - rs.entries - 1),
                 bytes_read=rs.bytes_read, requests=rs.requests, score_us=rs.score_us,
                 select_us=rs.select_us, plan_us=rs.plan_us, io_us=rs.io_us,
                 assemble_us=rs.assemble_us,

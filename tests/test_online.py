@@ -450,3 +450,56 @@ def test_new_cluster_size_and_its_deprecated_alias(store, rng):
     assert s.num_clusters(0) == c0 + 2
     with pytest.raises(E.InvalidArgumentError):
         s.append(0, kv, new_cluster_size=4, group=5)
+
+
+@pytest.mark.parametrize("include_new", [False, True])
+def test_reused_outputs_equal_fresh_ones_step_by_step(tmp_path, rng, include_new):
+    """DecodeSession(reuse_outputs=True) builds K/V in its own buffers in
+    place (retrieved, pending, and with include_new this step's entry) and
+    returns what a session without it returns, step by step, across buffer
+    growth by appends and flushes; its K/V are views of one buffer reused
+    from step to step; a step given a prefetched retrieval copies as before."""
+    outs = {}
+    for reuse in (False, True):
+        r2 = np.random.default_rng(7)
+        s, kv, cl = random_layer_store(tmp_path / f"st{reuse}", r2, S=S, H=H, HQ=HQ, D=D,
+                                       disks=3, clusters=60, extra_copies=100, hot=range(4),
+                                       freq=np.ones(60), local_window=32)
+        r = Retriever(s, ratio=0.2)
+        sess = DecodeSession(r, 0, window=12, flush_batch=5, tau=0.7, max_joins=2,
+                             reuse_outputs=reuse)
+        new_kv = random_kv(r2, 40, H, D, "float16")
+        res = []
+        for t in range(40):
+            q = r2.standard_normal((HQ, D)).astype(np.float32)
+            given = r.retrieve(0, q, torch=False) if t % 7 == 3 else None
+            x = sess.step(q, new_kv[t, 0], new_kv[t, 1], retrieval=given,
+                          include_new=include_new)
+            if include_new:
+                assert x.positions[-1] == s.num_tokens(0) + sess.pending - 1
+                assert same_bits(x.k[:, -1], new_kv[t, 0]) and same_bits(x.v[:, -1], new_kv[t, 1])
+            if reuse and given is None:
+                assert x.k.base is not None and np.shares_memory(x.k, sess._kb)
+            res.append((x.k.copy(), x.v.copy(), x.positions.copy(), x.admitted, x.evicted,
+                        x.flushed))
+        outs[reuse] = res
+        s.close()
+    for t, (a, b) in enumerate(zip(outs[False], outs[True])):
+        for u, w in zip(a, b):
+            assert u.shape == w.shape and same_bits(u, w), t
+
+
+def test_reuse_and_include_new_refuse_bad_values(store, rng):
+    s, kv, cl = store
+    r = Retriever(s, ratio=0.2)
+    for bad in ("yes", 1, None):
+        with pytest.raises(E.InvalidArgumentError, match="reuse_outputs"):
+            DecodeSession(r, 0, reuse_outputs=bad)
+    sess = DecodeSession(r, 0, reuse_outputs=True)
+    q = rng.standard_normal((HQ, D)).astype(np.float32)
+    new_kv = random_kv(rng, 1, H, D, "float16")
+    with pytest.raises(E.ShapeError, match="include_new"):
+        sess.step(q, include_new=True)
+    with pytest.raises(E.InvalidArgumentError, match="include_new"):
+        sess.step(q, new_kv[0, 0], new_kv[0, 1], include_new="yes")
+    assert sess.pending == 0

@@ -2,6 +2,7 @@
 retrieved entries over the oracle's top max(budget, n)."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -98,3 +99,27 @@ def test_summarize_averages_numbers_only():
     rows = [{"recall": 0.5, "entries": 4, "name": "a"}, {"recall": 1.0, "entries": 6,
                                                           "name": "b"}]
     assert summarize(rows) == {"recall": 0.75, "entries": 5.0}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_query_token_mass_equals_the_numpy_definition(rng, each_path, dtype):
+    """query_token_mass (C kernels on 2-byte keys, no fp32 copy of K) equals
+    token_mass(attention_logits(...)) for one query up to float rounding, on
+    every kernel path, with GQA groups, for fp16, bf16 and fp32 keys, and
+    for K that is a column slice of a larger buffer (as DecodeSession's)."""
+    import ml_dtypes
+
+    from swarmfs._kernels import set_kernel_path
+    from swarmfs._report import attention_logits, query_token_mass, token_mass
+    H, G, n, d = 4, 3, 700, 64
+    np_dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    buf = (rng.standard_normal((H, n + 50, d)) * 2).astype(np_dt)
+    k = buf[:, :n]
+    q = rng.standard_normal((H * G, d)).astype(np.float32)
+    want = token_mass(attention_logits(q[:, None, :], k.astype(np.float32), d ** -0.5))[0]
+    for path in each_path:
+        set_kernel_path(path)
+        got = query_token_mass(q, k, d ** -0.5)
+        assert got.shape == (n,) and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-9, err_msg=path)
+        assert abs(float(got.sum()) - 1.0) < 1e-4

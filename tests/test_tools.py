@@ -276,6 +276,18 @@ def test_bench_select_assembly_and_pipeline_measure_one_and_two_assembly_threads
             assert x["entries"] > 0 and x["total_us"] > 0 and x["assemble_us"] > 0
         assert asm[t][1]["gbps_vs_batch1"] == 1.0
     pipe = bench_pipeline(2, rng, L=2, S=2048)
-    for mode in ("sequential", "pipelined", "sequential_2t", "pipelined_2t"):
+    for mode in ("sequential", "pipelined", "sequential_2t", "pipelined_2t",
+                 "sequential_2t_reuse"):
         assert pipe[mode]["step_us"] > 0 and pipe[mode]["retrieval_us"] > 0, mode
     assert pipe["speedup"] > 0 and pipe["speedup_2t"] > 0
+
+
+def test_bench_select_session_steps_with_and_without_reused_outputs(rng):
+    """bench_select --session (small shape): both session kinds step and
+    their step, retrieval and upkeep medians are positive."""
+    from tools.bench_select import bench_session
+    out = bench_session(3, rng, S=2048, H=2, d=64, Hq=8)
+    assert out["entries"] > 0 and out["entry_bytes"] == 2 * 2 * 64 * 2
+    for key in ("copy", "reuse"):
+        x = out[key]
+        assert x["step_us"] > 0 and x["retrieval_us"] > 0 and x["step_us"] >= x["retrieval_us"]

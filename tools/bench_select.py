@@ -191,6 +191,25 @@ def bench_planning(reps, rng, n=100_000, replicated=0.3, ndisks=4, S=1 << 20, E=
             "requests": p.num_requests, "bucket_entries": p.disk_entries.tolist()}
 
 
+def random_store(path, rng, *, L, S, H, d, Hq, hot_random=False):
+    """A float16 store of L layers of S random entries on 4 file disks at
+    ``path``: clusters of 16 in random order, 1 in 50 hot (the first ones, or
+    random ones with ``hot_random``), a 256-token local window."""
+    from swarmfs import Store
+    s = Store.create(path, disks=4, num_layers=L, num_kv_heads=H, head_dim=d,
+                     num_query_heads=Hq, dtype="float16")
+    for layer in range(L):
+        kv = rng.standard_normal((S, 2, H, d)).astype(np.float16)
+        cl = np.array_split(rng.permutation(S), S // 16)
+        hot = np.zeros(len(cl), bool)
+        if hot_random:
+            hot[rng.choice(len(cl), len(cl) // 50, replace=False)] = True
+        else:
+            hot[: len(cl) // 50] = True
+        s.write_layer(layer, kv, cl, hot=hot, local_window=256)
+    return s
+
+
 def bench_assembly(reps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, batches=(1, 4, 8),
                    root=None):
     """Retrieve at batch 1, 4 and 8 from a store on tmpfs (Qwen3-32B-shaped
@@ -203,18 +222,11 @@ def bench_assembly(reps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, batches=(1, 4, 
         {threads: {batch: medians}}."""
     import tempfile
 
-    from swarmfs import Retriever, Store
+    from swarmfs import Retriever
     base = root or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     with tempfile.TemporaryDirectory(dir=base) as tmp:
-        s = Store.create(os.path.join(tmp, "st"), disks=4, num_layers=1, num_kv_heads=H,
-                         head_dim=d, num_query_heads=Hq, dtype="float16")
-        kv = rng.standard_normal((S, 2, H, d)).astype(np.float16)
-        perm = rng.permutation(S)
-        clusters = np.array_split(perm, S // 16)
-        hot = np.zeros(len(clusters), bool)
-        hot[rng.choice(len(clusters), len(clusters) // 50, replace=False)] = True
-        s.write_layer(0, kv, clusters, hot=hot, local_window=256)
-        del kv
+        s = random_store(os.path.join(tmp, "st"), rng, L=1, S=S, H=H, d=d, Hq=Hq,
+                         hot_random=True)
         ret = Retriever(s, ratio=r)
         qs = rng.standard_normal((max(batches), Hq, d)).astype(np.float32)
         out = {1: {}, 2: {}}
@@ -256,14 +268,21 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
     the Hq query heads over each layer's retrieved K/V: sequential (each
     layer retrieves, then attends) against ``pipelined_step`` (layer L+1's
     retrieval prefetched while layer L steps and attends), each with one
-    assembly thread and with two (keys ``*_2t``).  Medians."""
+    assembly thread and with two (keys ``*_2t``), and sequential with
+    sessions that build K/V in place (``reuse_outputs``, key
+    ``sequential_2t_reuse``).  Every step adds one new entry per layer
+    (pending in DRAM for the window's W steps), and the sequential steps
+    attend to it too (``include_new``), as a decode loop does.  The
+    configurations step in turn, step by step, so they share the machine's
+    noise (fewer steps than W, so no session appends).  Medians."""
     import tempfile
 
-    from swarmfs import DecodeSession, Retriever, Store, pipelined_step
+    from swarmfs import DecodeSession, Retriever, pipelined_step
     from swarmfs._report import attention_logits
     base = root or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     scale = d ** -0.5
     qs = rng.standard_normal((steps + 2, L, Hq, d)).astype(np.float32)
+    news = rng.standard_normal((steps + 2, L, 2, H, d)).astype(np.float16)
 
     def attend(i, res, q):
         lg = attention_logits(q[:, None, :], res.k, scale)[:, 0]      # [Hq, n]
@@ -273,46 +292,84 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
         return np.einsum("hgn,hnd->hgd", p.reshape(H, g, -1), res.v.astype(np.float32))
 
     with tempfile.TemporaryDirectory(dir=base) as tmp:
-        s = Store.create(os.path.join(tmp, "st"), disks=4, num_layers=L, num_kv_heads=H,
-                         head_dim=d, num_query_heads=Hq, dtype="float16")
-        for layer in range(L):
-            kv = rng.standard_normal((S, 2, H, d)).astype(np.float16)
-            cl = np.array_split(rng.permutation(S), S // 16)
-            hot = np.zeros(len(cl), bool)
-            hot[: len(cl) // 50] = True
-            s.write_layer(layer, kv, cl, hot=hot, local_window=256)
-        out = {}
-        for mode, threads in itertools.product(("sequential", "pipelined"), (1, 2)):
+        s = random_store(os.path.join(tmp, "st"), rng, L=L, S=S, H=H, d=d, Hq=Hq)
+        configs = [(m, t, False) for m in ("sequential", "pipelined") for t in (1, 2)] + \
+            [("sequential", 2, True)]
+        runs = []
+        for mode, threads, reuse in configs:
             r_obj = Retriever(s, ratio=r, assembly_threads=threads)
-            sess = [DecodeSession(r_obj, layer, adapt_cache=True) for layer in range(L)]
-            rows = []
-            for t in range(steps + 2):
-                q = qs[t]
+            runs.append((mode, threads, reuse, r_obj,
+                         [DecodeSession(r_obj, layer, adapt_cache=True, reuse_outputs=reuse)
+                          for layer in range(L)], []))
+        for t in range(steps + 2):             # the configurations step in turn
+            q = qs[t]
+            for mode, threads, reuse, r_obj, sess, rows in runs:
                 if mode == "pipelined":
-                    res = pipelined_step(sess, list(q), lambda i, x: attend(i, x, q[i]))
+                    res = pipelined_step(sess, list(q), lambda i, x: attend(i, x, q[i]),
+                                         new_kv=[(x[0], x[1]) for x in news[t]])
                     rows.append((res.step_us, res.sum_us, res.max_us, sum(res.retrieval_us),
                                  sum(res.compute_us)))
                 else:
                     t0 = time.perf_counter()
-                    ret_us = comp_us = 0.0
+                    ret_us = 0.0
                     for i in range(L):
-                        x = sess[i].step(q[i])
-                        tc = time.perf_counter()
+                        x = sess[i].step(q[i], news[t, i, 0], news[t, i, 1], include_new=True)
                         attend(i, x, q[i])
-                        comp_us += (time.perf_counter() - tc) * 1e6
                         ret_us += x.retrieval.stats.total_us
                     step = (time.perf_counter() - t0) * 1e6
                     rows.append((step, step, step, ret_us, step - ret_us))
+        out = {}
+        for mode, threads, reuse, r_obj, sess, rows in runs:
             r_obj.close()
-            rows = rows[2:]                    # warm-up: layer states, packed index
-            med = [statistics.median(c) for c in zip(*rows)]
-            out[mode if threads == 1 else mode + "_2t"] = {"step_us": med[0], "sum_us": med[1], "max_us": med[2],
-                         "retrieval_us": med[3], "compute_us": med[4]}
+            med = [statistics.median(c) for c in zip(*rows[2:])]   # warm-up: layer states
+            key = mode + ("_2t" if threads == 2 else "") + ("_reuse" if reuse else "")
+            out[key] = {"step_us": med[0], "sum_us": med[1], "max_us": med[2],
+                        "retrieval_us": med[3], "compute_us": med[4]}
         s.close()
     out["speedup"] = out["sequential"]["step_us"] / out["pipelined"]["step_us"]
     out["speedup_2t"] = out["sequential_2t"]["step_us"] / out["pipelined_2t"]["step_us"]
     return out
 
+
+
+def bench_session(steps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, root=None):
+    """``DecodeSession.step`` on one Qwen3-32B-shaped layer (4 KiB fp16
+    entries, S tokens, 4 file disks on tmpfs, r = 0.1): each step adds a new
+    entry and returns it too (``include_new``), as ``swarmfs.hf`` does;
+    sessions with and without ``reuse_outputs`` step in turn, over separate
+    Retrievers of one store.  Medians of the step, of its retrieval, and of
+    the rest (the session's upkeep: eq. 9 counts, §6.2 replacement, pending
+    entries, building K/V)."""
+    import tempfile
+
+    from swarmfs import DecodeSession, Retriever
+    base = root or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    with tempfile.TemporaryDirectory(dir=base) as tmp:
+        s = random_store(os.path.join(tmp, "st"), rng, L=1, S=S, H=H, d=d, Hq=Hq)
+        qs = rng.standard_normal((steps + 3, Hq, d)).astype(np.float32)
+        news = rng.standard_normal((steps + 3, 2, H, d)).astype(np.float16)
+        runs = {}
+        for reuse in (False, True):
+            ret = Retriever(s, ratio=r)
+            runs[reuse] = (ret, DecodeSession(ret, 0, reuse_outputs=reuse,
+                                              window=steps + 10), [], [])
+        n = 0
+        for t in range(steps + 3):
+            for reuse, (ret, sess, tot, rt) in runs.items():
+                t0 = time.perf_counter()
+                x = sess.step(qs[t], news[t, 0], news[t, 1], include_new=True)
+                tot.append((time.perf_counter() - t0) * 1e6)
+                rt.append(x.retrieval.stats.total_us)
+                n = x.k.shape[1]
+        out = {"tokens": S, "entries": n, "entry_bytes": s.entry_bytes}
+        for reuse, (ret, sess, tot, rt) in runs.items():
+            ret.close()
+            step, rtv = statistics.median(tot[3:]), statistics.median(rt[3:])
+            out["reuse" if reuse else "copy"] = {
+                "step_us": step, "retrieval_us": rtv,
+                "upkeep_us": statistics.median([a - b for a, b in zip(tot[3:], rt[3:])])}
+        s.close()
+    return out
 
 
 GATHER_SHAPES = (("Qwen3-32B, 32K, r = 0.1", 8, 128, np.float16, 3284),
@@ -456,6 +513,9 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
                    "without streaming stores, and a read of K/V after it")
 @click.option("--pipeline", is_flag=True,
               help="also time a decode step over 8 layers, sequential vs pipelined")
+@click.option("--session", is_flag=True,
+              help="also time DecodeSession.step (Qwen3-32B-shaped layer, 32K tokens), "
+                   "with and without reuse_outputs")
 @click.option("--recall", metavar="DIR",
               help="only measure the int8 index's recall against the exact score on "
                    "the demo's capture cast to fp16 (store written under DIR)")
@@ -577,13 +637,22 @@ def cli(ctx, **options):
     if a.pipeline:
         pipe = bench_pipeline(max(a.reps // 10, 8), rng)
         plan["pipeline"] = pipe
-        for mode in ("sequential", "pipelined", "sequential_2t", "pipelined_2t"):
+        for mode in ("sequential", "pipelined", "sequential_2t", "pipelined_2t",
+                     "sequential_2t_reuse"):
             x = pipe[mode]
             print(f"decode step, 8 layers, {mode}: {x['step_us'] / 1e3:.2f} ms (retrieval "
                   f"{x['retrieval_us'] / 1e3:.2f} ms + compute {x['compute_us'] / 1e3:.2f} ms; "
                   f"sum {x['sum_us'] / 1e3:.2f}, max {x['max_us'] / 1e3:.2f})")
         print(f"pipelined / sequential step: {1 / pipe['speedup']:.2f} (one assembly "
               f"thread), {1 / pipe['speedup_2t']:.2f} (two)")
+    if a.session:
+        ses = bench_session(max(a.reps // 8, 10), rng)
+        plan["session"] = ses
+        for key in ("copy", "reuse"):
+            x = ses[key]
+            print(f"DecodeSession.step ({ses['tokens']} tokens, {ses['entries']} entries of "
+                  f"{ses['entry_bytes']} B), {key}: {x['step_us'] / 1e3:.2f} ms (retrieval "
+                  f"{x['retrieval_us'] / 1e3:.2f} ms, upkeep {x['upkeep_us'] / 1e3:.2f} ms)")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"selection": rows, "planning": plan, "cluster_sizes": sizes,
