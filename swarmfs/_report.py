@@ -67,12 +67,14 @@ def query_token_mass(q, k, scaling: float) -> np.ndarray:
         scaling: softmax scale (usually d**-0.5).
     """
     q = _f32(q)
-    if not (isinstance(k, np.ndarray) and k.ndim == 3 and k.dtype.itemsize == 2):
+    if not (isinstance(k, np.ndarray) and k.ndim == 3 and q.ndim == 2 and
+            k.dtype.name in ("float16", "bfloat16") and k.shape[0] and
+            q.shape[0] % k.shape[0] == 0 and q.shape[1] == k.shape[2]):
         return token_mass(attention_logits(q[:, None, :], k, scaling))[0]
     from ._kernels import head_logits_half, softmax_sum
     H, n, d = k.shape
     g = q.shape[0] // H
-    bf16 = k.dtype != np.float16
+    bf16 = k.dtype.name == "bfloat16"
     lg = np.empty((q.shape[0], n), dtype=np.float32)
     for h in range(H):                      # one pass over each KV head's rows
         lg[h * g:(h + 1) * g] = head_logits_half(np.ascontiguousarray(k[h]),
