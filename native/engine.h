@@ -232,6 +232,10 @@ int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const
 int se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
                  uint64_t dbytes, const int64_t *dst_idx, int64_t n_total, char *k, char *v,
                  int nthreads);
+/* The inverse of se_gather_kv: column idx[i] of K and V [H, *, dbytes] (head
+ * strides in bytes) to row i of out [m, 2 * H * dbytes]. */
+void se_kv_rows(const char *k, const char *v, int64_t H, uint64_t dbytes, uint64_t kstride,
+                uint64_t vstride, const int64_t *idx, int64_t m, char *out);
 /* How se_gather_kv will store for these arguments on the current kernel path:
  * 2 = 512-bit non-temporal stores, 1 = 256-bit non-temporal stores, 0 = memcpy
  * (calls writing under 16 MiB, rows not a multiple of 64 bytes, K or V not

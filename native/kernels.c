@@ -2566,6 +2566,23 @@ GATHER_KV_STREAM(gather_kv_stream256, "avx2", LINE256)
 #undef GATHER_KV_STREAM
 #endif
 
+/* The inverse of the gather: column idx[i] of every head of K and V (head
+ * strides kstride and vstride bytes, dbytes per row) to row i of out
+ * [m, 2 * H * dbytes], K heads then V heads, as the entry is stored. */
+void se_kv_rows(const char *k, const char *v, int64_t H, uint64_t dbytes, uint64_t kstride,
+                uint64_t vstride, const int64_t *idx, int64_t m, char *out)
+{
+    uint64_t eb = 2 * (uint64_t)H * dbytes;
+    for (int64_t i = 0; i < m; i++) {
+        char *row = out + (uint64_t)i * eb;
+        uint64_t at = (uint64_t)idx[i] * dbytes;
+        for (int64_t h = 0; h < H; h++) {
+            memcpy(row + (uint64_t)h * dbytes, k + (uint64_t)h * kstride + at, dbytes);
+            memcpy(row + (uint64_t)(H + h) * dbytes, v + (uint64_t)h * vstride + at, dbytes);
+        }
+    }
+}
+
 /* The gather's strategy (engine.h): 2 = 512-bit streaming stores, 1 = 256-bit
  * streaming stores, 0 = memcpy.  Streaming needs whole 64-byte lines: rows of
  * a multiple of 64 bytes and 64-byte aligned K and V. */

@@ -24,6 +24,7 @@ from ._native import ffi, lib
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
            "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum",
            "choose_clusters", "select_fused", "pack_medoids", "gather_kv", "gather_kv_mode",
+           "kv_rows",
            "empty_aligned",
            "kernel_path",
            "thread_count",
@@ -221,6 +222,48 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
                                  ffi.from_buffer("char[]", k, require_writable=True),
                                  ffi.from_buffer("char[]", v, require_writable=True), threads))
 
+
+
+def kv_rows(k: np.ndarray, v: np.ndarray, idx) -> np.ndarray:
+    """Columns ``idx`` of K and V as stored entry rows, the inverse of
+    :func:`gather_kv`, in one pass in C: row i is K[:, idx[i]] of every head,
+    then V[:, idx[i]].
+
+    Args:
+        k, v: [H, n, d] arrays of one 2- or 4-byte dtype whose rows are
+            contiguous (each head's [n, d] block may sit inside a larger
+            buffer, e.g. ``kb[:, :n]`` of a reused output).
+        idx: int [m] columns in [0, n).
+
+    Returns:
+        uint8 [m, 2 * H * d * itemsize], a new array.
+
+    Raises:
+        InvalidArgumentError: shapes or dtypes that do not match, rows that
+            are not contiguous, or a column outside [0, n).
+    """
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, np.ndarray) or x.ndim != 3 or x.dtype.hasobject or \
+                x.itemsize not in (2, 4):
+            _fail(f"kv_rows: {name} must be an [H, n, d] array of 2- or 4-byte numbers")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        _fail(f"kv_rows: k {k.shape} {k.dtype} and v {v.shape} {v.dtype} differ")
+    H, n, d = k.shape
+    db = d * k.itemsize
+    for name, x in (("k", k), ("v", v)):
+        if x.size and (x.strides[2] != x.itemsize or x.strides[1] != db or x.strides[0] < 0):
+            _fail(f"kv_rows: {name}'s rows are not contiguous (strides {x.strides})")
+    idx = _vec(idx, np.int64, "kv_rows: idx")
+    m = idx.shape[0]
+    out = np.empty((m, 2 * H * db), dtype=np.uint8)
+    if m == 0:
+        return out
+    if idx.min() < 0 or idx.max() >= n:
+        _fail(f"kv_rows: a column outside [0, {n})")
+    lib.se_kv_rows(ffi.cast("char *", k.ctypes.data), ffi.cast("char *", v.ctypes.data), H, db,
+                   k.strides[0], v.strides[0], ffi.from_buffer("int64_t[]", idx), m,
+                   ffi.from_buffer("char[]", out, require_writable=True))
+    return out
 
 @boundary
 def empty_aligned(shape, dtype, align: int = 64) -> np.ndarray:

@@ -25,7 +25,7 @@ from . import _errors as errors
 from . import _stages as stages
 from ._defaults import RATIO
 from ._index import union_ints, unique_ints
-from ._kernels import empty_aligned
+from ._kernels import empty_aligned, kv_rows
 from ._selectors import MedoidSelector, Selector
 from ._store import Store, to_torch
 from ._window import entry_budget, window_positions, window_size
@@ -118,9 +118,7 @@ class Retrieval:
         """The entries at indices ``idx`` (into ``positions``) as stored rows:
         uint8 [len(idx), entry_bytes] (K heads then V heads); a copy."""
         k, v = self._kv_numpy()
-        idx = np.asarray(idx, dtype=np.int64)
-        kv = np.stack([k[:, idx], v[:, idx]], axis=0).transpose(2, 0, 1, 3)   # [n, 2, H, d]
-        return np.ascontiguousarray(kv).reshape(idx.shape[0], -1).view(np.uint8)
+        return kv_rows(k, v, np.asarray(idx, dtype=np.int64))        # one pass in C
 
     @functools.cached_property
     def rows(self) -> np.ndarray:

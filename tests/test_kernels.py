@@ -566,3 +566,45 @@ def test_streaming_gathers_plans_and_selections_from_many_threads(rng):
 
     bad += run_in_threads(work, 4)
     assert bad == []
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_kv_rows_is_the_inverse_of_gather_kv(rng, dtype):
+    """kv_rows(k, v, idx) returns the stored rows of columns idx (K heads then
+    V heads), equal to the numpy form, also for K/V that are column slices of
+    larger buffers (a reused output) and with repeated columns; gathering
+    those rows back with gather_kv restores K and V."""
+    import ml_dtypes
+
+    from swarmfs._kernels import gather_kv, kv_rows
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    H, n, d = 3, 57, 16
+    kb = rng.standard_normal((H, n + 9, d)).astype(dt)
+    vb = rng.standard_normal((H, n + 9, d)).astype(dt)
+    k, v = kb[:, :n], vb[:, :n]
+    idx = np.concatenate([rng.permutation(n), [5, 5, 0]])
+    got = kv_rows(k, v, idx)
+    want = np.ascontiguousarray(np.stack([k[:, idx], v[:, idx]]).transpose(2, 0, 1, 3))
+    assert got.shape == (idx.shape[0], 2 * H * d * k.itemsize) and got.dtype == np.uint8
+    assert same_bits(got, want.reshape(idx.shape[0], -1).view(np.uint8))
+    k2, v2 = np.zeros((H, n, d), dt), np.zeros((H, n, d), dt)
+    gather_kv(got.reshape(-1), np.arange(n, dtype=np.uint64) * np.uint64(got.shape[1]),
+              idx[:n], k2, v2)
+    assert same_bits(k2, k) and same_bits(v2, v)
+    assert kv_rows(k, v, []).shape == (0, got.shape[1])
+
+
+def test_kv_rows_refuses_what_does_not_fit():
+    from swarmfs._kernels import kv_rows
+    k = np.zeros((2, 8, 4), np.float16)
+    for args, match in (((k, k, [8]), "outside"), ((k, k, [-1]), "outside"),
+                        ((k, k[:, :, :2], [0]), "differ"),
+                        ((k, k.astype(np.float32), [0]), "differ"),
+                        ((k[:, :, ::2], k[:, :, ::2], [0]), "contiguous"),
+                        ((k.transpose(1, 0, 2), k.transpose(1, 0, 2), [0]), "contiguous"),
+                        ((np.zeros((2, 8, 4), np.float64),) * 2 + ([0],), "2- or 4-byte"),
+                        ((np.zeros((2, 8), np.float16),) * 2 + ([0],), "2- or 4-byte"),
+                        ((k, k, [0.5]), "integer"),
+                        ((k, k, np.array([2**63], np.uint64)), "outside")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            kv_rows(*args)
