@@ -30,6 +30,7 @@ import numpy as np
 
 from .._defaults import LOCAL_WINDOW, RATIO
 from .._errors import LayoutError, ShapeError
+from .._index import union_ints
 from .._report import attention_recall, oracle_mass
 from .._stages import choose
 from .._window import entry_budget, window_mask, window_size
@@ -167,7 +168,7 @@ def _evaluate(ptr, members, medoids, sizes, q_eval, k, kmed, in_win, budget, W, 
             c = chosen.shape[0]
             n = sizes[chosen]
             idx = np.repeat(ptr[chosen] - (np.cumsum(n) - n), n) + np.arange(n.sum())
-            toks = np.union1d(members[idx], np.flatnonzero(in_win))
+            toks = union_ints(members[idx], np.flatnonzero(in_win))
             pr = p[r]
             recall[a + r], _, top = attention_recall(pr, toks, budget)
             m = toks.shape[0]
