@@ -2635,8 +2635,28 @@ static void *gather_part_run(void *arg)
  * the same).  Measured on a 2-core VM: 0.7-0.8x the one-thread time at
  * 4 MiB, 0.6-0.7x at 8-51 MiB, 0.9x at 2 MiB and 1.5x at 1 MiB, where the
  * thread's start (about 0.1 ms) costs more than it saves (docs/benchmarks.md
- * section 9).  Returns 1 if the call was split. */
+ * section 9).  A call whose dst_idx repeats a column stays on one thread (the
+ * later entry wins, as without threads).  Returns 1 if the call was split. */
 #define SE_GATHER_SPLIT_BYTES ((uint64_t)4 << 20)
+
+/* Whether no column repeats in dst_idx [n] (values in [0, n_total)): only
+ * then may two threads place the halves, since with a repeat one thread
+ * keeps the later entry and two would race for it (a bitmap: n_total bits;
+ * 0 when it cannot be had, so the call stays on one thread). */
+static int distinct_columns(const int64_t *dst_idx, int64_t n, int64_t n_total)
+{
+    uint64_t *seen = calloc(((uint64_t)n_total + 63) / 64, sizeof(uint64_t));
+    if (!seen)
+        return 0;
+    int ok = 1;
+    for (int64_t i = 0; i < n && ok; i++) {
+        uint64_t c = (uint64_t)dst_idx[i], bit = (uint64_t)1 << (c % 64);
+        ok = !(seen[c / 64] & bit);
+        seen[c / 64] |= bit;
+    }
+    free(seen);
+    return ok;
+}
 
 int se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
                  uint64_t dbytes, const int64_t *dst_idx, int64_t n_total, char *k, char *v,
@@ -2648,7 +2668,8 @@ int se_gather_kv(const char *src, const uint64_t *src_off, int64_t n, int64_t H,
     int split = 0;
     pthread_t th;
     struct gather_part b = a;
-    if (nthreads >= 2 && written >= SE_GATHER_SPLIT_BYTES && n >= 2) {
+    if (nthreads >= 2 && written >= SE_GATHER_SPLIT_BYTES && n >= 2 &&
+        distinct_columns(dst_idx, n, n_total)) {
         a.n = n / 2;
         b.n = n - a.n;
         b.src_off = src_off + a.n;

@@ -42,7 +42,7 @@ def _arr(x, what: str, *, writable: bool = False) -> np.ndarray:
     if not isinstance(x, np.ndarray):
         try:
             x = np.asarray(x)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:   # RuntimeError: torch grads
             _fail(f"{what} is not an array: {exc}")
     if x.dtype.hasobject:              # C reads and writes raw bytes: never object pointers
         _fail(f"{what} holds Python objects ({x.dtype}), not numbers")
@@ -172,7 +172,8 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
             the call and joined before it returns (both cores for one step's
             assembly, issue 10): at 4-54 MB 0.6-0.8x the one-thread time on a
             2-core VM; below 4 MiB the thread's start costs more than it
-            saves, so such calls stay on one thread.
+            saves, so such calls stay on one thread, as do calls whose
+            ``dst_idx`` repeats a column (where the later entry wins).
 
     Returns:
         True if the call was split over two threads.
@@ -188,7 +189,8 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
 
     Concurrency: calls may run at the same time on different outputs; two
     calls writing one output at once are the caller's race (a split call's
-    two threads write disjoint columns when ``dst_idx`` holds no repeats).
+    two threads write disjoint columns: it splits only when ``dst_idx``
+    holds no repeats).
 
     Raises:
         InvalidArgumentError: shapes, bounds or dtypes that do not fit
@@ -306,8 +308,13 @@ def gather_kv_mode(k: np.ndarray, v: np.ndarray, n: int) -> str:
     if not (isinstance(k, np.ndarray) and isinstance(v, np.ndarray)) or k.ndim != 3 or \
             k.shape != v.shape or k.dtype != v.dtype:
         _fail("gather_kv_mode: k and v must be [H, n, d] arrays of one shape and dtype")
+    if k.dtype.hasobject or k.itemsize not in (2, 4):
+        _fail(f"gather_kv_mode: K and V must hold 2- or 4-byte numbers, got {k.dtype}")
     n = _count_arg(n, "gather_kv_mode: n")
     H, _, d = k.shape
+    if n * 2 * H * d * k.itemsize >= 1 << 63:               # Python ints: no overflow
+        _fail(f"gather_kv_mode: {n} entries of {2 * H * d * k.itemsize} bytes is more than "
+              "any memory")
     mode = lib.se_gather_kv_mode(d * k.itemsize, int(n), H, ffi.cast("char *", k.ctypes.data),
                                  ffi.cast("char *", v.ctypes.data))
     return ("copy", "stream256", "stream512")[int(mode)]
@@ -477,10 +484,18 @@ def head_logits_half(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *,
 
 def softmax_sum(x: np.ndarray, scale: float) -> np.ndarray:
     """Sum over rows of softmax(scale * row): float32 [n] for x float32 [nh, n]
-    (C, vectorised exp)."""
+    (C, vectorised exp).
+
+    Raises:
+        InvalidArgumentError: x not 2-D or not finite (the vector paths and
+            the scalar one would treat NaN and inf differently), or scale
+            not a number.
+    """
     x = _floats(x, "x")
     if x.ndim != 2:
         _fail(f"softmax_sum: x must be 2-D, got {x.shape}")
+    if not np.isfinite(x).all():
+        _fail("softmax_sum: x holds NaN or inf")
     try:
         scale = float(scale)
     except (TypeError, ValueError):

@@ -50,8 +50,9 @@ class StepResult:
         k, v: numpy [H_kv, n, head_dim]: the retrieved entries followed by the
             new entries still pending in DRAM (store dtype), then, with
             ``step(include_new=True)``, this step's own entry.  With
-            ``DecodeSession(reuse_outputs=True)`` they are views of the
-            session's buffers, valid until its next step.
+            ``DecodeSession(reuse_outputs=True)`` they, and ``retrieval.k``
+            and ``retrieval.v``, are views of the session's buffers, valid
+            until its next step (copy what must outlive it).
         positions: int64 [n] token positions (pending ones, and this step's
             own entry, are >= the layer's stored length).
         retrieval: the underlying :class:`Retrieval` of stored entries.
@@ -102,9 +103,9 @@ class DecodeSession:
             (64-byte aligned, so assembly streams whole lines), and place the
             pending entries (and with ``include_new`` this step's entry) after
             the retrieved ones in place: no copy of the retrieved K/V per step
-            and no fresh pages to fault in.  The returned K/V are then views
-            valid until the next step (a step with a given ``retrieval``
-            copies as without this option).
+            and no fresh pages to fault in.  The returned K/V (the step's and
+            its retrieval's) are then views valid until the next step (a
+            step with a given ``retrieval`` copies as without this option).
 
     Concurrency:
         One thread at a time may call :meth:`step` or :meth:`flush` for a
@@ -240,12 +241,13 @@ class DecodeSession:
             lock.release()
 
     def _step(self, q: np.ndarray, row, retrieval, include_new: bool) -> StepResult:
-        self._check_layer(self.r.index(self.layer))
+        li0 = self.r.index(self.layer)
+        self._check_layer(li0)
         n_pend = self._n_pend
         n_new = n_pend + (1 if include_new else 0)     # entries after the retrieved ones
         out = None
         if retrieval is None:
-            out = self._outputs(n_new) if self.reuse_outputs else None
+            out = self._outputs(li0, n_new) if self.reuse_outputs else None
             ret = self.r.retrieve(self.layer, q, torch=False, out=out)
         else:
             ret = retrieval
@@ -282,11 +284,12 @@ class DecodeSession:
         return StepResult(k=k, v=v, positions=pos, retrieval=ret, admitted=admitted,
                           evicted=evicted, flushed=flushed)
 
-    def _outputs(self, after: int):
+    def _outputs(self, li, after: int):
         """The session's K/V buffers [H_kv, cap, d], grown (by 1.25x) to hold
-        any retrieval of the layer (at most its S distinct entries) plus
+        any retrieval of the layer (at most its S distinct entries, or all
+        its M stored copies when the Retriever reads without dedup) plus
         ``after`` entries: untouched columns cost no memory until used."""
-        need = self.store.num_tokens(self.layer) + after
+        need = (li.num_tokens if self.r.dedup else li.num_copies) + after
         if self._kb is None or self._kb.shape[1] < need:
             shape = (self.store.num_kv_heads, need + need // 4, self.store.head_dim)
             self._kb = empty_aligned(shape, self.store.np_dtype)
@@ -355,8 +358,13 @@ class DecodeSession:
         return want
 
     def _check_layer(self, li) -> None:
+        """The layer is as this session left it: the Retriever's index has the
+        session's clusters, and the store holds no tokens beyond that index
+        (another writer's append, even before the Retriever is refreshed,
+        would make this session's pending positions collide with its)."""
         if li.num_clusters != self.freq.shape[0] or \
-                li.num_clusters != self.pend_f.shape[1]:
+                li.num_clusters != self.pend_f.shape[1] or \
+                self.store.num_tokens(self.layer) != li.num_tokens:
             raise errors.SwarmError("the layer changed under this DecodeSession (another writer "
                                     "appended to it); start a new session", layer=self.layer)
 

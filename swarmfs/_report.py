@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._errors import InvalidArgumentError, ShapeError
 from ._index import unique_ints
 from ._window import entry_budget
 
@@ -57,28 +58,49 @@ def query_token_mass(q, k, scaling: float) -> np.ndarray:
     :func:`attention_logits` for a single query: float32 [S].
 
     Args:
-        q: float32 [H_q, d], one query.
-        k: [H_kv, S, d] keys, each head's rows contiguous; float16 or
-            bfloat16 (2-byte) keys are scored by the C kernels straight from
-            their dtype (``head_logits_half`` per KV head, then
-            ``softmax_sum``), with no float32 copy of K (numpy's conversion
-            alone took 5.8 ms at 3,400 Qwen3-32B-shaped entries); float32 keys
-            by numpy.  The two forms agree up to float rounding.
-        scaling: softmax scale (usually d**-0.5).
+        q: float32 [H_q, d], one query (H_q a multiple of H_kv).
+        k: [H_kv, S, d] keys; float16 or bfloat16 keys are scored by the C
+            kernels straight from their dtype (``head_logits_half`` per KV
+            head, then ``softmax_sum``), with no float32 copy of K (numpy's
+            conversion alone took 5.8 ms at 3,400 Qwen3-32B-shaped
+            entries); other keys by numpy.  The two forms agree up to float
+            rounding; logits that are not finite (keys or queries so large
+            that they overflow) take the numpy form on every kernel path, so
+            the result does not depend on the path.
+        scaling: softmax scale (usually d**-0.5), finite and > 0.
+
+    Raises:
+        ShapeError: q and k do not fit (dimensions, head counts).
+        InvalidArgumentError: scaling not a finite positive number.
     """
     q = _f32(q)
-    if not (isinstance(k, np.ndarray) and k.ndim == 3 and q.ndim == 2 and
-            k.dtype.name in ("float16", "bfloat16") and k.shape[0] and
-            q.shape[0] % k.shape[0] == 0 and q.shape[1] == k.shape[2]):
+    if not isinstance(k, np.ndarray):
+        k = _f32(k)
+    if q.ndim != 2 or k.ndim != 3 or q.shape[1] != k.shape[2] or k.shape[0] == 0 or \
+            q.shape[0] == 0 or q.shape[0] % k.shape[0]:
+        raise ShapeError(f"query {q.shape} and keys {k.shape} do not fit: need q [H_q, d] "
+                         f"and k [H_kv, S, d] with H_q a multiple of H_kv")
+    try:
+        scaling = float(scaling)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"scaling {scaling!r} is not a number") from None
+    if not (np.isfinite(scaling) and scaling > 0):
+        raise InvalidArgumentError(f"scaling {scaling} must be finite and > 0")
+    H, n, d = k.shape
+    if n == 0:
+        return np.zeros(0, dtype=np.float32)
+    if k.dtype.name not in ("float16", "bfloat16"):
         return token_mass(attention_logits(q[:, None, :], k, scaling))[0]
     from ._kernels import head_logits_half, softmax_sum
-    H, n, d = k.shape
     g = q.shape[0] // H
-    bf16 = k.dtype.name == "bfloat16"
     lg = np.empty((q.shape[0], n), dtype=np.float32)
     for h in range(H):                      # one pass over each KV head's rows
         lg[h * g:(h + 1) * g] = head_logits_half(np.ascontiguousarray(k[h]),
-                                                 q[None, h * g:(h + 1) * g], 1, bf16=bf16)[0]
+                                                 q[None, h * g:(h + 1) * g], 1,
+                                                 bf16=k.dtype.name == "bfloat16")[0]
+    if not np.isfinite(lg).all():
+        with np.errstate(invalid="ignore", over="ignore"):
+            return token_mass(lg[:, None, :] * np.float32(scaling))[0]
     return softmax_sum(lg, scaling) / np.float32(q.shape[0])
 
 

@@ -596,7 +596,8 @@ class Retriever:
                 arrays or torch CPU tensors [H_kv, cap, head_dim] of the store
                 dtype with cap >= n, C-contiguous, reused across steps as a
                 serving engine would (no page faults on fresh memory); the
-                returned K and V are the views ``k[:, :n]``, ``v[:, :n]``.
+                returned K and V are the views ``k[:, :n]``, ``v[:, :n]`` (of
+                the buffers' own kind: ``torch`` and ``pinned`` are ignored).
                 64-byte aligned buffers (:meth:`kv_buffers`, torch tensors)
                 let large steps store around the cache.
 
@@ -662,7 +663,13 @@ class Retriever:
                 import torch as _torch
                 if str(x.dtype) != f"torch.{self.store.dtype}" or x.device.type != "cpu":
                     raise errors.InvalidArgumentError(f"out {name} is {x.dtype} on {x.device}; "
-                                                      f"need {self.store.dtype} on the CPU")
+                                                      f"need {self.store.dtype} on the CPU",
+                                                      store=self.store.path)
+                if x.requires_grad:
+                    raise errors.InvalidArgumentError(f"out {name} requires grad; retrieve "
+                                                      "into a tensor without autograd history "
+                                                      "(e.g. under torch.no_grad())",
+                                                      store=self.store.path)
                 a = x.view(_torch.int16).numpy().view(self.store.np_dtype) \
                     if self.store.dtype == "bfloat16" else x.numpy()
             else:
@@ -676,7 +683,8 @@ class Retriever:
                     f"{getattr(a, 'dtype', type(a))}")
             if a.shape[1] < n:
                 raise errors.InvalidArgumentError(f"out {name} holds {a.shape[1]} entries; this "
-                                                  f"retrieval returns {n}")
+                                                  f"retrieval returns {n}",
+                                                  store=self.store.path)
             arrs.append(a)
         if arrs[0].shape != arrs[1].shape:
             raise errors.InvalidArgumentError("out k and v differ in shape")

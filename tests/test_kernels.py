@@ -608,3 +608,42 @@ def test_kv_rows_refuses_what_does_not_fit():
                         ((k, k, np.array([2**63], np.uint64)), "outside")):
         with pytest.raises(InvalidArgumentError, match=match):
             kv_rows(*args)
+
+
+def test_gather_kv_on_two_threads_with_a_repeated_column_keeps_the_later_entry(rng):
+    """A call whose dst_idx repeats columns (each written by both halves)
+    stays on one thread even with threads=2: the later entry wins, as with
+    one thread, every time (a split would race per column)."""
+    from swarmfs._kernels import gather_kv
+    H, d, m = 8, 128, 2100                                  # 8.6 MB: a split size
+    rows = rng.standard_normal((m, 2, H, d)).astype(np.float16)
+    buf = rows.reshape(-1).view(np.uint8)
+    src = np.arange(m, dtype=np.uint64) * np.uint64(rows[0].nbytes)
+    idx = np.arange(m) % (m // 2)
+    k1, v1 = np.zeros((H, m // 2, d), np.float16), np.zeros((H, m // 2, d), np.float16)
+    assert gather_kv(buf, src, idx, k1, v1) is False
+    assert same_bits(k1, rows[m // 2:, 0].transpose(1, 0, 2))
+    for _ in range(20):
+        k2, v2 = np.zeros_like(k1), np.zeros_like(v1)
+        assert gather_kv(buf, src, idx, k2, v2, threads=2) is False
+        assert same_bits(k1, k2) and same_bits(v1, v2)
+
+
+def test_softmax_sum_refuses_values_that_are_not_finite():
+    from swarmfs._kernels import softmax_sum
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.zeros((2, 40), np.float32)
+        x[1, 17] = bad
+        with pytest.raises(InvalidArgumentError, match="NaN or inf"):
+            softmax_sum(x, 0.5)
+
+
+def test_kernels_refuse_torch_tensors_that_require_grad():
+    """A torch output that requires grad is an InvalidArgumentError, not
+    torch's RuntimeError (gather_kv; Retriever's out= is tested with it)."""
+    torch = pytest.importorskip("torch")
+    from swarmfs._kernels import gather_kv
+    k = torch.zeros((2, 4, 8), dtype=torch.float16, requires_grad=True)
+    v = torch.zeros((2, 4, 8), dtype=torch.float16)
+    with pytest.raises(InvalidArgumentError, match="not an array"):
+        gather_kv(np.zeros(64, np.uint8), [0], [0], k, v)

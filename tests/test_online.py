@@ -503,3 +503,61 @@ def test_reuse_and_include_new_refuse_bad_values(store, rng):
     with pytest.raises(E.InvalidArgumentError, match="include_new"):
         sess.step(q, new_kv[0, 0], new_kv[0, 1], include_new="yes")
     assert sess.pending == 0
+
+
+def test_a_foreign_append_is_refused_before_the_step_changes_anything(tmp_path, rng):
+    """Another writer appends to the layer (the Retriever not refreshed):
+    the session's next step raises SwarmError at once, before adding its
+    entry or touching counts and frequencies (its pending positions would
+    collide with the other writer's tokens), and keeps refusing."""
+    s, kv, cl = random_layer_store(tmp_path / "st", rng, S=300, H=H, HQ=HQ, D=D, disks=2,
+                                   clusters=20, local_window=16)
+    try:
+        r = Retriever(s, ratio=0.3)
+        for reuse in (False, True):
+            sess = DecodeSession(r, 0, window=2, flush_batch=1, reuse_outputs=reuse)
+            new = random_kv(rng, 4, H, D, "float16")
+            q = rng.standard_normal((HQ, D)).astype(np.float32)
+            sess.step(q, new[0, 0], new[0, 1])
+            n0 = s.num_tokens(0)
+            s.append(0, random_kv(rng, 3, H, D, "float16"), (np.array([0, 1, 2, 3]),
+                                                             np.array([0, 0, 0])))
+            pend, freq, age = sess.pending, sess.freq.copy(), sess.pend_age.copy()
+            for t in (1, 2):
+                with pytest.raises(E.SwarmError, match="changed under this DecodeSession"):
+                    sess.step(q, new[t, 0], new[t, 1], include_new=True)
+                assert sess.pending == pend and np.array_equal(sess.freq, freq)
+                assert np.array_equal(sess.pend_age, age)
+            assert s.num_tokens(0) == n0 + 3
+            r.refresh(0)                        # a new session on the new layer works
+            DecodeSession(r, 0, reuse_outputs=reuse).step(q, new[3, 0], new[3, 1])
+    finally:
+        s.close()
+
+
+def test_reused_outputs_hold_every_copy_when_the_retriever_reads_without_dedup(tmp_path, rng):
+    """With Retriever(dedup=False) a step returns every stored copy (more
+    than S with replicas); reuse_outputs sizes its buffers for that and
+    returns what a copying session returns."""
+    res = {}
+    for reuse in (False, True):
+        r2 = np.random.default_rng(3)
+        s, kv, cl = random_layer_store(tmp_path / f"st{reuse}", r2, S=300, H=H, HQ=HQ, D=D,
+                                       disks=2, clusters=20, extra_copies=250,
+                                       local_window=16)
+        try:
+            r = Retriever(s, ratio=1.0, dedup=False)
+            sess = DecodeSession(r, 0, reuse_outputs=reuse)
+            new = random_kv(r2, 3, H, D, "float16")
+            out = []
+            for t in range(3):
+                q = r2.standard_normal((HQ, D)).astype(np.float32)
+                x = sess.step(q, new[t, 0], new[t, 1], include_new=True)
+                out.append((x.k.copy(), x.v.copy(), x.positions.copy()))
+            assert out[-1][2].shape[0] > s.num_tokens(0)       # copies beyond S
+            res[reuse] = out
+        finally:
+            s.close()
+    for a, b in zip(res[False], res[True]):
+        for u, w in zip(a, b):
+            assert same_bits(u, w)

@@ -123,3 +123,40 @@ def test_query_token_mass_equals_the_numpy_definition(rng, each_path, dtype):
         assert got.shape == (n,) and got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-9, err_msg=path)
         assert abs(float(got.sum()) - 1.0) < 1e-4
+
+
+
+def test_query_token_mass_refuses_what_does_not_fit_on_every_dtype(rng):
+    """Head counts that do not divide, mismatched dimensions, a bad scale:
+    SwarmError subclasses on the C path and the numpy path alike; no keys:
+    an empty mass."""
+    from swarmfs._errors import InvalidArgumentError, ShapeError
+    from swarmfs._report import query_token_mass
+    for dt in (np.float16, np.float32):
+        k = rng.standard_normal((2, 50, 16)).astype(dt)
+        q = rng.standard_normal((4, 16)).astype(np.float32)
+        for qq, kk in ((q[:3], k), (q[:, :8], k), (q, k[:0]), (q[0], k), (q, k[0])):
+            with pytest.raises(ShapeError):
+                query_token_mass(qq, kk, 0.25)
+        for bad in (0.0, -1.0, np.nan, np.inf, "x"):
+            with pytest.raises(InvalidArgumentError):
+                query_token_mass(q, k, bad)
+        assert query_token_mass(q, k[:, :0], 0.25).shape == (0,)
+
+
+def test_query_token_mass_of_overflowing_logits_is_the_same_on_every_path(rng, each_path):
+    """Keys near float16's largest value with a large query overflow the
+    logits to inf: every kernel path then returns the numpy definition's
+    result (NaN where softmax of inf is undefined), not a path's own."""
+    from swarmfs._kernels import set_kernel_path
+    from swarmfs._report import attention_logits, query_token_mass, token_mass
+    k = rng.standard_normal((2, 37, 16)).astype(np.float16)
+    k[1, 20] = 60000.0
+    q = np.full((4, 16), 1e35, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = token_mass(attention_logits(q[:, None, :], k.astype(np.float32), 0.25))[0]
+    for path in each_path:
+        set_kernel_path(path)
+        got = query_token_mass(q, k, 0.25)
+        assert np.array_equal(np.isnan(got), np.isnan(want)), path
+        np.testing.assert_allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=1e-5)

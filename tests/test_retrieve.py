@@ -257,6 +257,10 @@ def test_retrieve_into_kv_buffers_stores_whole_lines_on_every_path(tmp_path, rng
         for bad in (0, -3, 2.5, True):
             with pytest.raises(E.InvalidArgumentError):
                 r.kv_buffers(bad)
+        torch = pytest.importorskip("torch")
+        kg = torch.zeros((H_, S_, D_), dtype=torch.float16, requires_grad=True)
+        with pytest.raises(E.InvalidArgumentError, match="requires grad"):
+            r.retrieve(0, q, torch=False, out=(kg, torch.zeros_like(kg)))
         for bad in (0, 3, 1.5, True, "2"):
             with pytest.raises(E.InvalidArgumentError, match="assembly_threads") as ei:
                 Retriever(s, assembly_threads=bad)
