@@ -159,7 +159,7 @@ class DecodeSession:
                                                   f"{v!r}", layer=layer)
         self.r = retriever
         self.store = retriever.store
-        self.layer = int(layer)
+        self.layer = errors.as_index(layer, "layer", store=self.store.path)
         li = retriever.index(self.layer)
         hot = retriever.hot(self.layer)
         self.tau, self.max_joins = float(tau), int(max_joins)
@@ -251,7 +251,10 @@ class DecodeSession:
             ret = self.r.retrieve(self.layer, q, torch=False, out=out)
         else:
             ret = retrieval
-            if not isinstance(ret, Retrieval) or ret.layer != self.layer or \
+            if not isinstance(ret, Retrieval):
+                raise errors.InvalidArgumentError(f"retrieval must be a Retrieval, got "
+                                                  f"{type(ret).__name__}", layer=self.layer)
+            if ret.layer != self.layer or \
                     ret.index is not self.r.index(self.layer) \
                     or hasattr(ret.k, "detach"):
                 raise errors.SwarmError("the given retrieval is not a numpy retrieval of this "

@@ -395,6 +395,7 @@ class Retriever:
         :meth:`Store.append`); it is rebuilt on next use with ``hot`` as the
         hot-cluster mask (default the store's).  Retrievals already running
         finish on the state they started with."""
+        layer = self._layer(layer)
         with self._lock:
             self._layers.pop(layer, None)
             if hot is not None:
@@ -436,7 +437,13 @@ class Retriever:
 
     def layer_state(self, layer: int) -> _LayerState:
         """The DRAM partition of a layer (loaded on first use: one batched read
-        of the local window and the hot clusters)."""
+        of the local window and the hot clusters).
+
+        Raises:
+            OutOfRangeError: ``layer`` is not an integer (a bool or a float
+                would otherwise find another key's state) or not stored.
+        """
+        layer = self._layer(layer)
         st = self._layers.get(layer)
         if st is None:
             with self._lock:
@@ -450,9 +457,14 @@ class Retriever:
                     self._layers[layer] = st
         return st
 
+    def _layer(self, layer) -> int:
+        """``layer`` as an int (the one check of every layer argument here)."""
+        return errors.as_index(layer, "layer", store=self.store.path)
+
     def step_lock(self, layer: int) -> threading.Lock:
         """The lock a :class:`~swarmfs.DecodeSession` holds while it steps
         ``layer`` (one stepping session per layer at a time)."""
+        layer = self._layer(layer)
         with self._lock:
             lk = self._step_locks.get(layer)
             if lk is None:

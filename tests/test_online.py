@@ -561,3 +561,24 @@ def test_reused_outputs_hold_every_copy_when_the_retriever_reads_without_dedup(t
     for a, b in zip(res[False], res[True]):
         for u, w in zip(a, b):
             assert same_bits(u, w)
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, True, "0", None])
+def test_a_layer_that_is_not_an_integer_is_refused_everywhere(store, rng, bad):
+    """Every Retriever method taking a layer, and DecodeSession, refuse a
+    layer that is not an integer: a float or a bool would otherwise find
+    another layer's cached state (0.0 == 0, True == 1) once it is loaded."""
+    s, kv, cl = store
+    r = Retriever(s, ratio=0.2)
+    q = rng.standard_normal((HQ, D)).astype(np.float32)
+    r.retrieve(0, q)                                       # layer 0's state is loaded
+    for call in (lambda: r.window(bad), lambda: r.budget(bad), lambda: r.hot(bad),
+                 lambda: r.index(bad), lambda: r.dram_window(bad), lambda: r.layer_state(bad),
+                 lambda: r.step_lock(bad), lambda: r.refresh(bad), lambda: r.retrieve(bad, q),
+                 lambda: r.select(bad, q), lambda: DecodeSession(r, bad)):
+        with pytest.raises(E.OutOfRangeError, match="layer must be an integer"):
+            call()
+    sess = DecodeSession(r, 0)
+    with pytest.raises(E.InvalidArgumentError, match="must be a Retrieval"):
+        sess.step(q, retrieval="x")
+    assert sess.pending == 0
