@@ -213,6 +213,8 @@ class DecodeSession:
         Raises:
             ShapeError: a query, K or V of the wrong shape or dtype, or K/V
                 holding NaN or inf; ``include_new`` without K and V.
+            InvalidArgumentError: ``include_new`` not a bool, or a
+                ``retrieval`` that is not a :class:`Retrieval`.
             ConcurrentUseError: another thread is stepping this layer of the
                 Retriever (this or another session); nothing was done.
             SwarmError: the layer changed under the session (another writer).
