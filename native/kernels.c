@@ -2060,13 +2060,20 @@ int64_t coalesce_runs(const uint64_t *kb, int64_t kwords, int ob, int tz, uint64
  * The random-access writes are few: chosen[u] (once per candidate), and
  * the small bitmaps; the rest is written in order.  Same results every way
  * (tests/test_planner.py checks each path against the numpy specification). */
+/* The planner's parameters and arguments, shared by its body and the
+ * builds that wrap it (engine.h: se_plan_reads). */
+#define PLAN_PARAMS                                                                       \
+    int64_t m, const int64_t *tok, const int32_t *cdisk, const uint64_t *coff, int ndisks, \
+    uint64_t E, uint64_t bs, uint64_t max_gap, uint64_t max_request, int balanced,          \
+    int dedup, int64_t *utok, int64_t *chosen, uint64_t *src, int64_t *n_entries,          \
+    int32_t *rdisk, uint64_t *roff, uint32_t *rlen, uint64_t *rdst, uint64_t *staging,      \
+    int64_t *disk_entries, int64_t *disk_bytes
+#define PLAN_ARGS                                                                         \
+    m, tok, cdisk, coff, ndisks, E, bs, max_gap, max_request, balanced, dedup, utok,      \
+    chosen, src, n_entries, rdisk, roff, rlen, rdst, staging, disk_entries, disk_bytes
+
 static inline __attribute__((always_inline))
-int64_t plan_body(int64_t m, const int64_t *tok, const int32_t *cdisk, const uint64_t *coff,
-                  int ndisks, uint64_t E, uint64_t bs, uint64_t max_gap,
-                  uint64_t max_request, int balanced, int dedup,
-                  int64_t *utok, int64_t *chosen, uint64_t *src, int64_t *n_entries,
-                  int32_t *rdisk, uint64_t *roff, uint32_t *rlen, uint64_t *rdst,
-                  uint64_t *staging, int64_t *disk_entries, int64_t *disk_bytes)
+int64_t plan_body(PLAN_PARAMS)
 {
     /* 0. the arguments' ranges, and the spans that choose the paths */
     plan_ranges rg = {0, ~(uint64_t)0, 0, 0, 0};
@@ -2460,25 +2467,13 @@ int64_t plan_body(int64_t m, const int64_t *tok, const int32_t *cdisk, const uin
 /* the same planner compiled with popcnt (the rank passes) and BMI2's
  * one-uop variable shifts (the key arithmetic) */
 __attribute__((target("popcnt,bmi,bmi2")))
-static int64_t plan_bmi2(int64_t m, const int64_t *tok, const int32_t *cdisk,
-                         const uint64_t *coff, int ndisks, uint64_t E, uint64_t bs,
-                         uint64_t max_gap, uint64_t max_request, int balanced, int dedup,
-                         int64_t *utok, int64_t *chosen, uint64_t *src, int64_t *n_entries,
-                         int32_t *rdisk, uint64_t *roff, uint32_t *rlen, uint64_t *rdst,
-                         uint64_t *staging, int64_t *disk_entries, int64_t *disk_bytes)
+static int64_t plan_bmi2(PLAN_PARAMS)
 {
-    return plan_body(m, tok, cdisk, coff, ndisks, E, bs, max_gap, max_request, balanced, dedup,
-                     utok, chosen, src, n_entries, rdisk, roff, rlen, rdst, staging,
-                     disk_entries, disk_bytes);
+    return plan_body(PLAN_ARGS);
 }
 #endif
 
-int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const uint64_t *coff,
-                      int ndisks, uint64_t E, uint64_t bs, uint64_t max_gap,
-                      uint64_t max_request, int balanced, int dedup,
-                      int64_t *utok, int64_t *chosen, uint64_t *src, int64_t *n_entries,
-                      int32_t *rdisk, uint64_t *roff, uint32_t *rlen, uint64_t *rdst,
-                      uint64_t *staging, int64_t *disk_entries, int64_t *disk_bytes)
+int64_t se_plan_reads(PLAN_PARAMS)
 {
     if (m < 0 || m >= ((int64_t)1 << 32) || ndisks <= 0 || E == 0 || bs == 0 || (bs & (bs - 1)))
         return -EINVAL;
@@ -2491,14 +2486,12 @@ int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const
 #if SE_X86
     if (__builtin_cpu_supports("popcnt") && __builtin_cpu_supports("bmi") &&
         __builtin_cpu_supports("bmi2"))
-        return plan_bmi2(m, tok, cdisk, coff, ndisks, E, bs, max_gap, max_request, balanced,
-                         dedup, utok, chosen, src, n_entries, rdisk, roff, rlen, rdst, staging,
-                         disk_entries, disk_bytes);
+        return plan_bmi2(PLAN_ARGS);
 #endif
-    return plan_body(m, tok, cdisk, coff, ndisks, E, bs, max_gap, max_request, balanced, dedup,
-                     utok, chosen, src, n_entries, rdisk, roff, rlen, rdst, staging,
-                     disk_entries, disk_bytes);
+    return plan_body(PLAN_ARGS);
 }
+#undef PLAN_PARAMS
+#undef PLAN_ARGS
 
 /* ---- assembly: entries straight into K and V [H, n_total, d] ------------------
  * Entry i (its H K rows, then its H V rows, dbytes each) goes to column

@@ -240,6 +240,18 @@ def as_index(x, what: str, **where) -> int:
     return int(x)
 
 
+def as_bool(x, what: str, **where) -> bool:
+    """``x`` as a Python bool; only True, False and numpy bools pass.
+
+    Raises:
+        InvalidArgumentError: naming ``what`` and the context in ``where``.
+    """
+    import numpy as np
+    if not isinstance(x, (bool, np.bool_)):
+        raise InvalidArgumentError(f"{what} must be True or False, got {x!r}", **where)
+    return bool(x)
+
+
 def as_int_array(x, what: str, **where):
     """``x`` as a 1-D int64 numpy array; an empty list is fine, bools and
     floats are refused (no silent truncation).

@@ -33,7 +33,7 @@ from ._errors import InvalidArgumentError
 from ._kernels import Int8Index, _count_arg, _csr_args, _native_failure, pack_medoids_i8
 from ._native import ffi, lib
 
-__all__ = ["Int8Index2", "pack_medoids_i8x2", "select_i8x2", "groups_to_score"]
+__all__ = ["Int8Index2", "pack_medoids_i8x2", "select_i8x2", "groups_to_score", "check_coverage"]
 
 
 class Int8Index2(NamedTuple):
@@ -189,6 +189,20 @@ def groups_to_score(ix: Int8Index2, budget: int, num_tokens: int, coverage: floa
     return max(1, min(K, math.ceil(K * coverage * budget / num_tokens)))
 
 
+def check_coverage(coverage, what: str = "") -> float:
+    """The two-level index's ``coverage`` checked: a finite number > 0.
+
+    Raises:
+        InvalidArgumentError: anything else (``what`` prefixes the message).
+    """
+    if isinstance(coverage, bool) or not isinstance(coverage, (int, float, np.integer,
+                                                               np.floating)) \
+            or not math.isfinite(coverage) or coverage <= 0:
+        raise InvalidArgumentError(f"{what}coverage must be a finite number > 0, got "
+                                   f"{coverage!r}")
+    return float(coverage)
+
+
 def select_i8x2(ix: Int8Index2, q: np.ndarray, num_kv_heads: int, *, scale: float,
                 ptr=None, members=None, num_tokens: int = 0, budget: int = 0,
                 window: int = 0, coverage: float = 3.0, ngroups: int | None = None,
@@ -233,11 +247,7 @@ def select_i8x2(ix: Int8Index2, q: np.ndarray, num_kv_heads: int, *, scale: floa
     budget = _count_arg(budget, "select_i8x2: budget")
     window = _count_arg(window, "select_i8x2: window")
     num_tokens = _count_arg(num_tokens, "select_i8x2: num_tokens")
-    if isinstance(coverage, bool) or not isinstance(coverage, (int, float, np.integer,
-                                                               np.floating)) \
-            or not math.isfinite(coverage) or coverage <= 0:
-        raise InvalidArgumentError(f"select_i8x2: coverage {coverage!r} must be a finite "
-                                   "number > 0")
+    coverage = check_coverage(coverage, "select_i8x2: ")
     if ngroups is None:
         ngroups = groups_to_score(ix, budget, num_tokens, coverage) if ptr is not None else K
     ngroups = min(_count_arg(ngroups, "select_i8x2: ngroups"), K)

@@ -155,6 +155,19 @@ def scatter_rows(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray,
                         ffi.from_buffer("int64_t[]", src_row), n, row)
 
 
+def _kv_pair(k, v, where: str) -> None:
+    """K and V as the assembly kernels take them: [H, n, d] numpy arrays of
+    one shape and one 2- or 4-byte dtype (the rule of gather_kv, kv_rows and
+    gather_kv_mode)."""
+    if not (isinstance(k, np.ndarray) and isinstance(v, np.ndarray)) or k.ndim != 3 or \
+            v.ndim != 3:
+        _fail(f"{where}: k and v must be [H, n, d] arrays of 2- or 4-byte numbers")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        _fail(f"{where}: k {k.shape} {k.dtype} and v {v.shape} {v.dtype} differ")
+    if k.dtype.hasobject or k.itemsize not in (2, 4):
+        _fail(f"{where}: K and V must hold 2- or 4-byte numbers, got {k.dtype}")
+
+
 def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.ndarray,
               v: np.ndarray, *, threads: int = 1) -> bool:
     """Write entries straight into K and V: entry i (its K heads then its V
@@ -201,11 +214,7 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
     k = _arr(k, "k", writable=True)
     v = _arr(v, "v", writable=True)
     src = _arr(src, "src")
-    if k.ndim != 3 or k.shape != v.shape or k.dtype != v.dtype:
-        _fail(f"gather_kv: k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must be one "
-              "[H, n, d] shape and dtype")
-    if k.itemsize not in (2, 4):                 # (_arr refused object arrays)
-        _fail(f"gather_kv: K and V must hold 2- or 4-byte numbers, got {k.dtype}")
+    _kv_pair(k, v, "gather_kv")
     if np.may_share_memory(k, v):            # C-contiguous: the byte ranges decide
         _fail("gather_kv: k and v share memory (V would overwrite K)")
     H, nt, d = k.shape
@@ -244,12 +253,7 @@ def kv_rows(k: np.ndarray, v: np.ndarray, idx) -> np.ndarray:
         InvalidArgumentError: shapes or dtypes that do not match, rows that
             are not contiguous, or a column outside [0, n).
     """
-    for name, x in (("k", k), ("v", v)):
-        if not isinstance(x, np.ndarray) or x.ndim != 3 or x.dtype.hasobject or \
-                x.itemsize not in (2, 4):
-            _fail(f"kv_rows: {name} must be an [H, n, d] array of 2- or 4-byte numbers")
-    if k.shape != v.shape or k.dtype != v.dtype:
-        _fail(f"kv_rows: k {k.shape} {k.dtype} and v {v.shape} {v.dtype} differ")
+    _kv_pair(k, v, "kv_rows")
     H, n, d = k.shape
     db = d * k.itemsize
     for name, x in (("k", k), ("v", v)):
@@ -305,11 +309,7 @@ def gather_kv_mode(k: np.ndarray, v: np.ndarray, n: int) -> str:
     Raises:
         InvalidArgumentError: K and V are not [H, n_total, d] arrays of one
             shape and dtype, or n is not a count."""
-    if not (isinstance(k, np.ndarray) and isinstance(v, np.ndarray)) or k.ndim != 3 or \
-            k.shape != v.shape or k.dtype != v.dtype:
-        _fail("gather_kv_mode: k and v must be [H, n, d] arrays of one shape and dtype")
-    if k.dtype.hasobject or k.itemsize not in (2, 4):
-        _fail(f"gather_kv_mode: K and V must hold 2- or 4-byte numbers, got {k.dtype}")
+    _kv_pair(k, v, "gather_kv_mode")
     n = _count_arg(n, "gather_kv_mode: n")
     H, _, d = k.shape
     if n * 2 * H * d * k.itemsize >= 1 << 63:               # Python ints: no overflow

@@ -34,9 +34,8 @@ from . import _defaults as defaults
 from . import _errors as errors
 from ._hot import hot_clusters
 from ._index import union_ints
-from ._kernels import empty_aligned
 from ._report import query_token_mass
-from ._retrieve import Retrieval, Retriever
+from ._retrieve import Retrieval, Retriever, empty_kv
 from ._window import entry_budget
 
 __all__ = ["DecodeSession", "StepResult", "PipelinedStep", "pipelined_step", "check_tau"]
@@ -136,9 +135,7 @@ class DecodeSession:
                  adapt_cache: bool = True, group: int | None = None,
                  reuse_outputs: bool = False):
         check_tau(tau, layer=layer)
-        if not isinstance(reuse_outputs, (bool, np.bool_)):
-            raise errors.InvalidArgumentError(f"reuse_outputs must be True or False, got "
-                                              f"{reuse_outputs!r}", layer=layer)
+        reuse_outputs = errors.as_bool(reuse_outputs, "reuse_outputs", layer=layer)
         if group is not None:
             if new_cluster_size is not None:
                 raise errors.InvalidArgumentError("give new_cluster_size, not both it and "
@@ -169,7 +166,7 @@ class DecodeSession:
         self.flush_batch = int(flush_batch)
         self.t_base, self.t_transfer = float(t_base_us), float(t_transfer_us)
         self.adapt_cache = adapt_cache
-        self.reuse_outputs = bool(reuse_outputs)
+        self.reuse_outputs = reuse_outputs
         self._kb = self._vb = None                   # reuse_outputs: K/V buffers
         self.freq = li.freq.astype(np.float64).copy()
         self.hot_budget = int(hot_budget_bytes if hot_budget_bytes is not None else
@@ -226,9 +223,7 @@ class DecodeSession:
         row = None
         if k_new is not None or v_new is not None:
             row = self._new_row(k_new, v_new)
-        if not isinstance(include_new, (bool, np.bool_)):
-            raise errors.InvalidArgumentError(f"include_new must be True or False, got "
-                                              f"{include_new!r}", layer=self.layer)
+        include_new = errors.as_bool(include_new, "include_new", layer=self.layer)
         if include_new and row is None:
             raise errors.ShapeError("include_new needs this step's k_new and v_new",
                                     layer=self.layer)
@@ -238,7 +233,7 @@ class DecodeSession:
                                             "DecodeSession.step per layer at a time)",
                                             layer=self.layer)
         try:
-            return self._step(qf[0], row, retrieval, bool(include_new))
+            return self._step(qf[0], row, retrieval, include_new)
         finally:
             lock.release()
 
@@ -296,9 +291,7 @@ class DecodeSession:
         ``after`` entries: untouched columns cost no memory until used."""
         need = (li.num_tokens if self.r.dedup else li.num_copies) + after
         if self._kb is None or self._kb.shape[1] < need:
-            shape = (self.store.num_kv_heads, need + need // 4, self.store.head_dim)
-            self._kb = empty_aligned(shape, self.store.np_dtype)
-            self._vb = empty_aligned(shape, self.store.np_dtype)
+            self._kb, self._vb = empty_kv(self.store, need + need // 4)
         return self._kb, self._vb
 
     def _count_coactivation(self, q, k, ret: Retrieval, n_pend: int) -> None:

@@ -30,7 +30,7 @@ from ._selectors import MedoidSelector, Selector
 from ._store import Store, to_torch
 from ._window import entry_budget, window_positions, window_size
 
-__all__ = ["Retriever", "Retrieval", "RetrievalStats"]
+__all__ = ["Retriever", "Retrieval", "RetrievalStats", "empty_kv"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +268,15 @@ class _LayerState:
             if clusters.size:
                 self.hot[clusters] = False
                 self.release(self.li.members[self.li.cluster_copies(clusters)])
+
+
+def empty_kv(store: Store, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Uninitialised K and V [H_kv, cap, head_dim] of the store's numpy dtype,
+    64-byte aligned (``gather_kv`` stores whole lines into them): the one
+    allocation of the Retriever's outputs and of reused output buffers.
+    Untouched pages cost no memory."""
+    shape = (store.num_kv_heads, int(cap), store.head_dim)
+    return empty_aligned(shape, store.np_dtype), empty_aligned(shape, store.np_dtype)
 
 
 class Retriever:
@@ -726,7 +735,7 @@ class Retriever:
                 return kt, vt, kt.view(_torch.int16).numpy().view(dt), \
                     vt.view(_torch.int16).numpy().view(dt)
             return kt, vt, kt.numpy(), vt.numpy()
-        kw, vw = empty_aligned(shape, dt), empty_aligned(shape, dt)
+        kw, vw = empty_kv(self.store, n)
         return kw, vw, kw, vw
 
     def kv_buffers(self, cap: int) -> tuple[np.ndarray, np.ndarray]:
@@ -744,8 +753,7 @@ class Retriever:
         if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 1:
             raise errors.InvalidArgumentError(f"kv_buffers: cap {cap!r} must be a positive "
                                               "integer")
-        shape = (self.store.num_kv_heads, int(cap), self.store.head_dim)
-        k, v = empty_aligned(shape, self.store.np_dtype), empty_aligned(shape, self.store.np_dtype)
+        k, v = empty_kv(self.store, cap)
         k.fill(0)
         v.fill(0)
         return k, v

@@ -321,11 +321,9 @@ class MedoidSelector:
         if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) \
                 or group_size < 1:
             raise InvalidArgumentError(f"group_size must be an integer >= 1, got {group_size!r}")
-        if isinstance(coverage, bool) or not isinstance(coverage, (int, float, np.floating,
-                                                                   np.integer)) \
-                or not np.isfinite(coverage) or coverage <= 0:
-            raise InvalidArgumentError(f"coverage must be a finite number > 0, got {coverage!r}")
+        from ._index2 import check_coverage
         from ._kernels import thread_count
+        coverage = check_coverage(coverage)
         self.threads = thread_count(threads)
         self.store = store
         self.score = score

@@ -279,8 +279,7 @@ class Store:
             raise E.StoreNotFoundError(f"a store path must be a string or path, got {path!r}")
         for name, v in (("verify", verify), ("writable", writable), ("preload", preload),
                         ("damaged", damaged)):
-            if not isinstance(v, (bool, np.bool_)):
-                raise E.InvalidArgumentError(f"{name} must be True or False, got {v!r}")
+            E.as_bool(v, name)
         if damaged and writable:
             raise E.InvalidArgumentError("a damaged store can only be opened read-only")
         path = os.path.abspath(path)
@@ -748,9 +747,7 @@ class Store:
         if not isinstance(policy, str) or policy not in POLICIES:
             raise E.ConfigError(f"unknown policy {policy!r}; use one of "
                                          f"{sorted(POLICIES)}", store=self.path)
-        if not isinstance(dedup, (bool, np.bool_)):
-            raise E.InvalidArgumentError(f"dedup must be True or False, got {dedup!r}",
-                                         store=self.path)
+        E.as_bool(dedup, "dedup", store=self.path)
 
     def _rows_to_entries(self, rows: np.ndarray, *, torch: bool, pinned: bool):
         n = rows.shape[0]
