@@ -226,14 +226,18 @@ def test_second_concurrent_step_raises_and_changes_nothing(store, rng):
                                         kv[first["out"].positions][:, 0].transpose(1, 0, 2))
 
 
-def test_stress_prefetch_and_retrieve_beside_stepping(store, rng):
+@pytest.mark.parametrize("reuse", [False, True])
+def test_stress_prefetch_and_retrieve_beside_stepping(store, rng, reuse):
     """Readers (retrieve and prefetch) on the layer a DecodeSession steps,
-    evicts, admits and appends to: every returned row equals the store's truth."""
+    evicts, admits and appends to: every returned row equals the store's
+    truth; also with the session building K/V in its reused buffers
+    (reuse_outputs, include_new) while the readers run."""
     import threading
     s, kv, cl = store
     r = Retriever(s, ratio=0.15)
     budget = sum(len(cl[c]) for c in range(3)) * s.entry_bytes
-    sess = DecodeSession(r, 0, window=4, flush_batch=3, hot_budget_bytes=budget)
+    sess = DecodeSession(r, 0, window=4, flush_batch=3, hot_budget_bytes=budget,
+                         reuse_outputs=reuse)
     steps = 60
     new_kv = random_kv(rng, steps, H, D, "float16")
     truth = np.concatenate([kv, new_kv]).reshape(S + steps, -1).view(np.uint8)
@@ -262,10 +266,11 @@ def test_stress_prefetch_and_retrieve_beside_stepping(store, rng):
     try:
         for t_ in range(steps):
             out = sess.step(rng.standard_normal((HQ, D)).astype(np.float32),
-                            new_kv[t_, 0], new_kv[t_, 1])
+                            new_kv[t_, 0], new_kv[t_, 1], include_new=reuse)
             moved += len(out.admitted) + len(out.evicted)
-            assert same_bits(out.k, truth[out.positions].view(np.float16)
-                             .reshape(-1, 2, H, D)[:, 0].transpose(1, 0, 2))
+            want = truth[out.positions].view(np.float16).reshape(-1, 2, H, D)
+            assert same_bits(out.k, want[:, 0].transpose(1, 0, 2))
+            assert same_bits(out.v, want[:, 1].transpose(1, 0, 2))
     finally:
         done.set()
         for t in threads:

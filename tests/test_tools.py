@@ -291,3 +291,4 @@ def test_bench_select_session_steps_with_and_without_reused_outputs(rng):
     for key in ("copy", "reuse"):
         x = out[key]
         assert x["step_us"] > 0 and x["retrieval_us"] > 0 and x["step_us"] >= x["retrieval_us"]
+        assert x["io_us"] > 0 and x["cpu_us"] > 0

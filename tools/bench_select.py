@@ -337,7 +337,8 @@ def bench_session(steps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, root=None):
     entries, S tokens, 4 file disks on tmpfs, r = 0.1): each step adds a new
     entry and returns it too (``include_new``), as ``swarmfs.hf`` does;
     sessions with and without ``reuse_outputs`` step in turn, over separate
-    Retrievers of one store.  Medians of the step, of its retrieval, and of
+    Retrievers of one store.  Medians of the step, of its retrieval, of the
+    retrieval's I/O (and the step's CPU beside it: step minus I/O), and of
     the rest (the session's upkeep: eq. 9 counts, §6.2 replacement, pending
     entries, building K/V)."""
     import tempfile
@@ -352,21 +353,23 @@ def bench_session(steps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, root=None):
         for reuse in (False, True):
             ret = Retriever(s, ratio=r)
             runs[reuse] = (ret, DecodeSession(ret, 0, reuse_outputs=reuse,
-                                              window=steps + 10), [], [])
+                                              window=steps + 10), [], [], [])
         n = 0
         for t in range(steps + 3):
-            for reuse, (ret, sess, tot, rt) in runs.items():
+            for reuse, (ret, sess, tot, rt, io) in runs.items():
                 t0 = time.perf_counter()
                 x = sess.step(qs[t], news[t, 0], news[t, 1], include_new=True)
                 tot.append((time.perf_counter() - t0) * 1e6)
                 rt.append(x.retrieval.stats.total_us)
+                io.append(x.retrieval.stats.io_us)
                 n = x.k.shape[1]
         out = {"tokens": S, "entries": n, "entry_bytes": s.entry_bytes}
-        for reuse, (ret, sess, tot, rt) in runs.items():
+        for reuse, (ret, sess, tot, rt, io) in runs.items():
             ret.close()
             step, rtv = statistics.median(tot[3:]), statistics.median(rt[3:])
+            iov = statistics.median(io[3:])
             out["reuse" if reuse else "copy"] = {
-                "step_us": step, "retrieval_us": rtv,
+                "step_us": step, "retrieval_us": rtv, "io_us": iov, "cpu_us": step - iov,
                 "upkeep_us": statistics.median([a - b for a, b in zip(tot[3:], rt[3:])])}
         s.close()
     return out
@@ -652,7 +655,8 @@ def cli(ctx, **options):
             x = ses[key]
             print(f"DecodeSession.step ({ses['tokens']} tokens, {ses['entries']} entries of "
                   f"{ses['entry_bytes']} B), {key}: {x['step_us'] / 1e3:.2f} ms (retrieval "
-                  f"{x['retrieval_us'] / 1e3:.2f} ms, upkeep {x['upkeep_us'] / 1e3:.2f} ms)")
+                  f"{x['retrieval_us'] / 1e3:.2f} ms, upkeep {x['upkeep_us'] / 1e3:.2f} ms; "
+                  f"CPU {x['cpu_us'] / 1e3:.2f} ms beside I/O {x['io_us'] / 1e3:.2f} ms)")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"selection": rows, "planning": plan, "cluster_sizes": sizes,
