@@ -5,7 +5,7 @@ same engine; what differs is how the entries are grouped into the store's
 clusters (the unit a selector picks, striped by eq. 7) and what the DRAM index
 that scores a query holds.  Each builder returns a :class:`Layout` ready for
 ``Store.write_layer`` plus the index data of its selector
-(``swarmfs._selectors``):
+(``swarmfs.decode._selectors``):
 
 ============  ==============================================  =====================
 method        grouping (clusters on disk)                     index (selector)
@@ -390,7 +390,7 @@ def kmeans_clusters(k, *, mean_size: float = 16.0, chunk: int = 4096, iters: int
     of q . k over the cluster).  Members are ordered by distance to the
     centroid, so the medoid (the first) is the member nearest it.
     """
-    from .._selectors import single_threaded_blas
+    from ..decode._selectors import single_threaded_blas
     t0 = time.perf_counter()
     k = _check_keys(k)
     S = k.shape[1]

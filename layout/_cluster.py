@@ -80,8 +80,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .._errors import LayoutError, ShapeError
-from ._profile import (Profile, entry_bitsets, one_blas_thread, pair_intersections,
-                       popcount_rows)
+from ._profile import Profile, entry_bitsets, one_blas_thread, pair_intersections, popcount_rows
 
 __all__ = ["BUCKET_WINDOW", "DEFAULT_MAX_CLUSTER_SIZE", "DEFAULT_MAX_REPLICAS",
            "DEFAULT_METRIC", "DEFAULT_TAU", "EXACT_LIMIT", "METRICS", "ClusterStats",

@@ -35,7 +35,7 @@ import scipy.sparse as sp
 
 from .._defaults import RATIO
 from .._errors import LayoutError, ShapeError
-from .._selectors import single_threaded_blas as one_blas_thread
+from ..decode._selectors import single_threaded_blas as one_blas_thread
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_RATIO", "Profile", "aggregate_scores",
            "entry_bitsets", "one_blas_thread", "pair_intersections", "popcount_rows",

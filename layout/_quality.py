@@ -1,17 +1,17 @@
 """Retrieval quality of a clustering: attention-mass recall vs the oracle top-k.
 
 Does what decoding does with a SWARM layout (§5.2, §6), with the same
-functions: the local window (:func:`swarmfs._window.window_size`) is always
+functions: the local window (:func:`swarmfs.decode._window.window_size`) is always
 in DRAM; clusters are then taken in descending medoid score until the selection
-holds the budget :func:`swarmfs._window.entry_budget` ``ceil(r * S)`` of
-distinct entries (:func:`swarmfs._stages.choose`, the Retriever's select
+holds the budget :func:`swarmfs.decode._window.entry_budget` ``ceil(r * S)`` of
+distinct entries (:func:`swarmfs.decode._stages.choose`, the Retriever's select
 stage: the window counts against it, replicas and window entries count once,
 the last cluster is taken whole).
 
 For a held-out query (one never used for profiling) that sees all ``S``
 context entries, let ``p(j) = (1 / H_q) sum_h softmax_j(q_h . k_{g(h), j} *
 scale)`` be its head-averaged attention over the context.  The *attention-mass
-recall* of a selection ``E`` is :func:`swarmfs._report.attention_recall`:
+recall* of a selection ``E`` is :func:`swarmfs.decode._report.attention_recall`:
 ``sum_{j in E} p(j) / sum_{j in T} p(j)`` where ``T`` is the oracle, the
 ``max(budget, |E|)`` entries with the largest ``p`` (recall <= 1 and an
 overshooting last cluster earns nothing).
@@ -30,10 +30,10 @@ import numpy as np
 
 from .._defaults import LOCAL_WINDOW, RATIO
 from .._errors import LayoutError, ShapeError
-from .._index import union_ints
-from .._report import attention_recall, oracle_mass
-from .._stages import choose
-from .._window import entry_budget, window_mask, window_size
+from ..store._index import union_ints
+from ..decode._report import attention_recall, oracle_mass
+from ..decode._stages import choose
+from ..decode._window import entry_budget, window_mask, window_size
 from ._profile import aggregate_scores, one_blas_thread
 
 __all__ = ["RecallReport", "block_clustering", "evaluate_recall"]

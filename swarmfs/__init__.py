@@ -9,9 +9,9 @@ An implementation of SWARM (FAST 2026).  The public API:
 * errors: :class:`SwarmError` and its subclasses.
 """
 
-from ._engine import DiskStats as DiskStats
-from ._engine import Engine as Engine
-from ._engine import EngineStats as EngineStats
+from .store._engine import DiskStats as DiskStats
+from .store._engine import Engine as Engine
+from .store._engine import EngineStats as EngineStats
 from ._errors import ChecksumError as ChecksumError
 from ._errors import ConcurrentUseError as ConcurrentUseError
 from ._errors import ConfigError as ConfigError
@@ -34,18 +34,20 @@ from ._errors import ShapeError as ShapeError
 from ._errors import StoreExistsError as StoreExistsError
 from ._errors import StoreNotFoundError as StoreNotFoundError
 from ._errors import SwarmError as SwarmError
-from ._index import LayerIndex as LayerIndex
-from ._online import DecodeSession as DecodeSession
-from ._online import PipelinedStep as PipelinedStep
-from ._online import pipelined_step as pipelined_step
-from ._online import StepResult as StepResult
-from ._planner import Plan as Plan
-from ._planner import plan_reads as plan_reads
-from ._store import Store as Store
-from ._retrieve import Retrieval as Retrieval
-from ._retrieve import RetrievalStats as RetrievalStats
-from ._retrieve import Retriever as Retriever
-from ._store import StoreStats as StoreStats
+from .store._index import LayerIndex as LayerIndex
+from .decode._online import DecodeSession as DecodeSession
+from .decode._online import PipelinedStep as PipelinedStep
+from .decode._online import pipelined_step as pipelined_step
+from .decode._online import StepResult as StepResult
+from .decode._selectors import MedoidSelector as MedoidSelector
+from .decode._selectors import Selector as Selector
+from .store._planner import Plan as Plan
+from .store._planner import plan_reads as plan_reads
+from .store._store import Store as Store
+from .decode._retrieve import Retrieval as Retrieval
+from .decode._retrieve import RetrievalStats as RetrievalStats
+from .decode._retrieve import Retriever as Retriever
+from .store._store import StoreStats as StoreStats
 
 __all__ = ["DiskStats", "Engine", "EngineStats", "ChecksumError", "ConcurrentUseError",
            "ConfigError", "DiskError", "DiskFullError", "DiskMismatchError",
@@ -53,7 +55,8 @@ __all__ = ["DiskStats", "Engine", "EngineStats", "ChecksumError", "ConcurrentUse
            "InvalidArgumentError", "LayoutError", "ManifestError", "MisalignedRequestError",
            "ModelError", "MountError", "NotFoundError", "OutOfRangeError", "ShapeError",
            "StoreExistsError", "StoreNotFoundError", "SwarmError", "LayerIndex",
-           "DecodeSession", "PipelinedStep", "pipelined_step", "StepResult", "Plan",
+           "DecodeSession", "PipelinedStep", "pipelined_step", "StepResult", "MedoidSelector",
+           "Selector", "Plan",
            "plan_reads", "Store", "Retrieval", "RetrievalStats", "Retriever", "StoreStats"]
 
 __version__ = "0.1.0"

@@ -151,7 +151,7 @@ def _human(n):
 @ENGINE_OPT
 def info(store, as_json, engine):
     """Describe a store: disks, sizes, layers, clusters, replication, engine."""
-    from ._store import Store
+    from .store._store import Store
     with Store.open(store, engine=engine) as s:
         d = s.info()
     if as_json:
@@ -199,7 +199,7 @@ def verify(store, layers, as_json, engine):
     """
     from tqdm import tqdm
 
-    from ._store import Store
+    from .store._store import Store
     with Store.open(store, engine=engine, damaged=True) as s:
         total = sum(d.end for d in s.committed.disks)
         with tqdm(total=total, unit="B", unit_scale=True, desc="verify",
@@ -244,7 +244,7 @@ def verify(store, layers, as_json, engine):
 @ENGINE_OPT
 def read(store, layer, cid, tokens, out, no_verify, engine):
     """Read a cluster (or tokens) through the fast path."""
-    from ._store import Store
+    from .store._store import Store
     if (cid is None) == (tokens is None):
         raise click.UsageError("give exactly one of --cluster and --tokens")
     if out:
@@ -524,8 +524,8 @@ def mount(store, mountpoint, foreground, allow_other, debug, direct_io, snapshot
     opened on; --snapshot keeps the mount-time view.
     """
     try:
-        from ._fuse import default_log_file
-        from ._fuse import mount as do_mount
+        from .mount._fuse import default_log_file
+        from .mount._fuse import mount as do_mount
     except ImportError as exc:
         raise click.ClickException(f"mounting needs pyfuse3 and trio "
                                    f"(pip install 'swarmfs[mount]'): {exc}")
@@ -546,7 +546,7 @@ def mount(store, mountpoint, foreground, allow_other, debug, direct_io, snapshot
               help="Detach now even if busy or dead (fusermount3 -u -z).")
 def umount(mountpoint, lazy):
     """Unmount a swarmfs mount (also a dead one, with --lazy)."""
-    from ._fuse import umount as do_umount
+    from .mount._fuse import umount as do_umount
     do_umount(mountpoint, lazy=lazy)
 
 

@@ -26,10 +26,10 @@ import numpy as np
 
 from . import _defaults as defaults
 from . import _errors as errors
-from ._report import evaluate_query, summarize
-from ._retrieve import Retriever
-from ._store import Store
-from ._window import entry_budget, stored_window
+from .decode._report import evaluate_query, summarize
+from .decode._retrieve import Retriever
+from .store._store import Store
+from .decode._window import entry_budget, stored_window
 
 __all__ = ["LayoutParams", "build_store", "evaluate_store", "run_demo"]
 
@@ -62,7 +62,7 @@ class LayoutParams:
 
 def local_window(params: LayoutParams, num_tokens: int) -> int:
     """W stored for a context of ``num_tokens`` laid out with ``params``:
-    :func:`swarmfs._window.stored_window` (the retrieval's window rule at the
+    :func:`swarmfs.decode._window.stored_window` (the retrieval's window rule at the
     layout's budget ceil(r x S))."""
     return stored_window(params.local_window, params.ratio, num_tokens)
 

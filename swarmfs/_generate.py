@@ -230,7 +230,7 @@ def recall_report(cache, ratio: float, context: int) -> dict:
         their ratio per query), "rel_error": mean attention-output error,
         "oracle_rel_error": ...}.
     """
-    from ._report import evaluate_query
+    from .decode._report import evaluate_query
     st = cache.store
     per_layer, err, oerr, mass, omass = {}, [], [], [], []
     for layer, recs in sorted(cache.records.items()):

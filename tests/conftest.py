@@ -46,7 +46,7 @@ def random_clusters(rng, S, n_clusters, extra_copies=0):
 def each_path():
     """Every kernel path this CPU supports, scalar first; the automatic
     choice is restored afterwards."""
-    from swarmfs._kernels import set_kernel_path, supported_paths
+    from swarmfs.store._kernels import set_kernel_path, supported_paths
     paths = supported_paths()
     assert paths[0] == "scalar"
     yield paths

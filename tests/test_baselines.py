@@ -9,12 +9,7 @@ from swarmfs.layout._profile import profile_layer
 
 from swarmfs import Retriever, Store
 from swarmfs import _errors as E
-from swarmfs._selectors import (
-    BoundSelector,
-    MultiVectorSelector,
-    TokenSelector,
-    VectorSelector,
-)
+from swarmfs.decode._selectors import BoundSelector, MultiVectorSelector, TokenSelector, VectorSelector
 
 H, D, S = 2, 8, 600
 

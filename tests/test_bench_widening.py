@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from swarmfs._errors import ShapeError
-from swarmfs._report import attention_logits
+from swarmfs.decode._report import attention_logits
 from swarmfs.layout import _baselines as B
 from tools.bench import _common as C
 

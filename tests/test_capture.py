@@ -18,16 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import DATA
-from swarmfs.layout._capture import (
-    MIN_TOKENS,
-    Capture,
-    capture,
-    default_model_path,
-    load_capture,
-    read_text,
-    save_capture,
-    stdlib_text,
-)
+from swarmfs.layout._capture import MIN_TOKENS, Capture, capture, default_model_path, load_capture, read_text, save_capture, stdlib_text
 
 from swarmfs._errors import LayoutError, ModelError, ShapeError, SwarmError
 

@@ -126,7 +126,7 @@ def test_internal_error_exits_3_with_a_hint(store, tmp_path):
     """A bug (any non-SwarmError exception, or InternalError) is not the
     user's fault: distinct exit status 3 and a traceback hint."""
     path, _, _ = store
-    code = ("import sys; from swarmfs import _cli, _store\n"
+    code = ("import sys; from swarmfs import _cli; from swarmfs.store import _store\n"
             "def boom(self, *a, **k): raise KeyError('bug')\n"
             "_store.Store.info = boom\n"
             f"sys.argv = ['swarmfs', 'info', {path!r}]\n"

@@ -7,15 +7,7 @@ import pytest
 import scipy.sparse as sp
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from swarmfs.layout._cluster import (
-    _lsh_params,
-    build_clusters,
-    cluster,
-    coactivation_distance,
-    eq2_tau,
-    graph_from_distances,
-    neighbour_graph,
-)
+from swarmfs.layout._cluster import _lsh_params, build_clusters, cluster, coactivation_distance, eq2_tau, graph_from_distances, neighbour_graph
 from swarmfs.layout._profile import Profile, profile_layer
 
 from swarmfs._errors import LayoutError, ShapeError

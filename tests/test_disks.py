@@ -10,10 +10,10 @@ import pytest
 from conftest import random_clusters, random_kv
 
 from swarmfs import Store
-from swarmfs import _disks as D
+from swarmfs.store import _disks as D
 from swarmfs import _errors as E
-from swarmfs import _format as F
-from swarmfs._manifest import DiskRecord
+from swarmfs.store import _format as F
+from swarmfs.store._manifest import DiskRecord
 from tools.fuzz_store import _raw_manifest
 
 
@@ -90,7 +90,7 @@ def test_a_failed_write_gives_its_space_back(tmp_path, rng, monkeypatch):
     """DiskFullError mid-write: growing file disks are cut back to the
     committed end (item 13)."""
     from test_store import _FailingWrites
-    monkeypatch.setattr("swarmfs._write.WRITE_CHUNK", 64 << 10)
+    monkeypatch.setattr("swarmfs.store._write.WRITE_CHUNK", 64 << 10)
     path, paths = _store(tmp_path, rng)
     s = Store.open(path, writable=True)
     ends = [d["end"] for d in s.manifest["disks"]]
@@ -132,7 +132,7 @@ def test_rewrites_and_appends_reuse_freed_space(tmp_path, rng):
 
 
 def test_freed_space_is_not_reused_while_the_previous_generation_may_be_read(tmp_path, rng):
-    from swarmfs._write import allocate
+    from swarmfs.store._write import allocate
     disks = [{"index": 0, "end": 1 << 20, "capacity": 0, "free": [[12288, 8192, 5]]}]
     base, out = allocate(disks, np.array([4096], np.uint64), gen=6)
     assert int(base[0]) == 1 << 20                   # freed by 5: not yet at 6

@@ -24,9 +24,8 @@ import pytest
 from conftest import run_in_threads, wait_until
 
 from swarmfs import _errors as E
-from swarmfs._engine import READ, WRITE, Engine, logical_block_size, open_disk
-from swarmfs._kernels import (assign_buckets, gather_rows, scatter_rows, verify_rows, xxh3_ranges,
-                              xxh3_rows)
+from swarmfs.store._engine import READ, WRITE, Engine, logical_block_size, open_disk
+from swarmfs.store._kernels import assign_buckets, gather_rows, scatter_rows, verify_rows, xxh3_ranges, xxh3_rows
 
 
 @pytest.fixture
@@ -242,7 +241,7 @@ def test_fallback_when_io_uring_is_unavailable(disks, monkeypatch, err, rng):
     a one-line warning and reads the same bytes."""
     import errno
 
-    import swarmfs._engine as eng_mod
+    import swarmfs.store._engine as eng_mod
     _, data, fds = disks
     code = getattr(errno, err)
     monkeypatch.setattr(eng_mod, "_uring_open", lambda *a: -code)
@@ -513,7 +512,7 @@ SLOW_CHILD = textwrap.dedent(r"""
     import json, os, sys, threading, time
     import numpy as np
     from swarmfs import _errors as E
-    from swarmfs._engine import READ, Engine, open_disk
+    from swarmfs.store._engine import READ, Engine, open_disk
     slow_dev, fast_path, kind, cgroup = sys.argv[1:5]
     with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:   # throttled from now on
         f.write(str(os.getpid()))
@@ -622,7 +621,7 @@ RETRY_CHILD = textwrap.dedent(r"""
     import json, os, sys
     import numpy as np
     from swarmfs import _errors as E
-    from swarmfs._engine import READ, Engine, open_disk
+    from swarmfs.store._engine import READ, Engine, open_disk
     path, kind, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
     fd = open_disk(path)
     eng = Engine([fd], kind=kind, queue_depth=8, names=[path], retry_limit=limit)
@@ -712,7 +711,7 @@ MEMLOCK_CHILD = textwrap.dedent(r"""
     import json, resource, sys, threading, warnings
     import numpy as np
     from swarmfs import _errors as E
-    from swarmfs._engine import READ, Engine, open_disk
+    from swarmfs.store._engine import READ, Engine, open_disk
     path, kind, qd, limit, later = sys.argv[1], sys.argv[2], int(sys.argv[3]), \
         int(sys.argv[4]), int(sys.argv[5])
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, limit))

@@ -8,8 +8,8 @@ import pytest
 
 from swarmfs import Store
 from swarmfs import _errors as E
-from swarmfs._executor import COUNTERS, Executor
-from swarmfs._planner import plan_reads
+from swarmfs.store._executor import COUNTERS, Executor
+from swarmfs.store._planner import plan_reads
 
 
 @pytest.fixture

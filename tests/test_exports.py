@@ -68,7 +68,7 @@ def _own_doc(obj) -> str | None:
 
 def test_walk_finds_both_packages():
     for name in ("swarmfs", "swarmfs.layout", "swarmfs.models", "swarmfs.hf",
-                 "swarmfs._stages", "swarmfs.layout._cluster", "swarmfs._placement"):
+                 "swarmfs.decode._stages", "swarmfs.layout._cluster", "swarmfs.store._placement"):
         assert name in MODULES, name
 
 
@@ -122,21 +122,21 @@ def test_public_package_exports_exactly_its_public_names(name):
 
 def test_a_wrong_all_fails(monkeypatch):
     # the checks above fail on a module that exports a missing or private name
-    import swarmfs._window as w
+    import swarmfs.decode._window as w
     monkeypatch.setattr(w, "__all__", [*w.__all__, "nope"])
     with pytest.raises(AssertionError, match="lacks"):
-        test_module_has_all_and_every_name_exists("swarmfs._window")
+        test_module_has_all_and_every_name_exists("swarmfs.decode._window")
     monkeypatch.setattr(w, "__all__", ["entry_budget", "LOCAL_WINDOW", "_private"])
     with pytest.raises(AssertionError, match="private"):
-        test_module_has_all_and_every_name_exists("swarmfs._window")
+        test_module_has_all_and_every_name_exists("swarmfs.decode._window")
 
 
 def test_an_undocumented_export_fails(monkeypatch):
-    import swarmfs._window as w
+    import swarmfs.decode._window as w
 
     def bare(x):
         return x
     monkeypatch.setattr(w, "bare", bare, raising=False)
     monkeypatch.setattr(w, "__all__", [*w.__all__, "bare"])
     with pytest.raises(AssertionError, match="bare"):
-        test_exported_names_have_docstrings("swarmfs._window")
+        test_exported_names_have_docstrings("swarmfs.decode._window")

@@ -19,8 +19,8 @@ from tools.fuzz_store import _raw_manifest, reseal_manifest
 
 from swarmfs import Store
 from swarmfs import _errors as E
-from swarmfs import _format as F
-from swarmfs._manifest import IndexRecord
+from swarmfs.store import _format as F
+from swarmfs.store._manifest import IndexRecord
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
-"""The read-only FUSE view (swarmfs._fuse, _fuse_tree, _fuse_stream).
+"""The read-only FUSE view (swarmfs.mount._fuse, _fuse_tree, _fuse_stream).
 
 Real mounts of real stores on O_DIRECT file disks: every mount runs in a
-subprocess (``python -m swarmfs._fuse STORE MNT --foreground``), is polled
+subprocess (``python -m swarmfs.mount._fuse STORE MNT --foreground``), is polled
 with a deadline until ``os.path.ismount``, and is always unmounted in teardown
 (fusermount3 -u, then -uz, then kill).
 """
@@ -37,9 +37,9 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from swarmfs import Store  # noqa: E402
-from swarmfs import _fuse_tree as T  # noqa: E402
-from swarmfs._fuse import MountError, umount  # noqa: E402
-from swarmfs._fuse_stream import KVReader, Stream  # noqa: E402
+from swarmfs.mount import _fuse_tree as T  # noqa: E402
+from swarmfs.mount._fuse import MountError, umount  # noqa: E402
+from swarmfs.mount._fuse_stream import KVReader, Stream  # noqa: E402
 
 from conftest import random_clusters, random_kv, same_bits, wait_until  # noqa: E402
 
@@ -99,7 +99,7 @@ class Mount:
         os.makedirs(self.mnt, exist_ok=True)
         self._logf = open(self.log, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmfs._fuse", self.store, self.mnt, "--foreground",
+            [sys.executable, "-m", "swarmfs.mount._fuse", self.store, self.mnt, "--foreground",
              *self.args], stdout=self._logf, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + DEADLINE
         while not _mounted(self.mnt):
@@ -680,7 +680,7 @@ def test_dead_mount_point_gives_a_way_out(store, workdir):
         with pytest.raises(OSError) as ei:
             os.statvfs(m.mnt)                     # stat may be answered from cache
         assert ei.value.errno == errno.ENOTCONN
-        r = subprocess.run([sys.executable, "-m", "swarmfs._fuse", store.path, m.mnt,
+        r = subprocess.run([sys.executable, "-m", "swarmfs.mount._fuse", store.path, m.mnt,
                             "--foreground"], capture_output=True, text=True, timeout=DEADLINE)
         assert r.returncode == 1
         assert "Transport endpoint is not connected" in r.stderr
@@ -696,7 +696,7 @@ def test_dead_mount_point_gives_a_way_out(store, workdir):
 def test_bad_store_fails_before_mounting(workdir):
     mnt = str(workdir / "mnt-bad")
     os.makedirs(mnt, exist_ok=True)
-    r = subprocess.run([sys.executable, "-m", "swarmfs._fuse", str(workdir / "no-store"), mnt,
+    r = subprocess.run([sys.executable, "-m", "swarmfs.mount._fuse", str(workdir / "no-store"), mnt,
                         "--foreground"], capture_output=True, text=True, timeout=DEADLINE)
     assert r.returncode == 1 and "swarmfs: error:" in r.stderr
     assert not _in_mountinfo(mnt)
@@ -705,7 +705,7 @@ def test_bad_store_fails_before_mounting(workdir):
 def test_background_mount_and_umount(store, workdir):
     mnt = str(workdir / "mnt-bg")
     os.makedirs(mnt, exist_ok=True)
-    code = ("import sys; from swarmfs._fuse import mount; "
+    code = ("import sys; from swarmfs.mount._fuse import mount; "
             "print(mount(sys.argv[1], sys.argv[2], foreground=False, log_file=sys.argv[3]))")
     try:
         r = subprocess.run([sys.executable, "-c", code, store.path, mnt,
@@ -777,7 +777,7 @@ def test_refused_mount_names_dev_fuse_once(workdir, rng):
         os.makedirs(mnt)
         os.chown(mnt, 65534, 65534)
         r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                            sys.executable, "-m", "swarmfs._fuse", path, mnt, "--foreground",
+                            sys.executable, "-m", "swarmfs.mount._fuse", path, mnt, "--foreground",
                             "--allow-other"], capture_output=True, text=True, timeout=DEADLINE,
                            cwd="/")
         assert r.returncode == 1, r.stderr

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from swarmfs import DecodeSession, Retriever, Store
 from swarmfs._errors import LayoutError, ShapeError
-from swarmfs._hot import cluster_scores, hot_clusters, transfer_us
+from swarmfs.decode._hot import cluster_scores, hot_clusters, transfer_us
 
 
 def test_eq6_hand_checked():

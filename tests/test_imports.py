@@ -19,7 +19,7 @@ ROOT = "swarmfs"
 #: Modules that drive whole pipelines (capture -> layout -> store -> decode)
 #: and may therefore call the offline layout.  Everything else in the runtime
 #: is below the layout: the layout builds on it, never the other way round.
-PIPELINES = {"swarmfs._cli", "swarmfs._demo", "swarmfs._generate", "swarmfs.hf"}
+PIPELINES = {"swarmfs._cli", "swarmfs._demo", "swarmfs._generate", "swarmfs.hf", "swarmfs.hf._cache"}
 
 
 def _is_package(spec) -> bool:
@@ -122,15 +122,15 @@ def graph():
 
 def test_graph_covers_runtime_and_layout(graph):
     # the checker really read the tree: both packages, with their known edges
-    for mod in ("swarmfs._retrieve", "swarmfs._selectors", "swarmfs._store",
+    for mod in ("swarmfs.decode._retrieve", "swarmfs.decode._selectors", "swarmfs.store._store",
                 "swarmfs.layout._quality", "swarmfs.layout._baselines",
-                "swarmfs._placement", "swarmfs.layout._place"):
+                "swarmfs.store._placement", "swarmfs.layout._place"):
         assert mod in graph, mod
-    assert "swarmfs._selectors" in graph["swarmfs._retrieve"]
-    assert "swarmfs._placement" in graph["swarmfs._index"]
-    assert "swarmfs._placement" in graph["swarmfs.layout._place"]
+    assert "swarmfs.decode._selectors" in graph["swarmfs.decode._retrieve"]
+    assert "swarmfs.store._placement" in graph["swarmfs.store._index"]
+    assert "swarmfs.store._placement" in graph["swarmfs.layout._place"]
     # a function-level import is an edge (swarmfs._cli imports _store inside commands)
-    assert "swarmfs._store" in graph["swarmfs._cli"]
+    assert "swarmfs.store._store" in graph["swarmfs._cli"]
 
 
 def test_no_import_cycle(graph):
@@ -166,7 +166,7 @@ def test_relative_imports_resolve():
 
 
 #: Runtime modules that still import the layout's re-export of the placement
-#: contract (``swarmfs.layout._place``) instead of ``swarmfs._placement``;
+#: contract (``swarmfs.layout._place``) instead of ``swarmfs.store._placement``;
 #: issue 12 moves their one import line when the store split merges.
 PENDING: set = set()
 
@@ -285,12 +285,12 @@ def test_names_are_imported_from_their_module():
 
 
 def test_borrowed_import_checker():
-    # window_size is defined in swarmfs._window; swarmfs._selectors only uses it
-    assert borrowed_imports("tests.t", "from swarmfs._selectors import window_size\n",
-                            False) == ["tests.t:1: window_size from swarmfs._selectors"]
-    assert borrowed_imports("swarmfs._x", "from ._retrieve import score_medoids\n",
-                            False) == ["swarmfs._x:1: score_medoids from swarmfs._retrieve"]
-    ok = ("from swarmfs._window import window_size\n"   # defined there
+    # window_size is defined in swarmfs.decode._window; swarmfs.decode._selectors only uses it
+    assert borrowed_imports("tests.t", "from swarmfs.decode._selectors import window_size\n",
+                            False) == ["tests.t:1: window_size from swarmfs.decode._selectors"]
+    assert borrowed_imports("swarmfs.decode._x", "from ._retrieve import score_medoids\n",
+                            False) == ["swarmfs.decode._x:1: score_medoids from swarmfs.decode._retrieve"]
+    ok = ("from swarmfs.decode._window import window_size\n"   # defined there
           "from swarmfs import Store\n"                  # listed in swarmfs.__all__
           "from swarmfs import _errors\n"                # a submodule
           "from swarmfs.layout._place import place_clusters\n"   # a documented re-export

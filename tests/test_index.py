@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmfs import _errors as E
-from swarmfs import _format as F
-from swarmfs._index import LayerIndex, concat_ranges, union_ints, unique_ints
-from swarmfs._placement import place_clusters
+from swarmfs.store import _format as F
+from swarmfs.store._index import LayerIndex, concat_ranges, union_ints, unique_ints
+from swarmfs.store._placement import place_clusters
 
 
 def _arrays(sizes=(3, 2, 4), ndisks=2, Eb=64, bs=512):

@@ -1,4 +1,4 @@
-"""The two-level int8 medoid index (``swarmfs._index2``): its layout, its
+"""The two-level int8 medoid index (``swarmfs.decode._index2``): its layout, its
 scores on every kernel path against the scalar reference and against the
 one-level int8 score, its choice rule, and bad arguments."""
 
@@ -7,9 +7,8 @@ import pytest
 from conftest import replicated_csr
 
 from swarmfs._errors import InvalidArgumentError
-from swarmfs._index2 import groups_to_score, pack_medoids_i8x2, select_i8x2
-from swarmfs._kernels import (choose_clusters, head_logits_i8, pack_medoids_i8,
-                              set_kernel_path, softmax_sum)
+from swarmfs.decode._index2 import groups_to_score, pack_medoids_i8x2, select_i8x2
+from swarmfs.store._kernels import choose_clusters, head_logits_i8, pack_medoids_i8, set_kernel_path, softmax_sum
 
 
 def _clustered(rng, C, H, d, centres=12):
@@ -126,7 +125,7 @@ def test_two_level_refuses_what_does_not_fit(rng):
 
 def test_selector_option(rng, tmp_path):
     from swarmfs import Store
-    from swarmfs._selectors import MedoidSelector
+    from swarmfs.decode._selectors import MedoidSelector
     H, Hq, d, S = 2, 8, 32, 2048
     kv = rng.standard_normal((S, 2, H, d)).astype(np.float16)
     clusters = np.array_split(rng.permutation(S), 128)
@@ -153,7 +152,7 @@ def test_selector_option(rng, tmp_path):
                                 dict(coverage=-1)])
 def test_selector_options_are_checked_at_construction(tmp_path, kw):
     from swarmfs import Store
-    from swarmfs._selectors import MedoidSelector
+    from swarmfs.decode._selectors import MedoidSelector
     s = Store.create(tmp_path / "s", disks=1, num_layers=1, num_kv_heads=2, head_dim=8,
                      num_query_heads=4)
     with s, pytest.raises(InvalidArgumentError):

@@ -1,4 +1,4 @@
-"""The C data kernels' wrappers (``swarmfs._kernels``): results, and bad
+"""The C data kernels' wrappers (``swarmfs.store._kernels``): results, and bad
 arguments refused with InvalidArgumentError before C touches memory."""
 
 import itertools
@@ -9,10 +9,9 @@ import pytest
 from conftest import replicated_csr, run_in_threads, same_bits
 
 from swarmfs import _errors as E
-from swarmfs import _kernels as K
+from swarmfs.store import _kernels as K
 from swarmfs._errors import InvalidArgumentError
-from swarmfs._kernels import (assign_buckets, gather_rows, gemv_half, head_logits_half,
-                              scatter_rows, softmax_sum, verify_rows, xxh3_ranges, xxh3_rows)
+from swarmfs.store._kernels import assign_buckets, gather_rows, gemv_half, head_logits_half, scatter_rows, softmax_sum, verify_rows, xxh3_ranges, xxh3_rows
 
 
 def test_bad_arguments_are_invalid_argument_errors(rng):
@@ -75,7 +74,7 @@ def test_kernels_compute_what_they_say(rng):
 def test_every_path_matches_the_scalar_reference(each_path, rng, bf16):
     import ml_dtypes
 
-    from swarmfs._kernels import choose_clusters, kernel_path, select_fused, set_kernel_path
+    from swarmfs.store._kernels import choose_clusters, kernel_path, select_fused, set_kernel_path
     H, Hq, d, C = 4, 16, 40, 301                 # d not a multiple of 16: tails too
     dt = ml_dtypes.bfloat16 if bf16 else np.float16
     m = rng.standard_normal((C, H * d)).astype(np.float32).astype(dt)
@@ -113,7 +112,7 @@ def test_every_path_matches_the_scalar_reference(each_path, rng, bf16):
 
 
 def test_forcing_an_unknown_or_missing_path_is_refused(each_path):
-    from swarmfs._kernels import set_kernel_path
+    from swarmfs.store._kernels import set_kernel_path
     with pytest.raises(InvalidArgumentError):
         set_kernel_path("sse9")
     missing = [p for p in ("avx2", "avx512", "neon") if p not in each_path]
@@ -124,7 +123,7 @@ def test_forcing_an_unknown_or_missing_path_is_refused(each_path):
 
 @pytest.mark.parametrize("G", [1, 4, 8, 12])
 def test_packed_index_scores_like_the_plain_one(each_path, rng, G):
-    from swarmfs._kernels import pack_medoids, select_fused, set_kernel_path
+    from swarmfs.store._kernels import pack_medoids, select_fused, set_kernel_path
     H, d, C = 2, 24, 37                     # C not a multiple of 16: a padded block
     m = rng.standard_normal((C, H * d)).astype(np.float16)
     q = rng.standard_normal((H * G, d)).astype(np.float32)
@@ -144,7 +143,7 @@ def test_packed_index_scores_like_the_plain_one(each_path, rng, G):
 
 
 def test_gather_kv_writes_entries_into_head_major_k_and_v(rng):
-    from swarmfs._kernels import gather_kv
+    from swarmfs.store._kernels import gather_kv
     H, d, n = 3, 4, 10
     rows = rng.standard_normal((n, 2, H, d)).astype(np.float16)
     buf = np.zeros(64 + rows.nbytes, np.uint8)
@@ -184,7 +183,7 @@ def test_gather_kv_large_outputs_equal_on_every_path(rng, each_path, d, dtype, o
     """A gather large enough to store around the cache (>= 16 MiB written)
     writes the same bytes as the reference on every kernel path, and leaves
     the columns it does not own untouched; the mode is as documented."""
-    from swarmfs._kernels import gather_kv, gather_kv_mode, set_kernel_path
+    from swarmfs.store._kernels import gather_kv, gather_kv_mode, set_kernel_path
     H = 8
     n = (17 << 20) // (2 * H * d * np.dtype(dtype).itemsize) + 1    # > 16 MiB written
     nt = n + 37
@@ -224,7 +223,7 @@ def test_gather_kv_on_two_threads_splits_from_4_mib_and_writes_the_same(rng, eac
     of them) into two halves, odd counts included; below that it stays on one
     thread; either way the bytes equal the one-thread gather's, on every
     path, in memcpy mode (unaligned K and V)."""
-    from swarmfs._kernels import gather_kv, gather_kv_mode, set_kernel_path
+    from swarmfs.store._kernels import gather_kv, gather_kv_mode, set_kernel_path
     H, d = 8, 128
     rows = rng.standard_normal((n, 2, H, d)).astype(np.float16)
     buf = rows.reshape(-1).view(np.uint8)
@@ -246,7 +245,7 @@ def test_gather_kv_on_two_threads_splits_from_4_mib_and_writes_the_same(rng, eac
 
 @pytest.mark.parametrize("threads", [0, 3, -1, True, 2.0, "2", None])
 def test_gather_kv_refuses_a_thread_count_other_than_1_or_2(threads):
-    from swarmfs._kernels import gather_kv
+    from swarmfs.store._kernels import gather_kv
     k, v = np.zeros((2, 4, 4), np.float16), np.zeros((2, 4, 4), np.float16)
     buf = np.ones(64, np.uint8)
     with pytest.raises(E.InvalidArgumentError, match="threads"):
@@ -255,7 +254,7 @@ def test_gather_kv_refuses_a_thread_count_other_than_1_or_2(threads):
 
 
 def test_choice_kernels_refuse_a_table_that_does_not_fit(rng):
-    from swarmfs._kernels import choose_clusters, select_fused
+    from swarmfs.store._kernels import choose_clusters, select_fused
     sc = np.zeros(3, np.float32)
     ptr = np.array([0, 2, 3, 5])
     members = np.array([0, 1, 2, 3, 4], np.int32)
@@ -282,7 +281,7 @@ def _quantise(x):
 
 @pytest.mark.parametrize("G,C", [(1, 5), (1, 101), (1, 128), (8, 37), (12, 301)])
 def test_int8_logits_are_the_integer_dots_on_every_path(each_path, rng, G, C):
-    from swarmfs._kernels import head_logits_i8, pack_medoids_i8, set_kernel_path
+    from swarmfs.store._kernels import head_logits_i8, pack_medoids_i8, set_kernel_path
     H, d = 2, 24                             # C not a multiple of 16: a padded block
     m = (rng.standard_normal((C, H * d)) * rng.uniform(0.1, 10, (C, 1))).astype(np.float16)
     m[0, :d] = 0                             # an all-zero row: scale 0, logits 0
@@ -312,8 +311,7 @@ def test_int8_logits_are_the_integer_dots_on_every_path(each_path, rng, G, C):
 
 
 def test_int8_selection_is_the_rule_on_its_scores(each_path, rng):
-    from swarmfs._kernels import (choose_clusters, head_logits_i8, pack_medoids_i8,
-                                  select_i8, set_kernel_path)
+    from swarmfs.store._kernels import choose_clusters, head_logits_i8, pack_medoids_i8, select_i8, set_kernel_path
     H, Hq, d, C = 4, 32, 64, 301
     m = rng.standard_normal((C, H * d)).astype(np.float16)
     q = rng.standard_normal((Hq, d)).astype(np.float32)
@@ -342,7 +340,7 @@ def test_int8_selection_on_two_threads_under_concurrent_callers(rng):
     uses its caller's scratch): every result is the one-thread result; one
     KV head falls back to one thread."""
     import threading
-    from swarmfs._kernels import pack_medoids_i8, select_i8
+    from swarmfs.store._kernels import pack_medoids_i8, select_i8
     H, Hq, d, C = 8, 64, 128, 700
     m = rng.standard_normal((C, H * d)).astype(np.float16)
     ptr, members, S = replicated_csr(rng, C)
@@ -373,7 +371,7 @@ def test_int8_selection_on_two_threads_under_concurrent_callers(rng):
 
 
 def test_int8_index_refuses_what_does_not_fit(rng):
-    from swarmfs._kernels import head_logits_i8, pack_medoids_i8, select_i8
+    from swarmfs.store._kernels import head_logits_i8, pack_medoids_i8, select_i8
     m = rng.standard_normal((20, 2 * 8)).astype(np.float16)
     ix = pack_medoids_i8(m, 2)
     q = rng.standard_normal((4, 8)).astype(np.float32)
@@ -407,7 +405,7 @@ def test_bad_kernel_path_variable_warns_and_never_breaks_import():
     import sys
     for bad in ("garbage", "AVX2", " avx2"):
         r = subprocess.run([sys.executable, "-c",
-                            "import swarmfs._kernels as K; print(K.kernel_path())"],
+                            "import swarmfs.store._kernels as K; print(K.kernel_path())"],
                            env={**os.environ, "SWARMFS_KERNEL_PATH": bad},
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
@@ -418,7 +416,7 @@ def test_bad_kernel_path_variable_warns_and_never_breaks_import():
 def test_choose_and_select_fused_with_out_of_range_counts_raise_or_cap():
     """A budget beyond int64 raised a raw OverflowError from cffi; it means the
     whole context.  A float budget or a non-array index is an InvalidArgumentError."""
-    from swarmfs._selectors import select_clusters
+    from swarmfs.decode._selectors import select_clusters
     rng = np.random.default_rng(0)
     ptr, members = np.arange(0, 65, 8), np.arange(64)
     sc = rng.standard_normal(8).astype(np.float32)
@@ -439,7 +437,7 @@ def test_choose_and_select_fused_with_out_of_range_counts_raise_or_cap():
 
 
 def test_empty_aligned_and_gather_kv_mode_refuse_bad_arguments():
-    from swarmfs._kernels import empty_aligned, gather_kv_mode
+    from swarmfs.store._kernels import empty_aligned, gather_kv_mode
     a = empty_aligned((3, 5, 64), np.float16)
     assert a.ctypes.data % 64 == 0 and a.shape == (3, 5, 64) and a.flags.c_contiguous
     assert empty_aligned(7, np.uint8, align=4096).ctypes.data % 4096 == 0
@@ -464,15 +462,15 @@ def test_adversarial_arguments_are_refused_before_any_native_work(rng):
     2**32 + 1 was narrowed to 1 and accepted, a float budget was truncated,
     a budget of 2**63 overflowed, and coverage nan / inf escaped as
     ValueError / OverflowError."""
-    from swarmfs._index2 import pack_medoids_i8x2, select_i8x2
-    from swarmfs._kernels import choose_clusters, gather_kv, pack_medoids_i8, select_i8
+    from swarmfs.decode._index2 import pack_medoids_i8x2, select_i8x2
+    from swarmfs.store._kernels import choose_clusters, gather_kv, pack_medoids_i8, select_i8
     buf = np.zeros(4096, np.uint8)
     k = np.empty((2, 8, 4), object)
     with pytest.raises(InvalidArgumentError, match="Python objects"):
         gather_kv(buf, [0], [0], k, np.empty((2, 8, 4), object))
     with pytest.raises(InvalidArgumentError, match="2- or 4-byte"):
         gather_kv(buf, [0], [0], np.zeros((2, 8, 4), np.float64), np.zeros((2, 8, 4)))
-    from swarmfs._kernels import scatter_rows, xxh3_rows
+    from swarmfs.store._kernels import scatter_rows, xxh3_rows
     with pytest.raises(InvalidArgumentError, match="Python objects"):   # the same kind:
         scatter_rows(np.empty(64, object), [0], np.zeros(8, np.uint8), [0], 8)  # raw bytes
     with pytest.raises(InvalidArgumentError, match="Python objects"):   # over pointers
@@ -523,8 +521,7 @@ def test_streaming_gathers_plans_and_selections_from_many_threads(rng):
     plan and select 10 times; every result equals
     the single-threaded one."""
     from swarmfs import plan_reads
-    from swarmfs._kernels import empty_aligned, gather_kv, gather_kv_mode, pack_medoids_i8, \
-        select_i8
+    from swarmfs.store._kernels import empty_aligned, gather_kv, gather_kv_mode, pack_medoids_i8, select_i8
     H, d, n = 8, 128, 4200                                  # 4 KiB entries: 17 MB per call
     rows = rng.standard_normal((n, 2, H, d)).astype(np.float16)
     buf = rows.reshape(-1).view(np.uint8)
@@ -576,7 +573,7 @@ def test_kv_rows_is_the_inverse_of_gather_kv(rng, dtype):
     those rows back with gather_kv restores K and V."""
     import ml_dtypes
 
-    from swarmfs._kernels import gather_kv, kv_rows
+    from swarmfs.store._kernels import gather_kv, kv_rows
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     H, n, d = 3, 57, 16
     kb = rng.standard_normal((H, n + 9, d)).astype(dt)
@@ -595,7 +592,7 @@ def test_kv_rows_is_the_inverse_of_gather_kv(rng, dtype):
 
 
 def test_kv_rows_refuses_what_does_not_fit():
-    from swarmfs._kernels import kv_rows
+    from swarmfs.store._kernels import kv_rows
     k = np.zeros((2, 8, 4), np.float16)
     for args, match in (((k, k, [8]), "outside"), ((k, k, [-1]), "outside"),
                         ((k, k[:, :, :2], [0]), "differ"),
@@ -614,7 +611,7 @@ def test_gather_kv_on_two_threads_with_a_repeated_column_keeps_the_later_entry(r
     """A call whose dst_idx repeats columns (each written by both halves)
     stays on one thread even with threads=2: the later entry wins, as with
     one thread, every time (a split would race per column)."""
-    from swarmfs._kernels import gather_kv
+    from swarmfs.store._kernels import gather_kv
     H, d, m = 8, 128, 2100                                  # 8.6 MB: a split size
     rows = rng.standard_normal((m, 2, H, d)).astype(np.float16)
     buf = rows.reshape(-1).view(np.uint8)
@@ -630,7 +627,7 @@ def test_gather_kv_on_two_threads_with_a_repeated_column_keeps_the_later_entry(r
 
 
 def test_softmax_sum_refuses_values_that_are_not_finite():
-    from swarmfs._kernels import softmax_sum
+    from swarmfs.store._kernels import softmax_sum
     for bad in (np.nan, np.inf, -np.inf):
         x = np.zeros((2, 40), np.float32)
         x[1, 17] = bad
@@ -642,7 +639,7 @@ def test_kernels_refuse_torch_tensors_that_require_grad():
     """A torch output that requires grad is an InvalidArgumentError, not
     torch's RuntimeError (gather_kv; Retriever's out= is tested with it)."""
     torch = pytest.importorskip("torch")
-    from swarmfs._kernels import gather_kv
+    from swarmfs.store._kernels import gather_kv
     k = torch.zeros((2, 4, 8), dtype=torch.float16, requires_grad=True)
     v = torch.zeros((2, 4, 8), dtype=torch.float16)
     with pytest.raises(InvalidArgumentError, match="not an array"):

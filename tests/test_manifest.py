@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 
 from swarmfs import Store
 from swarmfs import _errors as E
-from swarmfs import _format as F
-from swarmfs._manifest import LAYER_RECORD_KEYS as Manifest_LAYER_KEYS
-from swarmfs._manifest import Manifest, read_manifest, write_manifest
+from swarmfs.store import _format as F
+from swarmfs.store._manifest import LAYER_RECORD_KEYS as Manifest_LAYER_KEYS
+from swarmfs.store._manifest import Manifest, read_manifest, write_manifest
 from tools.fuzz_store import _paths, _raw_manifest, reseal_manifest
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "store-v2")

@@ -6,7 +6,7 @@ from conftest import random_clusters, random_kv, random_layer_store, same_bits
 
 from swarmfs import Retriever, Store
 from swarmfs import _errors as E
-from swarmfs._online import DecodeSession
+from swarmfs.decode._online import DecodeSession
 
 S, H, HQ, D = 1200, 2, 4, 16
 

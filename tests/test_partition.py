@@ -8,8 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from swarmfs._errors import LayoutError, ShapeError
-from swarmfs.layout._partition import (DEFAULT_LOCAL_WINDOW, cluster_scores, hot_clusters,
-                                       local_window, local_window_mask)
+from swarmfs.layout._partition import DEFAULT_LOCAL_WINDOW, cluster_scores, hot_clusters, local_window, local_window_mask
 
 
 def test_eq6_as_written():

@@ -2,8 +2,7 @@
 
 import numpy as np
 
-from swarmfs._placement import (copy_locations, place_clusters, start_disks,
-                                   stripe_counts)
+from swarmfs.store._placement import copy_locations, place_clusters, start_disks, stripe_counts
 
 
 def test_eq7_start_disks_hand_checked():

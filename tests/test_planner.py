@@ -169,8 +169,8 @@ def test_bad_plan_arguments_are_invalid_argument_errors():
 
 # -- the numpy planner the C one replaced: the executable specification ----------
 
-from swarmfs._kernels import assign_buckets  # noqa: E402
-from swarmfs._planner import MAX_REQUEST, Plan  # noqa: E402
+from swarmfs.store._kernels import assign_buckets  # noqa: E402
+from swarmfs.store._planner import MAX_REQUEST, Plan  # noqa: E402
 
 
 def _ref_choose_copies(tok: np.ndarray, cdisk: np.ndarray, ndisks: int, policy: str):
@@ -478,7 +478,7 @@ def test_each_way_through_the_native_planner_equals_the_specification(name, poli
     abut, within a word or across words) or an entry at a time, multi-copy
     tokens of equal and of mixed copy counts, on every kernel path (the range
     pass has an AVX-512 form): equal to the numpy specification."""
-    from swarmfs._kernels import set_kernel_path
+    from swarmfs.store._kernels import set_kernel_path
     for seed in range(3):
         tok, cdisk, coff, nd, E, bs, gap, maxr, dedup, ways = _case(name,
                                                                    np.random.default_rng(seed))

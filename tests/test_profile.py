@@ -10,16 +10,7 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from swarmfs.layout._capture import Capture
-from swarmfs.layout._profile import (
-    DEFAULT_MAX_QUERIES,
-    Profile,
-    aggregate_scores,
-    entry_bitsets,
-    pair_intersections,
-    profile_capture,
-    profile_layer,
-    sample_queries,
-)
+from swarmfs.layout._profile import DEFAULT_MAX_QUERIES, Profile, aggregate_scores, entry_bitsets, pair_intersections, profile_capture, profile_layer, sample_queries
 
 from swarmfs._errors import LayoutError, ShapeError
 

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 
 from swarmfs import Retriever, Store
 from swarmfs import _errors as E
-from swarmfs._selectors import (BoundSelector, MultiVectorSelector, TokenSelector, group_queries,
-                               score_medoids)
+from swarmfs.decode._selectors import BoundSelector, MultiVectorSelector, TokenSelector, group_queries, score_medoids
 
 S, H, HQ, D = 2000, 2, 8, 16
 
@@ -233,7 +232,7 @@ def test_retrieve_into_kv_buffers_stores_whole_lines_on_every_path(tmp_path, rng
     rows, 64-byte aligned kv_buffers) returns the stored bytes on every kernel
     path, placed by one thread or split over two (assembly_threads), from SSD
     and from the DRAM pool, into the reused buffers."""
-    from swarmfs._kernels import gather_kv_mode, set_kernel_path
+    from swarmfs.store._kernels import gather_kv_mode, set_kernel_path
     S_, H_, D_ = 4096, 16, 128                      # 8 KiB entries
     s, kv, _ = random_layer_store(tmp_path / "big", rng, S=S_, H=H_, HQ=16, D=D_, disks=4,
                                   clusters=96, hot=(0, 1), local_window=64)

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from swarmfs import Retriever, Store
 from swarmfs._errors import InvalidArgumentError, SwarmError
-from swarmfs._selectors import MedoidSelector, group_queries, score_medoids, select_clusters
-from swarmfs._window import window_size
+from swarmfs.decode._selectors import MedoidSelector, group_queries, score_medoids, select_clusters
+from swarmfs.decode._window import window_size
 
 
 def csr(clusters):
@@ -205,7 +205,7 @@ def test_int8_index_recall_on_a_real_fp16_layout(real_fp16_store):
     """Attention-mass recall of the int8 index within 0.01 of the exact score's
     (mean over 6 layers x 64 held-out queries; 0.0003 at 16K tokens in
     docs/benchmarks.md §9), and nearly the same entries."""
-    from swarmfs._report import attention_recall, token_mass
+    from swarmfs.decode._report import attention_recall, token_mass
     store, cap = real_fp16_store
     S, budget, w = 2048, 205, 51
     exact, fast = MedoidSelector(store, index="exact"), MedoidSelector(store)

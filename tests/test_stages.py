@@ -7,11 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from swarmfs import Retriever, Store
-from swarmfs import _stages as stages
+from swarmfs.decode import _stages as stages
 from swarmfs._errors import LayoutError, ShapeError
-from swarmfs._selectors import (BoundSelector, FusedSelector, MedoidSelector,
-                                MultiVectorSelector, Selector, TokenSelector, VectorSelector,
-                                select_clusters)
+from swarmfs.decode._selectors import BoundSelector, FusedSelector, MedoidSelector, MultiVectorSelector, Selector, TokenSelector, VectorSelector, select_clusters
 
 S, H, HQ, D = 600, 2, 4, 16
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import swarmfs
 from swarmfs import Store
 from swarmfs import _errors as E
-from swarmfs import _format as F
+from swarmfs.store import _format as F
 
 
 def make_store(path, rng, *, S=600, H=2, d=16, dtype="float16", ndisks=4, clusters=40,
@@ -285,7 +285,7 @@ class _FailingWrites:
         return getattr(self.engine, name)
 
     def execute(self, op, disk, *a, **kw):
-        from swarmfs._engine import WRITE
+        from swarmfs.store._engine import WRITE
         if op == WRITE:
             if self.ok == 0:
                 raise E.DiskFullError("injected ENOSPC", disk=int(np.asarray(disk)[0]))
@@ -294,7 +294,7 @@ class _FailingWrites:
 
 
 def test_disk_full_mid_write_commits_nothing(tmp_path, rng, monkeypatch):
-    monkeypatch.setattr("swarmfs._write.WRITE_CHUNK", 64 << 10)
+    monkeypatch.setattr("swarmfs.store._write.WRITE_CHUNK", 64 << 10)
     s, kvs, cls = make_store(tmp_path / "st", rng, S=300)
     before = s.manifest
     s.engine = _FailingWrites(s.engine, ok=2)

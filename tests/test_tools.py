@@ -248,7 +248,7 @@ def test_bench_select_gather_runs_every_path(tmp_path):
     """bench_select --gather (the assembly benchmark) runs each kernel path
     it names, on one thread and on two, and says which store mode ran;
     scalar is the memcpy reference."""
-    from swarmfs._kernels import supported_paths
+    from swarmfs.store._kernels import supported_paths
     T.main(["bench_select", "--gather", "--reps", "4", "--paths", "all",
             "--out", str(tmp_path / "g")])
     res = json.loads((tmp_path / "g-gather.json").read_text())

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from swarmfs import _errors as E
-from swarmfs._write import allocate, check_finite, free_extents
+from swarmfs.store._write import allocate, check_finite, free_extents
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
@@ -80,7 +80,7 @@ def test_write_module_reaches_into_no_store_private_state():
     import ast
     import inspect
 
-    from swarmfs import _write
+    from swarmfs.store import _write
     tree = ast.parse(inspect.getsource(_write))
     private = [f"line {n.lineno}: {n.value.id}.{n.attr}" for n in ast.walk(tree)
                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
@@ -143,7 +143,7 @@ def test_a_transaction_commit_publishes_the_new_manifest(tmp_path):
     freed = [r for d in m.disks for r in d.free if r[2] == m.generation]
     assert freed and all(r not in before.disks[i].free for i, d in enumerate(m.disks)
                          for r in d.free if r[2] == m.generation)
-    from swarmfs._manifest import read_manifest
+    from swarmfs.store._manifest import read_manifest
     assert read_manifest(s.path) == m
     s.close()
 
@@ -151,7 +151,7 @@ def test_a_transaction_commit_publishes_the_new_manifest(tmp_path):
 def test_allocate_and_free_keep_manifest_records(tmp_path):
     """The free-extent bookkeeping works on the manifest's frozen records as
     on their JSON dicts, with the same result."""
-    from swarmfs._manifest import DiskRecord
+    from swarmfs.store._manifest import DiskRecord
     dicts = [_disk(100 << 10, [[12288, 4096, 0], [20480, 8192, 0], [40960, 2048, 0]])]
     recs = [DiskRecord(index=0, path="d", end=100 << 10, capacity=0,
                        free=((12288, 4096, 0), (20480, 8192, 0), (40960, 2048, 0)))]

@@ -52,7 +52,7 @@ import click
 import numpy as np
 
 from tools._options import COUNT, DISKS, POSITIVE, QUEUE_DEPTH, CommaList, OutPath
-from swarmfs._engine import READ, Engine, open_disk
+from swarmfs.store._engine import READ, Engine, open_disk
 
 SIZES = {"4K": 4 << 10, "16K": 16 << 10, "64K": 64 << 10, "128K": 128 << 10,
          "256K": 256 << 10, "1M": 1 << 20}

@@ -88,7 +88,7 @@ def build_wide(path, *, disks, clusters, seed=1):
 
 
 class Mount:
-    """A mount served by ``python -m swarmfs._fuse ... --foreground``."""
+    """A mount served by ``python -m swarmfs.mount._fuse ... --foreground``."""
 
     def __init__(self, store, mnt, *extra):
         self.store, self.mnt, self.extra = store, mnt, list(extra)
@@ -96,7 +96,7 @@ class Mount:
 
     def __enter__(self):
         os.makedirs(self.mnt, exist_ok=True)
-        self.proc = subprocess.Popen([sys.executable, "-m", "swarmfs._fuse", self.store,
+        self.proc = subprocess.Popen([sys.executable, "-m", "swarmfs.mount._fuse", self.store,
                                       self.mnt, "--foreground", *self.extra],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 30

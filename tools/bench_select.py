@@ -7,7 +7,7 @@ against every key (the full-key scan) and takes the top r x S; "swarm" scores
 it against the medoid index (one medoid per cluster; C = S / mean cluster
 size, --cluster-size) and takes clusters in score order until r x S distinct
 entries, in one native call as the Retriever does
-(``swarmfs._kernels.select_fused``: per-head logits, softmax sums, partial
+(``swarmfs.store._kernels.select_fused``: per-head logits, softmax sums, partial
 selection; the default "prob" score, and "logit").  "split" is the same work
 as separate kernel calls from Python (``head_logits`` + ``softmax_sum`` +
 ``select_clusters``).  "int8" is the default "prob" selection since the
@@ -20,7 +20,7 @@ GQA-summed query over fp32 keys; medians, one core.
 
 The scoring kernels dispatch at run time (AVX-512, AVX2+FMA+F16C, NEON,
 scalar); ``--paths avx512,avx2`` measures each named path (forced with
-``swarmfs._kernels.set_kernel_path``), and the CPU flags are printed.
+``swarmfs.store._kernels.set_kernel_path``), and the CPU flags are printed.
 
 Planning: ``plan_reads`` for 100K selected entries (30% with a second copy)
 over 4 disks: dedup (eq. 8), entry buckets (§6.1), coalescing.
@@ -43,13 +43,9 @@ import numpy as np
 
 from tools._options import FiniteFloat, COUNT, POSITIVE, CommaList, OutPath
 from swarmfs import plan_reads
-from swarmfs._index2 import pack_medoids_i8x2, select_i8x2
-from swarmfs._kernels import (cpu_flags, empty_aligned, gather_kv, gather_kv_mode,
-                              kernel_path, pack_medoids, pack_medoids_i8,
-                              select_fused, select_i8, set_kernel_path, softmax_sum,
-                              supported_paths)
-from swarmfs._selectors import (group_queries, head_logits, select_clusters,
-                                single_threaded_blas)
+from swarmfs.decode._index2 import pack_medoids_i8x2, select_i8x2
+from swarmfs.store._kernels import cpu_flags, empty_aligned, gather_kv, gather_kv_mode, kernel_path, pack_medoids, pack_medoids_i8, select_fused, select_i8, set_kernel_path, softmax_sum, supported_paths
+from swarmfs.decode._selectors import group_queries, head_logits, select_clusters, single_threaded_blas
 
 PAPER = {131072: (1.635, 0.236), 262144: (3.136, 0.374), 524288: (6.176, 0.554),
          1048576: (12.15, 0.999)}
@@ -278,7 +274,7 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
     import tempfile
 
     from swarmfs import DecodeSession, Retriever, pipelined_step
-    from swarmfs._report import attention_logits
+    from swarmfs.decode._report import attention_logits
     base = root or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     scale = d ** -0.5
     qs = rng.standard_normal((steps + 2, L, Hq, d)).astype(np.float32)
@@ -437,9 +433,9 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
     one's attention-mass recall (``_report.attention_recall`` against the
     exact attention over the whole context)."""
     from swarmfs._demo import LayoutParams, build_store, local_window
-    from swarmfs._report import attention_recall, token_mass
-    from swarmfs._selectors import MedoidSelector
-    from swarmfs._window import window_size
+    from swarmfs.decode._report import attention_recall, token_mass
+    from swarmfs.decode._selectors import MedoidSelector
+    from swarmfs.decode._window import window_size
     from swarmfs.layout import capture
 
     params = LayoutParams()

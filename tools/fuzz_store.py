@@ -49,7 +49,7 @@ import xxhash
 from tools._options import COUNT, POSITIVE, OutPath
 from swarmfs import Store
 from swarmfs import _errors as E
-from swarmfs import _format as F
+from swarmfs.store import _format as F
 
 KINDS = ("manifest-bytes", "manifest-json", "manifest-json-deep", "manifest-rollback",
          "index-bytes", "index-resealed", "superblock-bytes", "superblock-resealed",

@@ -523,7 +523,7 @@ def mass_outside_window(q: np.ndarray, k: np.ndarray, scaling: float, window: in
         scaling: the softmax scale.
         window: local window W (tokens, the query's own included).
     """
-    from swarmfs._report import attention_logits
+    from swarmfs.decode._report import attention_logits
     S = k.shape[1]
     P = np.arange(window, S, stride)
     out = []
@@ -678,7 +678,7 @@ def window_stats(trace: Trace, start: int, S: int, positions, local: int,
     Returns:
         JSON-ready dict; ``windows`` is the number of windows the context touches.
     """
-    from swarmfs._report import attention_logits, token_mass
+    from swarmfs.decode._report import attention_logits, token_mass
     p0 = np.arange(start, start + S)
     win = p0 // trace.window
     own = win == win[-1]
@@ -928,12 +928,7 @@ class Bench:
 
     def _retriever(self, v: Variant):
         from swarmfs import Retriever
-        from swarmfs._selectors import (
-            BoundSelector,
-            MultiVectorSelector,
-            TokenSelector,
-            VectorSelector,
-        )
+        from swarmfs.decode._selectors import BoundSelector, MultiVectorSelector, TokenSelector, VectorSelector
         lay, L = v.layout, self.layer[v.name]
         wide = self.trace.wide
         sel = None
@@ -1047,7 +1042,7 @@ class Bench:
         """Attention-mass recall and output error of the first query of a step,
         with the K/V read back from the store (SWARM §8.2, ``_report``), and
         the oracle's top-k (``_top``: the entries the query actually needs)."""
-        from swarmfs._report import attention_logits, evaluate_query, token_mass
+        from swarmfs.decode._report import attention_logits, evaluate_query, token_mass
         tr = self.trace
         a, S = self.start, self.S
         q0 = self.queries(pos[:1])[0]                                  # [H_q, d], the model's

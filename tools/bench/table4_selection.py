@@ -43,7 +43,7 @@ PAPER = {131072: (1.635, 0.236, 0.053), 262144: (3.136, 0.374, 0.104),
 def cli(cfg, tokens, ratio, no_synthetic):
     from swarmfs.layout._baselines import flat_keys
 
-    from swarmfs._selectors import group_queries, score_medoids, select_clusters
+    from swarmfs.decode._selectors import group_queries, score_medoids, select_clusters
     sizes = [int(x) for x in (tokens or ("1024,2048" if cfg.smoke else
                                          "131072,262144,524288,1048576")).split(",")]
     reps = cfg.reps or (5 if cfg.smoke else 50)

@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._errors import InvalidArgumentError, boundary
-from ._native import ffi, lib
+from .._errors import InvalidArgumentError, boundary
+from .._native import ffi, lib
 
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
            "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum",
@@ -89,7 +89,7 @@ def _native_failure(what: str, ret: int):
     import errno
     if -ret == errno.EINVAL:
         _fail(f"{what}: {os.strerror(-ret)}")
-    from ._errors import InternalError
+    from .._errors import InternalError
     raise InternalError(f"{what} failed: {os.strerror(-ret)}")
 
 
@@ -628,7 +628,7 @@ def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
                     check: bool = True) -> tuple[np.ndarray, int]:
     """Clusters by descending score until window + clusters hold ``budget``
     distinct entries, in C (``se_choose_clusters``; the rule is documented at
-    :func:`swarmfs._selectors.select_clusters`, which checks the arguments).
+    :func:`swarmfs.decode._selectors.select_clusters`, which checks the arguments).
     Scores are compared as float32.  ``check=False`` skips the O(M) check
     of the members (for an index that was checked when it was loaded).
 

@@ -23,8 +23,8 @@ import weakref
 
 import numpy as np
 
-from . import _defaults
-from . import _errors as E
+from .. import _defaults
+from .. import _errors as E
 from . import _format as F
 from . import _write
 from ._disks import ReaderLease, create_disks, open_disks
@@ -84,7 +84,7 @@ class Store:
 
     Attributes:
         path: the store directory.
-        model: the model identity (:class:`~swarmfs._manifest.ModelIdentity`:
+        model: the model identity (:class:`~swarmfs.store._manifest.ModelIdentity`:
             name, shape, dtype, entry bytes).
         num_layers, num_kv_heads, head_dim: model shape.
         dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``.
@@ -462,7 +462,7 @@ class Store:
 
     @E.boundary
     def layer_record(self, layer: int) -> LayerRecord:
-        """The manifest record of a layer (:class:`~swarmfs._manifest.LayerRecord`).
+        """The manifest record of a layer (:class:`~swarmfs.store._manifest.LayerRecord`).
 
         Raises:
             OutOfRangeError: the layer does not exist or holds no data.
@@ -557,7 +557,7 @@ class Store:
 
     # -- the write transaction -------------------------------------------------
     def _transaction(self) -> _write.Transaction:
-        """A :class:`~swarmfs._write.Transaction` on this store (enter it)."""
+        """A :class:`~swarmfs.store._write.Transaction` on this store (enter it)."""
         if self._closed:
             raise E.SwarmError("the store is closed", store=self.path)
         if not self.writable:

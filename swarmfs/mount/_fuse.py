@@ -12,7 +12,7 @@ Start-up is ``pyfuse3.init`` -> ``trio.run(pyfuse3.main)`` ->
 ``pyfuse3.close(unmount=True)`` in a ``finally``, so a crash or a signal does
 not leave a dead mount behind.
 
-Run as ``python -m swarmfs._fuse STORE MOUNTPOINT [--foreground] ...``.
+Run as ``python -m swarmfs.mount._fuse STORE MOUNTPOINT [--foreground] ...``.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import time
 import pyfuse3
 import trio
 
-from . import _errors as E
+from .. import _errors as E
 from ._fuse_ops import MAX_READ, SwarmFS
-from ._store import Store
+from ..store._store import Store
 
 __all__ = ["mount", "umount", "default_log_file", "MountError", "SwarmFS", "MAX_READ"]
 
@@ -253,7 +253,7 @@ def mount(store_path, mountpoint, *, foreground: bool = True, allow_other: bool 
     None.  Must run in the main thread for the signals to be caught.
 
     Background: after the store opened, starts a new session running
-    ``python -m swarmfs._fuse ... --foreground`` (a fresh process, which opens
+    ``python -m swarmfs.mount._fuse ... --foreground`` (a fresh process, which opens
     the store again, so no io_uring ring crosses a fork), waits until it
     reports the mount and ``os.path.ismount`` is true (deadline ``timeout``
     seconds), and returns its pid.  Its log goes to ``log_file`` (appended),
@@ -306,7 +306,7 @@ def mount(store_path, mountpoint, *, foreground: bool = True, allow_other: bool 
 def _spawn(store_path, mountpoint, *, allow_other, debug, direct_io, threads, readahead,
            verify, engine, log_file, timeout, snapshot, poll_interval) -> int:
     r, w = os.pipe()
-    cmd = [sys.executable, "-m", "swarmfs._fuse", store_path, mountpoint, "--foreground",
+    cmd = [sys.executable, "-m", "swarmfs.mount._fuse", store_path, mountpoint, "--foreground",
            "--ready-fd", str(w), "--threads", str(threads), "--readahead", str(readahead),
            "--poll-interval", repr(float(poll_interval))] + ["--snapshot"] * snapshot
     cmd += ["--allow-other"] * allow_other + ["--debug"] * debug + \
@@ -314,7 +314,7 @@ def _spawn(store_path, mountpoint, *, allow_other, debug, direct_io, threads, re
     if engine:
         cmd += ["--engine", engine]
     env = dict(os.environ)
-    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, env.get("PYTHONPATH")]))
     if log_file is None:     # keep the daemon's log (checksum failures, errors) somewhere
         log_file = default_log_file(mountpoint)
@@ -413,10 +413,10 @@ def umount(mountpoint, lazy: bool = False) -> None:
         raise MountError(f"cannot unmount: {msg}{hint}", path=mountpoint)
 
 
-# -- python -m swarmfs._fuse ---------------------------------------------------
+# -- python -m swarmfs.mount._fuse ---------------------------------------------------
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m swarmfs._fuse",
+    p = argparse.ArgumentParser(prog="python -m swarmfs.mount._fuse",
                                 description="Mount a swarmfs store read-only.")
     p.add_argument("store")
     p.add_argument("mountpoint")

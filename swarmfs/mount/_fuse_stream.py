@@ -30,7 +30,7 @@ import logging
 import numpy as np
 import trio
 
-from . import _errors as E
+from .. import _errors as E
 
 __all__ = ["BufferPool", "KVReader", "Stream"]
 

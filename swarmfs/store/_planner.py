@@ -29,8 +29,8 @@ import os
 
 import numpy as np
 
-from ._errors import ConfigError, InternalError, InvalidArgumentError
-from ._native import ffi, lib
+from .._errors import ConfigError, InternalError, InvalidArgumentError
+from .._native import ffi, lib
 
 __all__ = ["Plan", "plan_reads", "POLICIES", "MAX_REQUEST"]
 

@@ -1,67 +1,5 @@
-"""transformers integration: decode a causal LM with its KV cache on swarmfs.
-
-``import swarmfs.hf`` registers an attention function ``"swarm"`` with
-transformers' ``AttentionInterface`` (and the matching mask function), and
-provides :class:`SwarmCache`, a ``transformers.Cache``.  With a Llama, Qwen2,
-Qwen3 or Mistral model::
-
-    import swarmfs.hf
-    model = swarmfs.hf.enable(AutoModelForCausalLM.from_pretrained(d))
-    # (attn_implementation="swarm" also switches the attention, but only
-    # enable() hooks the embeddings so the prefill fingerprints its prompt)
-    cache = swarmfs.hf.SwarmCache("doc-store", model.config, ratio=0.1, disks=4)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
-    cache.close()
-    # a later request continuing the document, checked against the store:
-    cache = swarmfs.hf.SwarmCache.from_store("doc-store", model.config, input_ids=request)
-
-What happens (SWARM §5-§7):
-
-* **Prefill** attends densely (transformers' SDPA path).  In each layer's
-  attention call the prompt's own post-RoPE queries profile co-activation
-  (:func:`swarmfs.layout.profile_layer`, causal, at the sparsity ratio r),
-  Algorithm 1 clusters the entries with replication, eq. 6 chooses the hot
-  clusters under the DRAM budget, and the layer's KV is written to the store
-  (eq. 7 placement, striped, checksummed).  The layer's K and V are then
-  dropped: after prefill no full prefix KV stays in RAM.
-* **Decode**: each layer's query goes to a :class:`~swarmfs.DecodeSession`
-  over one :class:`~swarmfs.Retriever`: medoid scoring, clusters until the
-  entry budget ceil(r x S) (local window included), DRAM hits (window, hot
-  clusters) and one batched io_uring read for the rest.  Attention runs over
-  the retrieved entries plus the new tokens still in DRAM plus the current
-  token.  New tokens join clusters by eq. 9 after W steps and are appended
-  to the store (``append=True``); the hot set follows §6.2 replacement.
-* **DRAM residency**: per layer the medoid index, the local window, the hot
-  clusters and the pending new tokens.  Nothing else of the prefix.
-* **Layer pipelining (§7)**: the query of layer L+1 does not exist before
-  layer L's output, so an exact prefetch is impossible.  ``prefetch=
-  "previous"`` starts layer L+1's retrieval (in the Retriever's background
-  thread) when layer L attends, with layer L+1's query of the previous decode
-  step; layer L+1 then attends over what that retrieval returned (plus the
-  window and the pending tokens).  The exact query then scores the medoids
-  (CPU only, no I/O) so that the prefetch hit rate -- the fraction of the
-  entries the exact selection wants that the prefetched one holds -- is
-  recorded (:meth:`SwarmCache.summary`).  At r = 1 both select everything.
-  ``prefetch="none"`` (default) retrieves with the exact query on the
-  critical path.
-* **Reuse**: :meth:`SwarmCache.from_store` reopens a stored prefix; a later
-  request that starts with the same tokens decodes from the disks without a
-  new prefill.  With ``append=False`` (the default for ``from_store``) the
-  request's new tokens stay in DRAM and the stored document is unchanged.
-
-A model whose attention does not go through ``"swarm"`` would attend to the
-new tokens only; the SwarmCache detects that at the next call of the layer
-(before any decode output) and raises ConfigError.
-
-Limits: batch size 1; no beam search (``reorder_cache``), no ``crop``;
-sliding-window layers only while the context fits their window.
-
-Concurrency: one SwarmCache serves one request at a time (one thread calls
-the model).  Its Retriever's prefetch thread is the only other thread.
-Several SwarmCaches may read one store at the same time when none appends
-(``append=False``); a store being appended to has one writer (the Store's
-lock refuses a second process).
-"""
+"""The transformers Cache and attention function of :mod:`swarmfs.hf` (its
+docstring tells the whole story; SWARM §5-§7)."""
 
 from __future__ import annotations
 
@@ -72,14 +10,14 @@ import time
 
 import numpy as np
 
-from . import _errors as errors
-from . import _defaults as defaults
-from ._demo import LayoutParams, _layout_layer
-from ._index import union_ints
-from ._online import DecodeSession, check_tau
-from ._retrieve import Retriever
-from ._store import Store, to_torch
-from ._window import stored_window
+from .. import _errors as errors
+from .. import _defaults as defaults
+from .._demo import LayoutParams, _layout_layer
+from ..store._index import union_ints
+from ..decode._online import DecodeSession, check_tau
+from ..decode._retrieve import Retriever
+from ..store._store import Store, to_torch
+from ..decode._window import stored_window
 
 __all__ = ["ATTENTION", "METHODS", "SwarmCache", "SwarmLayer", "StepStats", "enable", "register",
            "prefix_fingerprint",
@@ -96,7 +34,7 @@ METHODS = ("swarm", "quest", "infllm", "pqcache")
 
 def _baseline_layout(method: str, q: np.ndarray, k: np.ndarray):
     """A baseline's layout of one layer (``swarmfs.layout._baselines``)."""
-    from .layout import _baselines as B
+    from ..layout import _baselines as B
     if method == "quest":
         return B.quest_pages(k)
     if method == "infllm":
@@ -107,7 +45,7 @@ def _baseline_layout(method: str, q: np.ndarray, k: np.ndarray):
 def _baseline_selector(method: str, index: dict):
     """The Retriever's selector for a baseline's per-layer index (None: SWARM's
     medoid index)."""
-    from . import _selectors as Sel
+    from ..decode import _selectors as Sel
     if method == "swarm":
         return None
     if method == "quest":

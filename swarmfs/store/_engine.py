@@ -56,10 +56,10 @@ import weakref
 
 import numpy as np
 
-from . import _errors as E
+from .. import _errors as E
 
 try:
-    from ._native import ffi, lib
+    from .._native import ffi, lib
 except ImportError as exc:  # pragma: no cover - only without a build
     raise ImportError(
         "swarmfs._native is not built; run `pip install -e .` (needs liburing-dev, "

@@ -13,7 +13,7 @@ import warnings
 
 import numpy as np
 
-from . import _errors as E
+from .. import _errors as E
 from . import _format as F
 from ._engine import WRITE, Engine, device_size, logical_block_size
 
@@ -155,7 +155,7 @@ def create_disks(path: str, disk_paths: list, *, force: bool, disk_size, block_s
 
     Args:
         make_manifest: callable(uuid bytes, capacities, block size) -> the
-            sealed generation-0 :class:`~swarmfs._manifest.Manifest` (its
+            sealed generation-0 :class:`~swarmfs.store._manifest.Manifest` (its
             model goes into the superblocks, its checksum into the commit
             records).
 

@@ -45,8 +45,8 @@ from typing import Mapping
 
 import numpy as np
 
-from . import _defaults
-from . import _errors as E
+from .. import _defaults
+from .. import _errors as E
 from . import _format as F
 
 __all__ = ["ModelIdentity", "DiskRecord", "IndexRecord", "LayerRecord", "Manifest",

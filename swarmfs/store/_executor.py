@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-from . import _errors as E
+from .. import _errors as E
 from ._engine import READ, device_size
 from ._kernels import gather_rows, verify_rows, xxh3_ranges
 from ._index import LayerIndex

@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from ._errors import InvalidArgumentError, boundary
+from .._errors import InvalidArgumentError, boundary
 
 __all__ = ["Placement", "PLACEMENTS", "start_disks", "stripe_counts", "place_clusters",
            "copy_locations"]

@@ -49,7 +49,7 @@ import threading
 
 import numpy as np
 
-from ._manifest import Manifest
+from ..store._manifest import Manifest
 
 __all__ = ["Node", "Tree", "LookupCounts", "encode", "decode", "npy_header", "npy_descr",
            "tokens_text", "tokens_text_size", "ROOT_INODE"]
@@ -357,7 +357,7 @@ class Tree:
     Args:
         store: the open store that serves reads (its engine, disks, shape).
         manifest: the generation's manifest (a
-            :class:`~swarmfs._manifest.Manifest`, or ``Store.manifest``'s
+            :class:`~swarmfs.store._manifest.Manifest`, or ``Store.manifest``'s
             dict; default ``store.committed``).
         indexes: ``{layer: LayerIndex}`` of the generation (default: loaded
             from ``store`` now).

@@ -26,13 +26,10 @@ import numpy as np
 import pyfuse3
 import trio
 
-from . import _errors as E
+from .. import _errors as E
 from ._fuse_stream import KVReader, Stream
-from ._fuse_tree import (CLUSTER_BASE, CLUSTER_INFO, CLUSTER_STRIDE, CLUSTERS, DIR_KINDS, DOTS,
-                         KV_BIN, KV_KINDS, KV_NPY, KV_NPY_FILE, LAYER_DIR, LAYER_SHIFT, LAYERS,
-                         LIVE_KINDS, ROOT_INODE, VER_SHIFT, LookupCounts, Node, Tree, decode,
-                         encode, sum_stats)
-from ._store import Store
+from ._fuse_tree import CLUSTER_BASE, CLUSTER_INFO, CLUSTER_STRIDE, CLUSTERS, DIR_KINDS, DOTS, KV_BIN, KV_KINDS, KV_NPY, KV_NPY_FILE, LAYER_DIR, LAYER_SHIFT, LAYERS, LIVE_KINDS, ROOT_INODE, VER_SHIFT, LookupCounts, Node, Tree, decode, encode, sum_stats
+from ..store._store import Store
 
 __all__ = ["SwarmFS", "MAX_READ", "TIMEOUT"]
 

@@ -16,7 +16,7 @@
 
 :meth:`~swarmfs.Retriever.retrieve` is these calls in this order (plus the
 DRAM residency under the layer lock); the layout's quality evaluation
-(``layout._quality``) uses :func:`choose` and :func:`~swarmfs._window.window_size`,
+(``layout._quality``) uses :func:`choose` and :func:`~swarmfs.decode._window.window_size`,
 so what it measures is what decoding reads.  Nothing loops in Python per
 entry or per request.
 """
@@ -27,9 +27,9 @@ import time
 
 import numpy as np
 
-from . import _errors as errors
-from ._index import unique_ints
-from ._kernels import gather_kv, thread_count
+from .. import _errors as errors
+from ..store._index import unique_ints
+from ..store._kernels import gather_kv, thread_count
 from ._selectors import Selector, _select
 
 __all__ = ["queries", "score", "fuses", "select", "choose", "plan", "merge_positions",
@@ -81,11 +81,11 @@ def choose(scores, members_ptr, members, num_tokens: int, budget: int,
         members_ptr: int64 [C+1] CSR pointers; members: int32/int64 [M]
             token positions in [0, num_tokens).
         num_tokens: S; budget: entries, 0 <= budget <= S; window: tokens of
-            the local window (:func:`~swarmfs._window.window_size`).
+            the local window (:func:`~swarmfs.decode._window.window_size`).
 
     Returns:
         int64 [c] cluster ids: best score first for one query, ascending for
-        a batch.  (:func:`swarmfs._selectors.select_clusters` is the checked
+        a batch.  (:func:`swarmfs.decode._selectors.select_clusters` is the checked
         public form for one query.)
     """
     scores = np.atleast_2d(scores)
@@ -107,7 +107,7 @@ def _top_tokens(li, scores: np.ndarray, window: np.ndarray, budget: int) -> np.n
 
 def fuses(selector: Selector) -> bool:
     """Whether ``selector`` scores and chooses clusters in one pass (a
-    cluster :class:`~swarmfs._selectors.FusedSelector`).  A plain attribute
+    cluster :class:`~swarmfs.decode._selectors.FusedSelector`).  A plain attribute
     test: ``isinstance`` against a runtime-checkable protocol costs ~20 µs,
     too much for every decode step."""
     return selector.kind == "clusters" and callable(getattr(selector, "select", None))
@@ -121,7 +121,7 @@ def select(selector: Selector, layer: int, q: np.ndarray, li, *, budget: int,
 
     With ``scores`` (stage 2's output), cluster selectors take :func:`choose`
     and the token selector its exact top-k; without, the selector runs its
-    fused score-and-choose pass (:class:`~swarmfs._selectors.FusedSelector`,
+    fused score-and-choose pass (:class:`~swarmfs.decode._selectors.FusedSelector`,
     SWARM's medoid index: one native call per query, the same clusters).
 
     Args:

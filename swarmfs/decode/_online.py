@@ -17,7 +17,7 @@ A :class:`DecodeSession` drives one layer of a decode loop over a
 * **Cache replacement**: each step a selected cluster's frequency f_i rises by
   one and a cached cluster that was not selected loses one; the hot set is
   re-chosen among the cached and the just-selected clusters under the DRAM
-  budget by the one eq. 6 rule (:func:`swarmfs._hot.hot_clusters`, the one
+  budget by the one eq. 6 rule (:func:`swarmfs.decode._hot.hot_clusters`, the one
   the offline layout uses; the paper keeps a min-heap; choosing over that
   small set each step is equivalent and vectorised).  Admitted clusters
   are filled from the rows this step already read; evicted ones free their
@@ -30,10 +30,10 @@ import dataclasses
 
 import numpy as np
 
-from . import _defaults as defaults
-from . import _errors as errors
+from .. import _defaults as defaults
+from .. import _errors as errors
 from ._hot import hot_clusters
-from ._index import union_ints
+from ..store._index import union_ints
 from ._report import query_token_mass
 from ._retrieve import Retrieval, Retriever, empty_kv
 from ._window import entry_budget
@@ -325,7 +325,7 @@ class DecodeSession:
         """The replacement policy (§6.2): the hot set after this step.
 
         f_i +1 for the selected clusters, -1 for the idle cached ones, then
-        eq. 6 (:func:`~swarmfs._hot.hot_clusters`) over the cached and the
+        eq. 6 (:func:`~swarmfs.decode._hot.hot_clusters`) over the cached and the
         selected clusters.  A subclass overrides this to try another policy
         (``tools/bench_decode.py``'s LRU baseline does); it runs under the
         layer's step lock, and its result is applied atomically by

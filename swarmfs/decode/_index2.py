@@ -29,9 +29,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._errors import InvalidArgumentError
-from ._kernels import Int8Index, _count_arg, _csr_args, _native_failure, pack_medoids_i8
-from ._native import ffi, lib
+from .._errors import InvalidArgumentError
+from ..store._kernels import Int8Index, _count_arg, _csr_args, _native_failure, pack_medoids_i8
+from .._native import ffi, lib
 
 __all__ = ["Int8Index2", "pack_medoids_i8x2", "select_i8x2", "groups_to_score", "check_coverage"]
 

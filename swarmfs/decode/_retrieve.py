@@ -3,7 +3,7 @@
 SWARM §5.2 and §6.1.  For each layer the :class:`Retriever` keeps in DRAM the
 medoid keys (the index), the local window (the last W tokens) and the hot
 clusters chosen by eq. 6.  :meth:`Retriever.retrieve` runs the stages of
-``swarmfs._stages`` in order: the query is checked, scored against the
+``swarmfs.decode._stages`` in order: the query is checked, scored against the
 medoids, clusters are taken in score order until the entry budget r x S is
 met (select); their entries are united and deduplicated (eq. 8), entries
 already in DRAM are dropped, and the rest are scheduled as entry buckets over
@@ -21,13 +21,13 @@ import time
 
 import numpy as np
 
-from . import _errors as errors
+from .. import _errors as errors
 from . import _stages as stages
-from ._defaults import RATIO
-from ._index import union_ints, unique_ints
-from ._kernels import empty_aligned, kv_rows
+from .._defaults import RATIO
+from ..store._index import union_ints, unique_ints
+from ..store._kernels import empty_aligned, kv_rows
 from ._selectors import MedoidSelector, Selector
-from ._store import Store, to_torch
+from ..store._store import Store, to_torch
 from ._window import entry_budget, window_positions, window_size
 
 __all__ = ["Retriever", "Retrieval", "RetrievalStats", "empty_kv"]
@@ -299,7 +299,7 @@ class Retriever:
         score: the medoid score when ``selector`` is None: ``"prob"``
             (per-head softmax over the medoids, summed) or ``"logit"``.
         assembly_threads: 1 (default) or 2 threads placing a retrieval's
-            entries into K and V (:func:`swarmfs._kernels.gather_kv`; only
+            entries into K and V (:func:`swarmfs.store._kernels.gather_kv`; only
             placements of at least 4 MiB are split).  2 pays when the other
             core is idle during assembly (0.6-0.76x the assembly stage,
             0.83x the retrieval of a sequential decode step); beside the
@@ -535,7 +535,7 @@ class Retriever:
     # -- the stages ----------------------------------------------------------
     # -- the stages ----------------------------------------------------------
     def queries(self, q) -> np.ndarray:
-        """Stage 1 (:func:`swarmfs._stages.queries`): float32 [B, H_q, d] from
+        """Stage 1 (:func:`swarmfs.decode._stages.queries`): float32 [B, H_q, d] from
         [H_q, d] or [B, H_q, d] (numpy or torch, any float dtype incl. bfloat16).
 
         Raises:
@@ -545,7 +545,7 @@ class Retriever:
                               store=self.store.path)
 
     def score(self, layer: int, q) -> np.ndarray:
-        """Stage 2 (:func:`swarmfs._stages.score`): selector scores of one or
+        """Stage 2 (:func:`swarmfs.decode._stages.score`): selector scores of one or
         more queries, float32 [B, C] (medoid scores for SWARM; [B, S] for a
         token selector).
 
@@ -555,7 +555,7 @@ class Retriever:
 
     def window(self, layer: int, budget: int | None = None) -> np.ndarray:
         """Token positions of the local window a query uses: the last
-        :func:`~swarmfs._window.window_size` (min(W, S, budget // 4))
+        :func:`~swarmfs.decode._window.window_size` (min(W, S, budget // 4))
         tokens, int64 ascending."""
         st = self.layer_state(layer)
         b = self.budget(layer) if budget is None else int(budget)
@@ -598,8 +598,8 @@ class Retriever:
                  budget: int | None = None, out=None) -> Retrieval:
         """Fetch the KV entries a query (or a batch of queries) needs.
 
-        The stages of ``swarmfs._stages`` in order: query, score, select
-        (:func:`~swarmfs._stages.choose`, or the selector's fused pass), split
+        The stages of ``swarmfs.decode._stages`` in order: query, score, select
+        (:func:`~swarmfs.decode._stages.choose`, or the selector's fused pass), split
         DRAM / SSD and pin the DRAM rows (under the layer lock), plan (eq. 8,
         §6.1), submit (one batched submission; the C kernel ``gather_kv``
         places each entry into K and V straight from the staging buffer),

@@ -26,7 +26,7 @@ import warnings
 
 import numpy as np
 
-from . import _errors as E
+from .. import _errors as E
 from . import _format as F
 from ._disks import truncate_to, write_commit_records
 from ._engine import WRITE

@@ -73,7 +73,7 @@ import uuid as _uuid
 import numpy as np
 import xxhash
 
-from . import _errors as E
+from .. import _errors as E
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "COMMIT_MAGIC", "SUPERBLOCK_SIZE", "COMMIT_SIZE",
            "COMMIT_OFF", "DATA_START", "HEADER_BYTES", "MANIFEST", "INDEX_DIR",
@@ -563,7 +563,7 @@ def _header_meta(head: bytes, size: int, name: str, kw: dict):
 def check_index_header(store_dir: str, layer: int, record, *, expect: dict) -> None:
     """Read only the header of a layer's index file and check its metadata
     against ``expect`` (cheap; done for every layer at open).  ``record``
-    is the manifest's :class:`~swarmfs._manifest.IndexRecord`.
+    is the manifest's :class:`~swarmfs.store._manifest.IndexRecord`.
 
     Raises:
         ManifestError: missing, wrong size, or metadata that disagrees.
@@ -598,7 +598,7 @@ def check_index_header(store_dir: str, layer: int, record, *, expect: dict) -> N
 
 def load_index(store_dir: str, layer: int, record, *, expect: dict) -> dict:
     """Read one layer's index file (bounded; ``record`` is the manifest's
-    :class:`~swarmfs._manifest.IndexRecord`), check its XXH3-64, its own
+    :class:`~swarmfs.store._manifest.IndexRecord`), check its XXH3-64, its own
     metadata against ``expect`` (the manifest's counts and generation, the
     superblocks' identity) and its arrays' dtypes, ranks and sizes.
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._defaults import SSD_GBPS, T_BASE_US
-from ._errors import LayoutError, ShapeError
+from .._defaults import SSD_GBPS, T_BASE_US
+from .._errors import LayoutError, ShapeError
 
 __all__ = ["cluster_scores", "hot_clusters", "transfer_us"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _errors as errors
+from .. import _errors as errors
 from ._placement import copy_locations, stripe_counts
 
 __all__ = ["LayerIndex", "concat_ranges", "unique_ints", "union_ints"]

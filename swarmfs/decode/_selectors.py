@@ -24,8 +24,8 @@ per-layer state drops it in ``invalidate(layer)``, which
 :meth:`~swarmfs.Retriever.refresh` calls after the layer changed.
 
 The choice itself is one pure function, :func:`select_clusters` (the C rule
-``_select``), with one local-window rule (:func:`swarmfs._window.window_size`);
-the Retriever's stages (``swarmfs._stages``), the layout quality evaluation
+``_select``), with one local-window rule (:func:`swarmfs.decode._window.window_size`);
+the Retriever's stages (``swarmfs.decode._stages``), the layout quality evaluation
 (``layout._quality``) and the demo all use these two.
 """
 
@@ -37,7 +37,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ._errors import InvalidArgumentError, NotFoundError
+from .._errors import InvalidArgumentError, NotFoundError
 
 __all__ = ["Selector", "FusedSelector", "MedoidSelector", "VectorSelector",
            "MultiVectorSelector", "BoundSelector", "TokenSelector", "Selection",
@@ -78,7 +78,7 @@ def score_medoids(medoids: np.ndarray, qg: np.ndarray) -> np.ndarray:
     if medoids.dtype == np.float32:
         with single_threaded_blas():
             return qg @ medoids.T
-    from ._kernels import gemv_half
+    from ..store._kernels import gemv_half
     return gemv_half(medoids, qg, bf16=medoids.dtype.name == "bfloat16")
 
 
@@ -188,7 +188,7 @@ def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: in
         members: int [M] token positions in [0, num_tokens).
         num_tokens: S, tokens of the context.
         budget: entries wanted (window included); capped at S.
-        window: tokens of the local window (see :func:`swarmfs._window.window_size`).
+        window: tokens of the local window (see :func:`swarmfs.decode._window.window_size`).
 
     Returns:
         A :class:`Selection`.
@@ -215,7 +215,7 @@ def select_clusters(scores, members_ptr, members, *, num_tokens: int, budget: in
         raise InvalidArgumentError(f"select_clusters: num_tokens {S}, budget {budget} and "
                                    f"window {w} must be >= 0")
     w = min(w, S)
-    from ._kernels import choose_clusters
+    from ..store._kernels import choose_clusters
     # the cluster table's rule (pointers in order, members in the context, S < 2**31)
     # is checked in one place: choose_clusters with check=True
     clusters, entries = choose_clusters(scores, ptr, members, num_tokens=S,
@@ -228,7 +228,7 @@ def _select(scores, ptr, members, S: int, budget: int, w: int) -> Selection:
     int64 ``ptr``, int32 (or int64) ``members``, 0 <= w <= S, 0 <= budget <= S.  In C
     (``se_choose_clusters``: a key threshold by two counting passes, a radix sort of the
     clusters above it, a bitmap of seen tokens)."""
-    from ._kernels import choose_clusters
+    from ..store._kernels import choose_clusters
     clusters, entries = choose_clusters(scores, ptr, members, num_tokens=S, budget=budget,
                                         window=w, check=False)
     return Selection(clusters, entries, min(w, S))
@@ -254,7 +254,7 @@ def head_logits(m: np.ndarray, q: np.ndarray, num_kv_heads: int) -> np.ndarray:
     """Per-query-head logits q_h . k_{g(h)} of rows ``m`` [C, H_kv*d] (store
     dtype; fp32 may also come head-major as [H_kv, C, d]): float32
     [B, H_q, C]; query head h uses KV head h // (H_q / H_kv)."""
-    from ._kernels import head_logits_half
+    from ..store._kernels import head_logits_half
     B, Hq, d = q.shape
     H = int(num_kv_heads)
     if m.dtype != np.float32:       # one pass over the index, in C
@@ -294,14 +294,14 @@ class MedoidSelector:
             its fp16 rounding.  Ignored by ``"logit"``, and on the NEON path
             (no int8 kernel there yet; the exact score runs instead).
         levels: 1 (default) scores every medoid; 2 selects through the
-            two-level int8 index (``swarmfs._index2``: per KV head, balanced
+            two-level int8 index (``swarmfs.decode._index2``: per KV head, balanced
             groups of ``group_size`` medoids (a PCA tree) under centroids, the best groups
             scored exactly, ``coverage`` x the budget's share of them), an
             approximation for less work per query; only ``select`` and only
             with ``index="int8"`` (``scores`` stays one-level).  Recall and
             speed: docs/benchmarks.md §9.
         threads: 1 (default) or 2: the one-level int8 score of one query on
-            two threads (half the KV heads each; :func:`swarmfs._kernels.select_i8`),
+            two threads (half the KV heads each; :func:`swarmfs.store._kernels.select_i8`),
             for a step whose other work is not using the second core.  The
             other scores and ``levels=2`` run on one thread.
     """
@@ -322,7 +322,7 @@ class MedoidSelector:
                 or group_size < 1:
             raise InvalidArgumentError(f"group_size must be an integer >= 1, got {group_size!r}")
         from ._index2 import check_coverage
-        from ._kernels import thread_count
+        from ..store._kernels import thread_count
         coverage = check_coverage(coverage)
         self.threads = thread_count(threads)
         self.store = store
@@ -357,7 +357,7 @@ class MedoidSelector:
 
     def _packed(self, layer, li, m):
         """The index in ``pack_medoids`` layout, made once per layer index."""
-        from ._kernels import pack_medoids
+        from ..store._kernels import pack_medoids
         return self._cached("packed", layer, li,
                             lambda: pack_medoids(m, self.store.num_kv_heads))
 
@@ -365,7 +365,7 @@ class MedoidSelector:
         """The ``pack_medoids_i8`` index, made once per layer index (None when
         the exact index is asked for or runs instead: the "logit" score, a
         head size not a multiple of 4, the NEON path)."""
-        from ._kernels import kernel_path, pack_medoids_i8
+        from ..store._kernels import kernel_path, pack_medoids_i8
         if self.index != "int8" or self.score != "prob" or self.store.head_dim % 4:
             return None
         if kernel_path() == "neon":      # no NEON int8 kernel yet: the exact NEON one
@@ -386,7 +386,7 @@ class MedoidSelector:
         m = self._medoids(layer, li)
         if self.score == "logit":
             return _gemv(m, q)
-        from ._kernels import head_logits_i8, softmax_sum
+        from ..store._kernels import head_logits_i8, softmax_sum
         ix = self._int8(layer, li, m)
         if ix is not None:
             q = np.asarray(q, dtype=np.float32)
@@ -409,7 +409,7 @@ class MedoidSelector:
         if ix is not None and self.levels == 2:
             return self._select_two_level(layer, li, m, q, budget, window)
         if ix is not None:
-            from ._kernels import select_i8
+            from ..store._kernels import select_i8
             out = []
             for qq in np.asarray(q, dtype=np.float32):
                 cl, n = select_i8(ix, qq, self.store.num_kv_heads, scale=self.scale,
@@ -421,7 +421,7 @@ class MedoidSelector:
         if m.dtype == np.float32:
             return [_select(s, li.members_ptr, li.members, li.num_tokens, budget, window)
                     for s in self.scores(layer, q, li)]
-        from ._kernels import select_fused
+        from ..store._kernels import select_fused
         packed = self._packed(layer, li, m) if self.score == "prob" else None
         out = []
         for qq in q:

@@ -17,8 +17,8 @@ import math
 
 import numpy as np
 
-from ._defaults import LOCAL_WINDOW
-from ._errors import LayoutError
+from .._defaults import LOCAL_WINDOW
+from .._errors import LayoutError
 
 __all__ = ["entry_budget", "window_size", "stored_window", "window_positions", "window_mask"]
 

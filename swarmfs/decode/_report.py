@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._errors import InvalidArgumentError, ShapeError
-from ._index import unique_ints
+from .._errors import InvalidArgumentError, ShapeError
+from ..store._index import unique_ints
 from ._window import entry_budget
 
 __all__ = ["attention_logits", "token_mass", "oracle_mass", "attention_recall",
@@ -91,7 +91,7 @@ def query_token_mass(q, k, scaling: float) -> np.ndarray:
         return np.zeros(0, dtype=np.float32)
     if k.dtype.name not in ("float16", "bfloat16"):
         return token_mass(attention_logits(q[:, None, :], k, scaling))[0]
-    from ._kernels import head_logits_half, softmax_sum
+    from ..store._kernels import head_logits_half, softmax_sum
     g = q.shape[0] // H
     lg = np.empty((q.shape[0], n), dtype=np.float32)
     for h in range(H):                      # one pass over each KV head's rows
