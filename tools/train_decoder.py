@@ -82,11 +82,15 @@ def train_tokenizer(docs, vocab_size: int, path: pathlib.Path):
     return tok
 
 
-def prepare(out: pathlib.Path, vocab_size: int) -> dict[str, np.ndarray]:
-    """Train the tokenizer and tokenize the training streams (cached in OUT)."""
+def prepare(out: pathlib.Path, vocab_size: int, init_from: pathlib.Path | None = None
+            ) -> dict[str, np.ndarray]:
+    """Train the tokenizer (or take ``init_from``'s) and tokenize the training
+    streams (cached in OUT)."""
     from tokenizers import Tokenizer
     from swarmfs.models import training_texts
     tok_path = out / "tokenizer.json"
+    if init_from is not None and not tok_path.exists():
+        tok_path.write_bytes((init_from / "tokenizer.json").read_bytes())
     streams = {k: out / f"train_{k}.u16" for k in ("python", "prose")}
     if tok_path.exists() and all(p.exists() for p in streams.values()):
         return {k: np.fromfile(p, dtype=np.uint16) for k, p in streams.items()}
@@ -117,7 +121,7 @@ def make_config(args, vocab_size: int, eos_id: int):
     return LlamaConfig(
         vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.head_dim or args.hidden // args.heads,
         max_position_embeddings=32768, rope_theta=float(args.rope_theta),
         rope_parameters={"rope_type": "default", "rope_theta": float(args.rope_theta)},
         rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
@@ -196,6 +200,90 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
                 row[dst:dst + n] = row[src:src + n]
         rows.append(row)
     return np.stack(rows)
+
+
+def parse_tasks(spec: str) -> tuple[float, float]:
+    """``--tasks "0.5:2"`` -> (probability a window gets tasks, tasks per 1,024 tokens)."""
+    if not spec:
+        return 0.0, 0.0
+    try:
+        p, per_1k = (float(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--tasks {spec!r}: expected PROB:PER_1K") from None
+    if not 0.0 <= p <= 1.0 or per_1k < 0:
+        raise ValueError(f"--tasks {spec!r}: PROB in [0, 1], PER_1K >= 0")
+    return p, per_1k
+
+
+def batch_with_tasks(streams, seed: int, step: int, seq: int, batch: int, prose_fraction: float,
+                     repeat, vocab: int, tasks: tuple[float, float], templates):
+    """:func:`batch_for`'s windows with long-context tasks spliced in
+    (:func:`swarmfs.models.tasks.embed_tasks`): each window gets tasks with
+    probability ``tasks[0]``, about ``tasks[1]`` per 1,024 tokens (at least
+    one), drawn by a generator seeded with (seed, step, 1).
+
+    Returns:
+        (x int64 [batch, seq + 1], answer bool [batch, seq + 1]): the windows
+        and the mask of task answer tokens.
+    """
+    from swarmfs.models.tasks import embed_tasks
+    x = batch_for(streams, seed, step, seq, batch, prose_fraction, repeat, vocab)
+    mask = np.zeros(x.shape, bool)
+    p, per_1k = tasks
+    rng = np.random.default_rng([seed, step, 1])
+    for i in range(batch):
+        if rng.random() < p:
+            n = max(1, int(rng.poisson(per_1k * seq / 1024)))
+            x[i], mask[i] = embed_tasks(x[i], rng, templates, n)
+    return x, mask
+
+
+def widen_heads(old_state: dict, old_config, config, seed: int = 0) -> dict:
+    """A state dict for ``config`` (wider head_dim) that computes exactly
+    what ``old_state`` computes under ``old_config``.
+
+    RoPE pairs dimension i with i + d/2 at frequency theta^(-2i/d).  Old
+    dimension i (d_old) has the frequency of new dimension i * d_new/d_old,
+    so each old query/key row goes to that new row (and its pair); queries
+    are scaled by sqrt(d_new/d_old) for the new 1/sqrt(d) softmax scale.
+    The new query rows get small random weights and the new key rows zeros
+    (no change to the scores, but a gradient for both); the new value rows
+    small random weights and the matching output columns zeros.
+    """
+    import torch
+    d0, d1 = old_config.head_dim, config.head_dim
+    if d1 % d0 or config.num_attention_heads != old_config.num_attention_heads \
+            or config.num_key_value_heads != old_config.num_key_value_heads:
+        raise ValueError(f"widen_heads: head_dim {d0} -> {d1} with the same heads only")
+    f = d1 // d0
+    half0, half1 = d0 // 2, d1 // 2
+    rows = np.concatenate([np.arange(half0) * f, half1 + np.arange(half0) * f])  # RoPE rows
+    gen = torch.Generator().manual_seed(seed)
+    state = dict(old_state)
+    for key, w in old_state.items():
+        if not key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")):
+            continue
+        is_o = key.endswith("o_proj.weight")
+        heads = (config.num_attention_heads if key.endswith(("q_proj.weight", "o_proj.weight"))
+                 else config.num_key_value_heads)
+        w = w if not is_o else w.t()
+        hidden = w.shape[1]
+        old = w.reshape(heads, d0, hidden)
+        if key.endswith("q_proj.weight"):
+            new = 0.02 * torch.randn(heads, d1, hidden, generator=gen)
+            new[:, rows] = old * math.sqrt(f)
+        elif key.endswith("k_proj.weight"):
+            new = torch.zeros(heads, d1, hidden)
+            new[:, rows] = old
+        elif key.endswith("v_proj.weight"):
+            new = 0.02 * torch.randn(heads, d1, hidden, generator=gen)
+            new[:, :d0] = old
+        else:
+            new = torch.zeros(heads, d1, hidden)
+            new[:, :d0] = old
+        new = new.reshape(heads * d1, hidden)
+        state[key] = new.t().contiguous() if is_o else new
+    return state
 
 
 def parse_repeat(spec: str) -> dict[int, list[tuple[float, str]]]:
@@ -329,6 +417,23 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
         opt.load_state_dict(state["opt"])
         step, history = state["step"], state["history"]
         print(f"[train] resumed from {ckpt} at step {step}", flush=True)
+    elif args.init_from is not None:
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+        old_config = AutoConfig.from_pretrained(args.init_from)
+        old = load_file(str(args.init_from / "model.safetensors"))
+        old = {k: v.float() for k, v in old.items()}
+        if old_config.head_dim != config.head_dim:
+            old = widen_heads(old, old_config, config, args.seed)
+        missing, unexpected = model.load_state_dict(old, strict=False)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:
+            raise SystemExit(f"--init-from {args.init_from}: missing {missing}, unexpected {unexpected}")
+        model.tie_weights()
+        print(f"[train] initialised from {args.init_from} (head_dim {old_config.head_dim} -> "
+              f"{config.head_dim})", flush=True)
+    from swarmfs.models.tasks import Templates
+    templates = Templates(lambda text: tok.encode(text).ids)
+    task_mix = parse_tasks(args.tasks)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[train] {n_params / 1e6:.2f} M parameters, phases {phases}, {total} steps", flush=True)
     from swarmfs.models import heldout_texts
@@ -356,22 +461,28 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
         lr = lr_at(step, total, args.lr, args.warmup, args.lr_floor, args.decay)
         for g in opt.param_groups:
             g["lr"] = lr
-        x = torch.from_numpy(batch_for(streams, args.seed, step, seq, batch, args.prose_fraction,
-                                       repeat_at(repeat_plan, step), config.vocab_size))
+        x, answer = batch_with_tasks(streams, args.seed, step, seq, batch, args.prose_fraction,
+                                     repeat_at(repeat_plan, step), config.vocab_size, task_mix,
+                                     templates)
+        x, answer = torch.from_numpy(x), torch.from_numpy(answer[:, 1:].reshape(-1))
         t0 = time.time()
         logits = model(input_ids=x[:, :-1], use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
-                                                 x[:, 1:].reshape(-1))
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
+                                                x[:, 1:].reshape(-1), reduction="none")
+        lm_loss = nll.mean()
+        answer_loss = nll[answer].mean() if bool(answer.any()) else None
+        loss = lm_loss if answer_loss is None else lm_loss + args.answer_weight * answer_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
         opt.step()
         dt = time.time() - t0
         step += 1
-        history.append({"step": step, "seq": seq, "loss": loss.item(), "lr": lr,
-                        "grad_norm": gnorm, "sec": dt, "tokens": seq * batch})
+        history.append({"step": step, "seq": seq, "loss": lm_loss.item(), "lr": lr,
+                        "grad_norm": gnorm, "sec": dt, "tokens": seq * batch,
+                        "answer_loss": None if answer_loss is None else answer_loss.item()})
         bar.update(1)
-        bar.set_postfix(seq=seq, loss=f"{float(loss):.3f}", tok_s=f"{seq * batch / dt:.0f}")
+        bar.set_postfix(seq=seq, loss=f"{float(lm_loss):.3f}", tok_s=f"{seq * batch / dt:.0f}")
         boundary = step in set(ends.tolist())
         if boundary or time.time() - last_save > args.ckpt_every or step == total:
             history[-1]["copy"] = copy_probe(model, probe_ids)
@@ -415,8 +526,9 @@ def export(args, tok_path: pathlib.Path, dest: pathlib.Path) -> None:
     eos = tok.token_to_id(EOS)
     state = torch.load(args.out / "ckpt" / "last.pt", map_location="cpu", weights_only=False)
     # the model's shape and the phase plan are the checkpoint's, not this command line's
-    for key in ("hidden", "intermediate", "layers", "heads", "kv_heads", "phases", "rope_theta"):
-        setattr(args, key, state["args"].get(key, 500000.0))
+    for key, default in (("hidden", 256), ("intermediate", 512), ("layers", 4), ("heads", 8),
+                         ("kv_heads", 2), ("phases", ""), ("rope_theta", 500000.0), ("head_dim", 0)):
+        setattr(args, key, state["args"].get(key, default))
     model = make_model(make_config(args, tok.get_vocab_size(), eos))
     model.load_state_dict(state["model"])
     dest.mkdir(parents=True, exist_ok=True)
@@ -489,6 +601,16 @@ _P = click.Path(path_type=pathlib.Path)
 @click.option("--layers", type=click.IntRange(min=1), default=4)
 @click.option("--heads", type=click.IntRange(min=1), default=8)
 @click.option("--kv-heads", type=click.IntRange(min=1), default=2)
+@click.option("--head-dim", type=click.IntRange(min=0), default=0,
+              help="per-head width (0: hidden / heads)")
+@click.option("--init-from", type=_P, default=None,
+              help="a fresh run starts from this HF model directory (its tokenizer too); "
+                   "a narrower head_dim is widened exactly (widen_heads)")
+@click.option("--tasks", default="",
+              help="long-context tasks: PROB:PER_1K, the probability that a window gets "
+                   "synthetic tasks (swarmfs.models.tasks) and how many per 1,024 tokens")
+@click.option("--answer-weight", type=O.NONNEG_FLOAT, default=1.0,
+              help="loss weight of the mean loss on task answer tokens, beside the mean loss")
 @click.option("--rope-theta", type=O.FiniteFloat(min=1.0), default=500000.0,
               help="RoPE base; a resumed run may change it (the model re-adapts)")
 @click.option("--lr", type=O.POSITIVE, default=2e-3)
@@ -523,6 +645,7 @@ def cli(**options):
     try:
         parse_phases(args.phases)
         parse_repeat(args.repeat)
+        parse_tasks(args.tasks)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     run(args)
@@ -535,7 +658,7 @@ def main(argv=None):
 
 def run(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
-    streams = prepare(args.out, args.vocab)
+    streams = prepare(args.out, args.vocab, args.init_from)
     tok_path = args.out / "tokenizer.json"
     if args.bench:
         bench(args, streams, tok_path)
