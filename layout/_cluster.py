@@ -80,14 +80,18 @@ import numpy as np
 import scipy.sparse as sp
 
 from .._errors import LayoutError, ShapeError
+from .._validate import (checked, checked_methods, parse_choice, parse_int, parse_number,
+                         parse_positive_int, parse_ratio)
 from ._profile import Profile, entry_bitsets, one_blas_thread, pair_intersections, popcount_rows
 
 __all__ = ["BUCKET_WINDOW", "DEFAULT_MAX_CLUSTER_SIZE", "DEFAULT_MAX_REPLICAS",
-           "DEFAULT_METRIC", "DEFAULT_TAU", "EXACT_LIMIT", "METRICS", "ClusterStats",
+           "DEFAULT_METRIC", "DEFAULT_TAU", "EXACT_LIMIT", "METHODS", "METRICS", "ClusterStats",
            "Clustering", "NeighbourGraph", "build_clusters", "cluster", "coactivation_distance",
            "eq2_tau", "graph_from_distances", "neighbour_graph"]
 
 METRICS = ("jaccard", "eq2")
+#: neighbour-search methods of :func:`neighbour_graph`
+METHODS = ("auto", "exact", "minhash")
 DEFAULT_METRIC = "jaccard"
 #: Default clustering radius for the Jaccard metric.
 DEFAULT_TAU = 0.6
@@ -103,6 +107,7 @@ BUCKET_WINDOW = 64
 _EQ2_EXACT_MAX = 16384
 
 
+@checked
 def coactivation_distance(f, n_i, n_j, *, metric: str = DEFAULT_METRIC,
                           total: float | None = None) -> np.ndarray:
     """Distance between entries from co-activation counts (eqs. 2-3 or Jaccard).
@@ -119,8 +124,10 @@ def coactivation_distance(f, n_i, n_j, *, metric: str = DEFAULT_METRIC,
         float64 distances in [0, 1].
 
     Raises:
-        LayoutError: unknown metric, or ``total`` missing/non-positive for eq2.
+        InvalidChoiceError: unknown metric.
+        LayoutError: ``total`` missing/non-positive for eq2.
     """
+    parse_choice(metric, "metric", METRICS)
     f = np.asarray(f, np.float64)
     if metric == "eq2":
         if total is None or not total > 0:
@@ -129,9 +136,10 @@ def coactivation_distance(f, n_i, n_j, *, metric: str = DEFAULT_METRIC,
     if metric == "jaccard":
         union = np.asarray(n_i, np.float64) + np.asarray(n_j, np.float64) - f
         return np.where(union > 0, 1.0 - f / np.maximum(union, 1.0), 1.0)
-    raise LayoutError(f"unknown metric {metric!r}; use one of {METRICS}")
+    raise AssertionError(metric)       # parse_choice took only METRICS
 
 
+@checked_methods
 @dataclasses.dataclass(frozen=True, eq=False)
 class NeighbourGraph:
     """The sparse tau-neighbourhood graph Algorithm 1 runs on.
@@ -167,6 +175,7 @@ class NeighbourGraph:
         return int(self.sim.nnz // 2)
 
 
+@checked
 def eq2_tau(profile: Profile, min_count: float) -> float:
     """The eq. 2/3 radius at which pairs need more than ``min_count`` co-activations.
 
@@ -174,19 +183,11 @@ def eq2_tau(profile: Profile, min_count: float) -> float:
     ``tau = 1 - min_count / F`` with ``F = profile.total_coactivation()``.
 
     Raises:
-        LayoutError: min_count outside [0, F).
+        InvalidNumberError: min_count outside [0, F).
     """
     total = profile.total_coactivation()
-    if not 0 <= min_count < total:
-        raise LayoutError(f"min_count must be in [0, {total:g}), got {min_count}")
+    min_count = parse_number(min_count, "min_count", 0, total, hi_open=True)
     return 1.0 - float(min_count) / total
-
-
-def _check_tau(tau) -> float:
-    tau = float(tau)
-    if not 0.0 < tau <= 1.0 or math.isnan(tau):
-        raise LayoutError(f"clustering radius tau must be in (0, 1], got {tau}")
-    return tau
 
 
 class _ProfileDistance:
@@ -232,6 +233,7 @@ def _symmetric(i, j, s, S) -> sp.csr_matrix:
     return sp.csr_matrix((w[o], b[o], indptr.astype(idx_t)), shape=(S, S))
 
 
+@checked
 def graph_from_distances(D, tau: float) -> NeighbourGraph:
     """Neighbour graph of a dense symmetric distance matrix (tests, small N).
 
@@ -240,10 +242,10 @@ def graph_from_distances(D, tau: float) -> NeighbourGraph:
         tau: radius in (0, 1]; pairs with ``D < tau`` become edges.
 
     Raises:
-        LayoutError: tau outside (0, 1].
+        InvalidRatioError: tau outside (0, 1].
         ShapeError: D not square and symmetric, or values outside [0, 1].
     """
-    tau = _check_tau(tau)
+    tau = parse_ratio(tau, "tau")
     D = np.asarray(D, np.float64)
     if D.ndim != 2 or D.shape[0] != D.shape[1] or not np.allclose(D, D.T):
         raise ShapeError(f"distance matrix {D.shape} must be square and symmetric")
@@ -396,6 +398,7 @@ def _gather_rows(indptr, indices, rows) -> np.ndarray:
     return indices[np.arange(total) + offs]
 
 
+@checked
 def neighbour_graph(profile: Profile, *, tau: float = DEFAULT_TAU,
                     metric: str = DEFAULT_METRIC, method: str = "auto",
                     max_neighbours: int | None = None, seed: int = 0) -> NeighbourGraph:
@@ -418,14 +421,16 @@ def neighbour_graph(profile: Profile, *, tau: float = DEFAULT_TAU,
         have no edges).
 
     Raises:
-        LayoutError: bad tau, metric or method; an empty profile; eq2 with a
-            tau so close to 1 that more than 16384 entries qualify.
+        InvalidRatioError: tau outside (0, 1].
+        InvalidChoiceError: an unknown metric or method.
+        LayoutError: an empty profile; eq2 with a tau so close to 1 that
+            more than 16384 entries qualify.
     """
-    tau = _check_tau(tau)
-    if metric not in METRICS:
-        raise LayoutError(f"unknown metric {metric!r}; use one of {METRICS}")
-    if method not in ("auto", "exact", "minhash"):
-        raise LayoutError(f"unknown method {method!r}; use auto, exact or minhash")
+    tau = parse_ratio(tau, "tau", layer=profile.layer)
+    parse_choice(metric, "metric", METRICS)
+    parse_choice(method, "method", METHODS)
+    if max_neighbours is not None:
+        parse_positive_int(max_neighbours, "max_neighbours")
     if profile.acts.nnz == 0:
         raise LayoutError("the profile activates no entry", layer=profile.layer)
     t0 = time.perf_counter()
@@ -464,6 +469,7 @@ def neighbour_graph(profile: Profile, *, tau: float = DEFAULT_TAU,
                           distance=oracle)
 
 
+@checked
 def build_clusters(graph: NeighbourGraph, *, nodes=None,
                    max_cluster_size: int = DEFAULT_MAX_CLUSTER_SIZE,
                    max_replicas: int | None = DEFAULT_MAX_REPLICAS
@@ -500,12 +506,11 @@ def build_clusters(graph: NeighbourGraph, *, nodes=None,
         first, then the members in order of addition.
 
     Raises:
-        LayoutError: max_cluster_size < 1 or max_replicas < 1.
+        InvalidIntegerError: max_cluster_size < 1 or max_replicas < 1.
     """
-    if max_cluster_size < 1:
-        raise LayoutError(f"max_cluster_size must be >= 1, got {max_cluster_size}")
-    if max_replicas is not None and max_replicas < 1:
-        raise LayoutError(f"max_replicas must be >= 1 or None, got {max_replicas}")
+    parse_positive_int(max_cluster_size, "max_cluster_size")
+    if max_replicas is not None:
+        parse_positive_int(max_replicas, "max_replicas")
     g = graph.sim
     tau = graph.tau
     N = g.shape[0]
@@ -577,6 +582,7 @@ def build_clusters(graph: NeighbourGraph, *, nodes=None,
     return ptr, np.concatenate(chunks).astype(np.int64)
 
 
+@checked_methods
 @dataclasses.dataclass(frozen=True)
 class ClusterStats:
     """Summary of a clustering.
@@ -630,6 +636,7 @@ class _CSR:
         """int64 [C] cluster sizes in entries."""
         return np.diff(self.ptr)
 
+@checked_methods
 @dataclasses.dataclass(frozen=True, eq=False)
 class Clustering(_CSR):
     """KV clusters of one layer (CSR), ready for ``Store.write_layer``.
@@ -679,6 +686,7 @@ def _idle_groups(idle: np.ndarray, group: int, keys) -> tuple[list[np.ndarray], 
     return out, np.asarray(medoids, np.int64)
 
 
+@checked
 def cluster(profile: Profile, *, tau: float = DEFAULT_TAU, metric: str = DEFAULT_METRIC,
             max_cluster_size: int = DEFAULT_MAX_CLUSTER_SIZE,
             max_replicas: int | None = DEFAULT_MAX_REPLICAS,
@@ -711,12 +719,15 @@ def cluster(profile: Profile, *, tau: float = DEFAULT_TAU, metric: str = DEFAULT
         singletons, then groups of never-activated entries.
 
     Raises:
-        LayoutError: bad tau/metric/method/sizes, or an empty profile.
+        InvalidRatioError: tau outside (0, 1].
+        InvalidChoiceError: an unknown metric or method.
+        InvalidIntegerError: a size or count below 1, or not an integer.
+        LayoutError: an empty profile.
         ShapeError: ``keys`` does not cover the profile's S tokens.
     """
-    tau = _check_tau(tau)
-    if idle_group_size < 1:
-        raise LayoutError(f"idle_group_size must be >= 1, got {idle_group_size}")
+    tau = parse_ratio(tau, "tau", layer=profile.layer)
+    parse_positive_int(idle_group_size, "idle_group_size")
+    parse_int(seed, "seed")
     S = profile.num_tokens
     if keys is not None:
         keys = np.asarray(keys)

@@ -35,6 +35,8 @@ import scipy.sparse as sp
 
 from .._defaults import RATIO
 from .._errors import LayoutError, ShapeError
+from .._validate import (checked, checked_methods, parse_index, parse_int, parse_positive_int,
+                         parse_ratio)
 from ..decode._selectors import single_threaded_blas as one_blas_thread
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_RATIO", "Profile", "aggregate_scores",
@@ -47,6 +49,7 @@ DEFAULT_RATIO = RATIO
 DEFAULT_MAX_QUERIES = 2048
 
 
+@checked_methods
 @dataclasses.dataclass(frozen=True, eq=False)
 class Profile:
     """Activated sets of the profiled queries of one layer.
@@ -146,6 +149,7 @@ def pair_intersections(bits: np.ndarray, i: np.ndarray, j: np.ndarray,
     return out
 
 
+@checked
 def sample_queries(num_tokens: int, max_queries: int = DEFAULT_MAX_QUERIES,
                    seed: int = 0) -> np.ndarray:
     """Deterministic sample of profiling query positions.
@@ -156,10 +160,12 @@ def sample_queries(num_tokens: int, max_queries: int = DEFAULT_MAX_QUERIES,
         replacement by ``numpy.random.default_rng(seed)``.
 
     Raises:
-        LayoutError: ``max_queries < 1``.
+        InvalidIntegerError: ``num_tokens < 0``, ``max_queries < 1``, or not
+            integers.
     """
-    if max_queries < 1:
-        raise LayoutError(f"max_queries must be positive, got {max_queries}")
+    num_tokens = parse_int(num_tokens, "num_tokens", 0)
+    max_queries = parse_positive_int(max_queries, "max_queries")
+    parse_int(seed, "seed")
     if num_tokens <= max_queries:
         return np.arange(num_tokens, dtype=np.int64)
     rng = np.random.default_rng(seed)
@@ -220,6 +226,7 @@ def _profile_rows(q, kf, pos, counts, scaling, batch, cols) -> None:
             cols.append(np.sort(sel))
 
 
+@checked
 def profile_layer(q, k, *, ratio: float = DEFAULT_RATIO, queries=None,
                   max_queries: int = DEFAULT_MAX_QUERIES, seed: int = 0,
                   scaling: float | None = None, layer: int | None = None,
@@ -246,8 +253,12 @@ def profile_layer(q, k, *, ratio: float = DEFAULT_RATIO, queries=None,
 
     Raises:
         ShapeError: q/k ranks, head counts, lengths or head_dim disagree.
-        LayoutError: ratio outside (0, 1], or query positions outside [0, S).
+        InvalidRatioError: ratio outside (0, 1].
+        InvalidIntegerError: batch below 1.
+        LayoutError: query positions outside [0, S).
     """
+    ratio = parse_ratio(ratio, "ratio", layer=layer)
+    parse_positive_int(batch, "batch", layer=layer)
     q = np.asarray(q)
     k = np.asarray(k)
     if q.ndim != 3 or k.ndim != 3:
@@ -258,8 +269,6 @@ def profile_layer(q, k, *, ratio: float = DEFAULT_RATIO, queries=None,
     if k.shape[1] != S or k.shape[2] != d or H_kv == 0 or H_q % H_kv:
         raise ShapeError(f"q {q.shape} and k {k.shape} disagree (same tokens and head_dim, "
                          "query heads a multiple of KV heads)", layer=layer)
-    if not 0.0 < ratio <= 1.0:
-        raise LayoutError(f"sparsity ratio must be in (0, 1], got {ratio}", layer=layer)
     pos = (sample_queries(S, max_queries, seed) if queries is None
            else np.unique(np.asarray(queries, np.int64).reshape(-1)))
     if pos.size == 0 or pos[0] < 0 or pos[-1] >= S:
@@ -279,6 +288,7 @@ def profile_layer(q, k, *, ratio: float = DEFAULT_RATIO, queries=None,
     return Profile(num_tokens=S, queries=pos, acts=acts, ratio=float(ratio), layer=layer)
 
 
+@checked
 def profile_capture(cap, layer: int, **kw) -> Profile:
     """:func:`profile_layer` on one layer of a :class:`~._capture.Capture`.
 
@@ -289,8 +299,10 @@ def profile_capture(cap, layer: int, **kw) -> Profile:
             capture's).
 
     Raises:
+        InvalidIndexError: layer not an integer.
         LayoutError: layer out of range; as :func:`profile_layer`.
     """
+    layer = parse_index(layer, "layer")
     if not 0 <= layer < cap.num_layers:
         raise LayoutError(f"layer {layer} outside the {cap.num_layers} captured layers")
     kw.setdefault("scaling", cap.scaling)

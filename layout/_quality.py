@@ -29,7 +29,9 @@ import dataclasses
 import numpy as np
 
 from .._defaults import LOCAL_WINDOW, RATIO
-from .._errors import LayoutError, ShapeError
+from .._errors import ShapeError
+from .._validate import (checked, checked_methods, parse_choice, parse_nonneg_int,
+                         parse_number, parse_positive_int, parse_ratio)
 from ..store._index import union_ints
 from ..decode._report import attention_recall, oracle_mass
 from ..decode._stages import choose
@@ -39,6 +41,7 @@ from ._profile import aggregate_scores, one_blas_thread
 __all__ = ["RecallReport", "block_clustering", "evaluate_recall"]
 
 
+@checked_methods
 @dataclasses.dataclass(frozen=True, eq=False)
 class RecallReport:
     """Recall of one layer's layout on held-out queries.
@@ -76,13 +79,19 @@ class RecallReport:
         return float(self.selected.mean() / self.budget)
 
 
+@checked
 def block_clustering(num_tokens: int, block: int):
     """Baseline layout: position-contiguous blocks, medoid = middle token.
 
     Returns:
         An object with ``ptr``, ``members`` and ``medoids`` (int64 CSR) that
         :func:`evaluate_recall` accepts.
+
+    Raises:
+        InvalidIntegerError: num_tokens or block below 1.
     """
+    num_tokens = parse_positive_int(num_tokens, "num_tokens")
+    block = parse_positive_int(block, "block")
     ptr = np.append(np.arange(0, num_tokens, block), num_tokens).astype(np.int64)
     members = np.arange(num_tokens, dtype=np.int64)
     medoids = np.minimum(ptr[:-1] + block // 2, num_tokens - 1)
@@ -91,6 +100,7 @@ def block_clustering(num_tokens: int, block: int):
     return ns
 
 
+@checked
 def evaluate_recall(clustering, q_eval, k, *, ratio: float = RATIO,
                     local_window: int = LOCAL_WINDOW, score: str = "prob",
                     scaling: float | None = None, batch: int = 64) -> RecallReport:
@@ -113,8 +123,17 @@ def evaluate_recall(clustering, q_eval, k, *, ratio: float = RATIO,
 
     Raises:
         ShapeError: q/k shapes disagree or the clustering is not over S tokens.
-        LayoutError: bad ratio, local_window or score.
+        InvalidRatioError: ratio outside (0, 1].
+        InvalidIntegerError: local_window below 0 or batch below 1.
+        InvalidChoiceError: an unknown score.
+        InvalidNumberError: scaling not a finite positive number.
     """
+    ratio = parse_ratio(ratio, "ratio")
+    local_window = parse_nonneg_int(local_window, "local_window")
+    parse_choice(score, "score", ("logit", "prob"))
+    parse_positive_int(batch, "batch")
+    if scaling is not None:
+        parse_number(scaling, "scaling", 0, lo_open=True)
     q_eval = np.asarray(q_eval)
     k = np.ascontiguousarray(k, dtype=np.float32)
     if q_eval.ndim != 3 or k.ndim != 3 or q_eval.shape[2] != k.shape[2] \
@@ -127,12 +146,6 @@ def evaluate_recall(clustering, q_eval, k, *, ratio: float = RATIO,
     medoids = np.asarray(clustering.medoids, np.int64)
     if members.size == 0 or members.max() >= S or np.bincount(members, minlength=S).min() == 0:
         raise ShapeError(f"the clustering does not cover exactly the {S} context tokens")
-    if not 0 < ratio <= 1:
-        raise LayoutError(f"ratio must be in (0, 1], got {ratio}")
-    if local_window < 0:
-        raise LayoutError(f"local_window must be >= 0, got {local_window}")
-    if score not in ("logit", "prob"):
-        raise LayoutError(f"score must be 'logit' or 'prob', got {score!r}")
     scaling = d ** -0.5 if scaling is None else float(scaling)
     budget = entry_budget(ratio, S)
     W = window_size(local_window, budget, S)

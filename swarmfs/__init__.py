@@ -23,6 +23,17 @@ from ._errors import DiskTruncatedError as DiskTruncatedError
 from ._errors import IOFailedError as IOFailedError
 from ._errors import InternalError as InternalError
 from ._errors import InvalidArgumentError as InvalidArgumentError
+from ._errors import InvalidBoolError as InvalidBoolError
+from ._errors import InvalidCallError as InvalidCallError
+from ._errors import InvalidChoiceError as InvalidChoiceError
+from ._errors import InvalidDtypeError as InvalidDtypeError
+from ._errors import InvalidFractionError as InvalidFractionError
+from ._errors import InvalidIndexError as InvalidIndexError
+from ._errors import InvalidIntegerError as InvalidIntegerError
+from ._errors import InvalidNumberError as InvalidNumberError
+from ._errors import InvalidPathError as InvalidPathError
+from ._errors import InvalidRatioError as InvalidRatioError
+from ._errors import InvalidTypeError as InvalidTypeError
 from ._errors import LayoutError as LayoutError
 from ._errors import ManifestError as ManifestError
 from ._errors import MisalignedRequestError as MisalignedRequestError
@@ -52,7 +63,10 @@ from .store._store import StoreStats as StoreStats
 __all__ = ["DiskStats", "Engine", "EngineStats", "ChecksumError", "ConcurrentUseError",
            "ConfigError", "DiskError", "DiskFullError", "DiskMismatchError",
            "DiskMissingError", "DiskTruncatedError", "IOFailedError", "InternalError",
-           "InvalidArgumentError", "LayoutError", "ManifestError", "MisalignedRequestError",
+           "InvalidArgumentError", "InvalidBoolError", "InvalidCallError", "InvalidChoiceError",
+           "InvalidDtypeError", "InvalidFractionError", "InvalidIndexError",
+           "InvalidIntegerError", "InvalidNumberError", "InvalidPathError", "InvalidRatioError",
+           "InvalidTypeError", "LayoutError", "ManifestError", "MisalignedRequestError",
            "ModelError", "MountError", "NotFoundError", "OutOfRangeError", "ShapeError",
            "StoreExistsError", "StoreNotFoundError", "SwarmError", "LayerIndex",
            "DecodeSession", "PipelinedStep", "pipelined_step", "StepResult", "MedoidSelector",

@@ -316,15 +316,9 @@ def _layout_options(f):
 
 
 def _params(ratio, tau, metric, local_window, hot_fraction):
-    from ._demo import LayoutParams
-    if not 0 < ratio <= 1:
-        raise errors.LayoutError(f"--ratio must be in (0, 1], got {ratio}")
-    if tau is not None and not 0 < tau <= 1:
-        raise errors.LayoutError(f"--tau must be in (0, 1], got {tau}")
-    if not 0 <= hot_fraction <= 1:      # also refuses NaN
-        raise errors.LayoutError(f"--hot-fraction must be in [0, 1], got {hot_fraction}")
-    if local_window < 0:
-        raise errors.LayoutError(f"--local-window must be >= 0, got {local_window}")
+    """The layout options as :class:`swarmfs.layout.LayoutParams`, checked
+    by its rules (InvalidRatioError, InvalidFractionError, ...)."""
+    from .layout._layer import LayoutParams
     return LayoutParams(ratio=ratio, tau=tau, metric=metric, local_window=local_window,
                         hot_fraction=hot_fraction)
 
@@ -437,10 +431,10 @@ def demo(workdir, disks, model, kind, context, evaluate, minilm, text_file, eval
         _demo_decode(workdir, disks, model, kind, context or 8192, evaluate, ratio, engine,
                      as_json)
         return
-    from ._demo import render, run_demo
+    from ._demo import render, run_capture_demo
     from .layout import _capture as C
     text = C.read_text(text_file) if text_file else None
-    rep = run_demo(workdir, model=model, text=text, text_source=text_file, disks=disks,
+    rep = run_capture_demo(workdir, model=model, text=text, text_source=text_file, disks=disks,
                    context=context or 16384, eval_queries=eval_queries, params=params,
                    engine=engine, progress=not as_json)
     if as_json:
@@ -450,7 +444,7 @@ def demo(workdir, disks, model, kind, context, evaluate, minilm, text_file, eval
 
 
 def _demo_decode(workdir, disks, model, kind, context, evaluate, ratio, engine, as_json):
-    from . import _generate as G
+    from ._demo import run_demo
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     kinds = ("python", "prose") if kind == "both" else (kind,)
@@ -459,7 +453,7 @@ def _demo_decode(workdir, disks, model, kind, context, evaluate, ratio, engine, 
         if not as_json:
             click.echo(f"decoding held-out {k}: {context} tokens of context on {disks} "
                        f"disks, {evaluate} continuation tokens, r = {ratio} ...", err=True)
-    rep = G.run_demo(kinds, context=context, evaluate=evaluate, model_dir=model,
+    rep = run_demo(kinds, context=context, evaluate=evaluate, model_dir=model,
                      store=workdir, disks=disks, ratio=ratio, engine=engine,
                      on_progress=progress)
     if as_json:
@@ -615,8 +609,8 @@ def generate(model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store
     if disks is not None and disk_paths:
         raise click.UsageError("give either --disks N (disk files under STORE/disks) or "
                                "--disk PATH ..., not both")
-    if not 0 < ratio <= 1:
-        raise errors.LayoutError(f"--ratio must be in (0, 1], got {ratio}")
+    from ._validate import parse_ratio
+    parse_ratio(ratio, "ratio")
     try:
         with open(prompt_file, encoding="utf-8") as f:
             text = f.read()

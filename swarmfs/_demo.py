@@ -1,6 +1,10 @@
-"""The main job end to end: capture, layout, store, retrieval, report.
+"""The demos: the main job end to end (``swarmfs demo``).
 
-``swarmfs demo`` (and ``build_store`` for ``swarmfs build``):
+* :func:`run_demo` -- the default demo: the decoder trained for swarmfs
+  decodes held-out long inputs with its KV cache on N disk files, against
+  dense attention (:mod:`swarmfs._generate` runs each input).
+* :func:`run_capture_demo` -- ``swarmfs demo --minilm``, the capture example,
+  below (and ``build_store`` for ``swarmfs build``):
 
 1. **Capture** a real model's K, V and Q over real text (default:
    all-MiniLM-L6-v2 over the standard library's docstrings).  The first
@@ -18,7 +22,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -26,38 +29,15 @@ import numpy as np
 
 from . import _defaults as defaults
 from . import _errors as errors
+from . import _validate as V
 from .decode._report import evaluate_query, summarize
 from .decode._retrieve import Retriever
-from .store._store import Store
 from .decode._window import entry_budget, stored_window
+from .layout._layer import LayoutParams, lay_out_layer
+from .store._store import Store
 
-__all__ = ["LayoutParams", "build_store", "evaluate_store", "run_demo"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LayoutParams:
-    """Offline layout parameters.
-
-    Attributes:
-        ratio: sparsity ratio r used for the activation profile and the
-            retrieval budget (§8.1: 0.10).
-        tau: clustering radius in (0, 1] (None: the layout default).
-        metric: co-activation distance (``"jaccard"`` or ``"eq2"``).
-        max_queries: profiled queries per layer (a deterministic sample).
-        local_window: W, tokens kept in DRAM (§5.2).
-        hot_fraction: DRAM budget for hot clusters, as a fraction of the
-            layer's KV bytes (eq. 6 chooses which clusters fill it).
-        t_base_us, t_transfer_us: eq. 6 costs: SSD access latency and
-            per-entry transfer time (µs).
-    """
-    ratio: float = defaults.RATIO
-    tau: float | None = None
-    metric: str | None = None
-    max_queries: int | None = None
-    local_window: int = defaults.LOCAL_WINDOW
-    hot_fraction: float = defaults.HOT_FRACTION
-    t_base_us: float = defaults.T_BASE_US
-    t_transfer_us: float = defaults.T_TRANSFER_US
+__all__ = ["build_store", "evaluate_store", "local_window", "render", "run_capture_demo",
+           "run_demo"]
 
 
 def local_window(params: LayoutParams, num_tokens: int) -> int:
@@ -65,27 +45,6 @@ def local_window(params: LayoutParams, num_tokens: int) -> int:
     :func:`swarmfs.decode._window.stored_window` (the retrieval's window rule at the
     layout's budget ceil(r x S))."""
     return stored_window(params.local_window, params.ratio, num_tokens)
-
-
-def _layout_layer(q, k, *, params: LayoutParams, scaling: float, layer: int,
-                  entry_bytes: int):
-    from .layout import _cluster, _partition, _profile
-    kw = {}
-    if params.max_queries:
-        kw["max_queries"] = params.max_queries
-    prof = _profile.profile_layer(q, k, ratio=params.ratio, scaling=scaling, layer=layer, **kw)
-    ckw = {}
-    if params.tau is not None:
-        ckw["tau"] = params.tau
-    if params.metric is not None:
-        ckw["metric"] = params.metric
-    cl = _cluster.cluster(prof, keys=k, **ckw)
-    S = k.shape[1]
-    budget = int(params.hot_fraction * S * entry_bytes)
-    hot = _partition.hot_clusters(cl.freq, cl.sizes, entry_bytes=entry_bytes,
-                                  budget_bytes=budget, t_base_us=params.t_base_us,
-                                  t_transfer_us=params.t_transfer_us)
-    return cl, hot
 
 
 def build_store(cap, store_path, *, disks=4, params: LayoutParams = LayoutParams(),
@@ -97,7 +56,7 @@ def build_store(cap, store_path, *, disks=4, params: LayoutParams = LayoutParams
         cap: a :class:`swarmfs.layout.Capture` (K, V, Q per layer).
         store_path: store directory.
         disks: number of file disks or a list of disk paths.
-        params: :class:`LayoutParams`.
+        params: :class:`swarmfs.layout.LayoutParams`.
         context: store only the first ``context`` tokens (default all).
         profile_cap: another capture whose queries profile this context
             (dataset shift, §8.4); default the context's own queries.
@@ -109,10 +68,9 @@ def build_store(cap, store_path, *, disks=4, params: LayoutParams = LayoutParams
         LayoutError, ShapeError, StoreExistsError, DiskError.
     """
     from tqdm import tqdm
-    S = cap.num_tokens if context is None else int(context)
-    if not 0 < S <= cap.num_tokens:
-        raise errors.LayoutError(f"context of {S} tokens outside the capture's "
-                                 f"{cap.num_tokens}")
+    V.parse_instance(params, "params", LayoutParams)
+    S = cap.num_tokens if context is None else V.parse_int(context, "context", 1,
+                                                            cap.num_tokens)
     meta = cap.meta
     dtype = str(cap.k.dtype) if str(cap.k.dtype) in ("float16", "float32") else "bfloat16"
     store = Store.create(store_path, disks=disks, num_layers=cap.num_layers,
@@ -126,7 +84,7 @@ def build_store(cap, store_path, *, disks=4, params: LayoutParams = LayoutParams
         v = cap.v[layer][:, :S]
         q = cap.q[layer][:, :S] if profile_cap is None else profile_cap.q[layer]
         t0 = time.perf_counter()
-        cl, hot = _layout_layer(q, k, params=params, scaling=cap.scaling, layer=layer,
+        cl, hot = lay_out_layer(q, k, params=params, scaling=cap.scaling, layer=layer,
                                 entry_bytes=store.entry_bytes)
         t1 = time.perf_counter()
         kv = np.ascontiguousarray(np.stack([k, v], axis=0).transpose(2, 0, 1, 3))
@@ -181,11 +139,12 @@ def evaluate_store(store: Store, cap, *, context: int, eval_positions, ratio: fl
     return out
 
 
-def run_demo(workdir: str, *, model=None, text=None, text_source=None, disks: int = 4,
-             context: int = 16384, eval_queries: int = 64,
-             params: LayoutParams = LayoutParams(), engine=None,
-             progress: bool = True) -> dict:
-    """Capture, lay out, store, retrieve and report (see the module docstring).
+def run_capture_demo(workdir: str, *, model=None, text=None, text_source=None,
+                     disks: int = 4, context: int = 16384, eval_queries: int = 64,
+                     params: LayoutParams = LayoutParams(), engine=None,
+                     progress: bool = True) -> dict:
+    """``swarmfs demo --minilm``: capture, lay out, store, retrieve and report
+    (see the module docstring).
 
     Args:
         workdir: the store directory; its disk files go to ``workdir/disks``
@@ -198,18 +157,23 @@ def run_demo(workdir: str, *, model=None, text=None, text_source=None, disks: in
 
     Returns:
         The report dict (``layout``, ``retrieval``, ``store``, ``timing``).
+
+    Raises:
+        InvalidIntegerError: disks outside [1, 256], eval_queries below 1.
+        ConfigError: context plus eval_queries below the capture minimum.
+        StoreExistsError: ``workdir`` holds something other than a store.
     """
     from .layout import _capture
-    if not 1 <= int(disks) <= 256:
-        raise errors.LayoutError(f"a store has 1 to 256 disks, got {disks}")
+    workdir = V.parse_path(workdir, "workdir")
+    disks = V.parse_int(disks, "disks", 1, 256)
+    context = V.parse_positive_int(context, "context")
+    eval_queries = V.parse_positive_int(eval_queries, "eval_queries")
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise errors.StoreExistsError("demo directory exists and is not a directory", store=workdir)
     if os.path.isdir(workdir) and os.listdir(workdir) and \
             not os.path.exists(os.path.join(workdir, "manifest.json")):
         raise errors.StoreExistsError("demo directory is not empty and holds no swarmfs store; "
                                       "choose another --dir", store=workdir)
-    if int(eval_queries) < 1:
-        raise errors.ConfigError(f"--eval-queries must be at least 1, got {eval_queries}")
     if int(context) + int(eval_queries) < _capture.MIN_TOKENS:
         raise errors.ConfigError(f"--context {context} plus --eval-queries {eval_queries} is below "
                                  f"the minimum of {_capture.MIN_TOKENS} tokens")
@@ -254,8 +218,52 @@ def run_demo(workdir: str, *, model=None, text=None, text_source=None, disks: in
     }
 
 
+def run_demo(kinds=("python", "prose"), *, context: int = 8192, evaluate: int = 128,
+             model_dir=None, store=None, disks=4, ratio: float = defaults.RATIO, engine=None,
+             on_progress=None) -> dict:
+    """The main job: decode held-out long inputs with the KV on N disks.
+
+    For each kind of held-out text, :func:`swarmfs._generate.run_evaluate`
+    teacher-forces the ``evaluate`` tokens after a ``context``-token prefix
+    through dense attention and through swarmfs (prefill, co-activation
+    layout, write to ``disks`` file disks, one retrieval per layer and step).
+
+    Args:
+        kinds: kinds of held-out text (``"python"``, ``"prose"``).
+        context: prefix tokens stored on the disks.
+        evaluate: continuation tokens, each one decode step.
+        store: store directory (replaced); default a temporary one.
+        on_progress: called with the kind before each run.
+
+    Returns:
+        {"model": path, "ratio": r, "disks": N, "runs": {kind: run_evaluate's dict}}.
+
+    Raises:
+        InvalidRatioError: ratio outside (0, 1].
+        InvalidIntegerError: context or evaluate below 1.
+        InvalidArgumentError, ModelError, NotFoundError, SwarmError.
+    """
+    from . import _generate as G
+    ratio = V.parse_ratio(ratio, "ratio")
+    context = V.parse_positive_int(context, "context")
+    evaluate = V.parse_positive_int(evaluate, "evaluate")
+    if on_progress is not None:
+        V.parse_callable(on_progress, "on_progress")
+    model, tok = G.load_model(model_dir)
+    runs = {}
+    for kind in kinds:
+        if on_progress is not None:
+            on_progress(kind)
+        text = G.heldout_input(tok, kind, context + evaluate)
+        runs[kind] = G.run_evaluate(text, evaluate, model=model, tok=tok, store=store,
+                                    disks=disks, ratio=ratio, force=True, engine=engine,
+                                    max_context=context)
+    return {"model": str(model_dir or G.default_model_dir()), "ratio": ratio,
+            "disks": disks if isinstance(disks, int) else len(disks), "runs": runs}
+
+
 def render(report: dict, console=None) -> None:
-    """Print the demo report as tables (rich)."""
+    """Print the ``--minilm`` demo report (:func:`run_capture_demo`) as tables (rich)."""
     from rich.console import Console
     from rich.table import Table
     con = console or Console(width=max(Console().width, 150))

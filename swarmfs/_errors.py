@@ -31,6 +31,17 @@ __all__ = [
     "MountError",
     "ConfigError",
     "InvalidArgumentError",
+    "InvalidCallError",
+    "InvalidTypeError",
+    "InvalidBoolError",
+    "InvalidIntegerError",
+    "InvalidNumberError",
+    "InvalidRatioError",
+    "InvalidFractionError",
+    "InvalidChoiceError",
+    "InvalidDtypeError",
+    "InvalidPathError",
+    "InvalidIndexError",
     "ConcurrentUseError",
     "InternalError",
 ]
@@ -142,14 +153,33 @@ class IOFailedError(SwarmError, OSError):
         self.errno = errno
 
 
+#: attribute set on a function whose calls are checked against its signature
+#: (``_validate.checked`` and :func:`boundary`)
+CHECKED = "__swarmfs_checked__"
+
+
+def call_error(fn, exc: TypeError) -> "InvalidCallError":
+    """The :class:`InvalidCallError` of a call of ``fn`` that its signature
+    does not bind (``exc`` is the TypeError Python raised binding it), naming
+    the function and, where Python names one, the argument."""
+    import re
+    name = fn.__qualname__
+    name = name[:-len(".__init__")] if name.endswith(".__init__") else name
+    why = re.sub(r"^[\w.<>]+\(\) ", "", str(exc))     # Python's reason, without its name
+    m = re.search(r"'([^']+)'", why)
+    return InvalidCallError(f"{name}(): {why}", argument=m.group(1) if m else None)
+
+
 def boundary(fn):
     """Decorator for public functions: whatever escapes is a SwarmError.
 
-    A SwarmError passes unchanged; an ``OSError`` becomes an
-    :class:`IOFailedError` (errno kept); any other exception is a bug in
-    swarmfs and becomes an :class:`InternalError` naming the function, with
-    the original chained (``__cause__``).  ``KeyboardInterrupt`` and other
-    BaseExceptions pass unchanged.
+    A call the signature does not bind (an unknown keyword argument, a
+    missing one) raises :class:`InvalidCallError`; a SwarmError passes
+    unchanged; an ``OSError`` becomes an :class:`IOFailedError` (errno kept);
+    any other exception is a bug in swarmfs and becomes an
+    :class:`InternalError` naming the function, with the original chained
+    (``__cause__``).  ``KeyboardInterrupt`` and other BaseExceptions pass
+    unchanged.
     """
     import functools
 
@@ -159,6 +189,11 @@ def boundary(fn):
             return fn(*args, **kw)
         except SwarmError:
             raise
+        except TypeError as exc:
+            if exc.__traceback__ is not None and exc.__traceback__.tb_next is None:
+                raise call_error(fn, exc) from None    # raised binding the call
+            raise InternalError(f"internal error in {fn.__qualname__}: "
+                                f"{type(exc).__name__}: {exc}") from exc
         except MemoryError as exc:
             raise InvalidArgumentError(f"{fn.__qualname__}: out of memory (the request "
                                        "is too large)") from exc
@@ -168,6 +203,7 @@ def boundary(fn):
         except Exception as exc:
             raise InternalError(f"internal error in {fn.__qualname__}: "
                                 f"{type(exc).__name__}: {exc}") from exc
+    setattr(wrapper, CHECKED, True)
     return wrapper
 
 
@@ -210,7 +246,72 @@ class InvalidArgumentError(SwarmError, ValueError, TypeError):
     or range (a negative count, a NaN ratio, a float where an integer is
     required, ...).  It is both a ``ValueError`` and a ``TypeError``, so
     callers catching either keep working.  Nothing was changed; fix the
-    argument."""
+    argument.  The subclasses below are one per rule of
+    :mod:`swarmfs._validate`.
+
+    Attributes:
+        argument: the argument's name, or None.
+    """
+
+    def __init__(self, message: str, *, argument: str | None = None, **kw):
+        super().__init__(message, **kw)
+        self.argument = argument
+
+
+class InvalidCallError(InvalidArgumentError):
+    """Raised when a public function or method is called with arguments its
+    signature does not take: an unknown keyword argument, a missing required
+    one, too many positional ones.  Names the function and the argument."""
+
+
+class InvalidTypeError(InvalidArgumentError):
+    """Raised for an argument that is not of the class it must be (a Store, a
+    Retrieval, a callable)."""
+
+
+class InvalidBoolError(InvalidArgumentError):
+    """Raised for a flag that is not True or False (0, 1, "yes" and None are
+    refused)."""
+
+
+class InvalidIntegerError(InvalidArgumentError):
+    """Raised for a count, size or byte length that is not an integer (a
+    bool, a float, a string) or lies outside its range."""
+
+
+class InvalidNumberError(InvalidArgumentError):
+    """Raised for a real-valued argument (a latency, a scale) that is not a
+    finite number or lies outside its range."""
+
+
+class InvalidRatioError(InvalidArgumentError):
+    """Raised for a ratio outside (0, 1]: the sparsity ratio r, a clustering
+    radius tau.  The same class at every entry point (``Retriever``,
+    ``SwarmCache``, ``swarmfs.layout``, the CLI)."""
+
+
+class InvalidFractionError(InvalidArgumentError):
+    """Raised for a share outside [0, 1] (a hot-cluster DRAM fraction)."""
+
+
+class InvalidChoiceError(InvalidArgumentError):
+    """Raised for a value that is not one of its fixed set (a policy, a
+    method, a metric, a score); the message lists the choices."""
+
+
+class InvalidDtypeError(InvalidArgumentError):
+    """Raised for a dtype name that is not one of the supported ones."""
+
+
+class InvalidPathError(InvalidArgumentError):
+    """Raised for a path that is not a non-empty ``str`` or ``os.PathLike``
+    without NUL bytes."""
+
+
+class InvalidIndexError(OutOfRangeError, InvalidArgumentError):
+    """Raised for a layer, cluster or token number (or an array of them) that
+    is not an integer.  Also an :class:`OutOfRangeError`, as an index outside
+    the store is."""
 
 
 class ConcurrentUseError(SwarmError, RuntimeError):
@@ -224,47 +325,3 @@ class InternalError(SwarmError, RuntimeError):
     """Raised when swarmfs itself broke an invariant (a bug, not the user's
     input or a damaged store).  The CLI reports it with a traceback hint and
     exit status 3; please report it."""
-
-
-# -- argument checks shared by the API (errors live here, with their checks) ---
-
-def as_index(x, what: str, **where) -> int:
-    """``x`` as a Python int; bools, floats, None and strings are refused.
-
-    Raises:
-        OutOfRangeError: naming ``what`` and the context in ``where``.
-    """
-    import numbers
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise OutOfRangeError(f"{what} must be an integer, got {x!r}", **where)
-    return int(x)
-
-
-def as_bool(x, what: str, **where) -> bool:
-    """``x`` as a Python bool; only True, False and numpy bools pass.
-
-    Raises:
-        InvalidArgumentError: naming ``what`` and the context in ``where``.
-    """
-    import numpy as np
-    if not isinstance(x, (bool, np.bool_)):
-        raise InvalidArgumentError(f"{what} must be True or False, got {x!r}", **where)
-    return bool(x)
-
-
-def as_int_array(x, what: str, **where):
-    """``x`` as a 1-D int64 numpy array; an empty list is fine, bools and
-    floats are refused (no silent truncation).
-
-    Raises:
-        OutOfRangeError: naming ``what``.
-    """
-    import numpy as np
-    a = np.asarray(x)
-    if a.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if a.dtype.kind not in "iu":
-        raise OutOfRangeError(f"{what} must be integers, got {a.dtype}", **where)
-    if a.dtype.kind == "u" and a.dtype.itemsize == 8 and a.max() > np.iinfo(np.int64).max:
-        raise OutOfRangeError(f"{what} holds a value beyond int64", **where)
-    return a.astype(np.int64, copy=False).reshape(-1)

@@ -27,7 +27,7 @@ import numpy as np
 from . import _defaults as defaults
 from . import _errors as errors
 
-__all__ = ["default_model_dir", "heldout_input", "load_model", "recall_report", "run_demo",
+__all__ = ["default_model_dir", "heldout_input", "load_model", "recall_report",
            "run_evaluate", "run_generate", "teacher_force"]
 
 
@@ -365,38 +365,3 @@ def heldout_input(tok, kind: str, tokens: int) -> str:
                                           f"fewer than the {tokens} asked for")
     return tok.decode(ids[:tokens])
 
-
-def run_demo(kinds=("python", "prose"), *, context: int = 8192, evaluate: int = 128,
-             model_dir=None, store=None, disks=4, ratio: float = defaults.RATIO, engine=None,
-             on_progress=None) -> dict:
-    """The main job: decode held-out long inputs with the KV on N disks.
-
-    For each kind of held-out text, :func:`run_evaluate` teacher-forces the
-    ``evaluate`` tokens after a ``context``-token prefix through dense
-    attention and through swarmfs (prefill, co-activation layout, write to
-    ``disks`` file disks, one retrieval per layer and step).
-
-    Args:
-        kinds: kinds of held-out text (``"python"``, ``"prose"``).
-        context: prefix tokens stored on the disks.
-        evaluate: continuation tokens, each one decode step.
-        store: store directory (replaced); default a temporary one.
-        on_progress: called with the kind before each run.
-
-    Returns:
-        {"model": path, "ratio": r, "disks": N, "runs": {kind: run_evaluate's dict}}.
-
-    Raises:
-        InvalidArgumentError, ModelError, NotFoundError, SwarmError.
-    """
-    model, tok = load_model(model_dir)
-    runs = {}
-    for kind in kinds:
-        if on_progress is not None:
-            on_progress(kind)
-        text = heldout_input(tok, kind, context + evaluate)
-        runs[kind] = run_evaluate(text, evaluate, model=model, tok=tok, store=store,
-                                  disks=disks, ratio=ratio, force=True, engine=engine,
-                                  max_context=context)
-    return {"model": str(model_dir or default_model_dir()), "ratio": ratio,
-            "disks": disks if isinstance(disks, int) else len(disks), "runs": runs}

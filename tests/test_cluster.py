@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from swarmfs.layout._cluster import _lsh_params, build_clusters, cluster, coactivation_distance, eq2_tau, graph_from_distances, neighbour_graph
 from swarmfs.layout._profile import Profile, profile_layer
 
-from swarmfs._errors import LayoutError, ShapeError
+from swarmfs._errors import (InvalidChoiceError, InvalidIntegerError, InvalidNumberError,
+                             InvalidRatioError, LayoutError, ShapeError)
 
 
 # -- a literal transcription of Algorithm 1, for reference --------------------
@@ -123,9 +124,9 @@ def test_size_and_replica_caps():
     ptr, mem = build_clusters(graph_from_distances(D, 0.5), max_cluster_size=4,
                               max_replicas=1)
     assert as_lists(ptr, mem) == [[0, 1, 2, 3], [4, 5]]
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidIntegerError, match="max_cluster_size"):
         build_clusters(graph_from_distances(D, 0.5), max_cluster_size=0)
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidIntegerError, match="max_replicas"):
         build_clusters(graph_from_distances(D, 0.5), max_replicas=0)
 
 
@@ -156,13 +157,13 @@ def test_matches_literal_algorithm1(D, tau, max_size, max_rep):
 def test_bad_tau_and_metric():
     prof = profile_from_sets([{0, 1}, {1}], 2)
     for tau in (0.0, -0.5, 1.01, float("nan")):
-        with pytest.raises(LayoutError, match="tau"):
+        with pytest.raises(InvalidRatioError, match="tau"):
             cluster(prof, tau=tau)
-        with pytest.raises(LayoutError, match="tau"):
+        with pytest.raises(InvalidRatioError, match="tau"):
             graph_from_distances(np.zeros((2, 2)), tau)
-    with pytest.raises(LayoutError, match="metric"):
+    with pytest.raises(InvalidChoiceError, match="metric"):
         cluster(prof, metric="cosine")
-    with pytest.raises(LayoutError, match="method"):
+    with pytest.raises(InvalidChoiceError, match="method"):
         cluster(prof, method="kmeans")
     with pytest.raises(LayoutError, match="minhash"):
         neighbour_graph(prof, metric="eq2", method="minhash")
@@ -199,7 +200,7 @@ def test_eq2_graph_is_a_count_threshold():
     want = (F > 4) & ~np.eye(30, dtype=bool)
     np.testing.assert_array_equal(g.sim.toarray() > 0, want)
     np.testing.assert_allclose(g.sim.toarray()[want], (F / F.sum())[want])
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidNumberError, match="min_count"):
         eq2_tau(prof, -1)
 
 

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from swarmfs import DecodeSession, Retriever
 from swarmfs import _defaults as d
-from swarmfs._demo import LayoutParams
+from swarmfs.layout import LayoutParams
 
 
 def _default(fn, name):
@@ -23,8 +23,8 @@ def test_session_and_layout_defaults_are_the_module_values():
     p = LayoutParams()
     assert (p.ratio, p.local_window, p.hot_fraction, p.t_base_us, p.t_transfer_us) == \
         (d.RATIO, d.LOCAL_WINDOW, d.HOT_FRACTION, d.T_BASE_US, d.T_TRANSFER_US)
-    from swarmfs.layout import _partition, _profile, _quality
-    assert _partition.DEFAULT_LOCAL_WINDOW == d.LOCAL_WINDOW == 256
+    from swarmfs.layout import _profile, _quality
+    assert _default(_quality.evaluate_recall, "local_window") == d.LOCAL_WINDOW == 256
     assert _profile.DEFAULT_RATIO == d.RATIO == 0.1
     assert _default(_quality.evaluate_recall, "ratio") == d.RATIO
     assert _default(_quality.evaluate_recall, "local_window") == d.LOCAL_WINDOW
@@ -49,11 +49,11 @@ def test_cli_help_shows_the_module_values():
     assert f"[default: {d.HOT_FRACTION}]" in out
 
 
-def test_new_cluster_size_and_its_deprecated_alias(tmp_path):
+def test_new_cluster_size_default_and_no_deprecated_alias(tmp_path):
     import numpy as np
     import pytest
 
-    from swarmfs import Store
+    from swarmfs import InvalidCallError, Store
     s = Store.create(tmp_path / "st", disks=1, num_layers=1, num_kv_heads=1, head_dim=8,
                      dtype="float16")
     kv = np.ones((64, 2, 1, 8), np.float16)
@@ -61,8 +61,7 @@ def test_new_cluster_size_and_its_deprecated_alias(tmp_path):
     r = Retriever(s)
     assert DecodeSession(r, 0).new_cluster_size == d.NEW_CLUSTER_SIZE
     assert DecodeSession(r, 0, new_cluster_size=5).new_cluster_size == 5
-    with pytest.warns(DeprecationWarning):
-        assert DecodeSession(r, 0, group=7).new_cluster_size == 7
-    with pytest.raises(Exception, match="not both"):
-        DecodeSession(r, 0, group=7, new_cluster_size=5)
+    # the deprecated alias group= is gone (0.1.0): an unknown keyword now
+    with pytest.raises(InvalidCallError, match="group"):
+        DecodeSession(r, 0, group=7)
     s.close()

@@ -45,7 +45,8 @@ def built(request, tmp_path_factory):
     pytest.importorskip("transformers")
     from swarmfs.layout import _capture as C
 
-    from swarmfs._demo import LayoutParams, build_store
+    from swarmfs._demo import build_store
+    from swarmfs.layout import LayoutParams
     text = wikitext() if request.param == "wikitext2" else gsm8k()
     cap = C.capture(None, text, max_tokens=CONTEXT + EVAL, progress=False,
                     text_source=request.param)
@@ -111,8 +112,8 @@ def test_bad_inputs_give_clear_errors(tmp_path):
     from swarmfs import Retriever, Store
     s = Store.create(tmp_path / "s", disks=2, num_layers=1, num_kv_heads=2, head_dim=8)
     s.write_layer(0, np.zeros((300, 2, 2, 8), np.float16), [np.arange(300)])
-    with pytest.raises(E.LayoutError):
+    with pytest.raises(E.InvalidRatioError):
         Retriever(s, ratio=1.5)
-    with pytest.raises(E.LayoutError):
+    with pytest.raises(E.InvalidIntegerError, match="budget"):
         Retriever(s).retrieve(0, np.zeros((2, 8)), budget=301)
     s.close()

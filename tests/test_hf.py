@@ -132,7 +132,7 @@ def test_decoder_layout_tau_default_and_override(tmp_path):
     gives no tau (the shipped decoder's rarely co-activated far-back keys
     lose recall at the offline default), and keeps a tau the caller sets."""
     from swarmfs import _defaults
-    from swarmfs._demo import LayoutParams
+    from swarmfs.layout import LayoutParams
     model = make_model("llama")
     ids = prompt(300)
     H.enable(model)
@@ -286,7 +286,7 @@ def test_bad_use_raises_swarm_errors(tmp_path):
 def test_new_tokens_join_clusters_and_stay_exact(tmp_path):
     """Past W + 32 decode steps the DecodeSession appends matured tokens to
     the store (eq. 9); with r = 1 the logits still equal DynamicCache's."""
-    from swarmfs._demo import LayoutParams
+    from swarmfs.layout import LayoutParams
     model = make_model("qwen3")
     ids = prompt(64)
     n = 44

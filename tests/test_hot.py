@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmfs import DecodeSession, Retriever, Store
-from swarmfs._errors import LayoutError, ShapeError
+from swarmfs._errors import InvalidIntegerError, ShapeError
 from swarmfs.decode._hot import cluster_scores, hot_clusters, transfer_us
 
 
@@ -34,7 +34,7 @@ def test_zero_frequency_and_excluded_clusters_are_never_cached():
     assert hot.tolist() == [False, False, True]
     with pytest.raises(ShapeError):
         hot_clusters([1.0], [1], budget_bytes=1, entry_bytes=1, exclude=[True, False])
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidIntegerError, match="budget_bytes"):
         hot_clusters([1.0], [1], budget_bytes=-1, entry_bytes=1)
 
 

@@ -124,11 +124,13 @@ def test_graph_covers_runtime_and_layout(graph):
     # the checker really read the tree: both packages, with their known edges
     for mod in ("swarmfs.decode._retrieve", "swarmfs.decode._selectors", "swarmfs.store._store",
                 "swarmfs.layout._quality", "swarmfs.layout._baselines",
-                "swarmfs.store._placement", "swarmfs.layout._place"):
+                "swarmfs.store._placement", "swarmfs.layout._layer", "swarmfs._validate"):
         assert mod in graph, mod
     assert "swarmfs.decode._selectors" in graph["swarmfs.decode._retrieve"]
     assert "swarmfs.store._placement" in graph["swarmfs.store._index"]
-    assert "swarmfs.store._placement" in graph["swarmfs.layout._place"]
+    assert "swarmfs.store._placement" in graph["swarmfs.layout"]
+    assert "swarmfs.layout._layer" in graph["swarmfs.hf._cache"]
+    assert "swarmfs._errors" in graph["swarmfs._validate"]
     # a function-level import is an edge (swarmfs._cli imports _store inside commands)
     assert "swarmfs.store._store" in graph["swarmfs._cli"]
 
@@ -165,20 +167,12 @@ def test_relative_imports_resolve():
     assert imports_of("swarmfs", "from ._store import Store\n", True) == {"swarmfs._store"}
 
 
-#: Runtime modules that still import the layout's re-export of the placement
-#: contract (``swarmfs.layout._place``) instead of ``swarmfs.store._placement``;
-#: issue 12 moves their one import line when the store split merges.
-PENDING: set = set()
-
-
 def test_runtime_does_not_import_layout(graph):
     bad = {}
     for mod, deps in graph.items():
         if mod.startswith("swarmfs.layout") or mod in PIPELINES:
             continue
         up = {d for d in deps if d == "swarmfs.layout" or d.startswith("swarmfs.layout.")}
-        if mod in PENDING:
-            up -= {"swarmfs.layout._place"}
         if up:
             bad[mod] = sorted(up)
     assert not bad, f"runtime modules import the offline layout: {bad}"
@@ -293,7 +287,7 @@ def test_borrowed_import_checker():
     ok = ("from swarmfs.decode._window import window_size\n"   # defined there
           "from swarmfs import Store\n"                  # listed in swarmfs.__all__
           "from swarmfs import _errors\n"                # a submodule
-          "from swarmfs.layout._place import place_clusters\n"   # a documented re-export
+          "from swarmfs.layout import place_clusters\n"          # a documented re-export
           "import numpy as np\nfrom numpy import ndarray\n")     # not the project's
     assert borrowed_imports("tests.t", ok, False) == []
     assert top_level_names("a = 1\nif x:\n    def f(): pass\nelse:\n    class C: pass\n"

@@ -143,7 +143,7 @@ def test_choose_hot_is_the_replacement_policy_hook(store, rng):
 
 def test_bad_session_input(store, rng):
     s, _, _ = store
-    with pytest.raises(E.LayoutError):
+    with pytest.raises(E.InvalidRatioError, match="tau"):
         DecodeSession(Retriever(s), 0, tau=0)
     sess = DecodeSession(Retriever(s), 0)
     with pytest.raises(E.ShapeError):
@@ -420,7 +420,7 @@ def test_pipelined_step_bad_arguments_raise_invalid_argument(store, rng):
             pipelined_step(*args)
     with pytest.raises(E.InvalidArgumentError):
         pipelined_step([sess], [q], lambda i, x: 0, new_kv=[5])
-    with pytest.raises(E.LayoutError):
+    with pytest.raises(E.InvalidRatioError, match="tau"):
         DecodeSession(r, 0, tau="x")
     with pytest.raises(E.SwarmError):
         sess.step(q, retrieval="not a retrieval")
@@ -441,20 +441,18 @@ def test_session_knobs_out_of_range_are_refused(store):
     assert DecodeSession(r, 0, window=1, flush_batch=1, max_joins=0).window == 1
 
 
-def test_new_cluster_size_and_its_deprecated_alias(store, rng):
+def test_new_cluster_size_and_no_deprecated_group_alias(store, rng):
     s, _, _ = store
-    with pytest.warns(DeprecationWarning):
-        sess = DecodeSession(Retriever(s), 0, group=5)
-    assert sess.new_cluster_size == 5
-    with pytest.raises(E.InvalidArgumentError):
-        DecodeSession(Retriever(s), 0, new_cluster_size=4, group=5)
+    assert DecodeSession(Retriever(s), 0, new_cluster_size=5).new_cluster_size == 5
+    with pytest.raises(E.InvalidCallError, match="'group'"):
+        DecodeSession(Retriever(s), 0, group=5)
     kv = random_kv(rng, 10, H, D, "float16")
     c0 = s.num_clusters(0)
-    with pytest.warns(DeprecationWarning):
-        s.append(0, kv, group=5)                  # 10 lone tokens: 2 new clusters of 5
+    s.append(0, kv, new_cluster_size=5)          # 10 lone tokens: 2 new clusters of 5
     assert s.num_clusters(0) == c0 + 2
-    with pytest.raises(E.InvalidArgumentError):
-        s.append(0, kv, new_cluster_size=4, group=5)
+    with pytest.raises(E.InvalidCallError, match="'group'"):
+        s.append(0, kv, group=5)
+    assert s.num_clusters(0) == c0 + 2
 
 
 @pytest.mark.parametrize("include_new", [False, True])

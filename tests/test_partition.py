@@ -1,4 +1,5 @@
-"""Tests for swarmfs.layout._partition (SWARM §5.2, eq. 6 and the local window)."""
+"""Tests for the layout names of eq. 6 and the local window (SWARM §5.2):
+``swarmfs.layout.hot_clusters``, ``cluster_scores``, ``local_window``."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from swarmfs._errors import LayoutError, ShapeError
-from swarmfs.layout._partition import DEFAULT_LOCAL_WINDOW, cluster_scores, hot_clusters, local_window, local_window_mask
+from swarmfs._errors import InvalidIntegerError, InvalidNumberError, LayoutError, ShapeError
+from swarmfs._defaults import LOCAL_WINDOW as DEFAULT_LOCAL_WINDOW
+from swarmfs.layout import cluster_scores, hot_clusters, local_window, local_window_mask
 
 
 def test_eq6_as_written():
@@ -74,19 +76,19 @@ def test_errors():
         cluster_scores([0.1, 0.2], [1], t_transfer_us=1)
     with pytest.raises(ShapeError):
         cluster_scores([0.1], [0], t_transfer_us=1)
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidNumberError, match="t_base_us"):
         cluster_scores([0.1], [1], t_base_us=-1, t_transfer_us=1)
     with pytest.raises(LayoutError):
         cluster_scores([-0.1], [1], t_transfer_us=1)
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidIntegerError, match="budget_bytes"):
         hot_clusters([0.1], [1], budget_bytes=-1, entry_bytes=8)
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidIntegerError, match="entry_bytes"):
         hot_clusters([0.1], [1], budget_bytes=8, entry_bytes=0)
     with pytest.raises(ShapeError):
         hot_clusters([0.1], [1], budget_bytes=8, entry_bytes=8, exclude=[True, False])
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidIntegerError, match="num_tokens"):
         local_window(-1)
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidIntegerError, match="window"):
         local_window(10, -1)
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from swarmfs.layout._capture import Capture
 from swarmfs.layout._profile import DEFAULT_MAX_QUERIES, Profile, aggregate_scores, entry_bitsets, pair_intersections, profile_capture, profile_layer, sample_queries
 
-from swarmfs._errors import LayoutError, ShapeError
+from swarmfs._errors import InvalidIntegerError, InvalidRatioError, LayoutError, ShapeError
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_sample_queries_deterministic():
     assert np.all(np.diff(a) > 0) and a[0] >= 0 and a[-1] < 100_000
     assert not np.array_equal(a, sample_queries(100_000, seed=1))
     np.testing.assert_array_equal(sample_queries(10, 64), np.arange(10))
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidIntegerError, match="max_queries"):
         sample_queries(10, 0)
 
 
@@ -152,7 +152,7 @@ def test_errors():
     q = np.zeros((4, 10, 8), np.float32)
     k = np.zeros((2, 10, 8), np.float32)
     for r in (0.0, -0.1, 1.5):
-        with pytest.raises(LayoutError, match="sparsity ratio"):
+        with pytest.raises(InvalidRatioError, match="ratio"):
             profile_layer(q, k, ratio=r)
     with pytest.raises(ShapeError):
         profile_layer(q, np.zeros((3, 10, 8), np.float32))

@@ -11,7 +11,7 @@ from swarmfs.layout._cluster import cluster
 from swarmfs.layout._profile import profile_layer
 from swarmfs.layout._quality import block_clustering, evaluate_recall
 
-from swarmfs._errors import LayoutError, ShapeError
+from swarmfs._errors import InvalidChoiceError, InvalidIntegerError, InvalidRatioError, ShapeError
 
 
 @pytest.fixture
@@ -93,11 +93,11 @@ def test_errors():
         evaluate_recall(layout, q, np.zeros((1, 21, 1), np.float32))   # not over S tokens
     with pytest.raises(ShapeError):
         evaluate_recall(layout, np.ones((1, 2, 2), np.float32), k)
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidChoiceError, match="score"):
         evaluate_recall(layout, q, k, score="max")
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidRatioError, match="ratio"):
         evaluate_recall(layout, q, k, ratio=0)
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidIntegerError, match="local_window"):
         evaluate_recall(layout, q, k, local_window=-1)
     b = block_clustering(10, 4)
     np.testing.assert_array_equal(b.ptr, [0, 4, 8, 10])

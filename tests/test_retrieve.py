@@ -161,7 +161,7 @@ def test_bad_queries(store):
     r = Retriever(s)
     with pytest.raises(E.ShapeError):
         r.retrieve(0, np.zeros((3, D)))          # 3 query heads for 2 KV heads
-    with pytest.raises(E.LayoutError):
+    with pytest.raises(E.InvalidRatioError):
         Retriever(s, ratio=0)
 
 

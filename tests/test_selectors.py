@@ -170,7 +170,8 @@ def real_fp16_store(tmp_path_factory):
     the demo does: 2,048 context tokens, 256 held-out queries."""
     pytest.importorskip("torch")
     from conftest import DATA
-    from swarmfs._demo import LayoutParams, build_store
+    from swarmfs._demo import build_store
+    from swarmfs.layout import LayoutParams
     from swarmfs.layout._capture import capture, read_text, stdlib_text
     wiki = DATA / "wikitext2_raw_test.raw"
     text = read_text(wiki, max_chars=30_000) if wiki.is_file() else stdlib_text(30_000)

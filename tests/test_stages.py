@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from swarmfs import Retriever, Store
 from swarmfs.decode import _stages as stages
-from swarmfs._errors import LayoutError, ShapeError
+from swarmfs._errors import InvalidCallError, InvalidIntegerError, InvalidRatioError, ShapeError
 from swarmfs.decode._selectors import BoundSelector, FusedSelector, MedoidSelector, MultiVectorSelector, Selector, TokenSelector, VectorSelector, select_clusters
 
 S, H, HQ, D = 600, 2, 4, 16
@@ -98,7 +98,7 @@ def test_retriever_select_is_what_retrieve_reads(store, rng, index):
         assert np.array_equal(ret.positions, want)
         assert same_bits(ret.k, kv[want][:, 0].transpose(1, 0, 2))
         assert same_bits(ret.v, kv[want][:, 1].transpose(1, 0, 2))
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidIntegerError, match="budget"):
         r.select(0, q, budget=S + 1)
 
 
@@ -125,15 +125,14 @@ def test_refresh_invalidates_the_selector(store, rng):
     assert not any(k[1] == 0 for k in r.selector._derived)
 
 
-def test_ratio_and_its_deprecated_alias(store):
+def test_ratio_and_no_deprecated_sparsity_alias(store):
     s, _, _ = store
     assert Retriever(s).ratio == 0.1
-    with pytest.warns(DeprecationWarning):
-        r = Retriever(s, sparsity=0.3)
-    assert r.ratio == r.sparsity == 0.3
-    with pytest.raises(Exception, match="not both"):
-        Retriever(s, ratio=0.2, sparsity=0.3)
-    with pytest.raises(LayoutError):
+    assert Retriever(s, ratio=0.3).ratio == 0.3
+    assert not hasattr(Retriever(s), "sparsity")
+    with pytest.raises(InvalidCallError, match="'sparsity'"):
+        Retriever(s, sparsity=0.3)
+    with pytest.raises(InvalidRatioError):
         Retriever(s, ratio=0.0)
 
 

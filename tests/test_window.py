@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmfs._errors import LayoutError
+from swarmfs._errors import InvalidIntegerError
 from swarmfs.decode._window import entry_budget, stored_window, window_mask, window_positions, window_size
 
 
@@ -52,7 +52,7 @@ def test_window_positions_are_the_last_tokens(S, W):
 
 
 def test_window_refuses_negative_sizes():
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidIntegerError, match="num_tokens"):
         window_positions(-1)
-    with pytest.raises(LayoutError):
+    with pytest.raises(InvalidIntegerError, match="window"):
         window_positions(10, -1)

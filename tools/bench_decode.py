@@ -369,7 +369,7 @@ def online(args, model, tok):
     import torch
 
     from swarmfs import Store, hf
-    from swarmfs._demo import LayoutParams
+    from swarmfs.layout import LayoutParams
     text = texts(args)[args.kinds[0]]
     ctx = token_ids(tok, text, args.offset + args.context)[:, args.offset:]
     S, G, r, W = args.context, args.steps, args.ratios[0], args.online_window

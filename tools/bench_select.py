@@ -432,7 +432,8 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
     the overlap of their chosen entries (|int8 & exact| / |exact|) and each
     one's attention-mass recall (``_report.attention_recall`` against the
     exact attention over the whole context)."""
-    from swarmfs._demo import LayoutParams, build_store, local_window
+    from swarmfs._demo import build_store, local_window
+    from swarmfs.layout import LayoutParams
     from swarmfs.decode._report import attention_recall, token_mass
     from swarmfs.decode._selectors import MedoidSelector
     from swarmfs.decode._window import window_size

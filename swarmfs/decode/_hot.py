@@ -20,6 +20,7 @@ import numpy as np
 
 from .._defaults import SSD_GBPS, T_BASE_US
 from .._errors import LayoutError, ShapeError
+from .._validate import checked, parse_nonneg_int, parse_number, parse_positive_int
 
 __all__ = ["cluster_scores", "hot_clusters", "transfer_us"]
 
@@ -32,6 +33,7 @@ def transfer_us(entry_bytes: int, t_transfer_us: float | None = None) -> float:
     return entry_bytes / (SSD_GBPS * 1e3)      # bytes / (GB/s) -> µs
 
 
+@checked
 def cluster_scores(freq, sizes, *, t_base_us: float = T_BASE_US,
                    t_transfer_us: float) -> np.ndarray:
     """Cost-benefit score of each cluster (SWARM §5.2, eq. 6).
@@ -48,7 +50,8 @@ def cluster_scores(freq, sizes, *, t_base_us: float = T_BASE_US,
 
     Raises:
         ShapeError: freq and sizes differ in length, or a size is not positive.
-        LayoutError: negative latency or frequency.
+        InvalidNumberError: a negative or non-finite latency.
+        LayoutError: a negative or non-finite frequency.
     """
     f = np.asarray(freq, np.float64).reshape(-1)
     s = np.asarray(sizes, np.float64).reshape(-1)
@@ -56,14 +59,14 @@ def cluster_scores(freq, sizes, *, t_base_us: float = T_BASE_US,
         raise ShapeError(f"freq has {f.shape[0]} clusters but sizes has {s.shape[0]}")
     if s.size and s.min() <= 0:
         raise ShapeError("cluster sizes must be positive")
-    if t_base_us < 0 or t_transfer_us < 0:
-        raise LayoutError(f"latencies must be >= 0 (T_base={t_base_us}, "
-                          f"T_transfer={t_transfer_us})")
+    parse_number(t_base_us, "t_base_us", 0, unit="µs")
+    parse_number(t_transfer_us, "t_transfer_us", 0, unit="µs")
     if f.size and (f.min() < 0 or not np.isfinite(f).all()):
         raise LayoutError("activation frequencies must be finite and >= 0")
     return (f * t_base_us + s * t_transfer_us) / s
 
 
+@checked
 def hot_clusters(freq, sizes, *, budget_bytes: int, entry_bytes: int,
                  t_base_us: float = T_BASE_US,
                  t_transfer_us: float | None = None, exclude=None) -> np.ndarray:
@@ -89,13 +92,13 @@ def hot_clusters(freq, sizes, *, budget_bytes: int, entry_bytes: int,
         bool [C] hot mask (``Store.write_layer(..., hot=mask)``).
 
     Raises:
-        LayoutError: negative budget, non-positive entry size, bad latencies.
+        InvalidIntegerError: a negative budget, an entry size below 1.
+        InvalidNumberError: a negative or non-finite latency.
+        LayoutError: a negative or non-finite frequency.
         ShapeError: array lengths disagree.
     """
-    if budget_bytes < 0:
-        raise LayoutError(f"DRAM budget must be >= 0 bytes, got {budget_bytes}")
-    if entry_bytes <= 0:
-        raise LayoutError(f"entry_bytes must be positive, got {entry_bytes}")
+    parse_nonneg_int(budget_bytes, "budget_bytes")
+    parse_positive_int(entry_bytes, "entry_bytes")
     t_tr = transfer_us(entry_bytes, t_transfer_us)
     score = cluster_scores(freq, sizes, t_base_us=t_base_us, t_transfer_us=t_tr)
     f = np.asarray(freq, np.float64).reshape(-1)

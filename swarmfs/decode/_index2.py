@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._errors import InvalidArgumentError
+from .._validate import parse_number, parse_positive_int
 from ..store._kernels import Int8Index, _count_arg, _csr_args, _native_failure, pack_medoids_i8
 from .._native import ffi, lib
 
@@ -131,8 +132,7 @@ def pack_medoids_i8x2(m: np.ndarray, num_kv_heads: int, *, group_size: int = 32,
         InvalidArgumentError: rows that do not split into ``num_kv_heads``
             heads of a multiple of 4 dimensions, a group size < 1.
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise InvalidArgumentError(f"group_size must be an integer >= 1, got {group_size!r}")
+    group_size = parse_positive_int(group_size, "group_size")
     m = np.ascontiguousarray(m)
     H = int(num_kv_heads)
     if m.ndim != 2 or m.itemsize != 2 or H < 1 or m.shape[1] % H or (m.shape[1] // H) % 4:
@@ -189,18 +189,13 @@ def groups_to_score(ix: Int8Index2, budget: int, num_tokens: int, coverage: floa
     return max(1, min(K, math.ceil(K * coverage * budget / num_tokens)))
 
 
-def check_coverage(coverage, what: str = "") -> float:
+def check_coverage(coverage, what: str = "coverage") -> float:
     """The two-level index's ``coverage`` checked: a finite number > 0.
 
     Raises:
-        InvalidArgumentError: anything else (``what`` prefixes the message).
+        InvalidNumberError: anything else, naming ``what``.
     """
-    if isinstance(coverage, bool) or not isinstance(coverage, (int, float, np.integer,
-                                                               np.floating)) \
-            or not math.isfinite(coverage) or coverage <= 0:
-        raise InvalidArgumentError(f"{what}coverage must be a finite number > 0, got "
-                                   f"{coverage!r}")
-    return float(coverage)
+    return parse_number(coverage, what, 0, lo_open=True)
 
 
 def select_i8x2(ix: Int8Index2, q: np.ndarray, num_kv_heads: int, *, scale: float,
@@ -247,7 +242,7 @@ def select_i8x2(ix: Int8Index2, q: np.ndarray, num_kv_heads: int, *, scale: floa
     budget = _count_arg(budget, "select_i8x2: budget")
     window = _count_arg(window, "select_i8x2: window")
     num_tokens = _count_arg(num_tokens, "select_i8x2: num_tokens")
-    coverage = check_coverage(coverage, "select_i8x2: ")
+    coverage = check_coverage(coverage, "select_i8x2 coverage")
     if ngroups is None:
         ngroups = groups_to_score(ix, budget, num_tokens, coverage) if ptr is not None else K
     ngroups = min(_count_arg(ngroups, "select_i8x2: ngroups"), K)

@@ -32,15 +32,17 @@ import numpy as np
 
 from .. import _defaults as defaults
 from .. import _errors as errors
+from .. import _validate as V
 from ._hot import hot_clusters
 from ..store._index import union_ints
 from ._report import query_token_mass
 from ._retrieve import Retrieval, Retriever, empty_kv
 from ._window import entry_budget
 
-__all__ = ["DecodeSession", "StepResult", "PipelinedStep", "pipelined_step", "check_tau"]
+__all__ = ["DecodeSession", "StepResult", "PipelinedStep", "pipelined_step"]
 
 
+@V.checked_methods
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """One decode step of a :class:`DecodeSession`.
@@ -67,19 +69,7 @@ class StepResult:
     flushed: np.ndarray
 
 
-def check_tau(tau, error=errors.LayoutError, **where) -> float:
-    """The eq. 9 radius tau checked: a number in (0, 1].
-
-    Raises:
-        ``error`` (LayoutError by default; SwarmError subclasses only), with
-        ``where`` (layer, store) in its message.
-    """
-    if isinstance(tau, bool) or not isinstance(tau, (int, float, np.number)) or \
-            not 0 < tau <= 1:
-        raise error(f"tau must be a number in (0, 1], got {tau!r}", **where)
-    return float(tau)
-
-
+@V.checked_methods
 class DecodeSession:
     """Online maintenance of one layer during decoding (SWARM §6.2).
 
@@ -92,7 +82,7 @@ class DecodeSession:
             (default: the layer's local window).
         max_joins: most clusters a new entry joins (replicas).
         new_cluster_size: size of new clusters made of entries that join
-            none (``group=`` is a deprecated alias).
+            none.
         flush_batch: write matured entries once this many are waiting.
         hot_budget_bytes: DRAM bytes for hot clusters (default: what the
             store's hot set takes).
@@ -120,10 +110,12 @@ class DecodeSession:
         before an append returns the layer as it was.
 
     Raises:
-        LayoutError: tau outside (0, 1].
-        InvalidArgumentError: window, new_cluster_size or flush_batch below
-            1, max_joins or hot_budget_bytes below 0, or not integers; both
-            new_cluster_size and group given.
+        InvalidRatioError: tau outside (0, 1].
+        InvalidIntegerError: window, new_cluster_size or flush_batch below
+            1, max_joins or hot_budget_bytes below 0, or not integers.
+        InvalidNumberError: t_base_us or t_transfer_us negative or not finite.
+        InvalidBoolError: adapt_cache or reuse_outputs not True or False.
+        InvalidTypeError: retriever is not a Retriever.
     """
 
     def __init__(self, retriever: Retriever, layer: int, *, tau: float = defaults.ONLINE_TAU,
@@ -132,31 +124,24 @@ class DecodeSession:
                  flush_batch: int = defaults.FLUSH_BATCH, hot_budget_bytes: int | None = None,
                  t_base_us: float = defaults.T_BASE_US,
                  t_transfer_us: float = defaults.T_TRANSFER_US,
-                 adapt_cache: bool = True, group: int | None = None,
-                 reuse_outputs: bool = False):
-        check_tau(tau, layer=layer)
-        reuse_outputs = errors.as_bool(reuse_outputs, "reuse_outputs", layer=layer)
-        if group is not None:
-            if new_cluster_size is not None:
-                raise errors.InvalidArgumentError("give new_cluster_size, not both it and "
-                                                  "its deprecated alias group", layer=layer)
-            import warnings
-            warnings.warn("DecodeSession(group=...) is deprecated; use new_cluster_size=",
-                          DeprecationWarning, stacklevel=2)
-            new_cluster_size = group
+                 adapt_cache: bool = True, reuse_outputs: bool = False):
+        V.parse_instance(retriever, "retriever", Retriever, layer=layer)
+        tau = V.parse_ratio(tau, "tau", layer=layer)
+        reuse_outputs = V.parse_bool(reuse_outputs, "reuse_outputs", layer=layer)
+        adapt_cache = V.parse_bool(adapt_cache, "adapt_cache", layer=layer)
         if new_cluster_size is None:
             new_cluster_size = defaults.NEW_CLUSTER_SIZE
         for name, v, lo in (("window", window, 1), ("max_joins", max_joins, 0),
                             ("new_cluster_size", new_cluster_size, 1),
                             ("flush_batch", flush_batch, 1),
                             ("hot_budget_bytes", hot_budget_bytes, 0)):
-            if v is not None and (isinstance(v, bool) or
-                                  not isinstance(v, (int, np.integer)) or v < lo):
-                raise errors.InvalidArgumentError(f"{name} must be an integer >= {lo}, got "
-                                                  f"{v!r}", layer=layer)
+            if v is not None:
+                V.parse_int(v, name, lo, layer=layer)
+        for name, v in (("t_base_us", t_base_us), ("t_transfer_us", t_transfer_us)):
+            V.parse_number(v, name, 0, unit="µs", layer=layer)
         self.r = retriever
         self.store = retriever.store
-        self.layer = errors.as_index(layer, "layer", store=self.store.path)
+        self.layer = V.parse_index(layer, "layer", store=self.store.path)
         li = retriever.index(self.layer)
         hot = retriever.hot(self.layer)
         self.tau, self.max_joins = float(tau), int(max_joins)
@@ -210,8 +195,8 @@ class DecodeSession:
         Raises:
             ShapeError: a query, K or V of the wrong shape or dtype, or K/V
                 holding NaN or inf; ``include_new`` without K and V.
-            InvalidArgumentError: ``include_new`` not a bool, or a
-                ``retrieval`` that is not a :class:`Retrieval`.
+            InvalidBoolError: ``include_new`` not True or False.
+            InvalidTypeError: a ``retrieval`` that is not a :class:`Retrieval`.
             ConcurrentUseError: another thread is stepping this layer of the
                 Retriever (this or another session); nothing was done.
             SwarmError: the layer changed under the session (another writer).
@@ -223,7 +208,7 @@ class DecodeSession:
         row = None
         if k_new is not None or v_new is not None:
             row = self._new_row(k_new, v_new)
-        include_new = errors.as_bool(include_new, "include_new", layer=self.layer)
+        include_new = V.parse_bool(include_new, "include_new", layer=self.layer)
         if include_new and row is None:
             raise errors.ShapeError("include_new needs this step's k_new and v_new",
                                     layer=self.layer)
@@ -247,10 +232,7 @@ class DecodeSession:
             out = self._outputs(li0, n_new) if self.reuse_outputs else None
             ret = self.r.retrieve(self.layer, q, torch=False, out=out)
         else:
-            ret = retrieval
-            if not isinstance(ret, Retrieval):
-                raise errors.InvalidArgumentError(f"retrieval must be a Retrieval, got "
-                                                  f"{type(ret).__name__}", layer=self.layer)
+            ret = V.parse_instance(retrieval, "retrieval", Retrieval, layer=self.layer)
             if ret.layer != self.layer or \
                     ret.index is not self.r.index(self.layer) \
                     or hasattr(ret.k, "detach"):
@@ -512,6 +494,7 @@ class DecodeSession:
         return entry_budget(retriever.ratio, retriever.store.num_tokens(layer))
 
 
+@V.checked_methods
 @dataclasses.dataclass(frozen=True)
 class PipelinedStep:
     """One decode step over all layers (:func:`pipelined_step`).
@@ -545,6 +528,7 @@ class PipelinedStep:
         return float(max(sum(self.retrieval_us), sum(self.compute_us)))
 
 
+@V.checked
 def pipelined_step(sessions: list, queries, attend, new_kv=None) -> PipelinedStep:
     """One decode step over all layers with SWARM §7's pipeline: layer L+1's
     selection and reads (``Retriever.prefetch``) run while layer L's
@@ -581,12 +565,12 @@ def pipelined_step(sessions: list, queries, attend, new_kv=None) -> PipelinedSte
     if n == 0 or len(queries) != n or (new_kv is not None and len(new_kv) != n):
         raise errors.InvalidArgumentError("sessions, queries (and new_kv) must be non-empty "
                                           "lists of one length")
-    if not all(isinstance(x, DecodeSession) for x in sessions):
-        raise errors.InvalidArgumentError("sessions must be DecodeSession objects")
+    for x in sessions:
+        V.parse_instance(x, "sessions", DecodeSession)
     if new_kv is not None and any(x is not None and len(x) != 2 for x in new_kv):
-        raise errors.InvalidArgumentError("new_kv items must be (k_new, v_new) pairs or None")
-    if not callable(attend):
-        raise errors.InvalidArgumentError(f"attend must be callable, got {type(attend).__name__}")
+        raise errors.InvalidArgumentError("new_kv items must be (k_new, v_new) pairs or None",
+                                          argument="new_kv")
+    V.parse_callable(attend, "attend")
     t0 = time.perf_counter()
     fut = sessions[0].r.prefetch(sessions[0].layer, queries[0], torch=False)
     results, steps, ret_us, comp_us, wait_us = [], [], [], [], []

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._errors import InvalidArgumentError, ShapeError
+from .._errors import ShapeError
+from .._validate import parse_number
 from ..store._index import unique_ints
 from ._window import entry_budget
 
@@ -71,7 +72,7 @@ def query_token_mass(q, k, scaling: float) -> np.ndarray:
 
     Raises:
         ShapeError: q and k do not fit (dimensions, head counts).
-        InvalidArgumentError: scaling not a finite positive number.
+        InvalidNumberError: scaling not a finite positive number.
     """
     q = _f32(q)
     if not isinstance(k, np.ndarray):
@@ -80,12 +81,7 @@ def query_token_mass(q, k, scaling: float) -> np.ndarray:
             q.shape[0] == 0 or q.shape[0] % k.shape[0]:
         raise ShapeError(f"query {q.shape} and keys {k.shape} do not fit: need q [H_q, d] "
                          f"and k [H_kv, S, d] with H_q a multiple of H_kv")
-    try:
-        scaling = float(scaling)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"scaling {scaling!r} is not a number") from None
-    if not (np.isfinite(scaling) and scaling > 0):
-        raise InvalidArgumentError(f"scaling {scaling} must be finite and > 0")
+    scaling = parse_number(scaling, "scaling", 0, lo_open=True)
     H, n, d = k.shape
     if n == 0:
         return np.zeros(0, dtype=np.float32)

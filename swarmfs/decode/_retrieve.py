@@ -22,17 +22,20 @@ import time
 import numpy as np
 
 from .. import _errors as errors
+from .. import _validate as V
 from . import _stages as stages
 from .._defaults import RATIO
 from ..store._index import union_ints, unique_ints
 from ..store._kernels import empty_aligned, kv_rows
 from ._selectors import MedoidSelector, Selector
+from ..store._planner import POLICIES
 from ..store._store import Store, to_torch
 from ._window import entry_budget, window_positions, window_size
 
 __all__ = ["Retriever", "Retrieval", "RetrievalStats", "empty_kv"]
 
 
+@V.checked_methods
 @dataclasses.dataclass(frozen=True)
 class RetrievalStats:
     """What one :meth:`Retriever.retrieve` call cost.
@@ -80,6 +83,7 @@ class RetrievalStats:
     effective_gbps: float
 
 
+@V.checked_methods
 @dataclasses.dataclass(frozen=True)
 class Retrieval:
     """Result of one retrieval.
@@ -279,6 +283,7 @@ def empty_kv(store: Store, cap: int) -> tuple[np.ndarray, np.ndarray]:
     return empty_aligned(shape, store.np_dtype), empty_aligned(shape, store.np_dtype)
 
 
+@V.checked_methods
 class Retriever:
     """Serve decode-step KV retrieval from a store (SWARM §5.2, §6.1).
 
@@ -286,7 +291,7 @@ class Retriever:
         store: an open :class:`Store`.
         ratio: the sparsity ratio r, fraction of the context's entries each
             query may use (the entry budget is ceil(r x S), local window
-            included; §8.1 uses 0.10).  ``sparsity=`` is a deprecated alias.
+            included; §8.1 uses 0.10).
         local_window: W, the last W tokens kept in DRAM (default: the
             layer's manifest value).
         hot: override of the hot-cluster mask per layer ({layer: bool [C]}),
@@ -325,34 +330,27 @@ class Retriever:
         ``plan_copies``, ``execute``, ``layer``) being safe from many threads.
 
     Raises:
-        LayoutError: ratio outside (0, 1].
-        ConfigError: unknown policy.
-        InvalidArgumentError: both ``ratio`` and ``sparsity`` given.
+        InvalidRatioError: ratio outside (0, 1].
+        InvalidChoiceError: an unknown policy or score.
+        InvalidIntegerError: a negative local window or max_gap, or one
+            that is not an integer.
+        InvalidBoolError: dedup not True or False.
+        InvalidCallError: an unknown keyword argument.
     """
 
     def __init__(self, store: Store, *, ratio: float | None = None,
                  local_window: int | None = None, hot: dict | None = None,
                  policy: str = "balanced", dedup: bool = True, max_gap: int = 0,
                  selector: Selector | None = None, score: str = "prob",
-                 sparsity: float | None = None, assembly_threads: int | None = None):
-        import numbers
-        if sparsity is not None:
-            if ratio is not None:
-                raise errors.InvalidArgumentError("give ratio, not both ratio and its "
-                                                  "deprecated alias sparsity",
-                                                  store=store.path)
-            import warnings
-            warnings.warn("Retriever(sparsity=...) is deprecated; use ratio=", DeprecationWarning,
-                          stacklevel=2)
-            ratio = sparsity
-        ratio = RATIO if ratio is None else ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or \
-                not 0 < ratio <= 1:
-            raise errors.LayoutError(f"sparsity ratio must be a number in (0, 1], got "
-                                     f"{ratio!r}", store=store.path)
-        if policy not in ("balanced", "first"):
-            raise errors.ConfigError(f"unknown policy {policy!r}; use balanced or first",
-                                     store=store.path)
+                 assembly_threads: int | None = None):
+        V.parse_instance(store, "store", Store)
+        where = {"store": store.path}
+        ratio = RATIO if ratio is None else V.parse_ratio(ratio, "ratio", **where)
+        if local_window is not None:
+            local_window = V.parse_nonneg_int(local_window, "local_window", **where)
+        V.parse_choice(policy, "policy", POLICIES, **where)
+        dedup = V.parse_bool(dedup, "dedup", **where)
+        max_gap = V.parse_nonneg_int(max_gap, "max_gap", 1 << 30, **where)
         self.store = store
         self.ratio = float(ratio)
         self.local_window = local_window
@@ -366,11 +364,6 @@ class Retriever:
         self._step_locks: dict[int, threading.Lock] = {}
         self._pool = None
         self.group = store.model.num_query_heads // store.num_kv_heads
-
-    @property
-    def sparsity(self) -> float:
-        """Deprecated name of :attr:`ratio` (the sparsity ratio r)."""
-        return self.ratio
 
     def prefetch(self, layer: int, q, **kw):
         """Start :meth:`retrieve` in a background thread (SWARM §7's pipelined
@@ -468,7 +461,7 @@ class Retriever:
 
     def _layer(self, layer) -> int:
         """``layer`` as an int (the one check of every layer argument here)."""
-        return errors.as_index(layer, "layer", store=self.store.path)
+        return V.parse_index(layer, "layer", store=self.store.path)
 
     def step_lock(self, layer: int) -> threading.Lock:
         """The lock a :class:`~swarmfs.DecodeSession` holds while it steps
@@ -499,9 +492,7 @@ class Retriever:
 
     @staticmethod
     def _set_hot(st: _LayerState, layer: int, want, retrieval: Retrieval):
-        if not isinstance(retrieval, Retrieval):
-            raise errors.InvalidArgumentError(f"retrieval must be a Retrieval, got "
-                                              f"{type(retrieval).__name__}", layer=layer)
+        V.parse_instance(retrieval, "retrieval", Retrieval, layer=layer)
         want = np.asarray(want, dtype=bool)
         if want.shape != st.hot.shape:
             raise errors.InvalidArgumentError(f"hot mask of shape {want.shape} for "
@@ -571,12 +562,10 @@ class Retriever:
         return entry_budget(self.ratio, self.index(layer).num_tokens)
 
     def _budget(self, layer: int, li, budget) -> int:
-        b = entry_budget(self.ratio, li.num_tokens) if budget is None else \
-            errors.as_index(budget, "entry budget", store=self.store.path, layer=layer)
-        if not 0 < b <= li.num_tokens:
-            raise errors.LayoutError(f"entry budget {b} outside [1, {li.num_tokens}]",
-                                     store=self.store.path, layer=layer)
-        return b
+        if budget is None:
+            return entry_budget(self.ratio, li.num_tokens)
+        return V.parse_int(budget, "budget", 1, li.num_tokens, store=self.store.path,
+                           layer=layer)
 
     def select(self, layer: int, q, *, budget: int | None = None) -> np.ndarray:
         """Stages 1-3: the clusters :meth:`retrieve` reads for a query [H_q, d]
@@ -585,7 +574,8 @@ class Retriever:
         selector).
 
         Raises:
-            ShapeError: bad query shape.  LayoutError: budget outside [1, S].
+            ShapeError: bad query shape.  InvalidIntegerError: budget outside
+                [1, S] or not an integer.
         """
         st = self.layer_state(layer)
         b = self._budget(layer, st.li, budget)
@@ -626,11 +616,15 @@ class Retriever:
             A :class:`Retrieval` with K and V [H_kv, n, head_dim].
 
         Raises:
-            ShapeError: bad query shape.  LayoutError: budget outside [1, S].
+            ShapeError: bad query shape.  InvalidIntegerError: budget outside
+            [1, S] or not an integer.  InvalidBoolError: torch or pinned not
+            True or False.
             ChecksumError / IOFailedError when the read fails: a retrieval
             that cannot be served is never returned with garbage.
         """
         t0 = time.perf_counter()
+        torch = V.parse_bool(torch, "torch", layer=layer)
+        pinned = V.parse_bool(pinned, "pinned", layer=layer)
         st = self.layer_state(layer)
         li = st.li
         budget = self._budget(layer, li, budget)
@@ -748,11 +742,9 @@ class Retriever:
         retrieval at a time.
 
         Raises:
-            InvalidArgumentError: cap is not a positive integer, or the
-                buffers do not fit in memory."""
-        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 1:
-            raise errors.InvalidArgumentError(f"kv_buffers: cap {cap!r} must be a positive "
-                                              "integer")
+            InvalidIntegerError: cap is not a positive integer.
+            InvalidArgumentError: the buffers do not fit in memory."""
+        cap = V.parse_positive_int(cap, "cap", store=self.store.path)
         k, v = empty_kv(self.store, cap)
         k.fill(0)
         v.fill(0)

@@ -38,6 +38,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from .._errors import InvalidArgumentError, NotFoundError
+from .._validate import checked_methods, parse_choice, parse_int, parse_positive_int
 
 __all__ = ["Selector", "FusedSelector", "MedoidSelector", "VectorSelector",
            "MultiVectorSelector", "BoundSelector", "TokenSelector", "Selection",
@@ -271,6 +272,7 @@ SCORES = ("prob", "logit")
 INDEXES = ("int8", "exact")
 
 
+@checked_methods
 class MedoidSelector:
     """SWARM §5.2: score each cluster by its medoid's key (store dtype).
 
@@ -311,16 +313,10 @@ class MedoidSelector:
 
     def __init__(self, store, score: str = "prob", index: str = "int8", levels: int = 1,
                  group_size: int = 32, coverage: float = 3.0, threads: int = 1):
-        if score not in SCORES:
-            raise InvalidArgumentError(f"unknown medoid score {score!r}; use one of {SCORES}")
-        if index not in INDEXES:
-            raise InvalidArgumentError(f"unknown medoid index {index!r}; use one of {INDEXES}")
-        if isinstance(levels, bool) or type(levels) not in (int, np.int64) or \
-                levels not in (1, 2):
-            raise InvalidArgumentError(f"levels must be 1 or 2, got {levels!r}")
-        if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) \
-                or group_size < 1:
-            raise InvalidArgumentError(f"group_size must be an integer >= 1, got {group_size!r}")
+        parse_choice(score, "score", SCORES)
+        parse_choice(index, "index", INDEXES)
+        levels = parse_int(levels, "levels", 1, 2)
+        parse_positive_int(group_size, "group_size")
         from ._index2 import check_coverage
         from ..store._kernels import thread_count
         coverage = check_coverage(coverage)

@@ -177,14 +177,11 @@ def assembly_threads(threads, store=None) -> int:
     ``threads`` checked (1 or 2); None is 1.
 
     Raises:
-        InvalidArgumentError: anything but None, 1 or 2 (naming the store).
+        InvalidIntegerError: anything but None, 1 or 2 (naming the store).
     """
     if threads is None:
         return 1
-    try:
-        return thread_count(threads, "assembly_threads: ")
-    except errors.InvalidArgumentError as e:
-        raise errors.InvalidArgumentError(str(e), store=store) from None
+    return thread_count(threads, "assembly_threads", store=store)
 
 
 def submit(store, li, plan, copies: np.ndarray, s_idx: np.ndarray, k: np.ndarray,

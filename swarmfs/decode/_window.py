@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from .._defaults import LOCAL_WINDOW
-from .._errors import LayoutError
+from .._validate import checked, parse_nonneg_int
 
 __all__ = ["entry_budget", "window_size", "stored_window", "window_positions", "window_mask"]
 
@@ -48,6 +48,7 @@ def stored_window(local_window: int, ratio: float, num_tokens: int) -> int:
     return window_size(local_window, entry_budget(ratio, num_tokens), num_tokens)
 
 
+@checked
 def window_positions(num_tokens: int, window: int = LOCAL_WINDOW) -> np.ndarray:
     """Token positions of the local window kept in DRAM (SWARM §5.2).
 
@@ -55,15 +56,23 @@ def window_positions(num_tokens: int, window: int = LOCAL_WINDOW) -> np.ndarray:
         int64 ``[max(0, S - W), S)`` ascending (all tokens if S <= W).
 
     Raises:
-        LayoutError: negative S or W.
+        InvalidIntegerError: S or W negative or not integers.
+        InvalidCallError: an unknown keyword argument.
     """
-    if num_tokens < 0 or window < 0:
-        raise LayoutError(f"num_tokens and window must be >= 0, got {num_tokens}, {window}")
+    num_tokens = parse_nonneg_int(num_tokens, "num_tokens")
+    window = parse_nonneg_int(window, "window")
     return np.arange(max(0, num_tokens - window), num_tokens, dtype=np.int64)
 
 
+@checked
 def window_mask(num_tokens: int, window: int = LOCAL_WINDOW) -> np.ndarray:
-    """bool [S]: True for the last ``window`` tokens (see :func:`window_positions`)."""
+    """bool [S]: True for the last ``window`` tokens (see :func:`window_positions`).
+
+    Raises:
+        InvalidIntegerError: S or W negative or not integers.
+        InvalidCallError: an unknown keyword argument.
+    """
+    num_tokens = parse_nonneg_int(num_tokens, "num_tokens")
     mask = np.zeros(num_tokens, bool)
     mask[window_positions(num_tokens, window)] = True
     return mask

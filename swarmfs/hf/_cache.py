@@ -12,9 +12,10 @@ import numpy as np
 
 from .. import _errors as errors
 from .. import _defaults as defaults
-from .._demo import LayoutParams, _layout_layer
+from .. import _validate as V
+from ..layout._layer import LayoutParams, lay_out_layer
 from ..store._index import union_ints
-from ..decode._online import DecodeSession, check_tau
+from ..decode._online import DecodeSession
 from ..decode._retrieve import Retriever
 from ..store._store import Store, to_torch
 from ..decode._window import stored_window
@@ -81,6 +82,7 @@ def _sdpa(module, query, key, value, mask, **kw):
     return sdpa_attention_forward(module, query, key, value, mask, **kw)
 
 
+@V.checked
 def swarm_attention_forward(module, query, key, value, attention_mask, scaling=None,
                             dropout: float = 0.0, **kwargs):
     """The ``"swarm"`` attention function (transformers' AttentionInterface).
@@ -117,6 +119,7 @@ def swarm_attention_forward(module, query, key, value, attention_mask, scaling=N
 _REGISTERED = False
 
 
+@V.checked
 def register() -> None:
     """Register ``"swarm"`` with transformers' AttentionInterface and
     AttentionMaskInterface (the mask is SDPA's).  Idempotent; runs on import."""
@@ -146,6 +149,7 @@ def _forget_ids(module, args, output):
     _FORWARD.ids = None            # a later forward of an unhooked model sees none
 
 
+@V.checked
 def prefix_fingerprint(ids) -> dict:
     """{"tokens": n, "xxh3": hex digest of the ids as int64}: what a prefill
     records of its prompt (layer 0's ``extra["prefix"]``)."""
@@ -154,6 +158,7 @@ def prefix_fingerprint(ids) -> dict:
     return {"tokens": int(a.shape[0]), "xxh3": xxhash.xxh3_64_hexdigest(a.tobytes())}
 
 
+@V.checked
 def enable(model):
     """Switch a loaded model to the ``"swarm"`` attention implementation.
 
@@ -186,6 +191,7 @@ def enable(model):
     return model
 
 
+@V.checked_methods
 @dataclasses.dataclass(frozen=True)
 class StepStats:
     """One decode step of one layer.
@@ -243,6 +249,7 @@ def _cache_base():
 Cache, CacheLayerMixin = _cache_base()
 
 
+@V.checked_methods
 class SwarmLayer(CacheLayerMixin):
     """One layer of a :class:`SwarmCache` (it holds no KV tensors: they are
     in the store, the Retriever's DRAM partition and the DecodeSession)."""
@@ -316,6 +323,7 @@ class SwarmLayer(CacheLayerMixin):
         raise errors.ConfigError("a SwarmCache serves batch size 1", layer=self.layer_idx)
 
 
+@V.checked_methods
 class SwarmCache(Cache):
     """A transformers ``Cache`` whose prefix KV lives on a swarmfs store.
 
@@ -329,7 +337,7 @@ class SwarmCache(Cache):
             ceil(r x S), local window included; §8.1 uses 0.10).  r = 1
             attends to the whole context (exactly dense attention).
         disks: N file disks or a list of disk paths (as ``Store.create``).
-        layout: :class:`swarmfs._demo.LayoutParams` (tau, local window,
+        layout: :class:`swarmfs.layout.LayoutParams` (tau, local window,
             hot fraction, eq. 6 costs); its ratio is replaced by ``ratio``,
             and a tau of None by ``defaults.DECODER_TAU`` (0.3).
         prefetch: ``"none"`` or ``"previous"`` (§7, see the module docstring).
@@ -351,8 +359,12 @@ class SwarmCache(Cache):
         engine: I/O engine name (``"io_uring"``, ``"threads"``, auto).
 
     Raises:
-        InvalidArgumentError: bad arguments (ratio, tau, prefetch, method,
-        hot_budget).  ConfigError: no config for a new
+        InvalidRatioError: ratio or tau outside (0, 1].
+        InvalidChoiceError: an unknown prefetch or method.
+        InvalidFractionError: hot_budget outside [0, 1].
+        InvalidBoolError: append, record or force not True or False.
+        InvalidCallError: an unknown keyword argument.
+        InvalidArgumentError: other bad arguments.  ConfigError: no config for a new
         store, or an unsupported model (sliding windows smaller than the
         context).  StoreExistsError: ``store`` holds a store and ``force`` is
         False.
@@ -368,26 +380,24 @@ class SwarmCache(Cache):
                  method: str = "swarm", hot_budget: float | None = None, force: bool = False,
                  engine: str | None = None, _opened: Store | None = None):
         register()
-        if method not in METHODS:
-            raise errors.InvalidArgumentError(f"method must be one of {METHODS}, got {method!r}")
+        V.parse_choice(method, "method", METHODS)
         if method != "swarm" and _opened is not None:
             raise errors.InvalidArgumentError("from_store serves swarm layouts only (the "
                                               "baselines' indexes are not stored)")
         self.method = method
-        if hot_budget is not None and (isinstance(hot_budget, bool) or not isinstance(
-                hot_budget, (int, float)) or not 0 <= hot_budget <= 1):
-            raise errors.InvalidArgumentError(f"hot_budget must be a fraction in [0, 1], got "
-                                              f"{hot_budget!r}")
+        if hot_budget is not None:
+            V.parse_fraction(hot_budget, "hot_budget")
         self.hot_budget = hot_budget
         self._index: dict[int, object] = {}
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-            raise errors.InvalidArgumentError(f"ratio must be a number in (0, 1], got {ratio!r}")
+        V.parse_ratio(ratio, "ratio")
         # the DecodeSessions' rule, checked now: they start only at the first
         # decode step, after the prefill has written the store
-        check_tau(tau, errors.InvalidArgumentError)
-        if prefetch not in ("none", "previous"):
-            raise errors.InvalidArgumentError(f"prefetch must be 'none' or 'previous', got "
-                                              f"{prefetch!r}")
+        V.parse_ratio(tau, "tau")
+        V.parse_choice(prefetch, "prefetch", ("none", "previous"))
+        for name, v in (("append", append), ("record", record), ("force", force)):
+            V.parse_bool(v, name)
+        if layout is not None:
+            V.parse_instance(layout, "layout", LayoutParams)
         self.ratio = float(ratio)
         layout = layout or LayoutParams()
         self.params = dataclasses.replace(
@@ -632,7 +642,7 @@ class SwarmCache(Cache):
         kv = torch.stack([key[0], value[0]], 0).permute(2, 0, 1, 3).contiguous()
         W = stored_window(self.params.local_window, self.params.ratio, S)
         if self.method == "swarm":
-            cl, hot = _layout_layer(q, k32, params=self.params, scaling=float(scaling),
+            cl, hot = lay_out_layer(q, k32, params=self.params, scaling=float(scaling),
                                     layer=layer, entry_bytes=self.store.entry_bytes)
             del q, k32
             t1 = time.perf_counter()

@@ -43,7 +43,8 @@ import numpy as np
 
 from .._errors import InvalidArgumentError
 
-__all__ = ["TASKS", "COPY_CUE", "COPY_ANSWER", "TaskSample", "make_sample", "embed_tasks", "Templates"]
+__all__ = ["TASKS", "COPY_CUE", "COPY_ANSWER", "TaskSample", "SuiteSample", "make_sample",
+           "make_suite_sample", "embed_tasks", "Templates"]
 
 #: The task names, in the suite's order.
 TASKS = ("passkey", "needle", "multikey", "multivalue", "vartrack", "copy")
@@ -244,6 +245,93 @@ def make_sample(task: str, filler: np.ndarray, length: int, seed, t: Templates,
     ids = np.concatenate([ids, inst.query, inst.answer])
     a0 = ids.size - inst.answer.size
     return TaskSample(task, ids, (a0, ids.size), d, a0 - starts[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteSample:
+    """One long context holding one instance of each of several tasks.
+
+    The context (``ids[:context_end]``) holds every task's needles at seeded
+    depths; after it come the queries, one task after another, each followed
+    by its answer.  A decoder is prefilled with the context and then
+    teacher-forced through the queries and answers, so one prefill (and one
+    layout) serves every task.
+
+    Attributes:
+        ids: int64 [n] token ids.
+        context_end: tokens of the context (the prefill).
+        answers: per task, (task, start, end): the answer span in ``ids``.
+        depths: per task, the relative depth in [0, 1] of its first needle.
+    """
+
+    ids: np.ndarray
+    context_end: int
+    answers: tuple[tuple[str, int, int], ...]
+    depths: tuple[float, ...]
+
+
+def make_suite_sample(filler: np.ndarray, length: int, seed, t: Templates,
+                      tasks: Sequence[str] = TASKS) -> SuiteSample:
+    """A seeded :class:`SuiteSample` of ``length`` tokens (context, queries
+    and answers) in natural filler.
+
+    Each task's first needle goes at a depth drawn uniformly from
+    [0.05, 0.95] of the context, its other needles at random later
+    positions; the copy task's passage comes from another part of
+    ``filler`` than the context window.  The queries follow in a seeded
+    order.
+
+    Args:
+        filler: int [m] token ids of natural text, m >= ``length`` + 1,024.
+        length: total tokens of the sample.
+        seed: anything ``numpy.random.default_rng`` takes.
+        t: the tokenized template pieces.
+        tasks: task names (each once) from :data:`TASKS`.
+
+    Returns:
+        :class:`SuiteSample`.
+
+    Raises:
+        InvalidArgumentError: an unknown or repeated task, or a filler or
+            length too short.
+    """
+    tasks = [str(x) for x in tasks]
+    bad = [x for x in tasks if x not in TASKS]
+    if bad or len(set(tasks)) != len(tasks) or not tasks:
+        raise InvalidArgumentError(f"tasks must be distinct names from {TASKS}, not {tasks!r}")
+    filler = np.asarray(filler)
+    if filler.ndim != 1 or filler.size < length + 1024:
+        raise InvalidArgumentError(f"filler has {filler.size} tokens; length {length} needs "
+                                   f"{length + 1024}")
+    rng = np.random.default_rng(seed)
+    start = int(rng.integers(0, filler.size - length + 1))
+    window = filler[start:start + length]
+    rest = np.concatenate([filler[:start], filler[start + length:]])  # passages come from here
+    insts = [_instance(name, t, rng, rest) for name in tasks]
+    n_needles = sum(p.size for i in insts for p in i.needles)
+    n_tail = sum(i.query.size + i.answer.size for i in insts)
+    n_ctx = length - n_needles - n_tail
+    if n_ctx < 64 * len(tasks):
+        raise InvalidArgumentError(f"length {length} is too short for tasks {tasks}")
+    ctx = window[:n_ctx].astype(np.int64)
+    inserts, depths, firsts = [], [], []
+    for inst in insts:
+        d = float(rng.uniform(0.05, 0.95))
+        first = int(round(d * n_ctx))
+        later = sorted(int(x) for x in rng.integers(first, n_ctx + 1, len(inst.needles) - 1))
+        firsts.append(len(inserts))
+        inserts += list(zip([first, *later], inst.needles))
+        depths.append(d)
+    ids, _ = _splice(ctx, inserts)
+    parts, answers, pos = [ids], [], ids.size
+    for i in rng.permutation(len(insts)):
+        inst = insts[int(i)]
+        parts += [inst.query, inst.answer]
+        pos += inst.query.size
+        answers.append((tasks[int(i)], pos, pos + inst.answer.size))
+        pos += inst.answer.size
+    return SuiteSample(np.concatenate(parts).astype(np.int64), int(ids.size), tuple(answers),
+                       tuple(depths))
 
 
 def embed_tasks(row: np.ndarray, rng: np.random.Generator, t: Templates, n_tasks: int,

@@ -57,6 +57,7 @@ import weakref
 import numpy as np
 
 from .. import _errors as E
+from .. import _validate as V
 
 try:
     from .._native import ffi, lib
@@ -66,7 +67,10 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "libxxhash-dev and a C compiler)") from exc
 
 __all__ = ["Engine", "EngineStats", "DiskStats", "AlignedBuffer", "open_disk",
-           "logical_block_size", "READ", "WRITE"]
+           "logical_block_size", "READ", "WRITE", "ENGINE_KINDS"]
+
+#: the engine kinds (``Engine(kind=)``, ``Store.open(engine=)``, ``$SWARMFS_ENGINE``)
+ENGINE_KINDS = ("auto", "io_uring", "threads")
 
 READ = lib.SE_OP_READ
 WRITE = lib.SE_OP_WRITE
@@ -263,6 +267,7 @@ def _mlock(arr: np.ndarray) -> None:
                       f"({os.strerror(err)}); using unpinned memory", stacklevel=3)
 
 
+@V.checked_methods
 @dataclasses.dataclass(frozen=True)
 class DiskStats:
     """Per-disk counters.
@@ -282,6 +287,7 @@ class DiskStats:
     busy_us: float
 
 
+@V.checked_methods
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
     """Engine counters since the engine was opened (a consistent-enough
@@ -357,6 +363,7 @@ class EngineStats:
     async_disks: int = 0
 
 
+@V.checked_methods
 class Engine:
     """Batched block I/O over a fixed set of open disks.
 
@@ -382,7 +389,10 @@ class Engine:
             before a call fails (see the module docstring).
 
     Raises:
-        ConfigError: bad kind, queue depth or retry limit, or no disks.
+        InvalidChoiceError: an unknown ``kind``.
+        InvalidIntegerError: a queue depth outside [1, 32768] or a retry
+            limit outside [0, 2**20].
+        ConfigError: an unknown ``$SWARMFS_ENGINE``, or no disks.
         IOFailedError: io_uring was requested explicitly and cannot be set up
             (the message names ``RLIMIT_MEMLOCK`` when that is the cause).
     """
@@ -394,20 +404,15 @@ class Engine:
         self.names = list(names) if names is not None else [None] * len(self.fds)
         self.block_sizes = np.asarray(block_sizes if block_sizes is not None
                                       else [512] * len(self.fds), dtype=np.uint64)
+        if kind is not None:
+            V.parse_choice(kind, "engine", ENGINE_KINDS, store=store)
         kind = kind or os.environ.get("SWARMFS_ENGINE", "auto")
-        if kind not in ("auto", "io_uring", "threads"):
-            raise E.ConfigError(f"unknown engine kind {kind!r} (SWARMFS_ENGINE or engine=): "
+        if kind not in ENGINE_KINDS:
+            raise E.ConfigError(f"unknown engine kind {kind!r} in SWARMFS_ENGINE: "
                                 "use auto, io_uring or threads", store=store)
-        import numbers
-        if isinstance(queue_depth, bool) or not isinstance(queue_depth, numbers.Integral) or \
-                not 1 <= queue_depth <= 32768:
-            raise E.ConfigError(f"queue depth must be an integer in [1, 32768], got "
-                                f"{queue_depth!r}", store=store)
-        if retry_limit is not None and (isinstance(retry_limit, bool) or
-                                        not isinstance(retry_limit, numbers.Integral) or
-                                        not 0 <= retry_limit <= 1 << 20):
-            raise E.ConfigError(f"retry limit must be an integer in [0, 2**20], got "
-                                f"{retry_limit!r}", store=store)
+        V.parse_int(queue_depth, "queue_depth", 1, 32768, store=store)
+        if retry_limit is not None:
+            V.parse_int(retry_limit, "retry_limit", 0, 1 << 20, store=store)
         if not self.fds:
             raise E.ConfigError("an engine needs at least one disk", store=store)
         cfds = ffi.new("int[]", self.fds)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _errors as errors
+from .. import _validate as V
 from ._placement import copy_locations, stripe_counts
 
 __all__ = ["LayerIndex", "concat_ranges", "unique_ints", "union_ints"]
@@ -58,6 +59,7 @@ def union_ints(a, b) -> np.ndarray:
     return unique_ints(np.concatenate([np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)]))
 
 
+@V.checked_methods
 class LayerIndex:
     """Arrays of one layer plus derived lookups.
 
@@ -197,7 +199,7 @@ class LayerIndex:
     @errors.boundary
     def check_cluster(self, cid: int) -> int:
         """``cid`` as an int, or OutOfRangeError naming the layer if no such cluster."""
-        cid = errors.as_index(cid, "cluster id", store=self.store, layer=self.layer)
+        cid = V.parse_index(cid, "cluster id", store=self.store, layer=self.layer)
         if not 0 <= cid < self.num_clusters:
             raise errors.OutOfRangeError(f"cluster {cid} does not exist "
                                          f"(layer has {self.num_clusters})",
@@ -207,7 +209,7 @@ class LayerIndex:
     @errors.boundary
     def check_tokens(self, tokens) -> np.ndarray:
         """``tokens`` as int64 [n], or OutOfRangeError naming the first outside [0, S)."""
-        t = errors.as_int_array(tokens, "token positions", store=self.store, layer=self.layer)
+        t = V.parse_indices(tokens, "token positions", store=self.store, layer=self.layer)
         if t.size and (t.min() < 0 or t.max() >= self.num_tokens):
             bad = t[(t < 0) | (t >= self.num_tokens)][0]
             raise errors.OutOfRangeError(f"token {int(bad)} is outside [0, {self.num_tokens})",

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._errors import InvalidArgumentError, boundary
+from .._validate import parse_int
 from .._native import ffi, lib
 
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
@@ -210,7 +211,7 @@ def gather_kv(src: np.ndarray, src_off: np.ndarray, dst_idx: np.ndarray, k: np.n
             (object arrays included), K and V that overlap, or threads not
             1 or 2.
     """
-    threads = thread_count(threads, "gather_kv: ")
+    threads = thread_count(threads, "gather_kv threads")
     k = _arr(k, "k", writable=True)
     v = _arr(v, "v", writable=True)
     src = _arr(src, "src")
@@ -808,17 +809,14 @@ def head_logits_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int) -> np.ndarra
     return out
 
 
-def thread_count(threads, what: str = "") -> int:
+def thread_count(threads, what: str = "threads", **where) -> int:
     """``threads`` of a native call that can use both cores (the int8
     selection, the assembly) checked: 1 or 2 (an int, not a bool).
 
     Raises:
-        InvalidArgumentError: anything else.
+        InvalidIntegerError: anything else, naming ``what``.
     """
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) \
-            or threads not in (1, 2):
-        _fail(f"{what}threads must be 1 or 2, got {threads!r}")
-    return int(threads)
+    return parse_int(threads, what, 1, 2, **where)
 
 
 def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
@@ -843,7 +841,7 @@ def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
     q, H, C, d = _check_i8(ix, q, num_kv_heads, "select_i8")
     if not float(scale) > 0:
         _fail(f"select_i8: scale {scale} must be positive")
-    threads = thread_count(threads, "select_i8: ")
+    threads = thread_count(threads, "select_i8 threads")
     Hq = q.shape[0]
     ptr, members = _csr_args(C, ptr, members, num_tokens, check)
     work = np.empty(C * (Hq // H + 1) + 1, dtype=np.float32)

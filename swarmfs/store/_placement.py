@@ -16,16 +16,11 @@ import dataclasses
 
 import numpy as np
 
+from .. import _validate as V
 from .._errors import InvalidArgumentError, boundary
 
 __all__ = ["Placement", "PLACEMENTS", "start_disks", "stripe_counts", "place_clusters",
            "copy_locations"]
-
-
-def _count(x, what: str, lo: int = 0) -> int:
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not lo <= x < 1 << 62:
-        raise InvalidArgumentError(f"{what} must be an integer in [{lo}, 2^62), got {x!r}")
-    return int(x)
 
 
 def _sizes(sizes) -> np.ndarray:
@@ -54,8 +49,8 @@ def start_disks(sizes: np.ndarray, ndisks: int, p_global: int = 0) -> tuple[np.n
         InvalidArgumentError: negative or non-integer sizes, ndisks < 1.
     """
     sizes = _sizes(sizes)
-    ndisks = _count(ndisks, "ndisks", 1)
-    p_global = _count(p_global, "p_global")
+    ndisks = V.parse_int(ndisks, "ndisks", 1, (1 << 62) - 1)
+    p_global = V.parse_int(p_global, "p_global", 0, (1 << 62) - 1)
     before = p_global + np.cumsum(sizes) - sizes
     p_new = int(p_global + sizes.sum())
     return (before % ndisks).astype(np.int32), p_new
@@ -71,7 +66,7 @@ def stripe_counts(sizes: np.ndarray, start: np.ndarray, ndisks: int) -> np.ndarr
     Raises:
         InvalidArgumentError: sizes and start differ in length, ndisks < 1.
     """
-    ndisks = _count(ndisks, "ndisks", 1)
+    ndisks = V.parse_int(ndisks, "ndisks", 1, (1 << 62) - 1)
     if np.shape(sizes) != np.shape(start):
         raise InvalidArgumentError("sizes and start need one value per cluster")
     sizes = np.asarray(sizes, dtype=np.int64)[:, None]
@@ -79,6 +74,7 @@ def stripe_counts(sizes: np.ndarray, start: np.ndarray, ndisks: int) -> np.ndarr
     return np.maximum(0, (sizes - r + ndisks - 1) // ndisks)
 
 
+@V.checked_methods
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where a batch of clusters lands.
@@ -130,15 +126,14 @@ def place_clusters(sizes: np.ndarray, *, ndisks: int, entry_bytes: int,
     """
     sizes = _sizes(sizes)
     explicit = start
-    ndisks = _count(ndisks, "ndisks", 1)
-    _count(entry_bytes, "entry_bytes", 1)
-    bsz = _count(block_size, "block_size", 1)
+    ndisks = V.parse_int(ndisks, "ndisks", 1, (1 << 62) - 1)
+    V.parse_int(entry_bytes, "entry_bytes", 1, (1 << 62) - 1)
+    bsz = V.parse_int(block_size, "block_size", 1, (1 << 62) - 1)
     if bsz & (bsz - 1):
         raise InvalidArgumentError(f"block_size must be a power of two, got {bsz}")
     if np.shape(disk_end) != (ndisks,):
         raise InvalidArgumentError(f"disk_end needs one offset per disk ({ndisks})")
-    if not isinstance(policy, str) or policy not in PLACEMENTS:
-        raise InvalidArgumentError(f"unknown placement {policy!r}; use one of {PLACEMENTS}")
+    V.parse_choice(policy, "policy", PLACEMENTS)
     start, p_new = start_disks(sizes, ndisks, p_global)
     if explicit is not None:
         start, p_new = np.asarray(explicit, dtype=np.int32).reshape(-1), p_global

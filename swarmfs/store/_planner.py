@@ -29,7 +29,8 @@ import os
 
 import numpy as np
 
-from .._errors import ConfigError, InternalError, InvalidArgumentError
+from .. import _validate as V
+from .._errors import InternalError, InvalidArgumentError
 from .._native import ffi, lib
 
 __all__ = ["Plan", "plan_reads", "POLICIES", "MAX_REQUEST"]
@@ -43,6 +44,7 @@ POLICIES = ("balanced", "first")
 MAX_REQUEST = 512 << 10
 
 
+@V.checked_methods
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A read plan.
@@ -90,14 +92,6 @@ class Plan:
         return float(b.max() / b.mean()) if b.size and b.sum() else 1.0
 
 
-def _positive(x, what: str, *, zero: bool = False, limit: int = 1 << 62) -> int:
-    import numbers
-    lo = 0 if zero else 1
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not lo <= x <= limit:
-        raise InvalidArgumentError(f"{what} must be an integer in [{lo}, {limit}], got {x!r}")
-    return int(x)
-
-
 def _ints(x, dtype, what: str) -> np.ndarray:
     """A 1-D integer array as ``dtype`` (as it is for ``None``; floats, bools,
     negatives for unsigned types refused)."""
@@ -117,6 +111,7 @@ def _ints(x, dtype, what: str) -> np.ndarray:
     return a.astype(dtype, copy=False)
 
 
+@V.checked
 def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
                block_size: int, max_gap: int = 0, max_request: int = MAX_REQUEST,
                policy: str = "balanced", dedup: bool = True) -> Plan:
@@ -141,20 +136,20 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
         A :class:`Plan`.
 
     Raises:
-        InvalidArgumentError: inconsistent or out-of-range inputs.
-        ConfigError: an unknown policy.
+        InvalidArgumentError: inconsistent or out-of-range inputs (its
+            subclasses of :mod:`swarmfs._validate` for one bad argument:
+            InvalidBoolError, InvalidChoiceError for an unknown policy,
+            InvalidIntegerError).
     """
-    if not isinstance(dedup, (bool, np.bool_)):
-        raise InvalidArgumentError(f"dedup must be a bool, got {dedup!r}")
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown policy {policy!r}; use one of {POLICIES}")
-    ndisks = _positive(ndisks, "ndisks")
+    V.parse_bool(dedup, "dedup")
+    V.parse_choice(policy, "policy", POLICIES)
+    ndisks = V.parse_positive_int(ndisks, "ndisks", 1 << 62)
     # a request's length is 32-bit (uint32 in the plan and the engine): no
     # request, merged or single-entry, may reach 4 GiB
-    entry_bytes = _positive(entry_bytes, "entry_bytes", limit=1 << 30)
-    block_size = _positive(block_size, "block_size", limit=1 << 30)
-    max_gap = _positive(max_gap, "max_gap", zero=True, limit=1 << 30)
-    max_request = _positive(max_request, "max_request", limit=1 << 30)
+    entry_bytes = V.parse_positive_int(entry_bytes, "entry_bytes", 1 << 30)
+    block_size = V.parse_positive_int(block_size, "block_size", 1 << 30)
+    max_gap = V.parse_nonneg_int(max_gap, "max_gap", 1 << 30)
+    max_request = V.parse_positive_int(max_request, "max_request", 1 << 30)
     tok = np.ascontiguousarray(_ints(tok, np.int64, "tok"))
     cdisk = _ints(cdisk, None, "cdisk")
     if cdisk.dtype != np.int32:

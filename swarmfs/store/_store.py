@@ -18,13 +18,13 @@ import os
 import shutil
 import threading
 import time
-import warnings
 import weakref
 
 import numpy as np
 
 from .. import _defaults
 from .. import _errors as E
+from .. import _validate as V
 from . import _format as F
 from . import _write
 from ._disks import ReaderLease, create_disks, open_disks
@@ -39,6 +39,7 @@ __all__ = ["Store", "StoreStats"]
 _OPEN_RETRIES = 8            # opens that race a writer's commits
 
 
+@V.checked_methods
 @dataclasses.dataclass(frozen=True)
 class StoreStats:
     """Store-level counters plus the engine's.
@@ -64,6 +65,7 @@ class StoreStats:
     checksum_failures: int
 
 
+@V.checked_methods
 class Store:
     """A KV-cache store: clusters of KV entries striped over several disks.
 
@@ -163,22 +165,29 @@ class Store:
             DiskError: a disk cannot be opened with O_DIRECT.
             DiskFullError: preallocation failed for lack of space.
         """
-        path = os.path.abspath(path)
+        path = os.path.abspath(V.parse_path(path, "path"))
+        force = V.parse_bool(force, "force", store=path)
         model = ModelIdentity.new(name=model_name, num_layers=num_layers,
                                   num_kv_heads=num_kv_heads, head_dim=head_dim,
                                   num_query_heads=num_query_heads, dtype=dtype)
-        for name, v in (("disk_size", disk_size), ("block_size", block_size)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
-                                  or v < 0 or v > 1 << 62):
-                raise E.InvalidArgumentError(f"{name} must be a non-negative integer of "
-                                             f"bytes, got {v!r}")
-        if disk_size and disk_size < F.DATA_START:
-            raise E.InvalidArgumentError(f"disk_size {disk_size} is smaller than the "
-                                         f"{F.DATA_START}-byte disk header")
-        if isinstance(disks, (bool, str, bytes, os.PathLike)) or not isinstance(
-                disks, (int, np.integer, collections.abc.Iterable)):
-            raise E.ShapeError(f"disks must be a number of disk files or a list of paths, "
-                               f"got {disks!r}")
+        if disk_size is not None:
+            disk_size = V.parse_nonneg_int(disk_size, "disk_size", 1 << 62)
+            if disk_size and disk_size < F.DATA_START:
+                raise E.InvalidIntegerError(f"disk_size {disk_size} is smaller than the "
+                                            f"{F.DATA_START}-byte disk header",
+                                            argument="disk_size")
+        if block_size is not None:
+            block_size = V.parse_nonneg_int(block_size, "block_size", 1 << 62)
+        if isinstance(disks, (str, bytes, os.PathLike)) or not isinstance(
+                disks, (bool, int, np.integer, collections.abc.Iterable)):
+            raise E.InvalidTypeError(f"disks must be a number of disk files or a list of "
+                                     f"paths, got {disks!r}"[:300], argument="disks")
+        if not isinstance(disks, collections.abc.Iterable):
+            disks = V.parse_int(disks, "disks", 1, 256)
+        else:
+            disks = [V.parse_path(p, "disks") for p in disks]
+        V.parse_int(queue_depth, "queue_depth", 1, 32768)
+        V.parse_bool(verify, "verify")
         if os.path.exists(path) and not os.path.isdir(path):
             raise E.StoreExistsError("store path exists and is not a directory", store=path)
         if os.path.isdir(path) and os.listdir(path):
@@ -206,16 +215,14 @@ class Store:
     @classmethod
     def _create(cls, path, *, disks, model, disk_size, block_size, force, engine, queue_depth,
                 verify):
-        if isinstance(disks, (int, np.integer)):
-            disks = int(disks)
-            if not 1 <= disks <= 256:
-                raise E.ShapeError(f"a store has 1 to 256 disks, got {disks}", store=path)
+        if isinstance(disks, int):
             os.makedirs(os.path.join(path, "disks"), exist_ok=True)
             disk_paths = [os.path.join(path, "disks", f"disk-{i}.img") for i in range(disks)]
         else:
             disk_paths = [os.path.abspath(str(p)) for p in disks]
             if not 1 <= len(disk_paths) <= 256 or len(set(disk_paths)) != len(disk_paths):
-                raise E.ShapeError("disks must be 1 to 256 distinct paths", store=path)
+                raise E.InvalidArgumentError("disks must be 1 to 256 distinct paths",
+                                             argument="disks", store=path)
 
         def make_manifest(uid, caps, bs):
             return Manifest.new(path, uuid=uid.hex(), model=model, block_size=bs,
@@ -275,13 +282,14 @@ class Store:
             DiskTruncatedError: a disk is shorter than its committed data.
             DiskError: a disk path is not a regular file or block device.
         """
-        if not isinstance(path, (str, os.PathLike)):
-            raise E.StoreNotFoundError(f"a store path must be a string or path, got {path!r}")
+        path = V.parse_path(path, "path")
+        V.parse_int(queue_depth, "queue_depth", 1, 32768)
         for name, v in (("verify", verify), ("writable", writable), ("preload", preload),
                         ("damaged", damaged)):
-            E.as_bool(v, name)
+            V.parse_bool(v, name)
         if damaged and writable:
-            raise E.InvalidArgumentError("a damaged store can only be opened read-only")
+            raise E.InvalidArgumentError("a damaged store can only be opened read-only",
+                                         argument="damaged")
         path = os.path.abspath(path)
         for attempt in range(_OPEN_RETRIES):
             m = read_manifest(path)
@@ -372,7 +380,7 @@ class Store:
     def _check_layer(self, layer) -> int:
         if self._closed:
             raise E.SwarmError("the store is closed", store=self.path)
-        layer = E.as_index(layer, "layer", store=self.path)
+        layer = V.parse_index(layer, "layer", store=self.path)
         if not 0 <= layer < self.num_layers:
             raise E.OutOfRangeError(f"layer {layer} outside [0, {self.num_layers})",
                                     store=self.path, layer=layer)
@@ -532,16 +540,13 @@ class Store:
             DiskFullError: a disk ran out of space (nothing is committed).
             IOFailedError: a write failed (nothing is committed).
         """
-        layer = E.as_index(layer, "layer", store=self.path)
+        layer = V.parse_index(layer, "layer", store=self.path)
         if not 0 <= layer < self.num_layers:
             raise E.OutOfRangeError(f"layer {layer} outside [0, {self.num_layers})",
                                     store=self.path, layer=layer)
         if local_window is not None:
-            local_window = E.as_index(local_window, "local_window", store=self.path,
-                                      layer=layer)
-            if local_window < 0:
-                raise E.OutOfRangeError(f"local_window must be >= 0, got {local_window}",
-                                        store=self.path, layer=layer)
+            local_window = V.parse_nonneg_int(local_window, "local_window", store=self.path,
+                                              layer=layer)
         rows, ptr, members, medoids, hot, freq = _write.check_layer_input(
             kv, clusters, medoids, hot, freq, extra, placement, entry_shape=self.entry_shape,
             dtype=self.dtype, layer=layer, store=self.path)
@@ -608,7 +613,7 @@ class Store:
     @E.boundary
     def append(self, layer: int, kv, joins=None, *,
                new_cluster_size: int | None = None,
-               expect_tokens: int | None = None, group: int | None = None) -> np.ndarray:
+               expect_tokens: int | None = None) -> np.ndarray:
         """Append new tokens to a layer (SWARM §6.2, cluster maintenance).
 
         The new entries get positions S..S+n-1.  A token joins the existing
@@ -628,8 +633,7 @@ class Store:
                 joins clusters ``clusters[ptr[i]:ptr[i+1]]``; or a list of n
                 int arrays; None = no token joins an existing cluster.
             new_cluster_size: size of the new clusters made of unassigned
-                tokens (default ``_defaults.NEW_CLUSTER_SIZE``; ``group=`` is
-                a deprecated alias).
+                tokens (default ``_defaults.NEW_CLUSTER_SIZE``).
             expect_tokens: refuse (SwarmError) unless the layer holds exactly
                 this many tokens when the append commits, e.g. because the
                 caller already promised positions S..S+n-1 to its users.
@@ -640,16 +644,10 @@ class Store:
         Raises:
             ShapeError: kv shape/dtype, or a bad joins list.
             OutOfRangeError: a cluster id that does not exist.
-            InvalidArgumentError: both new_cluster_size and group given.
+            InvalidIntegerError: ``new_cluster_size`` below 1 or
+                ``expect_tokens`` below 0, or not integers.
             DiskFullError, IOFailedError: nothing is committed.
         """
-        if group is not None:
-            if new_cluster_size is not None:
-                raise E.InvalidArgumentError("give new_cluster_size or its deprecated alias "
-                                             "group, not both", store=self.path, layer=layer)
-            warnings.warn("Store.append(group=...) is deprecated; use new_cluster_size=",
-                          DeprecationWarning, stacklevel=3)
-            new_cluster_size = group
         if new_cluster_size is None:
             new_cluster_size = _defaults.NEW_CLUSTER_SIZE
         return _write.append_tokens(self, layer, kv, joins, new_cluster_size=new_cluster_size,
@@ -738,16 +736,10 @@ class Store:
     def _check_plan_args(self, max_gap, max_request, policy, dedup=True) -> None:
         """Planner options, checked before planning (InvalidArgumentError)."""
         from ._planner import POLICIES
-        for name, v, lo in (("max_gap", max_gap, 0), ("max_request", max_request,
-                                                       self.block_size)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or \
-                    not lo <= v <= 1 << 30:
-                raise E.InvalidArgumentError(f"{name} must be an integer in [{lo}, 2**30], "
-                                             f"got {v!r}", store=self.path)
-        if not isinstance(policy, str) or policy not in POLICIES:
-            raise E.ConfigError(f"unknown policy {policy!r}; use one of "
-                                         f"{sorted(POLICIES)}", store=self.path)
-        E.as_bool(dedup, "dedup", store=self.path)
+        V.parse_int(max_gap, "max_gap", 0, 1 << 30, store=self.path)
+        V.parse_int(max_request, "max_request", self.block_size, 1 << 30, store=self.path)
+        V.parse_choice(policy, "policy", sorted(POLICIES), store=self.path)
+        V.parse_bool(dedup, "dedup", store=self.path)
 
     def _rows_to_entries(self, rows: np.ndarray, *, torch: bool, pinned: bool):
         n = rows.shape[0]
@@ -794,8 +786,8 @@ class Store:
         cluster order, raw).  Reads only the entries the range covers."""
         li = self.layer(layer)
         cid = li.check_cluster(cid)
-        start = E.as_index(start, "start", store=self.path, layer=layer, cluster=cid)
-        length = E.as_index(length, "length", store=self.path, layer=layer, cluster=cid)
+        start = V.parse_index(start, "start", store=self.path, layer=layer, cluster=cid)
+        length = V.parse_index(length, "length", store=self.path, layer=layer, cluster=cid)
         Eb = self.entry_bytes
         n = int(li.sizes[cid])
         if start < 0 or length < 0:
@@ -875,17 +867,13 @@ class Store:
             InvalidArgumentError: bad ``layers`` or ``max_batch``.
             OutOfRangeError: a layer that holds no data.
         """
-        if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or \
-                max_batch < self.block_size:
-            raise E.InvalidArgumentError(f"max_batch must be an integer >= the block size "
-                                         f"{self.block_size}, got {max_batch!r}",
-                                         store=self.path)
-        if progress is not None and not callable(progress):
-            raise E.InvalidArgumentError("progress must be callable", store=self.path)
+        V.parse_int(max_batch, "max_batch", self.block_size, store=self.path)
+        if progress is not None:
+            V.parse_callable(progress, "progress", store=self.path)
         if layers is not None and (isinstance(layers, (str, bytes, dict)) or
                                    not isinstance(layers, collections.abc.Iterable)):
-            raise E.InvalidArgumentError(f"layers must be a list of layer numbers, got "
-                                         f"{layers!r}", store=self.path)
+            raise E.InvalidTypeError(f"layers must be a list of layer numbers, got "
+                                     f"{layers!r}"[:300], argument="layers", store=self.path)
         todo = self.layers if layers is None else [self._check_layer(x) for x in layers]
         failures = []
         sizes = np.array([self._executor.disk_size(d) for d in range(self.num_disks)],

@@ -27,6 +27,7 @@ import warnings
 import numpy as np
 
 from .. import _errors as E
+from .. import _validate as V
 from . import _format as F
 from ._disks import truncate_to, write_commit_records
 from ._engine import WRITE
@@ -217,11 +218,13 @@ def clusters_csr(clusters, *, layer=None, store=None) -> tuple[np.ndarray, np.nd
     """
     kw = dict(store=store, layer=layer)
     if isinstance(clusters, tuple) and len(clusters) == 2:
-        ptr = E.as_int_array(clusters[0], "cluster pointers", **kw)
-        members = E.as_int_array(clusters[1], "cluster members", **kw)
+        ptr = V.parse_indices(clusters[0], "cluster pointers", **kw)
+        members = V.parse_indices(clusters[1], "cluster members", **kw)
     else:
         try:
-            lists = [E.as_int_array(c, "cluster members", **kw) for c in clusters]
+            lists = [V.parse_indices(c, "cluster members", **kw) for c in clusters]
+        except E.SwarmError:
+            raise
         except TypeError:
             raise E.ShapeError("clusters must be a CSR (ptr, members) or a list of token "
                                "arrays", **kw) from None
@@ -281,7 +284,7 @@ def check_layer_input(kv, clusters, medoids, hot, freq, extra, placement, *,
     Raises:
         ShapeError: kv shape/dtype, cluster definitions, medoids, hot, freq
             or extra are wrong.
-        LayoutError: an unknown placement.
+        InvalidChoiceError: an unknown placement.
     """
     if extra is not None:
         if not isinstance(extra, dict):
@@ -320,7 +323,7 @@ def check_layer_input(kv, clusters, medoids, hot, freq, extra, placement, *,
         raise E.ShapeError("a token appears twice in one cluster", store=store,
                            layer=layer)
     medoids = (members[ptr[:-1]] if medoids is None
-               else E.as_int_array(medoids, "medoids", store=store, layer=layer))
+               else V.parse_indices(medoids, "medoids", store=store, layer=layer))
     if medoids.shape[0] != C:
         raise E.ShapeError(f"{medoids.shape[0]} medoids for {C} clusters",
                            store=store, layer=layer)
@@ -344,9 +347,7 @@ def check_layer_input(kv, clusters, medoids, hot, freq, extra, placement, *,
         raise E.ShapeError("freq must be numbers", store=store, layer=layer) from None
     if freq.size and (not np.isfinite(freq).all() or freq.min() < 0):
         raise E.ShapeError("freq must be finite and >= 0", store=store, layer=layer)
-    if placement not in PLACEMENTS:
-        raise E.LayoutError(f"unknown placement {placement!r}; use one of {PLACEMENTS}",
-                            store=store, layer=layer)
+    V.parse_choice(placement, "placement", PLACEMENTS, store=store, layer=layer)
     if hot.shape[0] != C or freq.shape[0] != C:
         raise E.ShapeError("hot and freq need one value per cluster", store=store,
                            layer=layer)
@@ -680,14 +681,11 @@ def append_tokens(store, layer: int, kv, joins, *, new_cluster_size: int,
     ``store`` is read through its public API only (``layer``,
     ``read_entries``, its shape attributes); ``begin()`` starts the
     :class:`Transaction` that writes and commits."""
-    if isinstance(new_cluster_size, bool) or \
-            not isinstance(new_cluster_size, (int, np.integer)) or new_cluster_size < 1:
-        raise E.InvalidArgumentError(f"new_cluster_size must be an integer >= 1, "
-                                     f"got {new_cluster_size!r}",
-                                     store=store.path, layer=layer)
+    new_cluster_size = V.parse_positive_int(new_cluster_size, "new_cluster_size",
+                                            store=store.path, layer=layer)
     if expect_tokens is not None:
-        expect_tokens = E.as_index(expect_tokens, "expect_tokens", store=store.path,
-                                   layer=layer)
+        expect_tokens = V.parse_nonneg_int(expect_tokens, "expect_tokens", store=store.path,
+                                           layer=layer)
     with begin() as tx:       # the whole append sees one committed state
         return _append_locked(tx, store, layer, kv, joins,
                               new_cluster_size=int(new_cluster_size),
@@ -708,14 +706,14 @@ def _append_locked(tx: Transaction, store, layer: int, kv, joins, *, new_cluster
     if joins is None:
         jptr, jcl = np.zeros(n + 1, np.int64), np.empty(0, np.int64)
     elif isinstance(joins, tuple):
-        jptr = E.as_int_array(joins[0], "joins pointers", store=store.path, layer=layer)
-        jcl = E.as_int_array(joins[1], "joined clusters", store=store.path, layer=layer)
+        jptr = V.parse_indices(joins[0], "joins pointers", store=store.path, layer=layer)
+        jcl = V.parse_indices(joins[1], "joined clusters", store=store.path, layer=layer)
     else:
         if isinstance(joins, (str, bytes, dict)) or not hasattr(joins, "__iter__"):
             raise E.InvalidArgumentError(f"joins must be a CSR (ptr, clusters) or a list of "
                                          f"cluster lists, got {joins!r}"[:200],
                                          store=store.path, layer=layer)
-        lists = [E.as_int_array(j, "joined clusters", store=store.path, layer=layer)
+        lists = [V.parse_indices(j, "joined clusters", store=store.path, layer=layer)
                  for j in joins]
         jptr = np.zeros(len(lists) + 1, np.int64)
         np.cumsum([x.shape[0] for x in lists], out=jptr[1:])

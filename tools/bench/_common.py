@@ -882,7 +882,8 @@ class Bench:
     def __init__(self, path, disks: Disks, trace: Trace, start: int, S: int,
                  variants: list, *, cfg: BenchConfig, ratio: float = 0.1, kv=None):
         from swarmfs import Store
-        from swarmfs._demo import LayoutParams, local_window
+        from swarmfs._demo import local_window
+        from swarmfs.layout import LayoutParams
         self.trace, self.start, self.S, self.ratio = trace, start, S, ratio
         self.cfg = cfg
         self.variants = {v.name: v for v in variants}
