@@ -236,7 +236,7 @@ REFUSED = [
         0, kvs[0], cls[0], hot=np.full(len(cls[0]), -1)), E.ShapeError),
     ("float clusters", lambda s, kvs, cls: s.write_layer(
         0, kvs[0], [c.astype(float) for c in cls[0]]), E.OutOfRangeError),
-    ("unknown policy", lambda s, kvs, cls: s.plan(0, [1], policy="x"), E.ConfigError),
+    ("unknown policy", lambda s, kvs, cls: s.plan(0, [1], policy="x"), E.InvalidChoiceError),
 ]
 
 
@@ -493,7 +493,7 @@ def test_store_used_after_fork_refuses_instead_of_misreading(tmp_path, rng):
 
 
 def test_a_float_head_dim_is_refused(tmp_path):
-    with pytest.raises(E.ShapeError):
+    with pytest.raises(E.InvalidIntegerError, match="head_dim"):
         Store.create(tmp_path / "b", disks=1, num_layers=1, num_kv_heads=1, head_dim=2.5)
 
 
@@ -533,12 +533,15 @@ def test_append_expect_tokens_is_enforced(tmp_path, rng):
     b.close()
 
 
-@pytest.mark.parametrize("kw", [{"disks": "xyz"}, {"disks": True}, {"disks": 2.0},
-                                {"head_dim": 2 ** 62}, {"num_kv_heads": 0}])
-def test_create_refuses_bad_shapes_and_disk_specs(tmp_path, kw, monkeypatch):
+@pytest.mark.parametrize("kw, error", [
+    ({"disks": "xyz"}, E.InvalidTypeError), ({"disks": True}, E.InvalidIntegerError),
+    ({"disks": 2.0}, E.InvalidTypeError), ({"disks": 0}, E.InvalidIntegerError),
+    ({"head_dim": 2 ** 62}, E.InvalidIntegerError), ({"num_kv_heads": 0}, E.InvalidIntegerError),
+    ({"dtype": "int8"}, E.InvalidDtypeError), ({"num_query_heads": 3}, E.ShapeError)])
+def test_create_refuses_bad_shapes_and_disk_specs(tmp_path, kw, error, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = {"disks": 2, "num_layers": 1, "num_kv_heads": 2, "head_dim": 16, **kw}
-    with pytest.raises(E.ShapeError):
+    with pytest.raises(error):
         Store.create(tmp_path / "st", **args)
     assert os.listdir(tmp_path) == []               # no stray disk files, no store dir
 

@@ -26,56 +26,63 @@ no longer describes.  The one open namespace is a layer record's keys beyond
 kept verbatim (:attr:`LayerRecord.extra`) and written back where swarmfs
 writes them, after ``local_window``.
 
+**The schema is the records.**  :class:`ModelIdentity`, :class:`DiskRecord`,
+:class:`IndexRecord` and :class:`LayerRecord` are msgspec Structs (frozen,
+unknown fields forbidden) whose annotations carry each field's type and
+range; :meth:`Manifest.load` converts the parsed JSON into them
+(``msgspec.convert``, strict: no bool for an int, no float for an int, no
+null for a string) and then checks what one field cannot say alone (entry
+bytes against the model shape, extents against the block size, free ranges
+against the disk's end, a layer's index file against its layer and
+generation).  Every failure is a ``ManifestError`` naming ``manifest.json``
+and the field (``disks[0].end``, ``layers[3].index.xxh3``).
+
 Every consumer reads attributes (``m.layers[l].num_clusters``,
 ``m.disks[d].end``, ``m.model.dtype``); nothing reaches into the JSON by
 string keys.  The records are immutable: a commit builds a new
-:class:`Manifest` with :func:`dataclasses.replace`.
+:class:`Manifest` with :func:`msgspec.structs.replace`.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import re
 import time
 import types
-from typing import Mapping
+from typing import Annotated, Any, ClassVar, Literal, Mapping
 
-import numpy as np
+import msgspec
+from msgspec import Meta
 
 from .. import _defaults
 from .. import _errors as E
+from .. import _validate as V
 from . import _format as F
 
 __all__ = ["ModelIdentity", "DiskRecord", "IndexRecord", "LayerRecord", "Manifest",
            "read_manifest", "write_manifest"]
 
-_HEX16 = re.compile(r"[0-9a-f]{16}")
-_HEX32 = re.compile(r"[0-9a-f]{32}")
 _LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,5}")
 _U63 = (1 << 63) - 1
 _I31 = (1 << 31) - 1
-
-#: keys of a layer record that swarmfs sets itself (the rest is the
-#: caller's ``extra``)
-LAYER_RECORD_KEYS = frozenset({"num_tokens", "num_clusters", "num_copies", "replication",
-                               "hot_clusters", "index", "generation", "local_window"})
-#: the keys format version 2 has, per object (``created``, ``model.name`` and a
-#: disk's ``free`` may be absent); any other key is refused by the loader
-_TOP_KEYS = frozenset({"format", "format_version", "uuid", "generation", "created", "model",
-                       "block_size", "p_global", "disks", "layers", "dram", "checksum"})
-_MODEL_KEYS = frozenset({"name", "num_layers", "num_kv_heads", "head_dim", "num_query_heads",
-                         "dtype", "entry_bytes"})
-_DISK_KEYS = frozenset({"index", "path", "end", "capacity", "free"})
-_INDEX_KEYS = frozenset({"file", "xxh3", "bytes"})
-_DRAM_KEYS = frozenset({"local_window"})
 _EMPTY: Mapping = types.MappingProxyType({})
 
+# field types of format version 2 (ranges as the writer produces them)
+_Hex16 = Annotated[str, Meta(pattern=r"\A[0-9a-f]{16}\Z")]
+_Hex32 = Annotated[str, Meta(pattern=r"\A[0-9a-f]{32}\Z")]
+_Dim = Annotated[int, Meta(ge=1, le=1 << 16)]
+_Count = Annotated[int, Meta(ge=1, le=_I31)]
+_Tokens = Annotated[int, Meta(ge=0, le=_I31)]
+_Gen = Annotated[int, Meta(ge=0, le=_U63)]
+_Bytes62 = Annotated[int, Meta(ge=0, le=1 << 62)]
+_Dtype = Literal[tuple(sorted(F.DTYPES))]
+_Path = Annotated[str, Meta(min_length=1, max_length=4096, pattern=r"\A[^\x00]*\Z")]
+_FreeRange = tuple[_Gen, _Gen, _Gen]        # (offset, length, generation freed)
 
-@dataclasses.dataclass(frozen=True)
-class ModelIdentity:
+
+class ModelIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The model a store holds; pinned by every disk's superblock.
 
     Attributes:
@@ -85,17 +92,17 @@ class ModelIdentity:
         dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``.
         entry_bytes: bytes of one KV entry, 2 x num_kv_heads x head_dim x itemsize.
     """
-    name: str | None
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_query_heads: int
-    dtype: str
-    entry_bytes: int
+    num_layers: _Dim
+    num_kv_heads: _Dim
+    head_dim: _Dim
+    num_query_heads: _Dim
+    dtype: _Dtype
+    entry_bytes: Annotated[int, Meta(ge=1, le=1 << 30)]
+    name: str | None = None
 
     #: the fields the superblocks pin (``_format.unpack_superblock``'s model)
-    IDENTITY = ("num_layers", "num_kv_heads", "head_dim", "num_query_heads", "dtype",
-                "entry_bytes")
+    IDENTITY: ClassVar[tuple] = ("num_layers", "num_kv_heads", "head_dim", "num_query_heads",
+                                 "dtype", "entry_bytes")
 
     @classmethod
     def new(cls, *, name, num_layers, num_kv_heads, head_dim, num_query_heads,
@@ -104,33 +111,28 @@ class ModelIdentity:
         (``num_query_heads`` None: as many as KV heads).
 
         Raises:
-            ShapeError: an unknown dtype, a shape out of range, query heads
-                not a multiple of the KV heads, an entry over 1 GiB.
-            InvalidArgumentError: a name (``model_name``) that is not a string.
+            InvalidDtypeError: an unknown dtype.
+            InvalidIntegerError: a shape outside [1, 65536] or not an integer.
+            InvalidTypeError: a name (``model_name``) that is not a string.
+            ShapeError: query heads not a multiple of the KV heads, an entry
+                over 1 GiB.
         """
-        if not isinstance(dtype, str) or dtype not in F.DTYPES:
-            raise E.ShapeError(f"unsupported dtype {dtype!r}; use one of {sorted(F.DTYPES)}")
-        for what, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or \
-                    not 0 < v <= 1 << 16:
-                raise E.ShapeError(f"{what} must be a positive integer <= 65536, got {v!r}")
-        if num_query_heads is not None and (
-                isinstance(num_query_heads, bool) or
-                not isinstance(num_query_heads, (int, np.integer)) or
-                not 0 < num_query_heads <= 1 << 16 or num_query_heads % num_kv_heads):
+        dtype = V.parse_dtype(dtype, "dtype", F.DTYPES)
+        shape = {k: V.parse_int(v, k, 1, 1 << 16) for k, v in (
+            ("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim))}
+        hq = shape["num_kv_heads"] if num_query_heads is None else \
+            V.parse_int(num_query_heads, "num_query_heads", 1, 1 << 16)
+        if hq % shape["num_kv_heads"]:
             raise E.ShapeError(f"num_query_heads must be a positive multiple of "
                                f"num_kv_heads, got {num_query_heads!r}")
-        if 2 * int(num_kv_heads) * int(head_dim) * F.DTYPES[dtype] > 1 << 30:
+        entry_bytes = 2 * shape["num_kv_heads"] * shape["head_dim"] * F.DTYPES[dtype]
+        if entry_bytes > 1 << 30:
             raise E.ShapeError(f"an entry of 2 x {num_kv_heads} x {head_dim} {dtype} is over "
                                "1 GiB")
-        if name is not None and not isinstance(name, str):
-            raise E.InvalidArgumentError(f"model_name must be a string, got {name!r}")
-        itemsize = F.DTYPES[dtype]
-        return cls(name=name, num_layers=int(num_layers), num_kv_heads=int(num_kv_heads),
-                   head_dim=int(head_dim),
-                   num_query_heads=int(num_query_heads or num_kv_heads), dtype=dtype,
-                   entry_bytes=2 * int(num_kv_heads) * int(head_dim) * itemsize)
+        if name is not None:
+            V.parse_instance(name, "model_name", str)
+        return cls(name=name, num_query_heads=hq, dtype=dtype, entry_bytes=entry_bytes,
+                   **shape)
 
     def to_dict(self) -> dict:
         """The record as the manifest's JSON object (key order as written)."""
@@ -140,8 +142,7 @@ class ModelIdentity:
                 "entry_bytes": self.entry_bytes}
 
 
-@dataclasses.dataclass(frozen=True)
-class DiskRecord:
+class DiskRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One disk of the store.
 
     Attributes:
@@ -152,11 +153,11 @@ class DiskRecord:
         free: free ranges ``(offset, length, generation freed)`` (bytes),
             sorted, block aligned, not overlapping (generation 0: reusable).
     """
-    index: int
-    path: str
-    end: int
-    capacity: int
-    free: tuple = ()
+    index: Annotated[int, Meta(ge=0, le=255)]
+    path: _Path
+    end: Annotated[int, Meta(ge=F.DATA_START, le=1 << 62)]
+    capacity: _Bytes62
+    free: Annotated[tuple[_FreeRange, ...], Meta(max_length=1 << 20)] = ()
 
     def to_dict(self) -> dict:
         """The record as the manifest's JSON object (key order as written)."""
@@ -164,20 +165,18 @@ class DiskRecord:
                 "capacity": self.capacity, "free": [list(r) for r in self.free]}
 
 
-@dataclasses.dataclass(frozen=True)
-class IndexRecord:
+class IndexRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A layer's index file: name, XXH3-64 (16 hex digits) and size (bytes)."""
     file: str
-    xxh3: str
-    bytes: int
+    xxh3: _Hex16
+    bytes: Annotated[int, Meta(ge=1, le=F.MAX_INDEX_BYTES)]
 
     def to_dict(self) -> dict:
         """The record as the manifest's JSON object (key order as written)."""
         return {"file": self.file, "xxh3": self.xxh3, "bytes": self.bytes}
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerRecord:
+class LayerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One stored layer.
 
     Attributes:
@@ -187,17 +186,18 @@ class LayerRecord:
         hot_clusters: clusters marked hot (eq. 6).
         index: the layer's index file.
         generation: the commit that wrote the index file.
-        extra: the caller's JSON fields (``write_layer(extra=...)``).
+        extra: the caller's JSON fields (``write_layer(extra=...)``); not a
+            key of the JSON record but every key beyond the others.
     """
-    num_tokens: int
-    num_clusters: int
-    num_copies: int
-    replication: float
-    local_window: int
-    hot_clusters: int
+    num_tokens: _Count
+    num_clusters: _Count
+    num_copies: _Count
+    replication: int | float
+    local_window: _Tokens
+    hot_clusters: _Tokens
     index: IndexRecord
-    generation: int
-    extra: Mapping = dataclasses.field(default_factory=lambda: _EMPTY)
+    generation: Annotated[int, Meta(ge=1, le=_U63)]
+    extra: Mapping = msgspec.field(default_factory=lambda: _EMPTY)
 
     def to_dict(self) -> dict:
         """The record as the manifest's JSON object (key order as written)."""
@@ -208,8 +208,34 @@ class LayerRecord:
                 "generation": self.generation}
 
 
-@dataclasses.dataclass(frozen=True)
-class Manifest:
+#: keys of a layer record that swarmfs sets itself (the rest is the
+#: caller's ``extra``)
+LAYER_RECORD_KEYS = frozenset(LayerRecord.__struct_fields__) - {"extra"}
+
+
+class _Dram(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    local_window: _Tokens
+
+
+class _Document(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``manifest.json`` as format version 2 writes it (the layer records are
+    converted one by one: their keys are partly the caller's)."""
+    format: Literal["swarmfs"]
+    format_version: Literal[2]
+    uuid: _Hex32
+    generation: _Gen
+    model: ModelIdentity
+    block_size: Annotated[int, Meta(ge=512, le=F.SUPERBLOCK_SIZE)]
+    # the writer's placement takes p_global below 2^62 (_placement.start_disks)
+    p_global: Annotated[int, Meta(ge=0, le=(1 << 62) - 1)]
+    disks: Annotated[tuple[DiskRecord, ...], Meta(min_length=1, max_length=256)]
+    layers: dict[str, Any]
+    dram: _Dram
+    checksum: _Hex16
+    created: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     """The committed state of a store (format version 2).
 
     Attributes:
@@ -274,7 +300,7 @@ class Manifest:
 
     def sealed(self) -> "Manifest":
         """This manifest with its checksum computed (the format's rule)."""
-        return dataclasses.replace(self, checksum=F.manifest_checksum(self.to_dict()))
+        return msgspec.structs.replace(self, checksum=F.manifest_checksum(self.to_dict()))
 
     @property
     def checksum_u64(self) -> int:
@@ -300,155 +326,122 @@ class Manifest:
             store_dir: named in errors.
 
         Raises:
-            ManifestError: naming the first field that is wrong (and the
-                disk or layer it belongs to), or a key format version 2 does
-                not have (outside a layer record's caller fields).
+            ManifestError: naming ``manifest.json`` and the first field that
+                is wrong (and the disk or layer it belongs to), or a key format
+                version 2 does not have (outside a layer record's caller
+                fields).
         """
-        _check(m, store_dir)
-        model = m["model"]
-        ident = ModelIdentity(**{k: model[k] for k in ModelIdentity.IDENTITY},
-                              name=model.get("name"))
-        disks = tuple(DiskRecord(index=d["index"], path=d["path"], end=d["end"],
-                                 capacity=d["capacity"],
-                                 free=tuple(tuple(r) for r in d.get("free", [])))
-                      for d in m["disks"])
+        F.check_format(m, store_dir)
+        doc = _convert(m, _Document, store_dir)
+        _check_model(doc.model, store_dir)
+        if doc.block_size & (doc.block_size - 1):
+            _fail(f"block_size {doc.block_size} is not a power of two", store_dir)
+        for i, d in enumerate(doc.disks):
+            _check_disk(i, d, doc.block_size, doc.generation, store_dir)
         layers = {}
-        for k, rec in m["layers"].items():
-            idx = rec["index"]
-            layers[int(k)] = LayerRecord(
-                num_tokens=rec["num_tokens"], num_clusters=rec["num_clusters"],
-                num_copies=rec["num_copies"], replication=rec["replication"],
-                local_window=rec["local_window"], hot_clusters=rec["hot_clusters"],
-                index=IndexRecord(file=idx["file"], xxh3=idx["xxh3"], bytes=idx["bytes"]),
-                generation=rec["generation"],
-                extra=_frozen_extra(rec, LAYER_RECORD_KEYS))
-        return cls(uuid=m["uuid"], generation=m["generation"], created=m.get("created"),
-                   model=ident, block_size=m["block_size"], p_global=m["p_global"],
-                   disks=disks, layers=types.MappingProxyType(layers),
-                   local_window=m["dram"]["local_window"], checksum=m["checksum"])
+        for k, rec in doc.layers.items():
+            layer = _layer_key(k, doc.model.num_layers, store_dir)
+            layers[layer] = _load_layer(k, layer, rec, doc.generation, store_dir)
+        return cls(uuid=doc.uuid, generation=doc.generation,
+                   created=None if doc.created is msgspec.UNSET else doc.created,
+                   model=doc.model, block_size=doc.block_size, p_global=doc.p_global,
+                   disks=doc.disks, layers=types.MappingProxyType(layers),
+                   local_window=doc.dram.local_window, checksum=doc.checksum)
 
 
-def _frozen_extra(d: dict, known) -> Mapping:
-    extra = {k: v for k, v in d.items() if k not in known}
-    return types.MappingProxyType(extra) if extra else _EMPTY
+# -- what the schema cannot say: ManifestError naming manifest.json and the field ----
+
+def _fail(msg: str, store_dir, **where):
+    raise E.ManifestError(f"manifest.json: {msg}"[:300], store=store_dir, **where)
 
 
-def _check(m: dict, store_dir) -> None:
-    """The schema checks of :meth:`Manifest.load` (on the parsed JSON)."""
-    def fail(msg, **kw):
-        raise E.ManifestError(f"manifest.json: {msg}", store=store_dir, **kw)
+_AT = re.compile(r"(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?", re.S)
+_UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>.*)`", re.S)
+_DISK = re.compile(r"disks\[(\d+)\]")
 
-    def integer(x, what, lo=0, hi=_U63, **kw):
-        if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
-            fail(f"{what} must be an integer in [{lo}, {hi}], got {x!r}"[:300], **kw)
-        return x
 
-    def known(d: dict, keys, where: str, **kw):
-        for k in d:
-            if k not in keys:
-                fail(f"unknown field {where + k!r}: format version {F.FORMAT_VERSION} has "
-                     f"no such field"[:300], **kw)
+def _convert(obj, typ, store_dir, prefix: str = "", **where):
+    """``msgspec.convert(obj, typ)`` (strict), its ValidationError as a
+    ManifestError naming the field (``prefix`` + msgspec's path)."""
+    try:
+        return msgspec.convert(obj, typ, strict=True)
+    except msgspec.ValidationError as exc:
+        at = _AT.fullmatch(str(exc))
+        field = (prefix + (at["path"] or "")).lstrip(".")
+        disk = _DISK.match(field)
+        if disk and "disk" not in where:
+            where["disk"] = int(disk.group(1))
+        unknown = _UNKNOWN.fullmatch(at["msg"])
+        if unknown:
+            name = f"{field}.{unknown['key']}" if field else unknown["key"]
+            _fail(f"unknown field {name!r}: format version {F.FORMAT_VERSION} has no such "
+                  "field", store_dir, **where)
+        _fail(f"{field or 'the manifest'}: {at['msg']}", store_dir, **where)
 
-    F.check_format(m, store_dir)
-    known(m, _TOP_KEYS, "")
-    if not isinstance(m.get("uuid"), str) or not _HEX32.fullmatch(m["uuid"]):
-        fail("uuid must be 32 hex digits")
-    if not isinstance(m.get("checksum"), str) or not _HEX16.fullmatch(m["checksum"]):
-        fail("checksum must be 16 hex digits")
-    if "created" in m and not isinstance(m["created"], str):
-        fail("created must be a string (ISO 8601 time)")
-    model = m.get("model")
-    if not isinstance(model, dict):
-        fail("model is missing")
-    known(model, _MODEL_KEYS, "model.")
-    for k in ("num_layers", "num_kv_heads", "head_dim", "num_query_heads"):
-        integer(model.get(k), f"model.{k}", 1, 1 << 16)
-    integer(model.get("entry_bytes"), "model.entry_bytes", 1, 1 << 30)
-    if not isinstance(model.get("dtype"), str) or model["dtype"] not in F.DTYPES:
-        fail(f"model.dtype {model.get('dtype')!r} is not one of {sorted(F.DTYPES)}"[:300])
-    if model.get("name") is not None and not isinstance(model["name"], str):
-        fail("model.name must be a string or null")
-    if model["num_query_heads"] % model["num_kv_heads"]:
-        fail("model.num_query_heads is not a multiple of num_kv_heads")
-    if model["entry_bytes"] != 2 * model["num_kv_heads"] * model["head_dim"] * \
-            F.DTYPES[model["dtype"]]:
-        fail("model.entry_bytes does not match 2 x num_kv_heads x head_dim x itemsize")
-    bs = integer(m.get("block_size"), "block_size", 512, F.SUPERBLOCK_SIZE)
-    if bs & (bs - 1):
-        fail(f"block_size {bs} is not a power of two")
-    gen = integer(m.get("generation"), "generation")
-    # the writer's placement takes p_global below 2^62 (_placement.start_disks)
-    integer(m.get("p_global"), "p_global", 0, (1 << 62) - 1)
-    dram = m.get("dram")
-    if not isinstance(dram, dict):
-        fail("dram must be an object")
-    known(dram, _DRAM_KEYS, "dram.")
-    integer(dram.get("local_window"), "dram.local_window", 0, _I31)
-    disks = m.get("disks")
-    if not isinstance(disks, list) or not 1 <= len(disks) <= 256:
-        fail("disks must be a list of 1 to 256 disks")
-    for i, d in enumerate(disks):
-        if not isinstance(d, dict) or not isinstance(d.get("path"), str) or not d["path"] \
-                or "\0" in d["path"] or len(d["path"]) > 4096:
-            fail("disk record has no valid path", disk=i)
-        known(d, _DISK_KEYS, f"disks[{i}].", disk=i)
-        if d.get("index") != i or isinstance(d.get("index"), bool):
-            fail(f"disks[{i}].index must be {i}", disk=i)
-        end = integer(d.get("end"), f"disks[{i}].end", F.DATA_START, 1 << 62, disk=i)
-        if end % bs:
-            fail(f"disks[{i}].end is not block aligned", disk=i)
-        cap = integer(d.get("capacity"), f"disks[{i}].capacity", 0, 1 << 62, disk=i)
-        if cap and cap < end:
-            fail(f"disks[{i}].end is beyond its capacity", disk=i)
-        free = d.get("free", [])
-        if not isinstance(free, list) or len(free) > 1 << 20:
-            fail(f"disks[{i}].free must be a list", disk=i)
-        prev = F.DATA_START
-        for r in free:
-            if not isinstance(r, list) or len(r) != 3:
-                fail(f"disks[{i}].free holds a malformed range", disk=i)
-            off = integer(r[0], f"disks[{i}].free offset", F.DATA_START, end, disk=i)
-            ln = integer(r[1], f"disks[{i}].free length", 1, end - off, disk=i)
-            integer(r[2], f"disks[{i}].free generation", 0, gen, disk=i)
-            if off % bs or ln % bs or off < prev:
-                fail(f"disks[{i}].free ranges are unaligned, unsorted or overlap",
-                     disk=i)
-            prev = off + ln
-    layers = m.get("layers")
-    if not isinstance(layers, dict):
-        fail("layers must be an object")
-    for k, rec in layers.items():
-        if not _LAYER_KEY.fullmatch(k) or not int(k) < model["num_layers"]:
-            fail(f"layer key {k!r} is not a layer of the model"[:300])
-        layer = int(k)
-        if not isinstance(rec, dict) or not isinstance(rec.get("index"), dict):
-            fail("layer record has no index", layer=layer)
-        S = integer(rec.get("num_tokens"), f"layers[{k}].num_tokens", 1, _I31, layer=layer)
-        C = integer(rec.get("num_clusters"), f"layers[{k}].num_clusters", 1, _I31,
-                    layer=layer)
-        M = integer(rec.get("num_copies"), f"layers[{k}].num_copies", 1, _I31, layer=layer)
-        integer(rec.get("local_window"), f"layers[{k}].local_window", 0, _I31, layer=layer)
-        integer(rec.get("hot_clusters"), f"layers[{k}].hot_clusters", 0, C, layer=layer)
-        lgen = integer(rec.get("generation"), f"layers[{k}].generation", 1, gen, layer=layer)
-        if M < S or M < C:
-            fail(f"layers[{k}] has fewer copies than tokens or clusters", layer=layer)
-        r = rec.get("replication")
-        # "not <=": NaN (which Python's JSON parser accepts) compares false
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or \
-                not abs(r - round(M / S, 6)) <= 1e-5:
-            fail(f"layers[{k}].replication does not match num_copies / num_tokens",
-                 layer=layer)
-        idx = rec["index"]
-        known(idx, _INDEX_KEYS, f"layers[{k}].index.", layer=layer)
-        name = idx.get("file")
-        mm = F.INDEX_NAME_RE.fullmatch(name) if isinstance(name, str) else None
-        if mm is None or int(mm.group(1)) != layer or int(mm.group(2)) != lgen:
-            fail(f"layers[{k}].index.file is not layer-{layer:03d}.g{lgen:08d}.safetensors",
-                 layer=layer)
-        if not isinstance(idx.get("xxh3"), str) or not _HEX16.fullmatch(idx["xxh3"]):
-            fail(f"layers[{k}].index.xxh3 must be 16 hex digits", layer=layer)
-        integer(idx.get("bytes"), f"layers[{k}].index.bytes", 1, F.MAX_INDEX_BYTES,
-                layer=layer)
+
+def _check_model(model: ModelIdentity, store_dir) -> None:
+    if model.num_query_heads % model.num_kv_heads:
+        _fail("model.num_query_heads is not a multiple of num_kv_heads", store_dir)
+    if model.entry_bytes != 2 * model.num_kv_heads * model.head_dim * F.DTYPES[model.dtype]:
+        _fail("model.entry_bytes does not match 2 x num_kv_heads x head_dim x itemsize",
+              store_dir)
+
+
+def _check_disk(i: int, d: DiskRecord, bs: int, gen: int, store_dir) -> None:
+    """A disk record against its position, the block size and the
+    manifest's generation: aligned end within the capacity, free ranges
+    sorted, aligned, disjoint, inside [DATA_START, end), freed no later
+    than now."""
+    if d.index != i:
+        _fail(f"disks[{i}].index must be {i}", store_dir, disk=i)
+    if d.end % bs:
+        _fail(f"disks[{i}].end is not block aligned", store_dir, disk=i)
+    if d.capacity and d.capacity < d.end:
+        _fail(f"disks[{i}].end is beyond its capacity", store_dir, disk=i)
+    prev = F.DATA_START
+    for j, (off, ln, g) in enumerate(d.free):
+        if not F.DATA_START <= off <= d.end or not 1 <= ln <= d.end - off:
+            _fail(f"disks[{i}].free[{j}] lies outside the disk's allocated space",
+                  store_dir, disk=i)
+        if g > gen:
+            _fail(f"disks[{i}].free[{j}] was freed after generation {gen}", store_dir, disk=i)
+        if off % bs or ln % bs or off < prev:
+            _fail(f"disks[{i}].free ranges are unaligned, unsorted or overlap", store_dir,
+                  disk=i)
+        prev = off + ln
+
+
+def _layer_key(k: str, num_layers: int, store_dir) -> int:
+    if not _LAYER_KEY.fullmatch(k) or not int(k) < num_layers:
+        _fail(f"layer key {k!r} is not a layer of the model", store_dir)
+    return int(k)
+
+
+def _load_layer(k: str, layer: int, rec, gen: int, store_dir) -> LayerRecord:
+    """A layer record: swarmfs's keys converted and cross-checked, the rest
+    kept verbatim as the caller's ``extra``."""
+    if not isinstance(rec, dict):
+        _fail(f"layers[{k}] must be an object", store_dir, layer=layer)
+    own = {key: v for key, v in rec.items() if key in LAYER_RECORD_KEYS}
+    r = _convert(own, LayerRecord, store_dir, f"layers[{k}]", layer=layer)
+    S, C, M = r.num_tokens, r.num_clusters, r.num_copies
+    if r.hot_clusters > C:
+        _fail(f"layers[{k}].hot_clusters is more than its {C} clusters", store_dir,
+              layer=layer)
+    if r.generation > gen:
+        _fail(f"layers[{k}].generation is after the manifest's {gen}", store_dir, layer=layer)
+    if M < S or M < C:
+        _fail(f"layers[{k}] has fewer copies than tokens or clusters", store_dir, layer=layer)
+    # "not <=": NaN (which Python's JSON parser accepts) compares false
+    if not abs(r.replication - round(M / S, 6)) <= 1e-5:
+        _fail(f"layers[{k}].replication does not match num_copies / num_tokens", store_dir,
+              layer=layer)
+    mm = F.INDEX_NAME_RE.fullmatch(r.index.file)
+    if mm is None or int(mm.group(1)) != layer or int(mm.group(2)) != r.generation:
+        _fail(f"layers[{k}].index.file is not layer-{layer:03d}.g{r.generation:08d}"
+              ".safetensors", store_dir, layer=layer)
+    extra = {key: v for key, v in rec.items() if key not in LAYER_RECORD_KEYS}
+    return msgspec.structs.replace(r, extra=types.MappingProxyType(extra)) if extra else r
 
 
 def read_manifest(store_dir) -> Manifest:
@@ -470,4 +463,4 @@ def write_manifest(store_dir: str, m: Manifest) -> Manifest:
     """Atomically replace ``STORE/manifest.json`` with ``m`` (sealed with its
     checksum); returns the manifest as written."""
     d = F.write_manifest(store_dir, m.to_dict())
-    return dataclasses.replace(m, checksum=d["checksum"])
+    return msgspec.structs.replace(m, checksum=d["checksum"])

@@ -17,13 +17,13 @@ into the Store's private state.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import json
 import os
 import types
 import warnings
 
+import msgspec
 import numpy as np
 
 from .. import _errors as E
@@ -163,7 +163,7 @@ def _end_free(rec) -> tuple[int, list]:
 def _with_end_free(rec, end: int, free: list):
     if isinstance(rec, dict):
         return {**rec, "end": end, "free": free}
-    return dataclasses.replace(rec, end=end, free=tuple(tuple(r) for r in free))
+    return msgspec.structs.replace(rec, end=end, free=tuple(tuple(r) for r in free))
 
 WRITE_CHUNK = 64 << 20      # bytes of staged layer data per write batch
 WRITE_REQUEST = 1 << 20     # bytes per write request
@@ -598,9 +598,9 @@ class Transaction:
             index=_index_record(rec), generation=gen,
             extra=types.MappingProxyType({**(old.extra if old is not None else {}),
                                           **(extra or {})}))
-        new = dataclasses.replace(m, generation=gen, p_global=int(p_global),
-                                  disks=tuple(self.disks),
-                                  layers=types.MappingProxyType(layers))
+        new = msgspec.structs.replace(m, generation=gen, p_global=int(p_global),
+                                      disks=tuple(self.disks),
+                                      layers=types.MappingProxyType(layers))
         keep = {r.index.file for r in new.layers.values()}
         if old is not None:
             keep.add(old.index.file)   # readers of the previous generation
