@@ -144,12 +144,28 @@ class LayerIndex:
             self._fail("medoid_keys rows are not half an entry (K) wide")
         if C and (self.medoid.min() < 0 or self.medoid.max() >= S):
             self._fail("a medoid token is outside [0, num_tokens)")
+        if C:
+            self._check_medoids()
         if self.hot.size and self.hot.max() > 1:
             self._fail("hot holds values other than 0/1")
         if not np.isfinite(self.freq).all() or (self.freq.size and self.freq.min() < 0):
             self._fail("freq holds negative or non-finite values")
         if self._disk_end is not None and C:
             self._check_extents()
+
+    def _check_medoids(self) -> None:
+        """Each cluster's medoid is one of its own members (SWARM §5.1: the
+        medoid represents its cluster in the DRAM index; one outside it would
+        select the cluster for another token's score)."""
+        p = self.members_ptr
+        own = np.repeat(self.medoid.astype(np.int64, copy=False), np.diff(p))
+        found = np.logical_or.reduceat(self.members == own, p[:-1])
+        if not found.all():
+            c = int(np.flatnonzero(~found)[0])
+            raise errors.ManifestError(f"inconsistent index: the medoid of cluster {c} (token "
+                                       f"{int(self.medoid[c])}) is not a member of the "
+                                       "cluster", store=self.store, layer=self.layer,
+                                       cluster=c)
 
     def _check_extents(self) -> None:
         """Every extent inside its disk's allocated space, outside free space,
