@@ -37,6 +37,8 @@ class LayoutParams:
             the layout default).
         max_queries: profiled queries per layer (a deterministic sample;
             None: the profile's default).
+        max_cluster_size: cap on entries per cluster, >= 1 (None: the
+            layout default, 64).
         local_window: W, tokens kept in DRAM (§5.2), >= 0.
         hot_fraction: DRAM budget for hot clusters, as a fraction in [0, 1]
             of the layer's KV bytes (eq. 6 chooses which clusters fill it).
@@ -54,6 +56,7 @@ class LayoutParams:
     tau: float | None = None
     metric: str | None = None
     max_queries: int | None = None
+    max_cluster_size: int | None = None
     local_window: int = defaults.LOCAL_WINDOW
     hot_fraction: float = defaults.HOT_FRACTION
     t_base_us: float = defaults.T_BASE_US
@@ -67,6 +70,8 @@ class LayoutParams:
             parse_choice(self.metric, "metric", METRICS)
         if self.max_queries is not None:
             parse_positive_int(self.max_queries, "max_queries")
+        if self.max_cluster_size is not None:
+            parse_positive_int(self.max_cluster_size, "max_cluster_size")
         parse_nonneg_int(self.local_window, "local_window")
         parse_fraction(self.hot_fraction, "hot_fraction")
         parse_number(self.t_base_us, "t_base_us", 0, unit="µs")
@@ -112,6 +117,8 @@ def lay_out_layer(q, k, *, params: LayoutParams = LayoutParams(), scaling: float
         ckw["tau"] = params.tau
     if params.metric is not None:
         ckw["metric"] = params.metric
+    if params.max_cluster_size is not None:
+        ckw["max_cluster_size"] = params.max_cluster_size
     cl = cluster(prof, keys=k, **ckw)
     S = int(np.shape(k)[1])
     budget = int(params.hot_fraction * S * entry_bytes)

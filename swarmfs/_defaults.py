@@ -7,7 +7,8 @@ README's "Python API" and the CLI's ``--help`` show the same values.
 from __future__ import annotations
 
 __all__ = ["RATIO", "LOCAL_WINDOW", "T_BASE_US", "T_TRANSFER_US", "SSD_GBPS", "HOT_FRACTION",
-           "ONLINE_TAU", "MAX_JOINS", "NEW_CLUSTER_SIZE", "FLUSH_BATCH", "DECODER_TAU"]
+           "ONLINE_TAU", "MAX_JOINS", "NEW_CLUSTER_SIZE", "FLUSH_BATCH", "DECODER_TAU",
+           "DECODER_MAX_CLUSTER_SIZE"]
 
 #: Sparsity ratio r: the fraction of a context's entries a query may use
 #: (the entry budget is ceil(r x S)); SWARM §8.1 evaluates at 0.10.
@@ -34,6 +35,10 @@ HOT_FRACTION = 0.02
 #: clusters cost recall (8K held-out tokens, r = 0.1: recall 0.90 / 0.89 at
 #: 0.6 against 0.98 / 0.97 at 0.3 on Python / prose; docs/benchmarks.md §10).
 DECODER_TAU = 0.3
+#: Cap on entries per cluster for a decoder's prompt (``SwarmCache`` when its
+#: ``layout`` gives none); with DECODER_TAU it sets the operating point
+#: (issue 23: entries per cluster, DRAM index size, read size).
+DECODER_MAX_CLUSTER_SIZE = 64
 #: Eq. 9 radius of the online maintenance (§6.2): a new entry joins clusters
 #: co-activated in more than (1 - tau) of the W steps it is observed.
 ONLINE_TAU = 0.5
