@@ -521,7 +521,8 @@ def test_streaming_gathers_plans_and_selections_from_many_threads(rng):
     plan and select 10 times; every result equals
     the single-threaded one."""
     from swarmfs import plan_reads
-    from swarmfs.store._kernels import empty_aligned, gather_kv, gather_kv_mode, pack_medoids_i8, select_i8
+    from swarmfs.store._kernels import (empty_aligned, gather_kv, gather_kv_mode, kernel_path,
+                                         pack_medoids_i8, select_i8)
     H, d, n = 8, 128, 4200                                  # 4 KiB entries: 17 MB per call
     rows = rng.standard_normal((n, 2, H, d)).astype(np.float16)
     buf = rows.reshape(-1).view(np.uint8)
