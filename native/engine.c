@@ -33,8 +33,8 @@
  * se_get_counters never waits for I/O.
  *
  * Per-thread rings and fixed-buffer registration are in rings.c; the data
- * kernels (gather/scatter, checksums, bucket assignment, medoid scoring) are
- * in kernels.c.
+ * kernels (gather/scatter, checksums, scoring, selection, the planner,
+ * assembly) are in one file per job, listed in kernels_int.h.
  */
 #include "engine_int.h"
 

@@ -193,7 +193,7 @@ int se_head_logits(const uint16_t *m, int64_t rows, int64_t num_kv_heads, int64_
  * AVX-512.  Returns 0 or -EINVAL. */
 int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *out);
 
-/* Two-level int8 selection (kernels.c documents the layout): per KV head the
+/* Two-level int8 selection (select.c documents the layout): per KV head the
  * G heads' logits against K group centroids, the best ngroups groups' medoids
  * scored exactly, the others through their centroid; scores [C] written;
  * with ptr NULL only the scores, else the choice of se_choose_clusters.

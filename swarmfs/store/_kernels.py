@@ -1,9 +1,10 @@
-"""Native data kernels (``native/kernels.c``): gather/scatter of entry rows,
-XXH3-64 checksums, the §6.1 entry-bucket assignment, the medoid-scoring
-kernels (fp16/bf16 GEMV, per-head logits, softmax sums) and the cluster choice,
-alone or fused with the scoring.  The scoring kernels have AVX-512, AVX2 + FMA +
-F16C, NEON (aarch64) and scalar paths, chosen at run time from the CPU's
-features; :func:`set_kernel_path` (or ``SWARMFS_KERNEL_PATH``) forces one.
+"""Native data kernels (``native/``: data.c, scoring.c, index_i8.c, select.c,
+gather.c): gather/scatter of entry rows, XXH3-64 checksums, the §6.1
+entry-bucket assignment, the medoid-scoring kernels (fp16/bf16 GEMV,
+per-head logits, softmax sums) and the cluster choice, alone or fused with
+the scoring.  The scoring kernels have AVX-512, AVX2 + FMA + F16C, NEON
+(aarch64) and scalar paths, chosen at run time from the CPU's features;
+:func:`set_kernel_path` (or ``SWARMFS_KERNEL_PATH``) forces one.
 
 Each wrapper checks its arguments before C touches memory and raises only
 :class:`~swarmfs.InvalidArgumentError` for bad ones.
