@@ -62,11 +62,13 @@ static void quant_query(const float *q, int64_t Hq, int64_t d, int8_t *q8, float
     }
 }
 
-static void i8_logits_scalar(const int8_t *P, const float *sm, int64_t C, int64_t H,
-                             int64_t d, const int8_t *q8, const float *sq, int64_t Hq,
+static void i8_logits_scalar(const se_i8_index *ix, int64_t H, const i8_query *t,
                              int64_t g0, int64_t g1, float *lg, int64_t ldc)
 {
-    int64_t G = Hq / H, nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
+    const int8_t *P = ix->data, *q8 = t->q8;
+    const float *sm = ix->scales, *sq = t->sq;
+    int64_t C = ix->rows, d = t->d, Hq = t->Hq, G = Hq / H;
+    int64_t nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
     for (int64_t g = g0; g < g1; g++)
         for (int64_t r = 0; r < C; r++) {
             const int8_t *p = P + (g * nblk + r / 16) * D4 * 64 + (r % 16) * 4;
@@ -95,11 +97,15 @@ static void query_words(const int8_t *q8, int64_t Hq, int64_t d, int bias, uint3
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void i8_logits_vnni(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
-                           int64_t H, int64_t d, const uint32_t *qw, const float *sq,
-                           int64_t Hq, int64_t g0, int64_t g1, float *lg, int64_t ldc)
+static void i8_logits_vnni(const se_i8_index *ix, int64_t H, const i8_query *t,
+                           int64_t g0, int64_t g1, float *lg, int64_t ldc)
 {
-    int64_t G = Hq / H, nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
+    const int8_t *P = ix->data;
+    const float *sm = ix->scales, *sq = t->sq;
+    const int32_t *ms = ix->sums;
+    const uint32_t *qw = t->qw;
+    int64_t C = ix->rows, d = t->d, G = t->Hq / H;
+    int64_t nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
     if (G == 1) {
         /* one query head per KV head (no GQA): one accumulator per block would
          * make each block a chain of dependent vpdpbusd (latency-bound), so
@@ -175,11 +181,14 @@ static void i8_logits_vnni(const int8_t *P, const float *sm, const int32_t *ms, 
 /* AVX2: |q| (unsigned) times sign(m, q) with vpmaddubsw (pairs <= 2 * 127^2,
  * no saturation), pairs summed by vpmaddwd. */
 __attribute__((target("avx2")))
-static void i8_logits_avx2(const int8_t *P, const float *sm, int64_t C, int64_t H, int64_t d,
-                           const uint32_t *qw, const float *sq, int64_t Hq, int64_t g0,
-                           int64_t g1, float *lg, int64_t ldc)
+static void i8_logits_avx2(const se_i8_index *ix, int64_t H, const i8_query *t,
+                           int64_t g0, int64_t g1, float *lg, int64_t ldc)
 {
-    int64_t G = Hq / H, nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
+    const int8_t *P = ix->data;
+    const uint32_t *qw = t->qw;
+    const float *sm = ix->scales, *sq = t->sq;
+    int64_t C = ix->rows, d = t->d, G = t->Hq / H;
+    int64_t nblk = (C + 15) / 16, Cp = nblk * 16, D4 = d / 4;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = g0; g < g1; g++)
         for (int64_t h0 = 0; h0 < G; h0 += 8) {
@@ -234,6 +243,8 @@ void i8_query_free(i8_query *t)
 
 int i8_query_make(int path, const float *q, int64_t Hq, int64_t d, i8_query *t)
 {
+    t->Hq = Hq;
+    t->d = d;
     t->q8 = malloc((size_t)(Hq * d));
     t->sq = malloc(sizeof(float) * (size_t)Hq);
     t->qw = malloc(sizeof(uint32_t) * (size_t)(Hq * (d / 4)));
@@ -253,35 +264,37 @@ int i8_query_make(int path, const float *q, int64_t Hq, int64_t d, i8_query *t)
 /* Logits of the query heads of KV heads [g0, g1) against the int8 index:
  * lg [(g1 - g0) * Hq / H rows of stride ldc >= C], on the given path (AVX-512:
  * VNNI where the CPU has it, else the AVX2 kernel). */
-void i8_logits(int path, const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
-               int64_t H, int64_t d, const i8_query *t, int64_t Hq, int64_t g0,
-                      int64_t g1, float *lg, int64_t ldc)
+void i8_logits(int path, const se_i8_index *ix, int64_t H, const i8_query *t, int64_t g0,
+               int64_t g1, float *lg, int64_t ldc)
 {
 #if SE_X86
     if (path == SE_PATH_AVX512 && have_vnni()) {
-        i8_logits_vnni(P, sm, ms, C, H, d, t->qw, t->sq, Hq, g0, g1, lg, ldc);
+        i8_logits_vnni(ix, H, t, g0, g1, lg, ldc);
         return;
     }
     if (path == SE_PATH_AVX512 || path == SE_PATH_AVX2) {
-        i8_logits_avx2(P, sm, C, H, d, t->qw, t->sq, Hq, g0, g1, lg, ldc);
+        i8_logits_avx2(ix, H, t, g0, g1, lg, ldc);
         return;
     }
 #endif
-    (void)ms;
-    i8_logits_scalar(P, sm, C, H, d, t->q8, t->sq, Hq, g0, g1, lg, ldc);
+    i8_logits_scalar(ix, H, t, g0, g1, lg, ldc);
 }
 
-int se_head_logits_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
-                      int64_t H, int64_t d, const float *q, int64_t Hq, float *lg)
+int i8_args_bad(const se_i8_index *ix, const se_query *q)
 {
-    if (!P || !sm || !ms || !q || !lg || C < 0 || H <= 0 || d <= 0 || d % 4 || Hq <= 0 ||
-        Hq % H)
+    return !ix || !q || !ix->data || !ix->scales || !ix->sums || !q->q || ix->rows < 0 ||
+           q->H <= 0 || q->d <= 0 || q->d % 4 || q->Hq <= 0 || q->Hq % q->H;
+}
+
+int se_head_logits_i8(const se_i8_index *ix, const se_query *q, float *lg)
+{
+    if (i8_args_bad(ix, q) || !lg)
         return -EINVAL;
     int path = se_kernel_path();
     i8_query t;
-    if (i8_query_make(path, q, Hq, d, &t) < 0)
+    if (i8_query_make(path, q->q, q->Hq, q->d, &t) < 0)
         return -ENOMEM;
-    i8_logits(path, P, sm, ms, C, H, d, &t, Hq, 0, H, lg, C);
+    i8_logits(path, ix, q->H, &t, 0, q->H, lg, ix->rows);
     i8_query_free(&t);
     return 0;
 }

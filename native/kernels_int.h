@@ -85,11 +85,20 @@ static inline char *scratch_get(struct scratch *sc, size_t need)
     return sc->buf;
 }
 
+/* data.c */
+/* Stable LSD radix sort of 64-bit values by their bits [32, 32 + nbits)
+ * (nbits <= 32; the low 32 bits ride along); n < 2**32.  Returns the buffer
+ * that holds the result (a or tmp). */
+uint64_t *radix_sort_hi32(uint64_t *a, uint64_t *tmp, int64_t n, int nbits);
+
 /* scoring.c */
 /* softmax_sum on a writable x, one exp per element, adding into out (init:
  * the first head overwrites it). */
 void softmax_acc(int path, float *x, int64_t nh, int64_t n, float scale, float *out,
                  int init);
+/* se_select_fused's scores: work [C * (Hq + 1)], the scores in its first C.
+ * 0 or -ENOMEM. */
+int half_scores(int path, const se_half_index *ix, const se_query *q, int score, float *work);
 
 /* index_i8.c */
 /* The quantised query of i8_logits: q8 [Hq, d], sq [Hq], qw [Hq, d/4]. */
@@ -97,14 +106,17 @@ typedef struct {
     int8_t *q8;
     float *sq;
     uint32_t *qw;
+    int64_t Hq, d;
 } i8_query;
 
 void i8_query_free(i8_query *t);
 /* q [Hq, d] quantised per head (and as words for the vector paths). */
 int i8_query_make(int path, const float *q, int64_t Hq, int64_t d, i8_query *t);
-/* Logits of the query heads of KV heads [g0, g1) against the int8 index. */
-void i8_logits(int path, const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
-               int64_t H, int64_t d, const i8_query *t, int64_t Hq, int64_t g0,
+/* Logits of the query heads of t (Hq / H per KV head) of KV heads [g0, g1)
+ * against ix (H KV heads): lg [(g1 - g0) * Hq / H rows of stride ldc]. */
+void i8_logits(int path, const se_i8_index *ix, int64_t H, const i8_query *t, int64_t g0,
                int64_t g1, float *lg, int64_t ldc);
+/* Nonzero when an int8 index and a query cannot go together (-EINVAL). */
+int i8_args_bad(const se_i8_index *ix, const se_query *q);
 
 #endif

@@ -44,44 +44,6 @@ static inline int bit_length(uint64_t x)
     return x ? 64 - __builtin_clzll(x) : 0;
 }
 
-/* Stable LSD radix sort of 64-bit values by their bits [32, 32 + nbits)
- * (nbits <= 32; the low 32 bits ride along), in as few equal digits of at
- * most 11 bits as cover nbits, all digit histograms counted in one pass and
- * digits equal in every value skipped.  n < 2**32.  Returns the buffer that
- * holds the result (a or tmp). */
-static uint64_t *radix_sort_hi32(uint64_t *a, uint64_t *tmp, int64_t n, int nbits)
-{
-    if (n < 2 || nbits <= 0)
-        return a;
-    int p = (nbits + 10) / 11, w = (nbits + p - 1) / p;
-    uint32_t mask = (1u << w) - 1;
-    uint32_t cnt[3][2048];
-    memset(cnt, 0, sizeof(cnt[0]) * (size_t)p);
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t v = (uint32_t)(a[i] >> 32);
-        for (int k = 0; k < p; k++)
-            cnt[k][(v >> (k * w)) & mask]++;
-    }
-    for (int k = 0; k < p; k++) {
-        int sh = 32 + k * w;
-        uint32_t *c = cnt[k];
-        if (c[(a[0] >> sh) & mask] == (uint32_t)n)
-            continue;
-        uint32_t sum = 0;
-        for (uint32_t b = 0; b <= mask; b++) {
-            uint32_t x = c[b];
-            c[b] = sum;
-            sum += x;
-        }
-        for (int64_t i = 0; i < n; i++)
-            tmp[c[(a[i] >> sh) & mask]++] = a[i];
-        uint64_t *t = a;
-        a = tmp;
-        tmp = t;
-    }
-    return a;
-}
-
 /* The coalescing state (coalesce_add) and an entry's place in its request. */
 typedef struct {
     uint64_t E, reach, chunk, bmask;      /* reach: E + max_gap; chunk: max_request */

@@ -1,8 +1,9 @@
 /*
  * swarmfs medoid scoring (SWARM 5.2): fp16/bf16 GEMV and per-head logits
  * (AVX-512 / AVX2+F16C / NEON with a scalar fallback, chosen at run time),
- * the packed index of the "prob" score, vectorised softmax sums, and
- * se_select_fused (scoring, then the cluster choice of select.c).
+ * the packed index of the "prob" score, vectorised softmax sums, the
+ * scores of se_select_fused (half_scores), and the run-time choice of
+ * kernel path.
  */
 #include "kernels_int.h"
 
@@ -690,55 +691,59 @@ int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *ou
     return 0;
 }
 
-int64_t se_select_fused(const uint16_t *m, const uint16_t *packed, int64_t C, int64_t H,
-                        int64_t d, int kind, const float *q, int64_t Hq, float scale, int score,
-                        const int64_t *ptr, const int32_t *members, int64_t S,
-                        int64_t budget, int64_t w, float *work, int64_t *out,
-                        int64_t *entries)
+/* The "logit" score: the GQA-summed, scaled query [H * d] against each row. */
+static int logit_scores(int path, const se_half_index *ix, const se_query *q, float *sc)
 {
-    if (!m || !q || !work || C < 0 || H <= 0 || d <= 0 || Hq <= 0 || Hq % H ||
-        (kind != 1 && kind != 2) || !(scale > 0) || (score != 0 && score != 1))
-        return -EINVAL;
-    int path = se_kernel_path();
-    float *sc = work;                         /* [C] scores */
-    if (C > 0) {
-        if (score == 1) {
-            /* logit: GQA-summed, scaled query [H * d] against each row */
-            float *qg = malloc(sizeof(float) * (size_t)(H * d));
-            if (!qg)
-                return -ENOMEM;
-            int64_t G = Hq / H;
-            for (int64_t g = 0; g < H; g++)
-                for (int64_t j = 0; j < d; j++) {
-                    float s = 0.f;
-                    for (int64_t i = 0; i < G; i++)
-                        s += q[(g * G + i) * d + j];
-                    qg[g * d + j] = s * scale;
-                }
-            gemv_dispatch(path, m, C, H * d, H * d, kind, qg, 1, sc);
-            free(qg);
-        } else {
-            /* prob: per-head logits [Hq, C] in work + C, softmax-summed over heads */
-            float *lg = work + C;
-            int rc = 0;
-#if SE_X86
-            if (packed && path == SE_PATH_AVX512)
-                packed_logits_avx512(packed, C, H, d, kind, q, Hq, lg);
-            else if (packed && path == SE_PATH_AVX2)
-                packed_logits_avx2(packed, C, H, d, kind, q, Hq, lg);
-            else if (path == SE_PATH_AVX512)
-                rc = head_logits_avx512(m, C, H, d, kind, q, 1, Hq, lg);
-            else if (path == SE_PATH_AVX2)
-                rc = head_logits_avx2(m, C, H, d, kind, q, 1, Hq, lg);
-            else
-#endif
-                rc = head_logits_by_gemv(path, m, C, H, d, kind, q, 1, Hq, lg);
-            if (rc < 0)
-                return rc;
-            softmax_sum_dispatch(path, lg, Hq, C, scale, sc);
+    int64_t H = q->H, d = q->d, G = q->Hq / H;
+    float *qg = malloc(sizeof(float) * (size_t)(H * d));
+    if (!qg)
+        return -ENOMEM;
+    for (int64_t g = 0; g < H; g++)
+        for (int64_t j = 0; j < d; j++) {
+            float s = 0.f;
+            for (int64_t i = 0; i < G; i++)
+                s += q->q[(g * G + i) * d + j];
+            qg[g * d + j] = s * q->scale;
         }
-    }
-    return se_choose_clusters(sc, C, ptr, members, S, budget, w, out, entries);
+    gemv_dispatch(path, ix->m, ix->C, H * d, H * d, ix->kind, qg, 1, sc);
+    free(qg);
+    return 0;
+}
+
+/* The "prob" score: per-head logits [Hq, C] in lg, softmax-summed over heads
+ * into sc. */
+static int prob_scores(int path, const se_half_index *ix, const se_query *q, float *sc,
+                       float *lg)
+{
+    const uint16_t *m = ix->m, *packed = ix->packed;
+    int64_t C = ix->C, H = q->H, d = q->d, Hq = q->Hq;
+    int kind = ix->kind, rc = 0;
+#if SE_X86
+    if (packed && path == SE_PATH_AVX512)
+        packed_logits_avx512(packed, C, H, d, kind, q->q, Hq, lg);
+    else if (packed && path == SE_PATH_AVX2)
+        packed_logits_avx2(packed, C, H, d, kind, q->q, Hq, lg);
+    else if (path == SE_PATH_AVX512)
+        rc = head_logits_avx512(m, C, H, d, kind, q->q, 1, Hq, lg);
+    else if (path == SE_PATH_AVX2)
+        rc = head_logits_avx2(m, C, H, d, kind, q->q, 1, Hq, lg);
+    else
+#endif
+        rc = head_logits_by_gemv(path, m, C, H, d, kind, q->q, 1, Hq, lg);
+    (void)packed;
+    if (rc < 0)
+        return rc;
+    softmax_sum_dispatch(path, lg, Hq, C, q->scale, sc);
+    return 0;
+}
+
+int half_scores(int path, const se_half_index *ix, const se_query *q, int score, float *work)
+{
+    if (ix->C == 0)
+        return 0;
+    if (score == 1)
+        return logit_scores(path, ix, q, work);
+    return prob_scores(path, ix, q, work, work + ix->C);
 }
 
 /* softmax_sum on a writable x, one exp per element (kept in x between the
