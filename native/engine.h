@@ -193,25 +193,50 @@ int se_head_logits(const uint16_t *m, int64_t rows, int64_t num_kv_heads, int64_
  * AVX-512.  Returns 0 or -EINVAL. */
 int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *out);
 
+/* The read planner's input: m candidate copies, copy i of token tok[i] at
+ * byte offset coff[i] of disk cdisk[i]. */
+typedef struct {
+    int64_t m;
+    const int64_t *tok;
+    const int32_t *cdisk;
+    const uint64_t *coff;
+    int ndisks;
+    uint64_t E;              /* entry bytes */
+    uint64_t bs;             /* block size (a power of two) */
+    uint64_t max_gap;        /* bytes between entries read through */
+    uint64_t max_request;    /* bytes per request from a run's start (0: no limit) */
+    int balanced;            /* 1: the bucket choice; 0: each token's first copy */
+    int dedup;               /* 1: one entry per token */
+} se_plan_in;
+
+/* The plan: arrays of capacity m (per entry, per request) and ndisks (per
+ * disk) that the caller provides; n_entries and staging are written. */
+typedef struct {
+    int64_t *utok;           /* per entry (ascending token): its token, */
+    int64_t *chosen;         /* the candidate read, */
+    uint64_t *src;           /* its byte offset in staging */
+    int32_t *rdisk;          /* per request: disk, */
+    uint64_t *roff;          /* byte offset, */
+    uint32_t *rlen;          /* length, */
+    uint64_t *rdst;          /* byte offset in staging */
+    int64_t *disk_entries;   /* per disk: entries, */
+    int64_t *disk_bytes;     /* bytes read */
+    int64_t n_entries;       /* out */
+    uint64_t staging;        /* out: staging bytes */
+} se_plan_out;
+
 /* The read planner (SWARM 6.1, eq. 8) in one call, as swarmfs._planner
- * documents it: m candidate copies (tok, cdisk, coff) -> with dedup, one copy
- * per token (balanced: single-copy entries fill their buckets, the others in
- * ascending copy count go to the smallest bucket among their copies, the first
- * copy on a tie; else the first copy); per disk in offset order, runs of
- * entries with gaps <= max_gap split every max_request bytes from the run's
- * start, block aligned, overlapping ranges merged; requests in round-robin
- * disk order laid out back to back.  Outputs (capacity m): utok/chosen/src
- * per entry (ascending token), rdisk/roff/rlen/rdst per request; *n_entries,
- * *staging; disk_entries/disk_bytes [ndisks].  Returns the request count or
- * -EINVAL / -ENOMEM, or for an argument out of range -EDOM (a token outside
- * [0, 2**31)), -ERANGE (a disk outside [0, ndisks)), -EOVERFLOW (an offset at
- * or beyond 2**52). */
-int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const uint64_t *coff,
-                      int ndisks, uint64_t E, uint64_t bs, uint64_t max_gap,
-                      uint64_t max_request, int balanced, int dedup,
-                      int64_t *utok, int64_t *chosen, uint64_t *src, int64_t *n_entries,
-                      int32_t *rdisk, uint64_t *roff, uint32_t *rlen, uint64_t *rdst,
-                      uint64_t *staging, int64_t *disk_entries, int64_t *disk_bytes);
+ * documents it: m candidate copies -> with dedup, one copy per token
+ * (balanced: single-copy entries fill their buckets, the others in
+ * ascending copy count go to the smallest bucket among their copies, the
+ * first copy on a tie; else the first copy); per disk in offset order, runs
+ * of entries with gaps <= max_gap split every max_request bytes from the
+ * run's start, block aligned, overlapping ranges merged; requests in
+ * round-robin disk order laid out back to back.  Returns the request count
+ * or -EINVAL / -ENOMEM, or for an argument out of range -EDOM (a token
+ * outside [0, 2**31)), -ERANGE (a disk outside [0, ndisks)), -EOVERFLOW (an
+ * offset at or beyond 2**52). */
+int64_t se_plan_reads(const se_plan_in *in, se_plan_out *out);
 
 /* Assembly: entry i (K of H heads then V of H heads, dbytes per head, at
  * src + src_off[i]) goes to column dst_idx[i] of k and v [H, n_total, dbytes];
