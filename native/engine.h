@@ -128,18 +128,26 @@ void se_set_retry_limit(se_engine *e, unsigned limit);
 int se_register_buffer(se_engine *e, void *addr, uint64_t len);
 int se_unregister_buffer(se_engine *e, int slot);
 
-/* Execute n requests.  Request i moves len[i] bytes between disk[i] at byte
- * offset off[i] and buf + dst[i].  buf_slot is a registered buffer slot that
- * contains buf, or -1.  status[i] receives len[i] on success or -errno
+/* The requests of one se_execute call: request i moves len[i] bytes
+ * between disk[i] at byte offset off[i] and buf + dst[i]. */
+typedef struct {
+    int op;                  /* SE_OP_READ or SE_OP_WRITE */
+    int64_t n;
+    const int32_t *disk;
+    const uint64_t *off;
+    const uint32_t *len;
+    const uint64_t *dst;
+    char *buf;
+    uint64_t buflen;
+    int buf_slot;            /* a registered buffer slot that contains buf, or -1 */
+} se_requests;
+
+/* Execute the requests rq.  status[i] receives len[i] on success or -errno
  * (-ENODATA when a read hit the end of the disk early).  info (may be NULL)
- * receives what the call ran into.
- * Returns the number of failed requests (>= 0), or -errno if nothing could be
- * attempted (-EINVAL for a bad argument). */
-int64_t se_execute(se_engine *e, int op, int64_t n,
-                   const int32_t *disk, const uint64_t *off,
-                   const uint32_t *len, const uint64_t *dst,
-                   char *buf, uint64_t buflen, int buf_slot,
-                   int32_t *status, se_exec_info *info);
+ * receives what the call ran into.  Returns the number of failed requests
+ * (>= 0), or -errno if nothing could be attempted (-EINVAL for a bad
+ * argument). */
+int64_t se_execute(se_engine *e, const se_requests *rq, int32_t *status, se_exec_info *info);
 
 /* Snapshot of the counters; never waits for I/O in flight. */
 void se_get_counters(se_engine *e, se_counters *c, se_disk_counters *per_disk);
