@@ -15,6 +15,11 @@ import subprocess
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# the engine (engine.c, rings.c) and the data kernels, one file per job
+# (kernels_int.h lists them)
+SOURCES = ("engine.c", "rings.c", "data.c", "scoring.c", "index_i8.c", "select.c",
+           "planner.c", "gather.c")
+HEADERS = ("engine.h", "engine_int.h", "kernels_int.h")
 
 
 def _header_cdefs() -> str:
@@ -43,7 +48,8 @@ ffibuilder.cdef(_header_cdefs())
 ffibuilder.set_source(
     "swarmfs._native",
     '#include "engine.h"',
-    sources=[os.path.relpath(os.path.join(HERE, f)) for f in ("engine.c", "rings.c", "kernels.c")],
+    sources=[os.path.relpath(os.path.join(HERE, f)) for f in SOURCES],
+    depends=[os.path.relpath(os.path.join(HERE, f)) for f in HEADERS],
     include_dirs=[os.path.relpath(HERE)],
     libraries=[_uring_lib(), "pthread", "m"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],

@@ -33,8 +33,8 @@
  * se_get_counters never waits for I/O.
  *
  * Per-thread rings and fixed-buffer registration are in rings.c; the data
- * kernels (gather/scatter, checksums, bucket assignment, medoid scoring) are
- * in kernels.c.
+ * kernels (gather/scatter, checksums, scoring, selection, the planner,
+ * assembly) are in one file per job, listed in kernels_int.h.
  */
 #include "engine_int.h"
 
@@ -166,13 +166,7 @@ void se_close(se_engine *e)
 /* Bookkeeping of one se_execute call. */
 struct exec_ctx {
     se_engine *e;
-    int op;
-    int64_t n;
-    const int32_t *disk;
-    const uint64_t *off;
-    const uint32_t *len;
-    const uint64_t *dst;
-    char *buf;
+    se_requests rq;          /* the caller's requests */
     int32_t *status;
     se_counters lc;          /* this call's tallies, added to e->c at the end */
     uint64_t first_ns[SE_MAX_DISKS];
@@ -184,13 +178,14 @@ struct exec_ctx {
 };
 
 /* Validates request i; returns 0 or -errno. */
-static int check_request(const struct exec_ctx *x, int64_t i, uint64_t buflen)
+static int check_request(const struct exec_ctx *x, int64_t i)
 {
-    if (x->disk[i] < 0 || x->disk[i] >= x->e->nfds)
+    uint64_t buflen = x->rq.buflen;
+    if (x->rq.disk[i] < 0 || x->rq.disk[i] >= x->e->nfds)
         return -EBADF;
-    if (x->len[i] == 0 || x->dst[i] > buflen || x->len[i] > buflen - x->dst[i])
+    if (x->rq.len[i] == 0 || x->rq.dst[i] > buflen || x->rq.len[i] > buflen - x->rq.dst[i])
         return -EINVAL;
-    if (x->off[i] > (uint64_t)INT64_MAX - x->len[i])
+    if (x->rq.off[i] > (uint64_t)INT64_MAX - x->rq.len[i])
         return -EINVAL;
     return 0;
 }
@@ -222,197 +217,270 @@ static int transient_enter_error(int err)
            err == -ETIME || err == -ENOMEM;
 }
 
+/* Request i is over: status st (bytes, or -errno) after done bytes. */
+static void finish_request(struct exec_ctx *x, int64_t i, int32_t st, uint64_t done)
+{
+    int d = x->rq.disk[i];
+    x->status[i] = st;
+    x->lc.requests++;
+    x->lc.bytes += done;
+    x->dreq[d]++;
+    x->dbytes[d] += done;
+    if (st < 0) {
+        x->failed++;
+        x->lc.errors++;
+    }
+}
+
 /* ---- io_uring ---------------------------------------------------------- */
 
+/* One uring_execute call: the requests to (re)submit, a ring buffer of
+ * request indices (capacity n), and the call's progress.  Its steps: fill
+ * the SQ, enter (submit and wait), reap the CQEs (requeueing the rest of a
+ * short transfer and a transient failure), and after each round check for
+ * a failed enter, a round without progress or a stall. */
+struct uring_run {
+    struct exec_ctx *x;
+    struct se_ring *r;
+    se_exec_info *info;
+    int64_t *queue;
+    uint32_t *prog;          /* bytes done per request */
+    int buf_slot;
+    int64_t qh, qt, qcount;  /* the queue's head, tail and length */
+    int64_t remaining;       /* requests not over */
+    unsigned inflight;       /* SQEs filled and not reaped (in the SQ or the kernel) */
+    unsigned fails;          /* rounds in a row without progress */
+    uint64_t t_progress;     /* first round without progress (0: made progress) */
+    int last_err;
+};
+
+/* Request i (what is left of it) to the back of the queue. */
+static void uring_requeue(struct uring_run *u, int64_t i)
+{
+    u->queue[u->qt] = i;
+    if (++u->qt == u->x->rq.n)
+        u->qt = 0;
+    u->qcount++;
+}
+
+/* The SQE of what is left of request i. */
+static void uring_prep(struct uring_run *u, struct io_uring_sqe *sqe, int64_t i)
+{
+    struct exec_ctx *x = u->x;
+    const int fixed_file = u->r->files_registered;
+    int d = x->rq.disk[i];
+    int fd = fixed_file ? d : x->e->fds[d];
+    uint32_t done = u->prog[i];
+    char *addr = x->rq.buf + x->rq.dst[i] + done;
+    unsigned nbytes = x->rq.len[i] - done;
+    uint64_t offset = x->rq.off[i] + done;
+    if (u->buf_slot >= 0) {
+        if (x->rq.op == SE_OP_READ)
+            io_uring_prep_read_fixed(sqe, fd, addr, nbytes, offset, u->buf_slot);
+        else
+            io_uring_prep_write_fixed(sqe, fd, addr, nbytes, offset, u->buf_slot);
+        if (done == 0)
+            x->lc.fixed_requests++;
+    } else if (x->rq.op == SE_OP_READ) {
+        io_uring_prep_read(sqe, fd, addr, nbytes, offset);
+    } else {
+        io_uring_prep_write(sqe, fd, addr, nbytes, offset);
+    }
+    if (fixed_file)
+        sqe->flags |= IOSQE_FIXED_FILE;
+    if (x->e->punt[d])
+        sqe->flags |= IOSQE_ASYNC;
+    io_uring_sqe_set_data64(sqe, (uint64_t)i);
+}
+
+/* Fill the SQ from the queue, up to the ring's depth in flight. */
+static void uring_fill(struct uring_run *u)
+{
+    struct exec_ctx *x = u->x;
+    uint64_t t = 0;
+    while (u->qcount > 0 && u->inflight < u->r->qd) {
+        struct io_uring_sqe *sqe = io_uring_get_sqe(&u->r->ring);
+        if (!sqe)
+            break;
+        int64_t i = u->queue[u->qh];
+        if (++u->qh == x->rq.n)
+            u->qh = 0;
+        u->qcount--;
+        uring_prep(u, sqe, i);
+        u->inflight++;
+        x->lc.sqes++;
+        int d = x->rq.disk[i];
+        if (!x->first_ns[d]) {
+            if (!t)
+                t = now_ns();
+            x->first_ns[d] = t;
+        }
+    }
+}
+
+/* Submit and wait in one io_uring_enter.  Everything queued is in the
+ * ring: wait for all of it.  Otherwise wait for a fraction, so that each
+ * enter refills a batch.  Never block for ever in one enter: wake up every
+ * second to check for a stall (SE_STALL_NS without any completion).
+ * Returns the enter's result. */
+static int uring_enter(struct uring_run *u)
+{
+    unsigned wait_nr = u->inflight;
+    if (u->qcount > 0) {
+        wait_nr = u->inflight / u->x->e->wait_div;
+        if (wait_nr < 1)
+            wait_nr = 1;
+    }
+    struct __kernel_timespec ts = {.tv_sec = 1, .tv_nsec = 0};
+    struct io_uring_cqe *first = NULL;
+    uint64_t tw = now_ns();   /* long_waits: waits of a second or more */
+    int ret = io_uring_submit_and_wait_timeout(&u->r->ring, &first, wait_nr, &ts, NULL);
+    u->x->lc.submit_calls++;
+    if (now_ns() - tw >= 1000000000ull)
+        u->x->lc.long_waits++;
+    return ret;
+}
+
+/* Request i completed with res at tc: a transient failure (-EAGAIN,
+ * -EINTR) or a short transfer goes back to the queue; an error, or an end
+ * of the disk before len, fails it; else it is done.  Returns 1 for
+ * progress (anything but a transient failure). */
+static int uring_complete(struct uring_run *u, int64_t i, int res, uint64_t tc)
+{
+    struct exec_ctx *x = u->x;
+    u->inflight--;
+    x->last_ns[x->rq.disk[i]] = tc;
+    if (res == -EAGAIN || res == -EINTR) {
+        x->lc.retries++;
+        u->last_err = res;
+        uring_requeue(u, i);
+        return 0;
+    }
+    if (res > 0 && u->prog[i] + (uint32_t)res < x->rq.len[i]) {
+        u->prog[i] += (uint32_t)res;
+        x->lc.short_resubmits++;
+        uring_requeue(u, i);
+        return 1;
+    }
+    if (res < 0 || (res == 0 && x->rq.len[i] > u->prog[i]))
+        finish_request(x, i, res < 0 ? res : -ENODATA, u->prog[i]);
+    else
+        finish_request(x, i, (int32_t)x->rq.len[i], x->rq.len[i]);
+    u->remaining--;
+    return 1;
+}
+
+/* Reap the CQEs there are, in batches (peek a batch, advance the CQ once).
+ * Returns 1 if any request made progress. */
+static int uring_reap(struct uring_run *u)
+{
+    struct io_uring *ring = &u->r->ring;
+    struct io_uring_cqe *cqes[CQE_BATCH];
+    int progress = 0;
+    unsigned got;
+    do {
+        got = io_uring_peek_batch_cqe(ring, cqes, CQE_BATCH);
+        if (!got)
+            break;
+        uint64_t tc = now_ns();
+        for (unsigned k = 0; k < got; k++)
+            progress |= uring_complete(u, (int64_t)io_uring_cqe_get_data64(cqes[k]),
+                                       cqes[k]->res, tc);
+        u->x->lc.cqes += got;
+        io_uring_cq_advance(ring, got);
+    } while (got == CQE_BATCH);
+    return progress;
+}
+
+/* Stop retrying: count it.  Returns 1 (give up). */
+static int uring_gave_up(struct uring_run *u)
+{
+    u->info->gave_up = 1;
+    u->x->lc.gave_up++;
+    return 1;
+}
+
+/* After a round whose enter returned ret: a failed enter is counted (and
+ * ends the call unless transient); a round without progress backs off and
+ * ends the call after retry_limit rounds in a row, or, while requests wait
+ * in the kernel (a timed-out or interrupted wait is not a failure), after
+ * SE_STALL_NS without any completion.  Returns 1 to give up. */
+static int uring_stall(struct uring_run *u, int ret, int progress)
+{
+    int waiting = (ret == -ETIME || ret == -EINTR || ret >= 0) &&
+                  u->inflight > io_uring_sq_ready(&u->r->ring);
+    if (ret < 0 && ret != -ETIME) {
+        u->x->lc.enter_errors++;
+        u->x->lc.retries++;
+        u->info->enter_failures++;
+        u->info->enter_errno = -ret;
+        u->last_err = ret;
+        if (!transient_enter_error(ret))
+            return 1;
+    }
+    if (progress) {
+        u->fails = 0;
+        u->t_progress = 0;
+        return 0;
+    }
+    if (u->remaining == 0)
+        return 0;
+    uint64_t tn = now_ns();
+    if (!u->t_progress)
+        u->t_progress = tn;
+    if (waiting) {
+        if (tn - u->t_progress < SE_STALL_NS) {
+            if (ret != -ETIME)
+                backoff(1);
+            return 0;
+        }
+        u->last_err = -ETIMEDOUT;
+        return uring_gave_up(u);
+    }
+    if (++u->fails > u->x->e->retry_limit)
+        return uring_gave_up(u);
+    backoff(u->fails);
+    return 0;
+}
+
+/* The call gave up.  The ring is in an unknown state (SQEs the kernel has
+ * not taken, requests it has taken and not completed): fail what is left
+ * and retire the ring.  Requests still in the kernel may yet write to the
+ * buffer: the caller must not reuse it (info->abandoned). */
+static void uring_abandon(struct uring_run *u)
+{
+    struct exec_ctx *x = u->x;
+    unsigned in_sq = io_uring_sq_ready(&u->r->ring);
+    u->info->abandoned = u->inflight > in_sq ? u->inflight - in_sq : 0;
+    int err = u->last_err ? u->last_err : -EIO;
+    for (int64_t i = 0; i < x->rq.n; i++) {
+        if (x->status[i] == 0) {
+            x->status[i] = err;
+            x->failed++;
+            x->lc.errors++;
+            x->lc.requests++;
+        }
+    }
+    u->r->broken = 1;
+}
+
+/* The nq queued requests on ring r: rounds of fill, enter, reap and the
+ * stall check until every request is over or the call gives up. */
 static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
                           uint32_t *prog, int64_t nq, int buf_slot, se_exec_info *info)
 {
-    se_engine *e = x->e;
-    struct io_uring *ring = &r->ring;
-    se_counters *lc = &x->lc;
-    struct io_uring_cqe *cqes[CQE_BATCH];
-    const int64_t n = x->n;
-    int64_t qh = 0, qt = nq == n ? 0 : nq, qcount = nq;  /* ring buffer of request indices */
-    int64_t remaining = nq;
-    unsigned inflight = 0;   /* SQEs filled and not reaped (in the SQ or the kernel) */
-    unsigned fails = 0;      /* rounds in a row without progress */
-    uint64_t t_progress = 0; /* first round without progress (0: made progress) */
-    int last_err = 0, give_up = 0;
-    const int fixed_file = r->files_registered;
-    const unsigned qd = r->qd;
-
-    while (remaining > 0) {
-        uint64_t t = 0;
-        while (qcount > 0 && inflight < qd) {
-            struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
-            if (!sqe)
-                break;
-            int64_t i = queue[qh];
-            if (++qh == n)
-                qh = 0;
-            qcount--;
-            int d = x->disk[i];
-            int fd = fixed_file ? d : e->fds[d];
-            char *addr = x->buf + x->dst[i] + prog[i];
-            unsigned nbytes = x->len[i] - prog[i];
-            uint64_t offset = x->off[i] + prog[i];
-            if (buf_slot >= 0) {
-                if (x->op == SE_OP_READ)
-                    io_uring_prep_read_fixed(sqe, fd, addr, nbytes, offset, buf_slot);
-                else
-                    io_uring_prep_write_fixed(sqe, fd, addr, nbytes, offset, buf_slot);
-                if (prog[i] == 0)
-                    lc->fixed_requests++;
-            } else if (x->op == SE_OP_READ) {
-                io_uring_prep_read(sqe, fd, addr, nbytes, offset);
-            } else {
-                io_uring_prep_write(sqe, fd, addr, nbytes, offset);
-            }
-            if (fixed_file)
-                sqe->flags |= IOSQE_FIXED_FILE;
-            if (e->punt[d])
-                sqe->flags |= IOSQE_ASYNC;
-            io_uring_sqe_set_data64(sqe, (uint64_t)i);
-            inflight++;
-            lc->sqes++;
-            if (!x->first_ns[d]) {
-                if (!t)
-                    t = now_ns();
-                x->first_ns[d] = t;
-            }
-        }
-        /* Everything queued is in the ring: wait for all of it.  Otherwise
-         * wait for a fraction, so that each enter refills a batch. */
-        unsigned wait_nr = inflight;
-        if (qcount > 0) {
-            wait_nr = inflight / e->wait_div;
-            if (wait_nr < 1)
-                wait_nr = 1;
-        }
-        /* Never block for ever in one enter: wake up every second to check for
-         * a stall (SE_STALL_NS without any completion). */
-        struct __kernel_timespec ts = {.tv_sec = 1, .tv_nsec = 0};
-        struct io_uring_cqe *first = NULL;
-        uint64_t tw = now_ns();   /* long_waits: waits of a second or more */
-        int ret = io_uring_submit_and_wait_timeout(ring, &first, wait_nr, &ts, NULL);
-        lc->submit_calls++;
-        if (now_ns() - tw >= 1000000000ull)
-            lc->long_waits++;
-        int progress = 0;
-        unsigned got;
-        do {
-            got = io_uring_peek_batch_cqe(ring, cqes, CQE_BATCH);
-            if (!got)
-                break;
-            uint64_t tc = now_ns();
-            for (unsigned k = 0; k < got; k++) {
-                int64_t i = (int64_t)io_uring_cqe_get_data64(cqes[k]);
-                int res = cqes[k]->res;
-                int d = x->disk[i];
-                inflight--;
-                x->last_ns[d] = tc;
-                if (res == -EAGAIN || res == -EINTR) {
-                    lc->retries++;
-                    last_err = res;
-                    queue[qt] = i;
-                    if (++qt == n)
-                        qt = 0;
-                    qcount++;
-                    continue;
-                }
-                progress = 1;
-                if (res < 0 || (res == 0 && x->len[i] > prog[i])) {
-                    x->status[i] = res < 0 ? res : -ENODATA;
-                    x->failed++;
-                    lc->errors++;
-                    lc->requests++;
-                    x->dreq[d]++;
-                    x->dbytes[d] += prog[i];
-                    lc->bytes += prog[i];
-                    remaining--;
-                    continue;
-                }
-                prog[i] += (uint32_t)res;
-                if (prog[i] < x->len[i]) {
-                    lc->short_resubmits++;
-                    queue[qt] = i;
-                    if (++qt == n)
-                        qt = 0;
-                    qcount++;
-                    continue;
-                }
-                x->status[i] = (int32_t)x->len[i];
-                lc->requests++;
-                lc->bytes += x->len[i];
-                x->dreq[d]++;
-                x->dbytes[d] += x->len[i];
-                remaining--;
-            }
-            lc->cqes += got;
-            io_uring_cq_advance(ring, got);
-        } while (got == CQE_BATCH);
-        /* A wait for requests already in the kernel that timed out (every
-         * second) or that a signal interrupted is not a failure; it fails only
-         * when nothing completes for SE_STALL_NS. */
-        int waiting = (ret == -ETIME || ret == -EINTR || ret >= 0) &&
-                      inflight > io_uring_sq_ready(ring);
-        if (ret < 0 && ret != -ETIME) {
-            lc->enter_errors++;
-            lc->retries++;
-            info->enter_failures++;
-            info->enter_errno = -ret;
-            last_err = ret;
-            if (!transient_enter_error(ret)) {
-                give_up = 1;
-                break;
-            }
-        }
-        if (progress) {
-            fails = 0;
-            t_progress = 0;
-        } else if (remaining > 0) {
-            uint64_t tn = now_ns();
-            if (!t_progress)
-                t_progress = tn;
-            if (waiting) {
-                if (tn - t_progress >= SE_STALL_NS) {
-                    last_err = -ETIMEDOUT;
-                    give_up = 1;
-                    info->gave_up = 1;
-                    lc->gave_up++;
-                    break;
-                }
-                if (ret != -ETIME)
-                    backoff(1);
-                continue;
-            }
-            if (++fails > e->retry_limit) {
-                give_up = 1;
-                info->gave_up = 1;
-                lc->gave_up++;
-                break;
-            }
-            backoff(fails);
-        }
+    struct uring_run u = {.x = x, .r = r, .info = info, .queue = queue, .prog = prog,
+                          .buf_slot = buf_slot, .qt = nq == x->rq.n ? 0 : nq, .qcount = nq,
+                          .remaining = nq};
+    int give_up = 0;
+    while (u.remaining > 0 && !give_up) {
+        uring_fill(&u);
+        int ret = uring_enter(&u);
+        int progress = uring_reap(&u);
+        give_up = uring_stall(&u, ret, progress);
     }
-    if (give_up) {
-        /* The ring is in an unknown state (SQEs the kernel has not taken,
-         * requests it has taken and not completed): fail what is left and
-         * retire the ring.  Requests still in the kernel may yet write to the
-         * buffer: the caller must not reuse it (info->abandoned). */
-        unsigned in_sq = io_uring_sq_ready(ring);
-        info->abandoned = inflight > in_sq ? inflight - in_sq : 0;
-        int err = last_err ? last_err : -EIO;
-        for (int64_t i = 0; i < n; i++) {
-            if (x->status[i] == 0) {
-                x->status[i] = err;
-                x->failed++;
-                lc->errors++;
-                lc->requests++;
-            }
-        }
-        r->broken = 1;
-    }
+    if (give_up)
+        uring_abandon(&u);
 }
 
 /* ---- threads ----------------------------------------------------------- */
@@ -435,18 +503,18 @@ static void *thread_main(void *p)
         if (k >= a->nq)
             break;
         int64_t i = a->queue[k];
-        int d = x->disk[i];
+        int d = x->rq.disk[i];
         int fd = e->fds[d];
         uint64_t t0 = now_ns();
         uint32_t done = 0;
         int32_t st = 0;
         uint64_t retries = 0, shorts = 0;
         unsigned fails = 0;
-        while (done < x->len[i]) {
-            char *addr = x->buf + x->dst[i] + done;
-            size_t nbytes = x->len[i] - done;
-            off_t offset = (off_t)(x->off[i] + done);
-            ssize_t r = x->op == SE_OP_READ ? pread(fd, addr, nbytes, offset)
+        while (done < x->rq.len[i]) {
+            char *addr = x->rq.buf + x->rq.dst[i] + done;
+            size_t nbytes = x->rq.len[i] - done;
+            off_t offset = (off_t)(x->rq.off[i] + done);
+            ssize_t r = x->rq.op == SE_OP_READ ? pread(fd, addr, nbytes, offset)
                                             : pwrite(fd, addr, nbytes, offset);
             if (r < 0) {
                 if (errno == EINTR || errno == EAGAIN) {
@@ -468,30 +536,22 @@ static void *thread_main(void *p)
             }
             fails = 0;
             done += (uint32_t)r;
-            if (done < x->len[i])
+            if (done < x->rq.len[i])
                 shorts++;
         }
         uint64_t t1 = now_ns();
         pthread_mutex_lock(a->mu);
-        x->status[i] = st ? st : (int32_t)x->len[i];
+        finish_request(x, i, st ? st : (int32_t)x->rq.len[i], done);
         if (!x->first_ns[d] || t0 < x->first_ns[d])
             x->first_ns[d] = t0;
         if (t1 > x->last_ns[d])
             x->last_ns[d] = t1;
-        x->dreq[d]++;
-        x->dbytes[d] += done;
-        x->lc.requests++;
-        x->lc.bytes += done;
         x->lc.retries += retries;
         x->lc.short_resubmits += shorts;
         x->lc.sqes++;
         x->lc.cqes++;
-        if (st) {
-            x->failed++;
-            x->lc.errors++;
-            if (fails > e->retry_limit)
-                x->gave_up = 1;
-        }
+        if (st && fails > e->retry_limit)
+            x->gave_up = 1;
         pthread_mutex_unlock(a->mu);
     }
     return NULL;
@@ -523,21 +583,49 @@ static void threads_execute(struct exec_ctx *x, const int64_t *queue, int64_t nq
         x->lc.gave_up++;
 }
 
-int64_t se_execute(se_engine *e, int op, int64_t n,
-                   const int32_t *disk, const uint64_t *off,
-                   const uint32_t *len, const uint64_t *dst,
-                   char *buf, uint64_t buflen, int buf_slot,
-                   int32_t *status, se_exec_info *info)
+/* Run the nq queued requests on this thread's ring of e, or with pread
+ * (counted as a fallback) where the ring cannot be set up.  buf_slot is
+ * used only when this ring has registered that buffer and it holds the
+ * whole of buf. */
+static void uring_call(struct exec_ctx *x, int64_t *queue, uint32_t *prog, int64_t nq,
+                       se_exec_info *info)
+{
+    se_engine *e = x->e;
+    int buf_slot = x->rq.buf_slot;
+    uint64_t buflen = x->rq.buflen;
+    int err = 0;
+    struct se_ring *r = get_ring(e, &err);
+    if (!r) {
+        info->fallback = 1;
+        info->ring_errno = -err;
+        x->lc.fallback_executes++;
+        threads_execute(x, queue, nq);
+        return;
+    }
+    ring_sync_buffers(e, r, buf_slot);
+    if (buf_slot >= 0) {
+        struct slot *s = buf_slot < SE_MAX_BUFFERS ? &r->mirror[buf_slot] : NULL;
+        if (!s || !s->id || x->rq.buf < s->addr || x->rq.buf + buflen > s->addr + s->len)
+            buf_slot = -1;
+    }
+    info->fixed = buf_slot >= 0;
+    uring_execute(x, r, queue, prog, nq, buf_slot, info);
+    if (r->broken)
+        ring_destroy_own(e, r);
+}
+
+int64_t se_execute(se_engine *e, const se_requests *rq, int32_t *status, se_exec_info *info)
 {
     se_exec_info dummy;
     if (!info)
         info = &dummy;
     memset(info, 0, sizeof(*info));
-    if (!e || n < 0 || (op != SE_OP_READ && op != SE_OP_WRITE))
+    if (!e || !rq || rq->n < 0 || (rq->op != SE_OP_READ && rq->op != SE_OP_WRITE))
         return -EINVAL;
+    const int64_t n = rq->n;
     if (n == 0)
         return 0;
-    if (!disk || !off || !len || !dst || !buf || !status)
+    if (!rq->disk || !rq->off || !rq->len || !rq->dst || !rq->buf || !status)
         return -EINVAL;
     struct exec_ctx *x = calloc(1, sizeof(*x));
     int64_t *queue = malloc(sizeof(int64_t) * (size_t)n);
@@ -550,18 +638,12 @@ int64_t se_execute(se_engine *e, int op, int64_t n,
     }
     ADD(e->c.in_flight, 1);
     x->e = e;
-    x->op = op;
-    x->n = n;
-    x->disk = disk;
-    x->off = off;
-    x->len = len;
-    x->dst = dst;
-    x->buf = buf;
+    x->rq = *rq;
     x->status = status;
 
     int64_t nq = 0;
     for (int64_t i = 0; i < n; i++) {
-        int r = check_request(x, i, buflen);
+        int r = check_request(x, i);
         if (r) {
             status[i] = r;
             x->failed++;
@@ -572,29 +654,10 @@ int64_t se_execute(se_engine *e, int op, int64_t n,
             queue[nq++] = i;
         }
     }
-    if (nq > 0 && e->kind == SE_KIND_URING) {
-        int err = 0;
-        struct se_ring *r = get_ring(e, &err);
-        if (r) {
-            ring_sync_buffers(e, r, buf_slot);
-            if (buf_slot >= 0) {
-                struct slot *s = buf_slot < SE_MAX_BUFFERS ? &r->mirror[buf_slot] : NULL;
-                if (!s || !s->id || buf < s->addr || buf + buflen > s->addr + s->len)
-                    buf_slot = -1;
-            }
-            info->fixed = buf_slot >= 0;
-            uring_execute(x, r, queue, prog, nq, buf_slot, info);
-            if (r->broken)
-                ring_destroy_own(e, r);
-        } else {
-            info->fallback = 1;
-            info->ring_errno = -err;
-            x->lc.fallback_executes++;
-            threads_execute(x, queue, nq);
-        }
-    } else if (nq > 0) {
+    if (nq > 0 && e->kind == SE_KIND_URING)
+        uring_call(x, queue, prog, nq, info);
+    else if (nq > 0)
         threads_execute(x, queue, nq);
-    }
     if (x->gave_up)
         info->gave_up = 1;
     finish_counters(x);

@@ -128,18 +128,26 @@ void se_set_retry_limit(se_engine *e, unsigned limit);
 int se_register_buffer(se_engine *e, void *addr, uint64_t len);
 int se_unregister_buffer(se_engine *e, int slot);
 
-/* Execute n requests.  Request i moves len[i] bytes between disk[i] at byte
- * offset off[i] and buf + dst[i].  buf_slot is a registered buffer slot that
- * contains buf, or -1.  status[i] receives len[i] on success or -errno
+/* The requests of one se_execute call: request i moves len[i] bytes
+ * between disk[i] at byte offset off[i] and buf + dst[i]. */
+typedef struct {
+    int op;                  /* SE_OP_READ or SE_OP_WRITE */
+    int64_t n;
+    const int32_t *disk;
+    const uint64_t *off;
+    const uint32_t *len;
+    const uint64_t *dst;
+    char *buf;
+    uint64_t buflen;
+    int buf_slot;            /* a registered buffer slot that contains buf, or -1 */
+} se_requests;
+
+/* Execute the requests rq.  status[i] receives len[i] on success or -errno
  * (-ENODATA when a read hit the end of the disk early).  info (may be NULL)
- * receives what the call ran into.
- * Returns the number of failed requests (>= 0), or -errno if nothing could be
- * attempted (-EINVAL for a bad argument). */
-int64_t se_execute(se_engine *e, int op, int64_t n,
-                   const int32_t *disk, const uint64_t *off,
-                   const uint32_t *len, const uint64_t *dst,
-                   char *buf, uint64_t buflen, int buf_slot,
-                   int32_t *status, se_exec_info *info);
+ * receives what the call ran into.  Returns the number of failed requests
+ * (>= 0), or -errno if nothing could be attempted (-EINVAL for a bad
+ * argument). */
+int64_t se_execute(se_engine *e, const se_requests *rq, int32_t *status, se_exec_info *info);
 
 /* Snapshot of the counters; never waits for I/O in flight. */
 void se_get_counters(se_engine *e, se_counters *c, se_disk_counters *per_disk);
@@ -193,38 +201,50 @@ int se_head_logits(const uint16_t *m, int64_t rows, int64_t num_kv_heads, int64_
  * AVX-512.  Returns 0 or -EINVAL. */
 int se_softmax_sum(const float *x, int64_t nh, int64_t n, float scale, float *out);
 
-/* Two-level int8 selection (kernels.c documents the layout): per KV head the
- * G heads' logits against K group centroids, the best ngroups groups' medoids
- * scored exactly, the others through their centroid; scores [C] written;
- * with ptr NULL only the scores, else the choice of se_choose_clusters.
- * Returns the clusters chosen, or -EINVAL / -ENOMEM. */
-int64_t se_select_i8x2(const int8_t *P, const float *sm, const int32_t *ms, int64_t Crows,
-                       const int32_t *rowmed, const int8_t *Ps, const float *sms,
-                       const int32_t *mss, int64_t K, const int32_t *gblk, const float *glogn,
-                       const int32_t *mgrp, int64_t ngroups, int64_t C, int64_t H, int64_t d,
-                       const float *q, int64_t Hq, float scale, const int64_t *ptr,
-                       const int32_t *members, int64_t S, int64_t budget, int64_t w,
-                       float *score, int64_t *out, int64_t *entries);
+/* The read planner's input: m candidate copies, copy i of token tok[i] at
+ * byte offset coff[i] of disk cdisk[i]. */
+typedef struct {
+    int64_t m;
+    const int64_t *tok;
+    const int32_t *cdisk;
+    const uint64_t *coff;
+    int ndisks;
+    uint64_t E;              /* entry bytes */
+    uint64_t bs;             /* block size (a power of two) */
+    uint64_t max_gap;        /* bytes between entries read through */
+    uint64_t max_request;    /* bytes per request from a run's start (0: no limit) */
+    int balanced;            /* 1: the bucket choice; 0: each token's first copy */
+    int dedup;               /* 1: one entry per token */
+} se_plan_in;
+
+/* The plan: arrays of capacity m (per entry, per request) and ndisks (per
+ * disk) that the caller provides; n_entries and staging are written. */
+typedef struct {
+    int64_t *utok;           /* per entry (ascending token): its token, */
+    int64_t *chosen;         /* the candidate read, */
+    uint64_t *src;           /* its byte offset in staging */
+    int32_t *rdisk;          /* per request: disk, */
+    uint64_t *roff;          /* byte offset, */
+    uint32_t *rlen;          /* length, */
+    uint64_t *rdst;          /* byte offset in staging */
+    int64_t *disk_entries;   /* per disk: entries, */
+    int64_t *disk_bytes;     /* bytes read */
+    int64_t n_entries;       /* out */
+    uint64_t staging;        /* out: staging bytes */
+} se_plan_out;
 
 /* The read planner (SWARM 6.1, eq. 8) in one call, as swarmfs._planner
- * documents it: m candidate copies (tok, cdisk, coff) -> with dedup, one copy
- * per token (balanced: single-copy entries fill their buckets, the others in
- * ascending copy count go to the smallest bucket among their copies, the first
- * copy on a tie; else the first copy); per disk in offset order, runs of
- * entries with gaps <= max_gap split every max_request bytes from the run's
- * start, block aligned, overlapping ranges merged; requests in round-robin
- * disk order laid out back to back.  Outputs (capacity m): utok/chosen/src
- * per entry (ascending token), rdisk/roff/rlen/rdst per request; *n_entries,
- * *staging; disk_entries/disk_bytes [ndisks].  Returns the request count or
- * -EINVAL / -ENOMEM, or for an argument out of range -EDOM (a token outside
- * [0, 2**31)), -ERANGE (a disk outside [0, ndisks)), -EOVERFLOW (an offset at
- * or beyond 2**52). */
-int64_t se_plan_reads(int64_t m, const int64_t *tok, const int32_t *cdisk, const uint64_t *coff,
-                      int ndisks, uint64_t E, uint64_t bs, uint64_t max_gap,
-                      uint64_t max_request, int balanced, int dedup,
-                      int64_t *utok, int64_t *chosen, uint64_t *src, int64_t *n_entries,
-                      int32_t *rdisk, uint64_t *roff, uint32_t *rlen, uint64_t *rdst,
-                      uint64_t *staging, int64_t *disk_entries, int64_t *disk_bytes);
+ * documents it: m candidate copies -> with dedup, one copy per token
+ * (balanced: single-copy entries fill their buckets, the others in
+ * ascending copy count go to the smallest bucket among their copies, the
+ * first copy on a tie; else the first copy); per disk in offset order, runs
+ * of entries with gaps <= max_gap split every max_request bytes from the
+ * run's start, block aligned, overlapping ranges merged; requests in
+ * round-robin disk order laid out back to back.  Returns the request count
+ * or -EINVAL / -ENOMEM, or for an argument out of range -EDOM (a token
+ * outside [0, 2**31)), -ERANGE (a disk outside [0, ndisks)), -EOVERFLOW (an
+ * offset at or beyond 2**52). */
+int64_t se_plan_reads(const se_plan_in *in, se_plan_out *out);
 
 /* Assembly: entry i (K of H heads then V of H heads, dbytes per head, at
  * src + src_off[i]) goes to column dst_idx[i] of k and v [H, n_total, dbytes];
@@ -258,33 +278,11 @@ int se_kernel_path_supported(int path);
  * CPU (or this build) lacks it. */
 int se_set_kernel_path(int path);
 
-/* Cluster choice (SWARM 5.2, eq. 8): clusters in descending score (ties: lower
- * id; NaN lowest) until the union of the window (the last w of S tokens) and
- * the chosen clusters' members (CSR ptr [C+1], members) holds budget distinct
- * entries (capped at S).  Partial: a key threshold (two counting passes) and a radix sort of
- * the clusters above it, a bitmap of seen tokens, no full sort.  Writes the
- * chosen ids to out [C] in order and the distinct entries to *entries;
- * returns how many were chosen, or -EINVAL / -ENOMEM. */
-int64_t se_choose_clusters(const float *scores, int64_t C, const int64_t *ptr,
-                           const int32_t *members, int64_t S, int64_t budget, int64_t w,
-                           int64_t *out, int64_t *entries);
 
 /* The medoid index m [C, H * d] (2-byte floats) repacked for the "prob" score:
  * per KV head, blocks of 16 rows stored dimension-major, out [H, ceil(C/16), d, 16]
  * (rows past C are zero). */
 void se_pack_medoids(const uint16_t *m, int64_t C, int64_t H, int64_t d, uint16_t *out);
-
-/* Medoid scoring and cluster choice in one call: m [C, H * d] (fp16 kind 1 /
- * bf16 kind 2) and optionally its se_pack_medoids form (NULL: none; used by
- * the AVX-512 and AVX2 "prob" paths), one query q float32 [Hq, d]; score 0 = "prob" (per-head
- * softmax of scale * logits, summed over heads), 1 = "logit" (GQA-summed
- * query, scaled).  work: float32 [C * (Hq + 1)] scratch (scores in its first
- * C).  Then se_choose_clusters.  Returns as se_choose_clusters. */
-int64_t se_select_fused(const uint16_t *m, const uint16_t *packed, int64_t C, int64_t H,
-                        int64_t d, int kind, const float *q, int64_t Hq, float scale, int score,
-                        const int64_t *ptr, const int32_t *members, int64_t S,
-                        int64_t budget, int64_t w, float *work, int64_t *out,
-                        int64_t *entries);
 
 /* The int8 medoid index (SWARM §5.2 scoring with int8 keys and fp32 scales):
  * out int8 [H, ceil(C/16), d/4, 16, 4] (per KV head, blocks of 16 rows, groups
@@ -293,19 +291,98 @@ int64_t se_select_fused(const uint16_t *m, const uint16_t *packed, int64_t C, in
 void se_pack_medoids_i8(const uint16_t *m, int64_t C, int64_t H, int64_t d, int kind,
                         int8_t *out, float *scales, int32_t *sums);
 
-/* Per-head logits lg float [Hq, C] (unscaled) of q float [Hq, d] (quantised
- * per head to int8) against the int8 index; exact integer dots, so every path
+/* ---- scoring and cluster choice (SWARM 5.2, eq. 8) ------------------------
+ * Their arguments travel in small structs: the query, the index scored, and
+ * the cluster choice that follows the scores. */
+
+/* One query: q float32 [Hq, d]; query head h reads KV head h / (Hq / H).
+ * scale: the softmax scale (> 0). */
+typedef struct {
+    const float *q;
+    int64_t Hq;
+    int64_t H;
+    int64_t d;
+    float scale;
+} se_query;
+
+/* The cluster choice: clusters in descending score (ties: lower id; NaN
+ * lowest) until the union of the window (the last w of S tokens) and the
+ * chosen clusters' members (CSR ptr [C+1], members) holds budget distinct
+ * entries (capped at S).  out [C] receives the chosen ids in order, entries
+ * the distinct entries they hold. */
+typedef struct {
+    const int64_t *ptr;
+    const int32_t *members;
+    int64_t S;
+    int64_t budget;
+    int64_t w;
+    int64_t *out;
+    int64_t entries;         /* out */
+} se_choice;
+
+/* The fp16/bf16 medoid index: m [C, H * d] (kind 1 fp16, 2 bf16), and
+ * optionally its se_pack_medoids form (NULL: none; used by the AVX-512 and
+ * AVX2 "prob" paths). */
+typedef struct {
+    const uint16_t *m;
+    const uint16_t *packed;
+    int64_t C;
+    int kind;
+} se_half_index;
+
+/* The int8 medoid index of se_pack_medoids_i8, rows medoids per KV head. */
+typedef struct {
+    const int8_t *data;
+    const float *scales;
+    const int32_t *sums;
+    int64_t rows;
+} se_i8_index;
+
+/* The two-level int8 index (select.c documents it): per KV head the medoids
+ * in K groups, each group's rows in whole blocks of 16 of the fine index. */
+typedef struct {
+    se_i8_index fine;        /* the medoids reordered by group: Crows rows a head */
+    const int32_t *rowmed;   /* [H, Crows]: each row's medoid, -1 for padding */
+    se_i8_index coarse;      /* the groups' centroids: K rows a head */
+    const int32_t *gblk;     /* [H, K + 1]: group k's blocks [gblk[k], gblk[k+1]) */
+    const float *glogn;      /* [H, K]: log of each group's members */
+    const int32_t *mgrp;     /* [H, C]: each medoid's group */
+    int64_t C;               /* medoids */
+} se_i8x2_index;
+
+/* Cluster choice alone, from scores [C].  Partial: a key threshold (two
+ * counting passes) and a radix sort of the clusters above it, a bitmap of
+ * seen tokens, no full sort.  Returns how many were chosen (ch->out,
+ * ch->entries), or -EINVAL / -ENOMEM. */
+int64_t se_choose_clusters(const float *scores, int64_t C, se_choice *ch);
+
+/* Medoid scoring and cluster choice in one call: one query against ix (H KV
+ * heads of d); score 0 = "prob" (per-head softmax of scale * logits, summed
+ * over heads), 1 = "logit" (GQA-summed query, scaled).  work: float32
+ * [C * (Hq + 1)] scratch (scores in its first C).  Then the choice ch.
+ * Returns as se_choose_clusters. */
+int64_t se_select_fused(const se_half_index *ix, const se_query *q, int score, float *work,
+                        se_choice *ch);
+
+/* Per-head logits lg float [Hq, rows] (unscaled) of the query (quantised per
+ * head to int8) against the int8 index; exact integer dots, so every path
  * returns the same floats.  0 or -EINVAL / -ENOMEM. */
-int se_head_logits_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
-                      int64_t H, int64_t d, const float *q, int64_t Hq, float *lg);
+int se_head_logits_i8(const se_i8_index *ix, const se_query *q, float *lg);
 
 /* se_select_fused's "prob" score from the int8 index, per KV head (logits of its
  * Hq / H query heads, then their softmax added into the scores); work float
  * [C * (Hq / H + 1)] scratch (scores in its first C).  nthreads 2: a second
- * thread for this call scores half the KV heads (joined before returning). */
-int64_t se_select_i8(const int8_t *P, const float *sm, const int32_t *ms, int64_t C,
-                     int64_t H, int64_t d, const float *q, int64_t Hq, float scale,
-                     const int64_t *ptr, const int32_t *members, int64_t S, int64_t budget,
-                     int64_t w, int nthreads, float *work, int64_t *out, int64_t *entries);
+ * thread for this call scores half the KV heads (joined before returning).
+ * Then the choice ch.  Returns as se_choose_clusters. */
+int64_t se_select_i8(const se_i8_index *ix, const se_query *q, int nthreads, float *work,
+                     se_choice *ch);
+
+/* Two-level int8 selection: per KV head the G heads' logits against the K
+ * group centroids, the best ngroups groups' medoids scored exactly, the
+ * others through their centroid; scores [C] written; with ch NULL only the
+ * scores, else the choice ch.  Returns the clusters chosen (0 with ch NULL),
+ * or -EINVAL / -ENOMEM. */
+int64_t se_select_i8x2(const se_i8x2_index *ix, const se_query *q, int64_t ngroups,
+                       float *score, se_choice *ch);
 
 #endif

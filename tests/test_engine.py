@@ -206,6 +206,26 @@ def test_empty_plan(disks, engine_kind):
     assert st.shape == (0,)
 
 
+def test_execute_refuses_a_missing_or_bad_request_struct(disks, engine_kind):
+    """se_execute takes its requests as one se_requests struct: a NULL struct,
+    a bad op or a negative count is -EINVAL before any I/O, and n = 0 is an
+    empty call (as the Python wrapper's empty plan)."""
+    from swarmfs._native import ffi, lib
+    _, _, fds = disks
+    eng = make_engine(fds, engine_kind)
+    status = np.zeros(1, np.int32)
+    st = ffi.from_buffer("int32_t[]", status, require_writable=True)
+    with eng._call() as ptr:
+        assert lib.se_execute(ptr, ffi.NULL, st, ffi.NULL) == -errno.EINVAL
+        for bad in ({"op": 7, "n": 1}, {"op": READ, "n": -1}, {"op": READ, "n": 1}):
+            assert lib.se_execute(ptr, ffi.new("se_requests *", bad), st,
+                                  ffi.NULL) == -errno.EINVAL, bad      # (the last: NULL arrays)
+        assert lib.se_execute(ptr, ffi.new("se_requests *", {"op": READ, "n": 0}), st,
+                              ffi.NULL) == 0
+    assert eng.stats().executes == 0
+    eng.close()
+
+
 def test_data_kernels_match_python(rng):
     import xxhash
     src = rng.integers(0, 256, size=10000, dtype=np.uint8)

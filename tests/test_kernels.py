@@ -456,6 +456,50 @@ def test_empty_aligned_and_gather_kv_mode_refuse_bad_arguments():
             gather_kv_mode(*args)
 
 
+def test_native_calls_refuse_missing_argument_structs():
+    """The scoring, selection and planner calls take their arguments as
+    structs (engine.h): a NULL struct, or a struct without its arrays, is
+    -EINVAL in C, never a crash; se_select_i8x2 with no se_choice returns the
+    scores only."""
+    import errno
+
+    from swarmfs._native import ffi, lib
+    from swarmfs.decode._index2 import pack_medoids_i8x2, select_i8x2
+    from swarmfs.store._kernels import _choice, _i8_fields, _query, pack_medoids_i8
+    N, EINVAL = ffi.NULL, -errno.EINVAL
+    q = np.ones((4, 8), np.float32)
+    m = np.ones((20, 16), np.float16)
+    ix = pack_medoids_i8(m, 2)
+    ptr, members = np.arange(21, dtype=np.int64), np.arange(20, dtype=np.int32)
+    out = np.empty(20, np.int64)
+    qs, ch = _query(q, 2, 0.5), _choice(ptr, members, 20, 5, 0, out)
+    i8 = ffi.new("se_i8_index *", _i8_fields(ix, 20))
+    work = ffi.new("float[]", 20 * 5)
+    scores = ffi.new("float[]", 20)
+    assert lib.se_choose_clusters(scores, 20, N) == EINVAL
+    assert lib.se_choose_clusters(scores, 20, ffi.new("se_choice *")) == EINVAL
+    assert lib.se_select_fused(N, qs, 0, work, ch) == EINVAL
+    assert lib.se_select_fused(ffi.new("se_half_index *", {"C": 20, "kind": 1}), qs, 0, work,
+                               ch) == EINVAL                              # no medoids
+    assert lib.se_select_i8(i8, N, 1, work, ch) == EINVAL
+    assert lib.se_select_i8(ffi.new("se_i8_index *", {"rows": 20}), qs, 1, work, ch) == EINVAL
+    assert lib.se_head_logits_i8(i8, N, work) == EINVAL
+    assert lib.se_select_i8x2(N, qs, 1, scores, ch) == EINVAL
+    assert lib.se_plan_reads(N, ffi.new("se_plan_out *")) == EINVAL
+    assert lib.se_plan_reads(ffi.new("se_plan_in *", {"m": 1, "ndisks": 1, "E": 64,
+                                                      "bs": 512}), N) == EINVAL
+    # the scores alone (no se_choice) are the scores the choice is made from
+    from swarmfs.store._kernels import choose_clusters
+    ix2 = pack_medoids_i8x2(np.random.default_rng(1).standard_normal((20, 16)).astype(np.float16),
+                            2, group_size=4)
+    q2 = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)
+    s_only = select_i8x2(ix2, q2, 2, scale=0.5, ngroups=10**6)
+    got = select_i8x2(ix2, q2, 2, scale=0.5, ptr=ptr, members=members, num_tokens=20, budget=5,
+                      ngroups=10**6)
+    want = choose_clusters(s_only, ptr, members, num_tokens=20, budget=5, window=0)
+    assert got[0].tolist() == want[0].tolist() and got[1] == want[1] == 5
+
+
 def test_adversarial_arguments_are_refused_before_any_native_work(rng):
     """Found by attacking the kernels: object K/V were written over with raw
     bytes (a later read crashed), K given as V got V's bytes, a member of
@@ -521,7 +565,8 @@ def test_streaming_gathers_plans_and_selections_from_many_threads(rng):
     plan and select 10 times; every result equals
     the single-threaded one."""
     from swarmfs import plan_reads
-    from swarmfs.store._kernels import empty_aligned, gather_kv, gather_kv_mode, pack_medoids_i8, select_i8
+    from swarmfs.store._kernels import (empty_aligned, gather_kv, gather_kv_mode, kernel_path,
+                                         pack_medoids_i8, select_i8)
     H, d, n = 8, 128, 4200                                  # 4 KiB entries: 17 MB per call
     rows = rng.standard_normal((n, 2, H, d)).astype(np.float16)
     buf = rows.reshape(-1).view(np.uint8)

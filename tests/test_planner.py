@@ -385,7 +385,7 @@ def test_arguments_that_would_overflow_a_request_are_refused(kw):
 
 
 def _planner_ways(tok, cdisk, coff, *, E, bs, dedup, max_gap=0):
-    """The ways se_plan_reads takes (native/kernels.c plan_body's conditions,
+    """The ways se_plan_reads takes (native/planner.c plan_body's conditions,
     mirrored): (token bitmap, key bitmap, coalescing without merges, a run
     at a time).  A key bitmap falls back to the radix sort when two chosen
     entries share a key."""

@@ -31,7 +31,8 @@ import numpy as np
 
 from .._errors import InvalidArgumentError
 from .._validate import parse_number, parse_positive_int
-from ..store._kernels import Int8Index, _count_arg, _csr_args, _native_failure, pack_medoids_i8
+from ..store._kernels import (Int8Index, _choice, _count_arg, _csr_args, _i8_fields,
+                              _native_failure, _query, pack_medoids_i8)
 from .._native import ffi, lib
 
 __all__ = ["Int8Index2", "pack_medoids_i8x2", "select_i8x2", "groups_to_score", "check_coverage"]
@@ -248,25 +249,19 @@ def select_i8x2(ix: Int8Index2, q: np.ndarray, num_kv_heads: int, *, scale: floa
     ngroups = min(_count_arg(ngroups, "select_i8x2: ngroups"), K)
     score = np.empty(max(C, 1), np.float32)
     out = np.empty(max(C, 1), np.int64)
-    ent = ffi.new("int64_t *")
     w = ffi.from_buffer
+    ch = ffi.NULL                                      # scores only
     if ptr is not None:
         ptr, members = _csr_args(C, ptr, members, num_tokens, check)
-        pp, mp = w("int64_t[]", ptr), w("int32_t[]", members)
-    else:
-        pp = mp = ffi.NULL
-    n = lib.se_select_i8x2(w("int8_t[]", fine.data), w("float[]", fine.scales),
-                           w("int32_t[]", fine.sums), fine.rows, w("int32_t[]", ix.rowmed),
-                           w("int8_t[]", coarse.data), w("float[]", coarse.scales),
-                           w("int32_t[]", coarse.sums), K, w("int32_t[]", ix.gblk),
-                           w("float[]", ix.glogn), w("int32_t[]", ix.mgrp), int(ngroups),
-                           C, H, q.shape[1],
-                           w("float[]", q), q.shape[0], float(scale), pp, mp,
-                           int(num_tokens), int(budget), int(window),
-                           w("float[]", score, require_writable=True),
-                           w("int64_t[]", out, require_writable=True), ent)
+        ch = _choice(ptr, members, num_tokens, int(budget), int(window), out)
+    cix = ffi.new("se_i8x2_index *", {
+        "fine": _i8_fields(fine, fine.rows), "rowmed": w("int32_t[]", ix.rowmed),
+        "coarse": _i8_fields(coarse, K), "gblk": w("int32_t[]", ix.gblk),
+        "glogn": w("float[]", ix.glogn), "mgrp": w("int32_t[]", ix.mgrp), "C": C})
+    n = lib.se_select_i8x2(cix, _query(q, H, float(scale)), int(ngroups),
+                           w("float[]", score, require_writable=True), ch)
     if n < 0:
         _native_failure("select_i8x2", n)
     if ptr is None:
         return score[:C].copy()
-    return out[:n].copy(), int(ent[0])
+    return out[:n].copy(), int(ch.entries)

@@ -598,12 +598,14 @@ class Engine:
             return status
         info = ffi.new("se_exec_info *")
         with self._call() as ptr:
+            rq = ffi.new("se_requests *", {
+                "op": op, "n": n, "disk": ffi.from_buffer("int32_t[]", disk),
+                "off": ffi.from_buffer("uint64_t[]", off),
+                "len": ffi.from_buffer("uint32_t[]", length),
+                "dst": ffi.from_buffer("uint64_t[]", buf_off), "buf": buf.cdata(),
+                "buflen": buf.size, "buf_slot": buf.slot})
             failed = lib.se_execute(
-                ptr, op, n,
-                ffi.from_buffer("int32_t[]", disk), ffi.from_buffer("uint64_t[]", off),
-                ffi.from_buffer("uint32_t[]", length), ffi.from_buffer("uint64_t[]", buf_off),
-                buf.cdata(), buf.size, buf.slot,
-                ffi.from_buffer("int32_t[]", status, require_writable=True), info)
+                ptr, rq, ffi.from_buffer("int32_t[]", status, require_writable=True), info)
         if info.abandoned:
             buf._quarantine()
         if info.fallback:

@@ -1,9 +1,10 @@
-"""Native data kernels (``native/kernels.c``): gather/scatter of entry rows,
-XXH3-64 checksums, the §6.1 entry-bucket assignment, the medoid-scoring
-kernels (fp16/bf16 GEMV, per-head logits, softmax sums) and the cluster choice,
-alone or fused with the scoring.  The scoring kernels have AVX-512, AVX2 + FMA +
-F16C, NEON (aarch64) and scalar paths, chosen at run time from the CPU's
-features; :func:`set_kernel_path` (or ``SWARMFS_KERNEL_PATH``) forces one.
+"""Native data kernels (``native/``: data.c, scoring.c, index_i8.c, select.c,
+gather.c): gather/scatter of entry rows, XXH3-64 checksums, the §6.1
+entry-bucket assignment, the medoid-scoring kernels (fp16/bf16 GEMV,
+per-head logits, softmax sums) and the cluster choice, alone or fused with
+the scoring.  The scoring kernels have AVX-512, AVX2 + FMA + F16C, NEON
+(aarch64) and scalar paths, chosen at run time from the CPU's features;
+:func:`set_kernel_path` (or ``SWARMFS_KERNEL_PATH``) forces one.
 
 Each wrapper checks its arguments before C touches memory and raises only
 :class:`~swarmfs.InvalidArgumentError` for bad ones.
@@ -624,6 +625,33 @@ def _count_arg(x, what: str) -> int:
     return min(v, 1 << 62)
 
 
+# -- the structs of the scoring and selection calls (engine.h) -------------------
+# Each holds pointers into numpy arrays that the caller keeps alive for the call.
+
+def _query(q: np.ndarray, num_kv_heads: int, scale: float = 0.0):
+    """``se_query *`` of one C-contiguous float32 query [H_q, d]."""
+    return ffi.new("se_query *", {"q": ffi.from_buffer("float[]", q), "Hq": q.shape[0],
+                                  "H": num_kv_heads, "d": q.shape[1], "scale": scale})
+
+
+def _choice(ptr: np.ndarray, members: np.ndarray, num_tokens: int, budget: int,
+            window: int, out: np.ndarray):
+    """``se_choice *`` of a cluster table (:func:`_csr_args`), the chosen ids
+    to ``out`` (the distinct entries come back in its ``entries``)."""
+    return ffi.new("se_choice *", {"ptr": ffi.from_buffer("int64_t[]", ptr),
+                                   "members": ffi.from_buffer("int32_t[]", members),
+                                   "S": int(num_tokens), "budget": budget, "w": window,
+                                   "out": ffi.from_buffer("int64_t[]", out,
+                                                          require_writable=True)})
+
+
+def _i8_fields(ix, rows: int) -> dict:
+    """The ``se_i8_index`` fields of an :class:`Int8Index` (``rows`` per head)."""
+    return {"data": ffi.from_buffer("int8_t[]", ix.data),
+            "scales": ffi.from_buffer("float[]", ix.scales),
+            "sums": ffi.from_buffer("int32_t[]", ix.sums), "rows": rows}
+
+
 def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
                     num_tokens: int, budget: int, window: int,
                     check: bool = True) -> tuple[np.ndarray, int]:
@@ -640,15 +668,12 @@ def choose_clusters(scores: np.ndarray, ptr: np.ndarray, members: np.ndarray, *,
     C = sc.shape[0]
     ptr, members = _csr_args(C, ptr, members, num_tokens, check)
     out = np.empty(max(C, 1), dtype=np.int64)
-    ent = ffi.new("int64_t *")
-    n = lib.se_choose_clusters(ffi.from_buffer("float[]", sc), C,
-                               ffi.from_buffer("int64_t[]", ptr),
-                               ffi.from_buffer("int32_t[]", members), int(num_tokens),
-                               _count_arg(budget, "budget"), _count_arg(window, "window"),
-                               ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
+    ch = _choice(ptr, members, num_tokens, _count_arg(budget, "budget"),
+                 _count_arg(window, "window"), out)
+    n = lib.se_choose_clusters(ffi.from_buffer("float[]", sc), C, ch)
     if n < 0:
         _native_failure("choose_clusters", n)
-    return out[:n].copy(), int(ent[0])
+    return out[:n].copy(), int(ch.entries)
 
 
 def pack_medoids(m: np.ndarray, num_kv_heads: int) -> np.ndarray:
@@ -700,23 +725,19 @@ def select_fused(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *, scale: floa
     ptr, members = _csr_args(C, ptr, members, num_tokens, check)
     work = np.empty(C * (Hq + 1) + 1, dtype=np.float32)
     out = np.empty(max(C, 1), dtype=np.int64)
-    ent = ffi.new("int64_t *")
     if packed is not None and (packed.dtype != np.uint16 or not packed.flags.c_contiguous or
                                packed.shape != (H, (C + 15) // 16, d, 16)):
         _fail(f"select_fused: packed index {packed.shape} does not match {m.shape}")
     pk = ffi.from_buffer("uint16_t[]", packed) if packed is not None and C else ffi.NULL
-    n = lib.se_select_fused(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), pk, C, H, d,
-                            2 if bf16 else 1, ffi.from_buffer("float[]", q), Hq, float(scale),
-                            0 if score == "prob" else 1,
-                            ffi.from_buffer("int64_t[]", ptr),
-                            ffi.from_buffer("int32_t[]", members),
-                            int(num_tokens), _count_arg(budget, "budget"),
-                            _count_arg(window, "window"),
-                            ffi.from_buffer("float[]", work, require_writable=True),
-                            ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
+    ix = ffi.new("se_half_index *", {"m": ffi.from_buffer("uint16_t[]", m.view(np.uint16)),
+                                     "packed": pk, "C": C, "kind": 2 if bf16 else 1})
+    ch = _choice(ptr, members, num_tokens, _count_arg(budget, "budget"),
+                 _count_arg(window, "window"), out)
+    n = lib.se_select_fused(ix, _query(q, H, float(scale)), 0 if score == "prob" else 1,
+                            ffi.from_buffer("float[]", work, require_writable=True), ch)
     if n < 0:
         _native_failure("select_fused", n)
-    return out[:n].copy(), int(ent[0])
+    return out[:n].copy(), int(ch.entries)
 
 
 class Int8Index(NamedTuple):
@@ -799,10 +820,7 @@ def head_logits_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int) -> np.ndarra
     Hq = q.shape[0]
     out = np.empty((Hq, C), dtype=np.float32)
     if C:
-        ret = lib.se_head_logits_i8(ffi.from_buffer("int8_t[]", ix.data),
-                                    ffi.from_buffer("float[]", ix.scales),
-                                    ffi.from_buffer("int32_t[]", ix.sums), C, H, d,
-                                    ffi.from_buffer("float[]", q), Hq,
+        ret = lib.se_head_logits_i8(ffi.new("se_i8_index *", _i8_fields(ix, C)), _query(q, H),
                                     ffi.from_buffer("float[]", out, require_writable=True))
         if ret < 0:
             _native_failure("head_logits_i8", ret)
@@ -846,17 +864,11 @@ def select_i8(ix: Int8Index, q: np.ndarray, num_kv_heads: int, *, scale: float,
     ptr, members = _csr_args(C, ptr, members, num_tokens, check)
     work = np.empty(C * (Hq // H + 1) + 1, dtype=np.float32)
     out = np.empty(max(C, 1), dtype=np.int64)
-    ent = ffi.new("int64_t *")
-    n = lib.se_select_i8(ffi.from_buffer("int8_t[]", ix.data),
-                         ffi.from_buffer("float[]", ix.scales),
-                         ffi.from_buffer("int32_t[]", ix.sums), C, H, d,
-                         ffi.from_buffer("float[]", q), Hq, float(scale),
-                         ffi.from_buffer("int64_t[]", ptr),
-                         ffi.from_buffer("int32_t[]", members),
-                         int(num_tokens), _count_arg(budget, "select_i8: budget"),
-                         _count_arg(window, "select_i8: window"), int(threads),
-                         ffi.from_buffer("float[]", work, require_writable=True),
-                         ffi.from_buffer("int64_t[]", out, require_writable=True), ent)
+    ch = _choice(ptr, members, num_tokens, _count_arg(budget, "select_i8: budget"),
+                 _count_arg(window, "select_i8: window"), out)
+    n = lib.se_select_i8(ffi.new("se_i8_index *", _i8_fields(ix, C)), _query(q, H, float(scale)),
+                         int(threads), ffi.from_buffer("float[]", work, require_writable=True),
+                         ch)
     if n < 0:
         _native_failure("select_i8", n)
-    return out[:n].copy(), int(ent[0])
+    return out[:n].copy(), int(ch.entries)

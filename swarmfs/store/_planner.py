@@ -176,16 +176,19 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
     disk_entries, disk_bytes = i64[2 * cap:2 * cap + ndisks], i64[2 * cap + ndisks:]
     src, roff, rdst = u64[:cap], u64[cap:2 * cap], u64[2 * cap:]
     rdisk, rlen = np.empty(cap, np.int32), np.empty(cap, np.uint32)
-    n_entries = ffi.new("int64_t *")
-    staging = ffi.new("uint64_t *")
     w = ffi.from_buffer
-    R = lib.se_plan_reads(m, w("int64_t[]", tok), w("int32_t[]", cdisk), w("uint64_t[]", coff),
-                          ndisks, eb, block_size, max_gap, max_request,
-                          int(policy == "balanced"), int(bool(dedup)),
-                          w("int64_t[]", utok), w("int64_t[]", chosen), w("uint64_t[]", src),
-                          n_entries, w("int32_t[]", rdisk), w("uint64_t[]", roff),
-                          w("uint32_t[]", rlen), w("uint64_t[]", rdst), staging,
-                          w("int64_t[]", disk_entries), w("int64_t[]", disk_bytes))
+    args = ffi.new("se_plan_in *", {
+        "m": m, "tok": w("int64_t[]", tok), "cdisk": w("int32_t[]", cdisk),
+        "coff": w("uint64_t[]", coff), "ndisks": ndisks, "E": eb, "bs": block_size,
+        "max_gap": max_gap, "max_request": max_request,
+        "balanced": int(policy == "balanced"), "dedup": int(bool(dedup))})
+    out = ffi.new("se_plan_out *", {
+        "utok": w("int64_t[]", utok), "chosen": w("int64_t[]", chosen),
+        "src": w("uint64_t[]", src), "rdisk": w("int32_t[]", rdisk),
+        "roff": w("uint64_t[]", roff), "rlen": w("uint32_t[]", rlen),
+        "rdst": w("uint64_t[]", rdst), "disk_entries": w("int64_t[]", disk_entries),
+        "disk_bytes": w("int64_t[]", disk_bytes)})
+    R = lib.se_plan_reads(args, out)
     if R == -errno.EDOM:
         raise InvalidArgumentError("token ids must be in [0, 2**31)")
     if R == -errno.ERANGE:
@@ -194,8 +197,8 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
         raise InvalidArgumentError("a candidate's offset is at or beyond 2**52 bytes")
     if R < 0:
         raise InternalError(f"plan_reads failed: {os.strerror(-R)}")
-    n = int(n_entries[0])
-    if int(rlen[:R].sum(dtype=np.uint64)) != int(staging[0]):
+    n, staging = int(out.n_entries), int(out.staging)
+    if int(rlen[:R].sum(dtype=np.uint64)) != staging:
         # requests are laid back to back in staging: a sum that differs means
         # a request (runs merged where their blocks overlap) reached 4 GiB
         raise InvalidArgumentError(
@@ -203,5 +206,5 @@ def plan_reads(tok, cdisk, coff, *, ndisks: int, entry_bytes: int,
             f"{max_request}, block size {block_size}): use block-aligned entries or a "
             "smaller max_request")
     return Plan(disk=rdisk[:R], offset=roff[:R], length=rlen[:R], dst=rdst[:R],
-                staging_bytes=int(staging[0]), tokens=utok[:n], src=src[:n], copy=chosen[:n],
+                staging_bytes=staging, tokens=utok[:n], src=src[:n], copy=chosen[:n],
                 disk_entries=disk_entries, disk_bytes=disk_bytes, entry_bytes=eb)
