@@ -266,7 +266,9 @@ def mount(store_path, mountpoint, *, foreground: bool = True, allow_other: bool 
         allow_other: let other users read the mount (FUSE ``allow_other``).
         debug: log every request (libfuse ``debug``) and debug messages.
         direct_io: bypass the page cache for KV files (see :class:`SwarmFS`).
-        threads: worker threads for store reads.
+        threads: worker threads for store reads; the KV reads that touch one
+            disk hold at most half of them (per-disk queues), so readers
+            stuck on one disk never starve the readers of the others.
         readahead: largest read-ahead window of a sequential reader of a KV
             file, in bytes (0: none; see ``_fuse_stream``).
         verify: verify checksums of everything read (default on).

@@ -97,14 +97,17 @@ class SwarmFS(pyfuse3.Operations):
             :meth:`follow`).  False: the generation at mount time for ever
             (``--snapshot``).
         poll_interval: seconds between manifest polls.
-        engines: engines serving KV reads in parallel: the store's own plus
-            ``engines - 1`` more opened on the same store (each runs one
-            batched submission at a time).  Closed by :meth:`close`.
+        engines: engines serving KV reads: the store's own plus ``engines -
+            1`` more opened on the same store, taken in turn.  Closed by
+            :meth:`close`.
 
     Concurrency: every handler runs in the trio thread; store reads and
-    renderings run in worker threads.  The current generation (``tree``) is
-    replaced in one assignment; an open file keeps the generation it was
-    opened on until it is closed.
+    renderings run in worker threads (``threads`` of them).  KV reads queue
+    per disk (``_fuse_stream.DiskAdmission``): the reads that touch one disk
+    hold at most half the threads, so readers stuck on one slow or hung disk
+    never starve the readers of the other disks.  The current generation
+    (``tree``) is replaced in one assignment; an open file keeps the
+    generation it was opened on until it is closed.
     """
 
     supports_dot_lookup = True

@@ -15,6 +15,17 @@ A single or random read never reads more than the entries it covers, and all
 read-ahead memory comes from one pool bounded by ``budget`` bytes; when the
 pool is exhausted, reads simply go without read-ahead.
 
+Per-disk queues (:class:`DiskAdmission`): every read reserves a slot on each
+disk it reads before it takes a worker thread, and at most ``per_disk`` reads
+in flight touch any one disk (default: half the worker threads).  A read over
+several disks runs whole, one batched submission, while each of its disks has
+fewer than ``per_disk // 2`` reads in flight; otherwise it is split into one
+part per disk, each queued on its own disk.  So readers stuck on one slow
+disk hold at most ``per_disk`` threads, and of any other disk's slots at most
+the ``per_disk // 2`` whole reads that were admitted before the disk stalled:
+readers of the other disks always find a slot and (with at least two worker
+threads) a thread.
+
 Buffer lifetime: ``read`` returns a memoryview into a pooled buffer, which
 pyfuse3 copies to the kernel before any other trio task runs (there is no
 ``await`` between our return and its reply).  Buffers are therefore recycled
@@ -31,8 +42,10 @@ import numpy as np
 import trio
 
 from .. import _errors as E
+from .. import _validate as V
+from ..store._kernels import scatter_rows
 
-__all__ = ["BufferPool", "KVReader", "Stream"]
+__all__ = ["BufferPool", "DiskAdmission", "KVReader", "Stream"]
 
 log = logging.getLogger("swarmfs.fuse")
 
@@ -78,6 +91,97 @@ class BufferPool:
         return sum(k * len(v) for k, v in self._free.items())
 
 
+class _Waiter:
+    """A read part queued for a slot on one disk."""
+    __slots__ = ("event", "admitted")
+
+    def __init__(self):
+        self.event = trio.Event()
+        self.admitted = False
+
+
+class DiskAdmission:
+    """Per-disk queues: which reads of the mount may be in flight.
+
+    Every read holds a slot on each disk it reads while it runs, and a disk
+    has ``per_disk`` slots.  A read over several disks is admitted whole
+    (:meth:`try_whole`) only while each of its disks has fewer than
+    ``whole`` reads in flight; otherwise the caller splits it into one part
+    per disk, and each part waits for a slot on its own disk
+    (:meth:`acquire`, first come first served per disk).  Hence, with
+    ``whole < per_disk``: reads stuck on one disk hold at most ``per_disk``
+    slots in all, and at most ``whole`` slots of any other disk, so every
+    other disk keeps ``per_disk - whole`` slots for its own readers.
+
+    Args:
+        num_disks: disks of the store.
+        per_disk: slots per disk (>= 1).
+        whole: in-flight reads per disk up to which a read over several disks
+            still runs whole (0: such reads are always split).
+
+    Concurrency: trio tasks of one thread; no locks (nothing here awaits
+    except :meth:`acquire`, and a cancelled :meth:`acquire` leaves no slot
+    behind).
+    """
+
+    def __init__(self, num_disks: int, per_disk: int, whole: int):
+        self.num_disks = int(num_disks)
+        self.per_disk = int(per_disk)
+        self.whole = min(int(whole), self.per_disk)
+        self.in_flight = np.zeros(self.num_disks, dtype=np.int64)
+        self._queues = [collections.deque() for _ in range(self.num_disks)]
+        self.waits = 0
+
+    def try_whole(self, disks: np.ndarray) -> bool:
+        """Take a slot on every disk of ``disks`` (int [k], distinct) if each
+        has fewer than ``whole`` reads in flight; False (nothing taken)
+        otherwise."""
+        if not (self.in_flight[disks] < self.whole).all():
+            return False
+        self.in_flight[disks] += 1
+        return True
+
+    async def acquire(self, d: int) -> None:
+        """Wait for a slot on disk ``d`` (behind the parts already queued
+        there).  Release it with :meth:`release`."""
+        q = self._queues[d]
+        if not q and self.in_flight[d] < self.per_disk:
+            self.in_flight[d] += 1
+            return
+        w = _Waiter()
+        q.append(w)
+        self.waits += 1
+        try:
+            await w.event.wait()
+        except BaseException:
+            if w.admitted:                  # the slot came with the cancellation
+                self.release((d,))
+            else:
+                q.remove(w)
+            raise
+
+    def release(self, disks) -> None:
+        """Give back one slot on each disk of ``disks`` (ints) and hand it to
+        the next part queued there."""
+        for d in disks:
+            self.in_flight[d] -= 1
+            q = self._queues[d]
+            while q and self.in_flight[d] < self.per_disk:
+                w = q.popleft()
+                w.admitted = True
+                self.in_flight[d] += 1
+                w.event.set()
+
+    def stats(self) -> dict:
+        """Slots per disk (``per_disk``), the whole-read limit
+        (``whole_per_disk``), reads in flight and parts waiting per disk
+        (``disk_in_flight``, ``disk_waiting``: lists in disk order) and the
+        parts that had to wait so far (``disk_waits``)."""
+        return {"per_disk": self.per_disk, "whole_per_disk": self.whole,
+                "disk_in_flight": self.in_flight.tolist(),
+                "disk_waiting": [len(q) for q in self._queues], "disk_waits": self.waits}
+
+
 class _Window:
     """Bytes [start, end) of a cluster file, being read into ``buf`` (which
     holds whole entries from byte ``base`` on)."""
@@ -106,12 +210,6 @@ class Stream:
         self.closed = False
         self.lock = trio.Lock()
 
-    @property
-    def source(self):
-        """What ``KVReader.read_into`` reads from: the pinned layer index, or
-        the layer number."""
-        return self.layer if self.li is None else self.li
-
 
 class KVReader:
     """Serves byte ranges of cluster files (kv.bin's byte stream).
@@ -122,67 +220,134 @@ class KVReader:
         budget: bytes of buffers for reads and read-ahead.
         window_max: largest read-ahead window (bytes); 0 disables read-ahead.
         depth: read-ahead windows kept in flight ahead of the reader.
-        engines: stores (open on the same disks) whose engines serve reads in
-            parallel, ``store`` included (default: ``[store]``).  An engine
-            runs one batched submission at a time, so concurrent requests and
-            read-ahead windows overlap their I/O only on different engines;
-            each read takes an idle one.
+        engines: stores (open on the same disks) whose engines serve reads,
+            ``store`` included (default: ``[store]``); reads take them in
+            turn (an engine serves any number of threads at once).
+        per_disk: reads in flight that may touch one disk (default: half
+            the limiter's threads, at least 1); see :class:`DiskAdmission`
+            (whole reads over several disks: up to ``per_disk // 2`` per disk).
 
     Concurrency: ``read`` may run concurrently for any streams (trio tasks of
-    one thread); the blocking reads run in worker threads, at most one per
-    engine at a time.
+    one thread); the blocking reads run in worker threads.  Reads wait for
+    a slot on each disk they read (per-disk queues) before they take a
+    thread, so reads stuck on one disk hold at most ``per_disk`` of the
+    limiter's threads: with ``per_disk`` below the thread count (the
+    default), readers of the other disks keep being served.
     """
 
     def __init__(self, store, *, limiter, budget: int = 256 << 20,
-                 window_max: int = 16 << 20, depth: int = 2, engines=None):
+                 window_max: int = 16 << 20, depth: int = 2, engines=None,
+                 per_disk: int | None = None):
         self.store = store
         self.engines = list(engines) if engines else [store]
-        self._idle = list(self.engines)
-        self._engine_sem = trio.Semaphore(len(self.engines))
+        self._turn = 0
         # windows hold whole stripes: a multiple of N entries spans every disk
         self.stripe_bytes = int(store.entry_bytes) * int(store.num_disks)
         self.entry_bytes = int(store.entry_bytes)
         self.limiter = limiter
+        if per_disk is None:
+            per_disk = max(1, int(limiter.total_tokens) // 2)
+        per_disk = V.parse_positive_int(per_disk, "per_disk", 1 << 20)
+        self.admission = DiskAdmission(store.num_disks, per_disk, per_disk // 2)
         self.pool = BufferPool(budget)
         self.window_max = int(window_max)
         self.depth = int(depth)
         self.nursery: trio.Nursery | None = None
         self._recycle: list = []
         self.counters = dict(readahead_hits=0, readahead_misses=0, readahead_windows=0,
-                             readahead_bytes=0, readahead_failed=0)
+                             readahead_bytes=0, readahead_failed=0, split_reads=0)
 
     # -- blocking part (worker threads) ----------------------------------------------
-    def read_into(self, layer, cid: int, start: int, end: int, buf: np.ndarray,
-                  store=None) -> int:
-        """Read the entries covering bytes [start, end) of a cluster file into
-        ``buf`` with ``store``'s engine (default: the main store); returns the
-        byte offset (in the file) of ``buf[0]``.  ``layer`` is a layer number
-        or a ``LayerIndex`` (a pinned generation).
+    @staticmethod
+    def _read_rows(li, copies: np.ndarray, cid: int, rows: np.ndarray, store) -> None:
+        """Read the entries of ``copies`` into ``rows`` (uint8 [k, entry
+        bytes]) in one batched submission of ``store``'s engine, checksums
+        verified.
 
         Raises:
             ChecksumError, IOFailedError, DiskTruncatedError: from the store.
         """
-        store = self.store if store is None else store
+        plan = store.plan_copies(li, copies, key=np.arange(copies.shape[0]))
+        store.execute(li, plan, copies, out=rows, cluster=cid)
+
+    def _read_scattered(self, li, copies: np.ndarray, sel: np.ndarray, cid: int,
+                        rows: np.ndarray, tmp: np.ndarray, store) -> None:
+        """One disk's part of a split read: its entries into ``tmp`` (uint8
+        [k, entry bytes]), then each to its row ``sel`` of ``rows``."""
+        self._read_rows(li, copies, cid, tmp, store)
         Eb = self.entry_bytes
-        j0, j1 = start // Eb, -(-end // Eb)
-        li = self.store.layer(layer) if isinstance(layer, int) else layer
-        copies = li.cluster_copies([cid])[j0:j1]
-        k = j1 - j0
-        plan = store.plan_copies(li, copies, key=np.arange(k))
-        store.execute(li, plan, copies, out=buf[:k * Eb].reshape(k, Eb), cluster=cid)
-        return j0 * Eb
+        scatter_rows(rows.reshape(-1), sel * Eb, tmp, np.arange(sel.shape[0]), Eb)
+
+    async def _run(self, fn, *args):
+        """``fn(*args, store)`` in a worker thread, ``store`` the next engine."""
+        store = self.engines[self._turn % len(self.engines)]
+        self._turn += 1
+        return await trio.to_thread.run_sync(fn, *args, store, limiter=self.limiter)
 
     async def _read_into(self, stream: "Stream", start: int, end: int,
                          buf: np.ndarray) -> int:
-        """:meth:`read_into` in a worker thread, on an idle engine."""
-        async with self._engine_sem:
-            store = self._idle.pop()
+        """Read the entries covering bytes [start, end) of the stream's
+        cluster file into ``buf`` in worker threads, through the per-disk
+        queues; returns the byte offset (in the file) of ``buf[0]``.
+
+        Raises:
+            ChecksumError, IOFailedError, DiskTruncatedError: from the store
+                (the first failing part's, once every part has ended).
+        """
+        li = stream.li
+        if li is None:
+            li = await trio.to_thread.run_sync(self.store.layer, stream.layer,
+                                               limiter=self.limiter)
+        Eb = self.entry_bytes
+        j0, j1 = start // Eb, -(-end // Eb)
+        copies = li.cluster_copies([stream.cluster])[j0:j1]
+        rows = buf[:(j1 - j0) * Eb].reshape(j1 - j0, Eb)
+        on = li.copy_disk[copies]
+        disks = np.flatnonzero(np.bincount(on, minlength=self.admission.num_disks))
+        adm = self.admission
+        if disks.size > 1 and adm.try_whole(disks):
             try:
-                return await trio.to_thread.run_sync(
-                    self.read_into, stream.source, stream.cluster, start, end, buf, store,
-                    limiter=self.limiter)
+                await self._run(self._read_rows, li, copies, stream.cluster, rows)
             finally:
-                self._idle.append(store)
+                adm.release(disks.tolist())
+        elif disks.size == 1:
+            await self._part(li, copies, None, int(disks[0]), stream.cluster, rows)
+        else:
+            self.counters["split_reads"] += 1
+            failures = []
+
+            async def part(d):
+                try:
+                    sel = np.flatnonzero(on == d)
+                    await self._part(li, copies[sel], sel, d, stream.cluster, rows)
+                except Exception as exc:        # the other parts still end first
+                    failures.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                for d in disks.tolist():
+                    nursery.start_soon(part, d)
+            if failures:
+                raise failures[0]
+        return j0 * Eb
+
+    async def _part(self, li, copies: np.ndarray, sel, d: int, cid: int,
+                    rows: np.ndarray) -> None:
+        """The entries of ``copies`` (all on disk ``d``) into rows ``sel`` of
+        ``rows`` (None: all of them, in order), once disk ``d`` has a slot."""
+        await self.admission.acquire(d)
+        tmp = None
+        try:
+            if sel is None:
+                await self._run(self._read_rows, li, copies, cid, rows)
+            else:
+                k = sel.shape[0]
+                tmp = self._buffer(k * self.entry_bytes)
+                await self._run(self._read_scattered, li, copies, sel, cid, rows,
+                                tmp[:k * self.entry_bytes].reshape(k, self.entry_bytes))
+        finally:
+            self.admission.release((d,))
+            if tmp is not None:
+                self.pool.put(tmp)
 
     # -- trio part ---------------------------------------------------------------------
     def _buffer(self, nbytes: int) -> np.ndarray:
@@ -294,8 +459,12 @@ class KVReader:
             self._drop(stream.windows.popleft())
 
     def stats(self) -> dict:
-        """Counters of the reader, pool usage and its settings (a dict copy)."""
+        """Counters of the reader (read-ahead hits, misses, windows, bytes and
+        failures; ``split_reads``: reads over several disks split per disk),
+        pool usage, its settings and :meth:`DiskAdmission.stats` (a dict
+        copy, JSON-ready)."""
         out = dict(self.counters)
         out.update(pool_budget=self.pool.budget, pool_allocated=self.pool.allocated,
                    window_max=self.window_max, depth=self.depth, engines=len(self.engines))
+        out.update(self.admission.stats())
         return out
