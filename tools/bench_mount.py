@@ -27,6 +27,22 @@ and measures, side by side in every run (median of --runs):
 Writes everything to --out as JSON and prints a table.
 
     python -m tools.bench_mount --dir /tmp/swarmfs-bench --runs 5 --out bench_mount.json
+
+``--isolation`` (root) instead measures readers of healthy disks beside
+readers stuck on a slow one, through the mount (issue 26): a store of
+--disks disks, the last a loop device throttled by blk-throttle to
+--slow-bps bytes/s (the testbed's cgroup, which the mount daemon joins once
+it is up), the others files under --dir; entries of 4 KiB, mounted with
+``--direct-io`` so that every ``pread`` is one FUSE read of exactly its
+entries.  --healthy threads read one random entry of the healthy disks at a
+time, for --isolation-seconds per phase: alone ("solo"), then beside each
+count of --stuck readers of the slow disk (even ones read one entry on it,
+odd ones a stripe of one entry per disk, so both whole and split reads are
+stuck; they keep reading from one phase to the next).  Each phase starts once
+the daemon's stats.json shows every stuck reader queued on or reading the
+slow disk.  Reports the healthy reads' p50 and p99 and their ratios to solo.
+
+    python -m tools.bench_mount --isolation --stuck 1,4,8 --out bench_mount_isolation.json
 """
 
 from __future__ import annotations
@@ -41,10 +57,12 @@ import sys
 import time
 import types
 
+import threading
+
 import click
 import numpy as np
 
-from tools._options import COUNT, DISKS, NONNEG, CommaList, OutPath, clear_store_dir
+from tools._options import COUNT, DISKS, NONNEG, POSITIVE, CommaList, OutPath, clear_store_dir
 from swarmfs import Store
 
 MiB = 1 << 20
@@ -223,6 +241,149 @@ def readahead_sweep(big, mnt, sizes_kb, runs, store):
     return {k: statistics.median(v) for k, v in res.items()}
 
 
+def build_isolation(path, disks):
+    """A store over ``disks`` (the last one the slow disk): one layer of 64
+    clusters of 64 entries of 4 KiB ([2, 8, 128] float16), striped over every
+    disk.  Returns the entries' bytes [clusters, 64 * 4096] and the disk of
+    each entry [clusters, 64]."""
+    clear_store_dir(path, option="--dir")
+    rng = np.random.default_rng(3)
+    C, n = 64, 64
+    kv = rng.standard_normal((C * n, 2, 8, 128), dtype=np.float32).astype(np.float16)
+    with Store.create(path, disks=disks, num_layers=1, num_kv_heads=8, head_dim=128,
+                      dtype="float16", force=True) as s:
+        s.write_layer(0, kv, [np.arange(c * n, (c + 1) * n) for c in range(C)])
+        li = s.layer(0)
+        on = np.stack([li.copy_disk[li.cluster_copies([c])] for c in range(C)])
+        want = np.stack([s.read_cluster(0, c).reshape(-1).view(np.uint8) for c in range(C)])
+    return want, on
+
+
+def _kv_reader_stats(mnt):
+    with open(os.path.join(mnt, "stats.json")) as f:
+        return json.load(f)["mount"]["kv_reader"]
+
+
+def measure_isolation(a):
+    """Healthy readers' latency through the mount alone and beside stuck
+    readers of a throttled disk (see the module docstring)."""
+    from tools import _testbed as T
+    name = f"swarmfs-bench-mount-isolation-{os.getpid()}"
+    backing = os.path.join(a.dir, "isolation-backing")
+    state = T.up(1, "64M", backing, limits=T.Limits(read_bps=a.slow_bps), name=name)
+    slow = a.disks - 1
+    phases, meta = [], {}
+    try:
+        dev = state["devices"][0]
+        os.makedirs(os.path.join(a.dir, "isolation-disks"), exist_ok=True)
+        disks = [os.path.join(a.dir, "isolation-disks", f"disk{i}.img")
+                 for i in range(slow)] + [dev]
+        want, on = build_isolation(os.path.join(a.dir, "isolation"), disks)
+        Eb = want.shape[1] // on.shape[1]
+        healthy = np.argwhere(on != slow)               # (cluster, entry) pairs
+        narrow = np.argwhere(on == slow)
+        stripes = [(c, j - 1) for c, j in narrow if j >= 1 and j + a.disks - 1 <= on.shape[1]]
+        mnt = os.path.join(a.dir, "mnt-isolation")
+        with Mount(os.path.join(a.dir, "isolation"), mnt, "--direct-io",
+                   "--threads", str(a.threads)) as M:
+            T.enter(M.proc.pid, name=name)              # the daemon's reads of dev: throttled
+            fds = [os.open(os.path.join(mnt, "layers", "00", "clusters", f"{c:06d}", "kv.bin"),
+                           os.O_RDONLY) for c in range(on.shape[0])]
+            stop_stuck = threading.Event()
+            stuck_done, stuck_bad, stuck_threads = [0], [0], []
+
+            def stuck_reader(k):
+                r = np.random.default_rng(100 + k)
+                while not stop_stuck.is_set():
+                    if k % 2 == 0:
+                        c, j = narrow[r.integers(len(narrow))]
+                        n = 1
+                    else:
+                        c, j = stripes[r.integers(len(stripes))]
+                        n = a.disks
+                    try:
+                        got = os.pread(fds[c], n * Eb, int(j) * Eb)
+                    except OSError:
+                        return                          # unmounted under it
+                    stuck_bad[0] += got != want[c, j * Eb:(j + n) * Eb].tobytes()
+                    stuck_done[0] += 1
+
+            def healthy_phase(label):
+                lat, bad = [[] for _ in range(a.healthy)], [0]
+                end = time.monotonic() + a.isolation_seconds
+                before = stuck_done[0]
+
+                def reader(k):
+                    r = np.random.default_rng(k)
+                    while time.monotonic() < end:
+                        c, j = healthy[r.integers(len(healthy))]
+                        t = time.perf_counter()
+                        got = os.pread(fds[c], Eb, int(j) * Eb)
+                        lat[k].append(time.perf_counter() - t)
+                        bad[0] += got != want[c, j * Eb:(j + 1) * Eb].tobytes()
+
+                ths = [threading.Thread(target=reader, args=(k,)) for k in range(a.healthy)]
+                for t in ths:
+                    t.start()
+                for t in ths:
+                    t.join()
+                us = np.concatenate([np.asarray(x) for x in lat]) * 1e6
+                row = {"stuck_readers": label, "healthy_reads": int(us.size),
+                       "p50_us": float(np.percentile(us, 50)) if us.size else None,
+                       "p99_us": float(np.percentile(us, 99)) if us.size else None,
+                       "max_us": float(us.max()) if us.size else None,
+                       "wrong_bytes": bad[0], "stuck_reads_done": stuck_done[0] - before,
+                       "daemon": _kv_reader_stats(mnt)}
+                solo = phases[0] if phases else row
+                for q in ("p50", "p99"):
+                    row[f"{q}_over_solo"] = (row[f"{q}_us"] / solo[f"{q}_us"]
+                                             if row[f"{q}_us"] and solo[f"{q}_us"] else None)
+                phases.append(row)
+                print(f"{label:>6} {row['healthy_reads']:8d} {row['p50_us'] or 0:10.0f} "
+                      f"{row['p99_us'] or 0:10.0f} {row['p50_over_solo'] or 0:9.2f} "
+                      f"{row['p99_over_solo'] or 0:9.2f} {row['stuck_reads_done']:7d} "
+                      f"{row['daemon']['disk_in_flight'][slow]:4d} "
+                      f"{row['daemon']['disk_waiting'][slow]:4d}", flush=True)
+
+            print(f"slow disk {slow} ({dev}) throttled to {a.slow_bps} B/s; {a.healthy} healthy "
+                  f"readers of 4 KiB entries, {a.isolation_seconds:g} s per phase, mount "
+                  f"--direct-io --threads {a.threads}")
+            print(f"{'stuck':>6} {'reads':>8} {'p50 µs':>10} {'p99 µs':>10} {'p50/solo':>9} "
+                  f"{'p99/solo':>9} {'stuck':>7} {'in':>4} {'wait':>4}")
+            try:
+                healthy_phase(0)
+                for n in sorted(set(a.stuck)):
+                    while len(stuck_threads) < n:
+                        t = threading.Thread(target=stuck_reader, args=(len(stuck_threads),),
+                                             daemon=True)
+                        t.start()
+                        stuck_threads.append(t)
+                    deadline = time.monotonic() + 60
+                    while True:
+                        st = _kv_reader_stats(mnt)
+                        if st["disk_in_flight"][slow] + st["disk_waiting"][slow] >= n or \
+                                time.monotonic() > deadline:
+                            break
+                        time.sleep(0.05)
+                    healthy_phase(n)
+            finally:
+                stop_stuck.set()
+                T.down(name, backing)                   # lifts the throttle: stuck reads end
+                for t in stuck_threads:
+                    t.join(60)
+                for fd in fds:
+                    os.close(fd)
+            meta = {"slow_disk": slow, "slow_device": dev, "slow_bps": a.slow_bps,
+                    "disks": a.disks, "entry_bytes": Eb, "threads": a.threads,
+                    "healthy_readers": a.healthy, "seconds_per_phase": a.isolation_seconds,
+                    "stuck_reads_wrong_bytes": stuck_bad[0],
+                    "stuck_reads": "even: one entry on the slow disk; odd: one entry on "
+                                   "every disk"}
+    finally:
+        T.down(name, backing)
+    return {"meta": meta, "phases": phases}
+
+
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--dir", default="/tmp/swarmfs-bench")
 @click.option("--disks", type=DISKS, default=4)
@@ -237,10 +398,34 @@ def readahead_sweep(big, mnt, sizes_kb, runs, store):
                    "main benchmark (root only)")
 @click.option("--concurrent", type=COUNT, default=4)
 @click.option("--threads", type=COUNT, default=8)
-@click.option("--out", type=OutPath(), default="bench_mount.json")
+@click.option("--isolation", is_flag=True,
+              help="instead of the main benchmark: healthy readers' latency beside readers "
+                   "stuck on a throttled disk (root)")
+@click.option("--stuck", type=CommaList(int, item=COUNT), default="1,4,8",
+              help="isolation: counts of stuck readers, one phase each")
+@click.option("--healthy", type=COUNT, default=4, help="isolation: readers of healthy disks")
+@click.option("--slow-bps", type=COUNT, default=2048,
+              help="isolation: read bytes/s of the throttled disk")
+@click.option("--isolation-seconds", type=POSITIVE, default=10.0,
+              help="isolation: seconds per phase")
+@click.option("--out", type=OutPath(), default=None,
+              help="JSON results (default bench_mount.json; with --isolation "
+                   "bench_mount_isolation.json)")
 def cli(**options):
     a = types.SimpleNamespace(**options)
+    if a.out is None:
+        a.out = "bench_mount_isolation.json" if a.isolation else "bench_mount.json"
     os.makedirs(a.dir, exist_ok=True)
+    if a.isolation:
+        if a.disks < 2:
+            raise click.BadParameter("--isolation needs at least 2 disks (one is the slow "
+                                     "one)", param_hint="--disks")
+        res = measure_isolation(a)
+        res["command"] = " ".join([os.path.basename(sys.executable)] + sys.argv)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {a.out}")
+        return
     big, wide = os.path.join(a.dir, "big"), os.path.join(a.dir, "wide")
     t0 = time.perf_counter()
     build_big(big, disks=a.disks, clusters=max(a.big_clusters, a.concurrent),
