@@ -292,3 +292,91 @@ def test_bench_select_session_steps_with_and_without_reused_outputs(rng):
         x = out[key]
         assert x["step_us"] > 0 and x["retrieval_us"] > 0 and x["step_us"] >= x["retrieval_us"]
         assert x["io_us"] > 0 and x["cpu_us"] > 0
+
+
+# -- options whose defaults must follow other options; output prefixes -------------------
+
+def _params(module, args):
+    """What a tool's command line parses into (its work never runs)."""
+    cmd = module.cli
+    with cmd.make_context(module.__name__, list(args)) as ctx:
+        return ctx.params
+
+
+def test_bench_select_cluster_sizes_follow_tokens():
+    """The default --cluster-sizes held four values, so a single --tokens
+    value failed ("4 cluster sizes for 1 --tokens values")."""
+    import click
+
+    from tools import bench_select as B
+    assert _params(B, [])["cluster_sizes"] == [14.9, 19.4, 25.2, 32.8]
+    p = _params(B, ["--tokens", "32768"])
+    assert p["tokens"] == [32768] and p["cluster_sizes"] == [B.default_cluster_size(32768)]
+    assert 8 < p["cluster_sizes"][0] < 9                   # 14.9 x (1/4)^0.38
+    assert _params(B, ["--cluster-sizes", "10", "--tokens", "32768,65536"])["cluster_sizes"] \
+        == [10.0, 10.0]
+    assert _params(B, ["--tokens", "4096,8192", "--cluster-sizes", "6,7"])["cluster_sizes"] \
+        == [6.0, 7.0]
+    with pytest.raises(click.UsageError, match="3 cluster sizes for 2 --tokens"):
+        _params(B, ["--cluster-sizes", "6,7,8", "--tokens", "4096,8192"])
+
+
+def test_bench_select_query_heads_follow_kv_heads():
+    """The default --query-heads 64 refused any --kv-heads that does not
+    divide 64."""
+    import click
+
+    from tools import bench_select as B
+    assert (_params(B, [])["kv_heads"], _params(B, [])["query_heads"]) == (8, 64)
+    assert _params(B, ["--kv-heads", "6"])["query_heads"] == 48
+    assert _params(B, ["--query-heads", "12", "--kv-heads", "6"])["query_heads"] == 12
+    with pytest.raises(click.UsageError, match="multiple of the KV heads"):
+        _params(B, ["--query-heads", "64", "--kv-heads", "6"])
+
+
+@pytest.mark.parametrize("module,suffixes", [("bench_select", (".json",)),
+                                             ("bench_engine", (".json", ".png"))])
+def test_an_output_prefix_given_with_its_suffix_is_not_doubled(tmp_path, module, suffixes):
+    """bench_select --out X.json wrote X.json.json (bench_engine also X.json.png)."""
+    import importlib
+    mod = importlib.import_module(f"tools.{module}")
+    for suffix in suffixes:
+        assert _params(mod, ["--out", str(tmp_path / f"r{suffix}")])["out"] == str(tmp_path / "r")
+    assert _params(mod, ["--out", str(tmp_path / "r")])["out"] == str(tmp_path / "r")
+    assert _params(mod, ["--out", str(tmp_path / "r.v2")])["out"] == str(tmp_path / "r.v2")
+    assert _params(mod, ["--out", str(tmp_path / ".json")])["out"] == str(tmp_path / ".json")
+
+
+def test_bench_engine_min_requests_follow_max_requests():
+    """--max-requests below the default --min-requests (4000) made min >
+    max (np.clip then quietly took the max); now the default follows
+    --max-requests, and min > max is a usage error."""
+    import click
+
+    from tools import bench_engine as B
+    p = _params(B, [])
+    assert (p["min_requests"], p["max_requests"]) == (4000, 100000)
+    assert _params(B, ["--max-requests", "1000"])["min_requests"] == 1000
+    assert _params(B, ["--min-requests", "50", "--max-requests", "100"])["min_requests"] == 50
+    with pytest.raises(click.UsageError, match="more than --max-requests 1000"):
+        _params(B, ["--min-requests", "5000", "--max-requests", "1000"])
+
+
+def test_bench_mount_sweep_reads_only_the_clusters_it_built(monkeypatch, tmp_path):
+    """--readahead-sweep read clusters 0-3 and ran 4 dd whatever
+    --big-clusters and --concurrent said (the store holds max of the two)."""
+    from tools import bench_mount as B
+    built = {}
+    monkeypatch.setattr(B, "build_big", lambda path, **kw: built.update(kw))
+    monkeypatch.setattr(B, "build_wide", lambda path, **kw: None)
+    monkeypatch.setattr(B.Store, "open", staticmethod(lambda path: None))
+
+    def sweep(*args, **kw):
+        raise Parsed(kw)
+    monkeypatch.setattr(B, "readahead_sweep", sweep)
+    for big, conc in ((2, 1), (2, 6)):
+        with pytest.raises(Parsed) as got:
+            B.main(["--dir", str(tmp_path), "--readahead-sweep", "128", "--big-clusters",
+                    str(big), "--concurrent", str(conc)])
+        assert got.value.args[0] == {"clusters": max(big, conc), "concurrent": conc}
+        assert built["clusters"] == max(big, conc)

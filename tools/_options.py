@@ -86,11 +86,17 @@ class OutPath(click.ParamType):
     written: a directory (unless ``prefix``), an existing non-regular file,
     a parent that is not a directory or not writable.  Missing parent
     directories are allowed (the tools create them).  Converts to ``str``
-    or, with ``path=True``, a :class:`pathlib.Path`."""
+    or, with ``path=True``, a :class:`pathlib.Path`.
+
+    ``suffixes`` (with ``prefix``): the suffixes the tool appends to the
+    prefix (``".json"``, ``".png"``).  A value that already ends in one of
+    them loses it, so ``--out X.json`` writes ``X.json`` (and ``X.png``),
+    not ``X.json.json``."""
     name = "path"
 
-    def __init__(self, *, prefix: bool = False, path: bool = False):
+    def __init__(self, *, prefix: bool = False, path: bool = False, suffixes=()):
         self.prefix, self.path = prefix, path
+        self.suffixes = tuple(suffixes)
 
     def convert(self, value, param, ctx):
         if isinstance(value, pathlib.Path) and self.path:
@@ -101,6 +107,11 @@ class OutPath(click.ParamType):
             self.fail(f"{value!r} is not a path", param, ctx)
         if not raw or "\0" in raw:
             self.fail(f"{raw!r} is not a path", param, ctx)
+        if self.prefix:
+            for suffix in self.suffixes:
+                if raw.endswith(suffix) and os.path.basename(raw) != suffix:
+                    raw = raw[:-len(suffix)]
+                    break
         p = pathlib.Path(raw)
         if not self.prefix and p.is_dir():
             self.fail(f"{raw} is a directory; give a file path", param, ctx)

@@ -340,6 +340,23 @@ def plot(results, path, qd, ndisks):
     print(f"wrote {path}")
 
 
+#: Fewest requests per run by default (``--bytes`` / request size is raised to it).
+MIN_REQUESTS = 4000
+
+
+def _min_requests(ctx, param, value):
+    """--min-requests against --max-requests (eager, so parsed first): at
+    most it; not given, ``MIN_REQUESTS`` or --max-requests if lower."""
+    hi = ctx.params.get("max_requests")
+    if hi is None:                      # --max-requests itself was refused
+        return value
+    if value is None:
+        return min(MIN_REQUESTS, hi)
+    if value > hi:
+        raise click.BadParameter(f"{value} is more than --max-requests {hi}")
+    return value
+
+
 @click.command(help=__doc__.split("\n\n")[0])
 @click.argument("mode", required=False, default="throughput",
                 type=click.Choice(["throughput", "isolation"]))
@@ -351,16 +368,20 @@ def plot(results, path, qd, ndisks):
 @click.option("--qd", type=QUEUE_DEPTH, default=32, help="queue depth for all contenders")
 @click.option("--sizes", type=CommaList(choices=list(SIZES), upper=True), default="4K,128K", help="request sizes, e.g. 4K,16K,128K,1M")
 @click.option("--bytes", type=COUNT, default=512 << 20, help="bytes read per run")
-@click.option("--min-requests", type=COUNT, default=4000)
-@click.option("--max-requests", type=COUNT, default=100000)
+@click.option("--min-requests", type=COUNT, default=None, callback=_min_requests,
+              help=f"fewest requests per run (default {MIN_REQUESTS}, or --max-requests "
+                   "if that is lower)")
+@click.option("--max-requests", type=COUNT, default=100000, is_eager=True,
+              help="most requests per run")
 @click.option("--repeats", type=COUNT, default=7)
 @click.option("--slow-iops", type=COUNT, default=20,
               help="isolation: read requests/s of the throttled disk")
 @click.option("--reads", type=COUNT, default=20000, help="isolation: healthy reads per mode")
 @click.option("--seconds", type=POSITIVE, default=3.0,
               help="isolation: at most this long per mode")
-@click.option("--out", type=OutPath(prefix=True), default=None,
-              help="output prefix (.json, .png)")
+@click.option("--out", type=OutPath(prefix=True, suffixes=(".json", ".png")), default=None,
+              help="output prefix: writes PREFIX.json (and PREFIX.png); a trailing .json "
+                   "or .png is dropped")
 def cli(**options):
     a = types.SimpleNamespace(**options)
     if a.out is None:

@@ -214,10 +214,11 @@ def measure_follow(path, mnt, runs):
     return out
 
 
-def readahead_sweep(big, mnt, sizes_kb, runs, store):
-    """Median seconds of one ``dd bs=1M`` and of four concurrent ones in page
-    cache mode for each kernel read-ahead (``read_ahead_kb`` of the mount's
-    bdi; needs root), interleaved, with the fast path alongside."""
+def readahead_sweep(big, mnt, sizes_kb, runs, store, *, clusters, concurrent):
+    """Median seconds of one ``dd bs=1M`` and of ``concurrent`` concurrent
+    ones in page cache mode for each kernel read-ahead (``read_ahead_kb`` of
+    the mount's bdi; needs root), interleaved, with the fast path alongside;
+    ``clusters``: big clusters in the store (at least ``concurrent``)."""
     res = {}
     with Mount(big, mnt):
         bdi = [ln.split()[2] for ln in open("/proc/self/mountinfo")
@@ -225,19 +226,20 @@ def readahead_sweep(big, mnt, sizes_kb, runs, store):
         kv = lambda c: os.path.join(mnt, "layers", "00", "clusters", f"{c:06d}", "kv.bin")
         for r in range(runs):
             t = time.perf_counter()
-            store.read_cluster(0, r % 4)
+            store.read_cluster(0, r % clusters)
             res.setdefault("fast path read_cluster", []).append(time.perf_counter() - t)
             for kb in sizes_kb:
                 with open(f"/sys/class/bdi/{bdi}/read_ahead_kb", "w") as f:
                     f.write(str(kb))
-                c = (r + kb) % 4
+                c = (r + kb) % clusters
                 drop_file_cache(kv(c))
                 res.setdefault(f"dd, read_ahead_kb={kb}", []).append(
                     timed(["dd", f"if={kv(c)}", "of=/dev/null", "bs=1M"]))
-                for cc in range(4):
+                for cc in range(concurrent):
                     drop_file_cache(kv(cc))
-                res.setdefault(f"4 x dd, read_ahead_kb={kb}", []).append(timed_parallel(
-                    [["dd", f"if={kv(cc)}", "of=/dev/null", "bs=1M"] for cc in range(4)]))
+                res.setdefault(f"{concurrent} x dd, read_ahead_kb={kb}", []).append(
+                    timed_parallel([["dd", f"if={kv(cc)}", "of=/dev/null", "bs=1M"]
+                                    for cc in range(concurrent)]))
     return {k: statistics.median(v) for k, v in res.items()}
 
 
@@ -428,15 +430,15 @@ def cli(**options):
         return
     big, wide = os.path.join(a.dir, "big"), os.path.join(a.dir, "wide")
     t0 = time.perf_counter()
-    build_big(big, disks=a.disks, clusters=max(a.big_clusters, a.concurrent),
-              cluster_mib=a.cluster_mib)
+    nbig = max(a.big_clusters, a.concurrent)
+    build_big(big, disks=a.disks, clusters=nbig, cluster_mib=a.cluster_mib)
     build_wide(wide, disks=a.disks, clusters=a.clusters)
     print(f"stores ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     store = Store.open(big)
     if a.readahead_sweep:
-        sweep = readahead_sweep(big, os.path.join(a.dir, "mnt"),
-                                a.readahead_sweep, a.runs, store)
+        sweep = readahead_sweep(big, os.path.join(a.dir, "mnt"), a.readahead_sweep, a.runs,
+                                store, clusters=nbig, concurrent=a.concurrent)
         for k, v in sweep.items():
             print(f"{k}: median {v:.4f} s")
         with open(a.out, "w") as f:

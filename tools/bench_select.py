@@ -50,6 +50,49 @@ from swarmfs.decode._selectors import group_queries, head_logits, select_cluster
 PAPER = {131072: (1.635, 0.236), 262144: (3.136, 0.374), 524288: (6.176, 0.554),
          1048576: (12.15, 0.999)}
 
+#: Mean entries per cluster of the layout at 128K tokens (MiniLM over
+#: WikiText-2, bench_layout.py) and its growth with the token count S: S^0.377
+#: as measured from 16K to 128K, to two digits (so that the default --tokens
+#: get the sizes 14.9, 19.4, 25.2 and 32.8 earlier runs used).
+CLUSTER_SIZE_128K = 14.9
+CLUSTER_SIZE_GROWTH = 0.38
+#: Qwen3-32B's query heads per KV head (64 over 8): the default --query-heads.
+GQA_GROUP = 8
+
+
+def default_cluster_size(S: int) -> float:
+    """Mean entries per cluster at ``S`` tokens (0.1 precision)."""
+    return round(CLUSTER_SIZE_128K * (S / 131072) ** CLUSTER_SIZE_GROWTH, 1)
+
+
+def _cluster_sizes(ctx, param, value):
+    """--cluster-sizes against --tokens (an eager option, so parsed first):
+    one size per --tokens value, one for all of them, or (not given) the
+    layout's size at each value."""
+    toks = ctx.params.get("tokens")
+    if toks is None:                    # --tokens itself was refused
+        return value
+    if value is None:
+        return [default_cluster_size(S) for S in toks]
+    if len(value) not in (1, len(toks)):
+        raise click.BadParameter(f"{len(value)} cluster sizes for {len(toks)} --tokens "
+                                 "values (give one, or one per value)")
+    return value * len(toks) if len(value) == 1 else value
+
+
+def _query_heads(ctx, param, value):
+    """--query-heads against --kv-heads (eager): a multiple of it; not given,
+    ``GQA_GROUP`` per KV head."""
+    kv = ctx.params.get("kv_heads")
+    if kv is None:                      # --kv-heads itself was refused
+        return value
+    if value is None:
+        return GQA_GROUP * kv
+    if value % kv:
+        raise click.BadParameter(f"{value} query heads over {kv} KV heads: the query heads "
+                                 "must be a multiple of the KV heads")
+    return value
+
 
 MINIMA = {}      # the minimum of the last median_ms of each key (ms)
 
@@ -493,14 +536,14 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
 
 
 @click.command(help=__doc__.split("\n\n")[0])
-@click.option("--tokens", type=CommaList(int, item=COUNT),
+@click.option("--tokens", type=CommaList(int, item=COUNT), is_eager=True,
               default="131072,262144,524288,1048576")
 @click.option("--cluster-sizes", type=CommaList(float, item=FiniteFloat(min=1)),
-              default="14.9,19.4,25.2,32.8",
-              help="mean entries per cluster at each --tokens value (C = S / size); "
-                   "default: the layout's measured sizes (MiniLM over WikiText-2: "
-                   "14.9 at 128K, bench_layout.py) grown as S^0.377 as measured "
-                   "from 16K to 128K")
+              default=None, callback=_cluster_sizes,
+              help="mean entries per cluster at each --tokens value (C = S / size), or one "
+                   "for all; default: the layout's measured size (MiniLM over WikiText-2: "
+                   "14.9 at 128K, bench_layout.py) grown as S^0.38 (0.377 as measured "
+                   "from 16K to 128K)")
 @click.option("--reps", type=COUNT, default=200)
 @click.option("--paths", default="auto",
               type=CommaList(choices=["auto", "all", "scalar", "avx2", "avx512", "neon"]),
@@ -527,10 +570,15 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
 @click.option("--cold", is_flag=True,
               help="also time the int8 selections right after a 400 MiB write pass "
                    "(the index out of cache, as inside a decode step)")
-@click.option("--kv-heads", type=COUNT, default=8, help="KV heads (Qwen3-32B: 8)")
-@click.option("--query-heads", type=COUNT, default=64, help="query heads (Qwen3-32B: 64)")
+@click.option("--kv-heads", type=COUNT, default=8, is_eager=True,
+              help="KV heads (Qwen3-32B: 8)")
+@click.option("--query-heads", type=COUNT, default=None, callback=_query_heads,
+              help="query heads, a multiple of --kv-heads (default: 8 per KV head, as "
+                   "Qwen3-32B's 64 over 8)")
 @click.option("--head-dim", type=COUNT, default=128, help="head dim (Qwen3-32B: 128)")
-@click.option("--out", type=OutPath(prefix=True), default="bench-out/select")
+@click.option("--out", type=OutPath(prefix=True, suffixes=(".json",)), default="bench-out/select",
+              help="output prefix: writes PREFIX.json (PREFIX-recall.json, "
+                   "PREFIX-gather.json); a trailing .json is dropped")
 @click.pass_context
 def cli(ctx, **options):
     a = types.SimpleNamespace(**options)
@@ -573,11 +621,9 @@ def cli(ctx, **options):
         return
     print(f"CPU flags: {' '.join(cpu_flags())}; auto path: {auto}; measured: "
           f"{', '.join(paths)}; one thread (int8 2t: select_i8 with threads=2, same run)")
-    if a.query_heads % a.kv_heads or a.head_dim % 4:
-        raise click.BadParameter(f"{a.query_heads} query heads over {a.kv_heads} KV heads "
-                                 f"with head dim {a.head_dim}: the query heads must be a "
-                                 "multiple of the KV heads and the head dim of 4",
-                                 param_hint="--query-heads")
+    if a.head_dim % 4:
+        raise click.BadParameter(f"head dim {a.head_dim} is not a multiple of 4",
+                                 param_hint="--head-dim")
     print(f"shape: {a.kv_heads} KV heads, {a.query_heads} query heads, head dim "
           f"{a.head_dim}" + (" (Qwen3-32B)" if (a.kv_heads, a.query_heads, a.head_dim) ==
                              (8, 64, 128) else ""))
@@ -588,12 +634,6 @@ def cli(ctx, **options):
                    f"{p + ' logit':>12}" for p in paths) +
           f" {'split ms':>9} {'paper':>7}")
     sizes, toks = a.cluster_sizes, a.tokens
-    if len(sizes) not in (1, len(toks)):
-        raise click.BadParameter(f"{len(sizes)} cluster sizes for {len(toks)} --tokens "
-                                 "values (give one, or one per value)",
-                                 param_hint="--cluster-sizes")
-    if len(sizes) == 1:
-        sizes = sizes * len(toks)
     for S, cs in zip(toks, sizes):
         r = bench_selection(S, cs, a.reps, rng, paths=paths, two_level=a.two_level,
                             group_size=a.group_size, coverage=a.coverage,
