@@ -27,6 +27,9 @@ TOOLS = {
     "fuzz_store": ("tools.fuzz_store", "fuzz a store's metadata"),
     "train_decoder": ("tools.train_decoder", "train the decoder swarm-llama"),
     "eval_decoder": ("tools.eval_decoder", "evaluate the decoder on held-out text"),
+    "eval_context": ("tools.eval_context", "does the decoder use its long context (dense)"),
+    "suite": ("tools.suite", "the long-context task suite, every method"),
+    "frontier": ("tools.frontier", "the cost/quality frontier of cluster retrieval"),
 }
 #: the paper's evaluation, ``python -m tools bench NAME``
 FIGURES = {
