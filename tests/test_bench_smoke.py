@@ -68,7 +68,8 @@ def test_figure_smoke_run(env, name):
     assert prefix.with_suffix(".png").stat().st_size > 1000
     assert j["figure"] == name.split("_")[0] and "command" in j and "machine" in j
     assert j["command"].startswith(f"python -m tools.bench.{name} --smoke")
-    same = json.loads(json.dumps(p, default=C._json_default))
+    from tools.bench._common.output import _json_default
+    same = json.loads(json.dumps(p, default=_json_default))
     assert all(j[k] == v for k, v in same.items() if k not in ("command", "machine"))
     check = globals().get(f"_check_{name.split('_')[0]}")
     if check:

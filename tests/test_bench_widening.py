@@ -1,5 +1,5 @@
 """The evaluation's widening of a traced model into Qwen3-32B-sized entries
-(``tools/bench/_common.py``: ``Widening``, ``widen_kv``, ``widen_q``,
+(``tools/bench/_common/widening.py``: ``Widening``, ``widen_kv``, ``widen_q``,
 ``narrow``, ``widen_flat``), for both traces' shapes: MiniLM (12 heads x 32,
 no GQA, as 16 x 64) and the decoder (8 query heads over 2 KV heads x 32, as
 Qwen3-32B's 64 query heads over 8 KV heads x 128).  Random small traces, no

@@ -7,8 +7,9 @@ held-out queries (consecutive decode positions standing in for B requests
 sharing the prefix): the Retriever unites their clusters into one
 deduplicated, balanced read.  One store per prefix length (the previous one
 is replaced).  Contexts longer than 256K tokens are laid out per 128K-token
-segment (``_common._segmented``).  Also records the selection latency (medoid scoring + cluster
-choice) and the medoid index size at each length, used by Table 4.
+segment (``_common.layouts._segmented``).  Also records the selection latency
+(medoid scoring + cluster choice) and the medoid index size at each length,
+used by Table 4.
 
     tools/testbed run -- python -m tools.bench.fig16_prefix_batch
 """

@@ -16,6 +16,7 @@ runs it on the main (pm9a3) testbed and on a temporary 900p testbed.
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 
 import click
@@ -60,7 +61,7 @@ def cli(cfg, tokens, ndisks, ratio, methods, merge):
     payload = {"figure": "fig17", "profile": profile, "ratio": ratio,
                "disks": d.describe(), "queries": nq, "reps": reps, "ceiling": ceil,
                "ceiling_after": C.ceilings(d, cfg.smoke), "points": points}
-    C.write_json(cfg, C.pathlib.Path(f"{base}-{profile}"), payload)
+    C.write_json(cfg, pathlib.Path(f"{base}-{profile}"), payload)
     return merge_profiles(cfg, base)
 
 
