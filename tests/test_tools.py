@@ -95,6 +95,19 @@ def test_python_m_tools_reaches_every_tool():
     assert T.main(["bench", "fig19_tau", "--help"]) == 0
 
 
+def test_every_figure_writes_its_own_summary_section():
+    """run_all's Markdown summary is a loop over the figures: each module in
+    run_all.FIGURES has a ``summary(payload)``, and the figures run_all runs
+    are the figures ``python -m tools bench`` offers."""
+    import importlib
+
+    from tools.bench import run_all
+    modules = [module for _, module, _ in run_all.FIGURES]
+    assert set(modules) == set(T.FIGURES) - {"run_all"}
+    for module in modules:
+        assert callable(importlib.import_module(f"tools.bench.{module}").summary), module
+
+
 def test_python_m_tools_passes_the_tools_own_arguments(monkeypatch, tmp_path):
     # a figure records its command line from ctx.obj: the arguments after its name
     from tools.bench import fig19_tau

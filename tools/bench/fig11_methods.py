@@ -344,5 +344,53 @@ def plot(p, out):
         axes[1].legend(fontsize=7)
 
 
+def summary(p: dict) -> str:
+    """This figure's section of ``run_all``'s Markdown summary: per dataset
+    and method the I/O time, bandwidth, accuracy and index size, then SWARM's
+    ratios over each baseline."""
+    d = p["disks"]
+    c = p.get("ceiling_before") or {}
+    out = [f"### Fig. 11: methods at r = {p['ratio']} (S = {p['tokens']}, "
+           f"{d['count']} x {d['profile'] or 'file'} disks)\n"]
+    if c:
+        out.append(f"fio ceiling in the same run: {c['bw_128k']['gb_per_s']:.3f} GB/s "
+                   f"(128 KiB, qd 32/device), {c['iops_4k']['gb_per_s']:.3f} GB/s "
+                   f"= {c['iops_4k']['iops'] / 1e3:.0f}k IOPS (4 KiB)\n")
+    rows = []
+    for ds, r in p["datasets"].items():
+        for m, x in r["methods"].items():
+            frac = f"{x['eff_gbps_median'] / c['bw_128k']['gb_per_s']:.0%}" if c else "-"
+            scan = C.ms_cell(x["score_us_median"]) if m == "no_cluster" else "-"
+            rows.append((ds, LABELS.get(m, m), C.ms_cell(x["io_us_median"]), scan,
+                         f"{x['eff_gbps_median']:.3f}", frac,
+                         f"{x.get('goodput_gbps_median') or 0:.3f}",
+                         f"{x['bytes_read_median'] / 1e6:.1f}",
+                         f"{x['requests_median']:.0f}",
+                         f"{x['mean_request_kib_median']:.1f}", f"{x['recall_mean']:.3f}",
+                         f"{x['rel_error_mean']:.3f} ({x['oracle_rel_error_mean']:.3f})",
+                         f"{x['index_bytes'] / 2**20:.1f}"))
+    out.append(C.md_table(rows, ("dataset", "method", "I/O ms", "key-scan ms", "eff. GB/s",
+                                 "% of fio 128k", "top-k goodput GB/s", "MB read", "requests",
+                                 "req KiB", "recall", "rel. error (oracle)", "index MiB"), 2))
+    out.append("")
+    rat = p["average"]["ratios"]
+    if rat:
+        out.append("SWARM over each baseline (mean over datasets of the per-dataset "
+                   "median ratios):\n")
+        rows = []
+        for m, x in rat.items():
+            pb = p["paper"]["bw_ratio"].get(m)
+            rows.append((LABELS.get(m, m), f"{x['bw_ratio']:.2f}", pb if pb else "-",
+                         C.num_cell(x.get("goodput_ratio")), f"{x['io_ratio']:.2f}",
+                         C.num_cell(x.get("io_plus_score_ratio")),
+                         p["paper"]["io_ratio"] if pb else "-",
+                         f"{x['recall_delta']:+.3f}"))
+        out.append(C.md_table(rows, ("baseline", "eff. bandwidth x", "paper", "top-k goodput x",
+                                     "I/O time x", "I/O + selection time x", "paper",
+                                     "recall SWARM - baseline")))
+        out.append("")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     main()

@@ -25,6 +25,8 @@ plot = C.bar_plot(LABELS, [("io_us_median", 1e3, "I/O time per step (ms, median)
                            ("bytes_read_median", 1e6, "bytes read per step (MB)", 0),
                            ("recall_mean", 1, "attention-mass recall", 0)],
                   "Fig. 12: clustering ablations")
+#: the columns of this figure's table in run_all's summary
+SUMMARY_KEYS = ("io_us_median", "bytes_read_median", "recall_mean")
 
 
 @C.ablation_command("fig12_clustering", __doc__)
@@ -50,6 +52,12 @@ def cli(ab):
 
 def main(argv=None):
     return C.run(cli, argv)
+
+
+def summary(p: dict) -> str:
+    """This figure's section of ``run_all``'s Markdown summary: a row per
+    variant (``_common.variant_table``)."""
+    return C.variant_table(p, "Fig. 12: clustering ablations", SUMMARY_KEYS)
 
 
 if __name__ == "__main__":

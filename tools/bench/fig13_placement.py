@@ -24,6 +24,8 @@ plot = C.bar_plot(LABELS, [("io_us_median", 1e3, "I/O time per step (ms, median)
                            ("read_gbps_median", 1, "aggregate read bandwidth (GB/s)", 1),
                            ("max_mean_load_median", 1, "max / mean disk load", 0)],
                   "Fig. 13: placement", size=(13, 3.8), tick_size=7)
+#: the columns of this figure's table in run_all's summary
+SUMMARY_KEYS = ("io_us_median", "read_gbps_median", "max_mean_load_median")
 
 
 @C.ablation_command("fig13_placement", __doc__)
@@ -54,6 +56,12 @@ def cli(ab):
 
 def main(argv=None):
     return C.run(cli, argv)
+
+
+def summary(p: dict) -> str:
+    """This figure's section of ``run_all``'s Markdown summary: a row per
+    variant (``_common.variant_table``)."""
+    return C.variant_table(p, "Fig. 13: placement ablations", SUMMARY_KEYS)
 
 
 if __name__ == "__main__":

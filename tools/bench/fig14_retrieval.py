@@ -28,6 +28,8 @@ plot = C.bar_plot(LABELS, [("io_us_median", 1e3, "I/O time per step (ms, median)
                            ("bytes_read_median", 1e6, "I/O volume per step (MB)", 0),
                            ("max_mean_load_median", 1, "max / mean disk load", 0)],
                   "Fig. 14: retrieval")
+#: the columns of this figure's table in run_all's summary
+SUMMARY_KEYS = ("io_us_median", "bytes_read_median", "max_mean_load_median")
 
 
 @C.ablation_command("fig14_retrieval", __doc__)
@@ -43,16 +45,22 @@ def cli(ab):
     rat = {n: {"latency_ratio": res[n]["io_us_median"] / base["io_us_median"],
                "volume_ratio": res[n]["bytes_read_median"] / base["bytes_read_median"]}
            for n in POLICIES if n != "swarm"}
-    summary = {"latency_ratio_mean": sum(r["latency_ratio"] for r in rat.values()) / len(rat),
-               "volume_ratio_mean": sum(r["volume_ratio"] for r in rat.values()) / len(rat)}
+    means = {"latency_ratio_mean": sum(r["latency_ratio"] for r in rat.values()) / len(rat),
+             "volume_ratio_mean": sum(r["volume_ratio"] for r in rat.values()) / len(rat)}
     ab.report(res, ("read {:7.2f} MB", "bytes_read_median", 1e6),
               ("max/mean {:.2f}", "max_mean_load_median", 1))
-    return ab.finish("fig14", "retrieval ablations", ceil, res, rat, plot, summary=summary,
+    return ab.finish("fig14", "retrieval ablations", ceil, res, rat, plot, summary=means,
                      paper=PAPER)
 
 
 def main(argv=None):
     return C.run(cli, argv)
+
+
+def summary(p: dict) -> str:
+    """This figure's section of ``run_all``'s Markdown summary: a row per
+    variant (``_common.variant_table``)."""
+    return C.variant_table(p, "Fig. 14: retrieval ablations", SUMMARY_KEYS)
 
 
 if __name__ == "__main__":

@@ -107,5 +107,16 @@ def plot(p, out):
         axes[1].set_ylim(bottom=0)
 
 
+def summary(p: dict) -> str:
+    """This figure's section of ``run_all``'s Markdown summary: a row per
+    (prefix length, batch)."""
+    rows = [(r["tokens"], r["batch"], C.ms_cell(r["io_us_median"]),
+             f"{r['eff_gbps_median']:.3f}", f"{r['bytes_read_median'] / 1e6:.1f}",
+             f"{r['requests_median']:.0f}", f"{r['recall_mean_b1']:.3f}") for r in p["rows"]]
+    return "\n".join(["### Fig. 16: prefix length x batch (SWARM)\n",
+                      C.md_table(rows, ("S", "batch", "I/O ms", "eff. GB/s", "MB read",
+                                        "requests", "recall (B=1)"), 0), ""])
+
+
 if __name__ == "__main__":
     main()

@@ -105,5 +105,22 @@ def plot(p, out):
             ax.set_title(f"{j['disks']['count']} x {prof}", fontsize=10)
 
 
+def summary(p: dict) -> str:
+    """This figure's section of ``run_all``'s Markdown summary: per device
+    profile, every method's effective bandwidth per prefix length."""
+    out = ["### Fig. 17: SSD type (4 disks; effective GB/s, median)\n"]
+    for prof, j in p["profiles"].items():
+        c = j.get("ceiling") or {}
+        ms = list(j["points"][0]["methods"])
+        out.append(f"{prof}" + (f" (fio 128k {c['bw_128k']['gb_per_s']:.3f} GB/s, "
+                                f"4k {c['iops_4k']['gb_per_s']:.3f} GB/s)" if c else "")
+                   + ":\n")
+        rows = [(pt["tokens"], *(f"{pt['methods'][m]['eff_gbps_median']:.3f}" for m in ms))
+                for pt in j["points"]]
+        out.append(C.md_table(rows, ("S", *(LABELS.get(m, m) for m in ms)), 0))
+        out.append("")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     main()

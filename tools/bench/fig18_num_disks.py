@@ -108,5 +108,27 @@ def plot(p, out):
             ax.set_xlabel("SSDs")
 
 
+def summary(p: dict) -> str:
+    """This figure's section of ``run_all``'s Markdown summary: per disk count
+    the fio ceilings and every method's effective bandwidth, then the targets."""
+    out = [f"### Fig. 18: number of SSDs (S = {p['tokens']})\n"]
+    ms = list(p["points"][0]["methods"])
+    rows = []
+    for pt in p["points"]:
+        c = pt.get("ceiling") or {}
+        fio = ((f"{c['bw_128k']['gb_per_s']:.3f}", f"{c['iops_4k']['gb_per_s']:.3f}")
+               if c else ("-", "-"))
+        rows.append((pt["disks"], *fio,
+                     *(f"{pt['methods'][m]['eff_gbps_median']:.3f}" for m in ms),
+                     C.ms_cell(pt["methods"]["swarm"]["io_us_median"])))
+    out.append(C.md_table(rows, ("SSDs", "fio 128k GB/s", "fio 4k GB/s",
+                                 *(f"{LABELS.get(m, m)} GB/s" for m in ms), "SWARM I/O ms"), 0))
+    out.append("")
+    for k, t in p["targets"].items():
+        out.append(f"- {k}: " + ", ".join(f"{a}={C.num_cell(b)}" for a, b in t.items()))
+    out.append("")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     main()

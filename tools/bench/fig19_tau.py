@@ -100,5 +100,16 @@ def plot(p, out):
         axes[2].legend(fontsize=7)
 
 
+def summary(p: dict) -> str:
+    """This figure's section of ``run_all``'s Markdown summary: a row per
+    (context, profile, tau)."""
+    rows = [(r["context"], r["profile"], r["tau"], C.ms_cell(r["io_us_median"]),
+             f"{r['eff_gbps_median']:.3f}", f"{r['recall_mean']:.3f}", r["clusters_total"],
+             f"{r['replication']:.2f}") for r in p["rows"]]
+    return "\n".join([f"### Fig. 19: tau with dataset shift (S = {p['tokens']})\n",
+                      C.md_table(rows, ("context", "profiled on", "tau", "I/O ms", "eff. GB/s",
+                                        "recall", "clusters", "replication"), 2), ""])
+
+
 if __name__ == "__main__":
     main()

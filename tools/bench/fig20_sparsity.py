@@ -246,5 +246,43 @@ def plot(p, out):
         axes[2].set_xscale("log")
 
 
+def summary(p: dict) -> str:
+    """This figure's section of ``run_all``'s Markdown summary: every method's
+    I/O time, bandwidth and recall per r, then the iso-accuracy table."""
+    out = [f"### Fig. 20: sparsity ratio (S = {p['tokens']})\n"]
+    ms = list(p["points"][0]["methods"])
+    rows = [(pt["ratio"], *(f"{C.ms_cell(pt['methods'][m]['io_us_median'])} / "
+                            f"{pt['methods'][m]['eff_gbps_median']:.3f} / "
+                            f"{pt['methods'][m]['recall_mean']:.3f}" for m in ms))
+            for pt in p["points"]]
+    out.append(C.md_table(rows, ("r", *(f"{LABELS.get(m, m)} I/O ms / GB/s / recall"
+                                        for m in ms)), 0))
+    iso = p.get("iso_accuracy") or {}
+    if iso:
+        out += ["", _iso_summary(iso)]
+    out.append("")
+    return "\n".join(out)
+
+
+def _iso_summary(iso: dict) -> str:
+    """The iso-accuracy table of :func:`summary` (``iso_accuracy``'s result)."""
+    head = (f"Iso-accuracy: I/O time each baseline needs to be as accurate as SWARM "
+            f"at r = 0.1 (error {iso['swarm_rel_error']:.3f}"
+            + (f", mass {iso['swarm_mass']:.3f}" if iso.get("swarm_mass") else "")
+            + f"; I/O {C.ms_cell(iso['swarm_io_us'])} ms):\n")
+    rows = []
+    for m, res in iso["methods"].items():
+        for key, x in res.items():
+            if x["reached"]:
+                low = " (at or below the smallest r)" if x["at_or_below_smallest_ratio"] else ""
+                rows.append((LABELS.get(m, m), key, f"{x['ratio_needed']:.3f}{low}",
+                             C.ms_cell(x["io_us_needed"]), f"{x['io_ratio_vs_swarm']:.2f}"))
+            else:
+                rows.append((LABELS.get(m, m), key, f"not reached (best {x['best']:.3f})",
+                             "-", "-"))
+    return "\n".join([head, C.md_table(rows, ("baseline", "by", "r needed", "I/O ms needed",
+                                               "I/O time x SWARM"), 2)])
+
+
 if __name__ == "__main__":
     main()

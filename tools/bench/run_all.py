@@ -21,6 +21,7 @@ with ``--trace decoder`` each name gets ``-decoder`` (``<figure>-decoder.json``)
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import pathlib
@@ -34,7 +35,6 @@ from tools import _options as O
 
 from tools import _testbed as T
 from tools.bench import _common as C
-from tools.bench.fig11_methods import LABELS
 
 #: (name, module under tools.bench, extra args) in run order
 FIGURES = [
@@ -64,7 +64,7 @@ LOW_END = {"name": "swarmfs-900p", "disks": 4, "size": "2G", "profile": "900p"}
 @click.option("--trace-tokens", type=O.COUNT, default=None,
               help="capture this many trace tokens first (default: what fig16 needs)")
 @click.option("--trace", type=click.Choice(C.TRACES), default="minilm", show_default=True,
-              help="the trace every figure runs on (see tools/bench/_common.py)")
+              help="the trace every figure runs on (see tools/bench/_common/)")
 @click.pass_context
 def cli(ctx, disks, smoke, only, skip, no_900p, cache, trace_tokens, trace):
     only = set(only.split(",")) if only else None
@@ -157,196 +157,18 @@ def _load_json(name, smoke, outdir=None, trace="minilm"):
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def _ms(us):
-    return f"{us / 1e3:.2f}" if us is not None else "-"
-
-
-def _md(rows, headers, left: int = 1) -> str:
-    """A Markdown table (tabulate): the first ``left`` columns left-aligned,
-    the rest (numbers) right-aligned."""
-    align = ("left",) * left + ("right",) * (len(headers) - left)
-    return C.table(rows, headers, markdown=True, align=align)
-
-
 def summary(smoke: bool = False, outdir=None, trace: str = "minilm") -> str:
     """Markdown tables of every figure's JSON present in ``outdir``
-    (default bench-out/eval) for one trace."""
-    def _load(name, smoke):
-        return _load_json(name, smoke, outdir, trace)
-
+    (default bench-out/eval) for one trace, in :data:`FIGURES` order: each
+    figure module's ``summary(payload)`` writes its own section."""
     out = []
     if trace != "minilm":
-        out.append(f"Trace: `--trace {trace}` (tools/bench/_common.py).\n")
-    f11 = _load("fig11_methods", smoke)
-    if f11:
-        d = f11["disks"]
-        c = f11.get("ceiling_before") or {}
-        out.append(f"### Fig. 11: methods at r = {f11['ratio']} (S = {f11['tokens']}, "
-                   f"{d['count']} x {d['profile'] or 'file'} disks)\n")
-        if c:
-            out.append(f"fio ceiling in the same run: {c['bw_128k']['gb_per_s']:.3f} GB/s "
-                       f"(128 KiB, qd 32/device), {c['iops_4k']['gb_per_s']:.3f} GB/s "
-                       f"= {c['iops_4k']['iops'] / 1e3:.0f}k IOPS (4 KiB)\n")
-        rows = []
-        for ds, r in f11["datasets"].items():
-            for m, x in r["methods"].items():
-                frac = (f"{x['eff_gbps_median'] / c['bw_128k']['gb_per_s']:.0%}"
-                        if c else "-")
-                scan = _ms(x["score_us_median"]) if m == "no_cluster" else "-"
-                rows.append((ds, LABELS.get(m, m), _ms(x["io_us_median"]), scan,
-                             f"{x['eff_gbps_median']:.3f}", frac,
-                             f"{x.get('goodput_gbps_median') or 0:.3f}",
-                             f"{x['bytes_read_median'] / 1e6:.1f}",
-                             f"{x['requests_median']:.0f}",
-                             f"{x['mean_request_kib_median']:.1f}", f"{x['recall_mean']:.3f}",
-                             f"{x['rel_error_mean']:.3f} ({x['oracle_rel_error_mean']:.3f})",
-                             f"{x['index_bytes'] / 2**20:.1f}"))
-        out.append(_md(rows, ("dataset", "method", "I/O ms", "key-scan ms", "eff. GB/s",
-                              "% of fio 128k", "top-k goodput GB/s", "MB read", "requests",
-                              "req KiB", "recall", "rel. error (oracle)", "index MiB"), 2))
-        out.append("")
-        rat = f11["average"]["ratios"]
-        if rat:
-            out.append("SWARM over each baseline (mean over datasets of the per-dataset "
-                       "median ratios):\n")
-            rows = []
-            for m, x in rat.items():
-                pb = f11["paper"]["bw_ratio"].get(m)
-                rows.append((LABELS.get(m, m), f"{x['bw_ratio']:.2f}", pb if pb else "-",
-                             _num(x.get("goodput_ratio")), f"{x['io_ratio']:.2f}",
-                             _num(x.get("io_plus_score_ratio")),
-                             f11["paper"]["io_ratio"] if pb else "-",
-                             f"{x['recall_delta']:+.3f}"))
-            out.append(_md(rows, ("baseline", "eff. bandwidth x", "paper", "top-k goodput x",
-                                  "I/O time x", "I/O + selection time x", "paper",
-                                  "recall SWARM - baseline")))
-            out.append("")
-    for name, title, keys in (
-            ("fig12_clustering", "Fig. 12: clustering ablations",
-             ("io_us_median", "bytes_read_median", "recall_mean")),
-            ("fig13_placement", "Fig. 13: placement ablations",
-             ("io_us_median", "read_gbps_median", "max_mean_load_median")),
-            ("fig14_retrieval", "Fig. 14: retrieval ablations",
-             ("io_us_median", "bytes_read_median", "max_mean_load_median"))):
-        j = _load(name, smoke)
-        if not j:
-            continue
-        out.append(f"### {title} (S = {j['tokens']}, {j['disks']['count']} disks)\n")
-        rows = []
-        for n, x in j["variants"].items():
-            rr = j.get("ratios", {}).get(n, {})
-            vs = ", ".join(f"{k} {v:.2f}" for k, v in rr.items() if isinstance(v, float)
-                           and not k.startswith("paper"))
-            rows.append((n, *(_fmt(k, x.get(k)) for k in keys), vs or "-"))
-        out.append(_md(rows, ("variant", *keys, "vs SWARM")))
-        out.append("")
-    f18 = _load("fig18_num_disks", smoke)
-    if f18:
-        out.append(f"### Fig. 18: number of SSDs (S = {f18['tokens']})\n")
-        ms = list(f18["points"][0]["methods"])
-        rows = []
-        for p in f18["points"]:
-            c = p.get("ceiling") or {}
-            fio = ((f"{c['bw_128k']['gb_per_s']:.3f}", f"{c['iops_4k']['gb_per_s']:.3f}")
-                   if c else ("-", "-"))
-            rows.append((p["disks"], *fio,
-                         *(f"{p['methods'][m]['eff_gbps_median']:.3f}" for m in ms),
-                         _ms(p["methods"]["swarm"]["io_us_median"])))
-        out.append(_md(rows, ("SSDs", "fio 128k GB/s", "fio 4k GB/s",
-                              *(f"{LABELS.get(m, m)} GB/s" for m in ms), "SWARM I/O ms"), 0))
-        out.append("")
-        for k, t in f18["targets"].items():
-            out.append(f"- {k}: " + ", ".join(f"{a}={_num(b)}" for a, b in t.items()))
-        out.append("")
-    f20 = _load("fig20_sparsity", smoke)
-    if f20:
-        out.append(f"### Fig. 20: sparsity ratio (S = {f20['tokens']})\n")
-        ms = list(f20["points"][0]["methods"])
-        rows = [(p["ratio"], *(f"{_ms(p['methods'][m]['io_us_median'])} / "
-                               f"{p['methods'][m]['eff_gbps_median']:.3f} / "
-                               f"{p['methods'][m]['recall_mean']:.3f}" for m in ms))
-                for p in f20["points"]]
-        out.append(_md(rows, ("r", *(f"{LABELS.get(m, m)} I/O ms / GB/s / recall"
-                                     for m in ms)), 0))
-        iso = f20.get("iso_accuracy") or {}
-        if iso:
-            out.append("")
-            out.append(f"Iso-accuracy: I/O time each baseline needs to be as accurate as SWARM "
-                       f"at r = 0.1 (error {iso['swarm_rel_error']:.3f}"
-                       + (f", mass {iso['swarm_mass']:.3f}" if iso.get("swarm_mass") else "")
-                       + f"; I/O {_ms(iso['swarm_io_us'])} ms):\n")
-            rows = []
-            for m, res in iso["methods"].items():
-                for key, x in res.items():
-                    if x["reached"]:
-                        low = (" (at or below the smallest r)"
-                               if x["at_or_below_smallest_ratio"] else "")
-                        rows.append((LABELS.get(m, m), key, f"{x['ratio_needed']:.3f}{low}",
-                                     _ms(x["io_us_needed"]), f"{x['io_ratio_vs_swarm']:.2f}"))
-                    else:
-                        rows.append((LABELS.get(m, m), key,
-                                     f"not reached (best {x['best']:.3f})", "-", "-"))
-            out.append(_md(rows, ("baseline", "by", "r needed", "I/O ms needed",
-                                  "I/O time x SWARM"), 2))
-        out.append("")
-    f19 = _load("fig19_tau", smoke)
-    if f19:
-        out.append(f"### Fig. 19: tau with dataset shift (S = {f19['tokens']})\n")
-        rows = [(r["context"], r["profile"], r["tau"], _ms(r["io_us_median"]),
-                 f"{r['eff_gbps_median']:.3f}", f"{r['recall_mean']:.3f}", r["clusters_total"],
-                 f"{r['replication']:.2f}") for r in f19["rows"]]
-        out.append(_md(rows, ("context", "profiled on", "tau", "I/O ms", "eff. GB/s", "recall",
-                              "clusters", "replication"), 2))
-        out.append("")
-    f17 = _load("fig17_ssd_type", smoke)
-    if f17:
-        out.append("### Fig. 17: SSD type (4 disks; effective GB/s, median)\n")
-        for prof, j in f17["profiles"].items():
-            c = j.get("ceiling") or {}
-            ms = list(j["points"][0]["methods"])
-            out.append(f"{prof}" + (f" (fio 128k {c['bw_128k']['gb_per_s']:.3f} GB/s, "
-                                    f"4k {c['iops_4k']['gb_per_s']:.3f} GB/s)" if c else "")
-                       + ":\n")
-            rows = [(p["tokens"], *(f"{p['methods'][m]['eff_gbps_median']:.3f}" for m in ms))
-                    for p in j["points"]]
-            out.append(_md(rows, ("S", *(LABELS.get(m, m) for m in ms)), 0))
-            out.append("")
-    f16 = _load("fig16_prefix_batch", smoke)
-    if f16:
-        out.append("### Fig. 16: prefix length x batch (SWARM)\n")
-        rows = [(r["tokens"], r["batch"], _ms(r["io_us_median"]), f"{r['eff_gbps_median']:.3f}",
-                 f"{r['bytes_read_median'] / 1e6:.1f}", f"{r['requests_median']:.0f}",
-                 f"{r['recall_mean_b1']:.3f}") for r in f16["rows"]]
-        out.append(_md(rows, ("S", "batch", "I/O ms", "eff. GB/s", "MB read", "requests",
-                              "recall (B=1)"), 0))
-        out.append("")
-    t4 = _load("table4_selection", smoke)
-    if t4:
-        out.append("### Table 4: selection latency\n")
-        rows = []
-        for r in t4["rows"]:
-            pp = r.get("paper")
-            rows.append((r["tokens"], f"{r['naive_ms']:.3f}", f"{r['swarm_ms']:.3f}",
-                         f"{r['speedup']:.1f}", f"{r['swarm_index_bytes'] / 2**20:.1f}",
-                         r["clusters"], f"{pp[0]} / {pp[1]}" if pp else "-"))
-        out.append(_md(rows, ("S", "naive ms", "medoid ms", "speedup", "medoid index MiB",
-                              "clusters", "paper naive / SWARM ms"), 0))
-        out.append("")
+        out.append(f"Trace: `--trace {trace}` (tools/bench/_common/__init__.py).\n")
+    for _, module, _ in FIGURES:
+        payload = _load_json(module, smoke, outdir, trace)
+        if payload:
+            out.append(importlib.import_module(f"tools.bench.{module}").summary(payload))
     return "\n".join(out)
-
-
-def _fmt(k, v):
-    if v is None:
-        return "-"
-    if k.startswith("io_us"):
-        return f"{v / 1e3:.2f} ms"
-    if k.startswith("bytes"):
-        return f"{v / 1e6:.2f} MB"
-    return f"{v:.3f}"
-
-
-def _num(v):
-    return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
 if __name__ == "__main__":

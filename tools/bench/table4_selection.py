@@ -116,5 +116,20 @@ def plot(p, out):
         ax.set_ylabel("selection latency (ms, median)")
 
 
+def summary(p: dict) -> str:
+    """This table's section of ``run_all``'s Markdown summary: naive and
+    medoid selection latency per prefix length, with the paper's."""
+    rows = []
+    for r in p["rows"]:
+        pp = r.get("paper")
+        rows.append((r["tokens"], f"{r['naive_ms']:.3f}", f"{r['swarm_ms']:.3f}",
+                     f"{r['speedup']:.1f}", f"{r['swarm_index_bytes'] / 2**20:.1f}",
+                     r["clusters"], f"{pp[0]} / {pp[1]}" if pp else "-"))
+    return "\n".join(["### Table 4: selection latency\n",
+                      C.md_table(rows, ("S", "naive ms", "medoid ms", "speedup",
+                                        "medoid index MiB", "clusters",
+                                        "paper naive / SWARM ms"), 0), ""])
+
+
 if __name__ == "__main__":
     main()

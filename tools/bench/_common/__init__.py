@@ -87,8 +87,10 @@ tables are printed with tabulate (:func:`table`), and figures are drawn with
 (:func:`build_layout`), ``disks`` (:class:`Disks`, fio ceilings), ``runner``
 (:class:`Bench`, :func:`stream_steps`), ``stats`` (:func:`summarize`),
 ``cli`` (:func:`command`, :class:`Ablation`), ``output`` (the JSON),
-``plots`` and ``tables``.  Every name a figure uses is re-exported here,
-so a figure reads ``from tools.bench import _common as C`` and ``C.<name>``.
+``plots`` and ``tables`` (including the cells of ``run_all``'s Markdown
+summary, which each figure module writes for itself with its
+``summary(payload)``).  Every name a figure uses is re-exported here, so a
+figure reads ``from tools.bench import _common as C`` and ``C.<name>``.
 
 Not a test: nothing here asserts on timings.
 """
@@ -104,7 +106,7 @@ from .output import finish, machine, timer, trace_identity, trace_recipe, write_
 from .plots import bar_plot, ceiling_lines, figure, lines, pyplot, save_fig, variant_bars
 from .runner import STEP_PARTS, Bench, Variant, stream_steps
 from .stats import ACC_KEYS, STEP_KEYS, mean, median, summarize
-from .tables import table
+from .tables import md_table, measure_cell, ms_cell, num_cell, table, variant_table
 from .traces import (Trace, context, decoder_layer, decoder_model, load_trace,
                      mass_outside_window, model_hash, query_positions, trace_tokens,
                      truncated_model, window_stats)
@@ -134,5 +136,5 @@ __all__ = [
     # output, plots, tables
     "finish", "machine", "timer", "trace_identity", "trace_recipe", "write_json",
     "bar_plot", "ceiling_lines", "figure", "lines", "pyplot", "save_fig", "variant_bars",
-    "table",
+    "md_table", "measure_cell", "ms_cell", "num_cell", "table", "variant_table",
 ]
