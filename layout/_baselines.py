@@ -29,6 +29,11 @@ its KV heads, as ``group_queries`` flattens a query), in the key space of the
 
 Everything is vectorised numpy except the per-cluster loops that Algorithm 1
 itself has (Medoid Only) and the per-chunk k-means loop.
+
+While decoding, the baselines grow by their own rules, not by eq. 9
+(:func:`append_rule`, used by ``DecodeSession(baseline=...)``): Quest appends
+pages, InfLLM blocks with their representatives, PQCache assigns each new
+key to its nearest existing centroid.
 """
 
 from __future__ import annotations
@@ -43,7 +48,12 @@ from ._cluster import _CSR
 
 __all__ = [
     "METHODS",
+    "Growth",
+    "InfLLMAppend",
     "Layout",
+    "PQCacheAppend",
+    "QuestAppend",
+    "append_rule",
     "flat_keys",
     "infllm_blocks",
     "kmeans_clusters",
@@ -331,18 +341,25 @@ def infllm_blocks(q, k, *, block: int = 64, reps: int = 4) -> Layout:
     ptr, members = _chunks(S, block)
     r = representative_scores(q, k, window=block)
     C = ptr.shape[0] - 1
-    # per block, the reps best tokens (short last block: repeat its best)
-    pad = C * block - S
-    rr = np.concatenate([r, np.full(pad, -np.inf)]).reshape(C, block)
-    top = np.argsort(-rr, axis=1, kind="stable")[:, :reps]
-    sizes = np.diff(ptr)
-    top = np.where(top < sizes[:, None], top, top[:, :1])
-    tok = ptr[:-1, None] + top                                             # [C, reps]
+    tok = _block_reps(r, ptr, block, reps)                                 # [C, reps]
     fk = flat_keys(k, tok.reshape(-1)).reshape(C, reps, -1)
     return Layout(name="infllm", ptr=ptr, members=members, medoids=tok[:, 0].astype(np.int64),
                   kind="multivector", index={"reps": fk},
                   freq=np.zeros(C, np.float32), params={"block": block, "reps": reps},
                   seconds=time.perf_counter() - t0)
+
+
+def _block_reps(r: np.ndarray, ptr: np.ndarray, block: int, reps: int) -> np.ndarray:
+    """Per block of ``ptr`` (consecutive tokens, all ``block`` long but a
+    shorter last one), its ``reps`` tokens of highest score ``r`` (ties: the
+    earlier token; a block shorter than ``reps`` repeats its best): int64
+    [C, reps] positions, best first."""
+    S, C = r.shape[0], ptr.shape[0] - 1
+    pad = C * block - S
+    rr = np.concatenate([r, np.full(pad, -np.inf)]).reshape(C, block)
+    top = np.argsort(-rr, axis=1, kind="stable")[:, :reps]
+    top = np.where(top < np.diff(ptr)[:, None], top, top[:, :1])
+    return (ptr[:-1, None] + top).astype(np.int64)
 
 
 def _kmeans(x: np.ndarray, n: int, iters: int, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -416,3 +433,245 @@ def kmeans_clusters(k, *, mean_size: float = 16.0, chunk: int = 4096, iters: int
                   freq=np.zeros(sizes.shape[0], np.float32),
                   params={"mean_size": mean_size, "chunk": chunk, "iters": iters, "seed": seed},
                   seconds=time.perf_counter() - t0)
+
+
+# -- decoding: each baseline's own rule for appended entries ----------------------
+
+@dataclasses.dataclass(frozen=True)
+class Growth:
+    """Where one flush of new entries goes under a baseline's rule, and the
+    layer's index after it (:meth:`QuestAppend.place` and the others).
+
+    Attributes:
+        joins: ``(ptr int64 [n+1], clusters int64 [j])`` the existing
+            clusters each new entry joins (``Store.append``'s ``joins``).
+        new_cluster_size: tokens per new cluster of the entries that join
+            none, taken in token order (``Store.append``'s rule).
+        medoids: int64 [k] position of each new cluster's medoid
+            (``Store.append(medoids=)``).
+        index: the index after the append, one row per cluster (the C old
+            ones, then the k new ones), in :attr:`Layout.index` form; the old
+            arrays are not modified (a retrieval still scoring them is safe).
+    """
+    joins: tuple
+    new_cluster_size: int
+    medoids: np.ndarray
+    index: dict
+
+
+def _index_rows(index: dict, keys: tuple, num_clusters: int, name: str) -> None:
+    """LayoutError unless ``index`` holds ``keys``, each with one row per cluster."""
+    if not isinstance(index, dict) or any(x not in index for x in keys):
+        raise LayoutError(f"a {name} index holds {keys}, got "
+                          f"{sorted(index) if isinstance(index, dict) else type(index)}")
+    bad = [x for x in keys if np.asarray(index[x]).shape[0] != num_clusters]
+    if bad:
+        raise LayoutError(f"the {name} index has {np.asarray(index[bad[0]]).shape[0]} rows "
+                          f"for {num_clusters} clusters (it was not extended by an append)")
+
+
+def _check_new(k, n: int, q=None) -> int:
+    if k.ndim != 3 or not 0 < int(n) <= k.shape[1]:
+        raise ShapeError(f"new keys {k.shape} must be [H_kv, m, d] with 0 < n = {n} <= m")
+    if q is not None and (q.ndim != 3 or q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]
+                          or q.shape[0] % k.shape[0]):
+        raise ShapeError(f"new queries {q.shape} do not match the keys {k.shape}")
+    return int(n)
+
+
+class QuestAppend:
+    """Quest's pages while decoding (Tang et al. 2024, §3; SWARM §8.1).
+
+    Pages stay ``page`` tokens long and aligned: page p holds positions
+    [p x page, (p+1) x page).  New entries first fill the layer's partial
+    last page (its bounds widened by their keys), then start new pages whose
+    per-channel min/max key bounds are computed from their keys.  A partial
+    page of new entries is written only by a forced flush; otherwise it waits
+    in the local window (pending) until it is full.
+
+    Args:
+        page: tokens per page (:func:`quest_pages`' ``page``).
+    """
+
+    name = "quest"
+    #: whether :meth:`place` needs the new entries' queries
+    queries = False
+
+    def __init__(self, page: int = 16):
+        if isinstance(page, bool) or not isinstance(page, (int, np.integer)) or page < 1:
+            raise LayoutError(f"page must be an integer >= 1, got {page!r}")
+        self.page = int(page)
+
+    def count(self, num_tokens: int, ready: int, pending: int) -> int:
+        """Entries that may be written now: the ``ready`` (matured) ones up to
+        the last page boundary, so that no page is left partial."""
+        return max(((int(num_tokens) + int(ready)) // self.page) * self.page -
+                   int(num_tokens), 0)
+
+    def place(self, index: dict, *, num_tokens: int, sizes, k, n: int, q=None) -> Growth:
+        """Pages for the first ``n`` new entries.
+
+        Args:
+            index: ``{"lo", "hi"}`` float32 [C, H_kv*d] bounds of the C pages.
+            num_tokens: S, tokens stored (the new ones get S, S+1, ...).
+            sizes: int [C] the stored pages' sizes.
+            k: float [H_kv, m, d] keys of the m pending entries, oldest first.
+            n: entries written now (1 <= n <= m).
+            q: unused.
+
+        Raises:
+            LayoutError: an index without a row per page, or a last page that
+                is not the partial page ending at S.  ShapeError: bad shapes.
+        """
+        k = np.asarray(k)
+        n = _check_new(k, n)
+        sizes = np.asarray(sizes)
+        C, S = sizes.shape[0], int(num_tokens)
+        _index_rows(index, ("lo", "hi"), C, self.name)
+        fill = min((-S) % self.page, n)
+        if fill and (C == 0 or sizes[-1] != S % self.page):
+            raise LayoutError(f"the last page holds {int(sizes[-1]) if C else 0} tokens; "
+                              f"pages of {self.page} aligned at 0 end with {S % self.page} "
+                              f"at S = {S}")
+        fk = flat_keys(k[:, :n])
+        starts = np.arange(fill, n, self.page)
+        lo = np.concatenate([index["lo"], np.minimum.reduceat(fk, starts, axis=0)
+                             if starts.size else fk[:0]]).astype(np.float32, copy=False)
+        hi = np.concatenate([index["hi"], np.maximum.reduceat(fk, starts, axis=0)
+                             if starts.size else fk[:0]]).astype(np.float32, copy=False)
+        if fill:                                   # the partial last page widens
+            lo[C - 1] = np.minimum(lo[C - 1], fk[:fill].min(axis=0))
+            hi[C - 1] = np.maximum(hi[C - 1], fk[:fill].max(axis=0))
+        jptr = np.minimum(np.arange(n + 1, dtype=np.int64), fill)
+        return Growth(joins=(jptr, np.full(fill, C - 1, np.int64)),
+                      new_cluster_size=self.page, medoids=S + starts.astype(np.int64),
+                      index={"lo": lo, "hi": hi})
+
+
+class InfLLMAppend:
+    """InfLLM's blocks while decoding (Xiao et al. 2024, §3.2; SWARM §8.1).
+
+    New entries form blocks of ``block`` consecutive tokens from the stored
+    length on.  A block's representatives are its ``reps`` tokens of highest
+    representative score (:func:`representative_scores` over the ``block``
+    following tokens' queries, the window :func:`infllm_blocks` uses), so a
+    block is written once those ``block`` successors have been decoded: the
+    scores are then exactly those of a layout of the whole sequence.  A
+    forced flush writes what is pending, scoring the last tokens over the
+    queries that exist (as at the end of the prefill).
+
+    Args:
+        block: tokens per block; reps: representatives per block
+            (:func:`infllm_blocks`' parameters).
+    """
+
+    name = "infllm"
+    queries = True
+
+    def __init__(self, block: int = 64, reps: int = 4):
+        for nm, v in (("block", block), ("reps", reps)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise LayoutError(f"{nm} must be an integer >= 1, got {v!r}")
+        self.block, self.reps = int(block), int(reps)
+
+    def count(self, num_tokens: int, ready: int, pending: int) -> int:
+        """Entries that may be written now: whole blocks of ``ready`` entries
+        whose ``block`` successors are pending too."""
+        b = self.block
+        return max(min(int(ready) // b, int(pending) // b - 1), 0) * b
+
+    def place(self, index: dict, *, num_tokens: int, sizes, k, n: int, q=None) -> Growth:
+        """Blocks and representatives for the first ``n`` new entries.
+
+        Args:
+            index: ``{"reps"}`` float32 [C, R, H_kv*d] representative keys.
+            num_tokens: S, tokens stored; sizes: int [C] the blocks' sizes.
+            k: float [H_kv, m, d] and q: float [H_q, m, d] keys and queries
+                of the m pending entries, oldest first (the step's query of
+                each entry's token).
+            n: entries written now (1 <= n <= m).
+
+        Raises:
+            LayoutError: an index without a row per block or of another R.
+            ShapeError: bad shapes or no queries.
+        """
+        k = np.asarray(k)
+        if q is None:
+            raise ShapeError("InfLLM's representatives need the new entries' queries")
+        q = np.asarray(q)
+        n = _check_new(k, n, q)
+        C = np.asarray(sizes).shape[0]
+        _index_rows(index, ("reps",), C, self.name)
+        if index["reps"].ndim != 3 or index["reps"].shape[1] != self.reps:
+            raise LayoutError(f"the infllm index {index['reps'].shape} does not hold "
+                              f"{self.reps} representatives per block")
+        m = min(k.shape[1], n + self.block)          # the block's successors' queries
+        r = representative_scores(q[:, :m], k[:, :m], window=self.block)[:n]
+        ptr, _ = _chunks(n, self.block)
+        tok = _block_reps(r, ptr, self.block, self.reps)                   # [c, reps]
+        reps = flat_keys(k, tok.reshape(-1)).reshape(tok.shape[0], self.reps, -1)
+        return Growth(joins=(np.zeros(n + 1, np.int64), np.empty(0, np.int64)),
+                      new_cluster_size=self.block, medoids=int(num_tokens) + tok[:, 0],
+                      index={"reps": np.concatenate([index["reps"], reps])})
+
+
+class PQCacheAppend:
+    """PQCache's clusters while decoding (Zhang et al. 2025; SWARM §8.1).
+
+    The codebook is not retrained: each new key is encoded with the existing
+    centroids, i.e. it joins the cluster of its nearest centroid (squared
+    Euclidean over the flattened key, as :func:`kmeans_clusters` assigns),
+    and the index is unchanged.  Every entry stays in exactly one cluster.
+    """
+
+    name = "pqcache"
+    queries = False
+
+    def count(self, num_tokens: int, ready: int, pending: int) -> int:
+        """Entries that may be written now: every matured one."""
+        return int(ready)
+
+    def place(self, index: dict, *, num_tokens: int, sizes, k, n: int, q=None) -> Growth:
+        """The nearest centroid of each of the first ``n`` new entries.
+
+        Args:
+            index: ``{"vectors"}`` float32 [C, H_kv*d] centroids.
+            num_tokens: S; sizes: int [C]; k: float [H_kv, m, d] keys of the
+                m pending entries; n: entries written now; q: unused.
+
+        Raises:
+            LayoutError: an index without a row per cluster.  ShapeError: bad
+                shapes.
+        """
+        from ..decode._selectors import single_threaded_blas
+        k = np.asarray(k)
+        n = _check_new(k, n)
+        C = np.asarray(sizes).shape[0]
+        _index_rows(index, ("vectors",), C, self.name)
+        c = np.asarray(index["vectors"], np.float32)
+        x = flat_keys(k[:, :n])
+        with single_threaded_blas():
+            d = (x * x).sum(1)[:, None] - 2.0 * (x @ c.T) + (c * c).sum(1)[None, :]
+        return Growth(joins=(np.arange(n + 1, dtype=np.int64), d.argmin(1).astype(np.int64)),
+                      new_cluster_size=1, medoids=np.empty(0, np.int64), index=dict(index))
+
+
+def append_rule(layout: Layout):
+    """The rule by which a baseline layout grows while decoding, with the
+    layout's own parameters: :class:`QuestAppend`, :class:`InfLLMAppend` or
+    :class:`PQCacheAppend`; None for the co-activation layouts (swarm and its
+    ablations grow by SWARM §6.2, eq. 9).
+
+    Raises:
+        LayoutError: a token-order layout (``no_cluster``: its index is every
+            key, which no append rule extends) or an unknown one.
+    """
+    if layout.kind == "medoid":
+        return None
+    if layout.name == "quest":
+        return QuestAppend(page=layout.params["page"])
+    if layout.name == "infllm":
+        return InfLLMAppend(block=layout.params["block"], reps=layout.params["reps"])
+    if layout.name == "pqcache":
+        return PQCacheAppend()
+    raise LayoutError(f"no append rule for the {layout.name!r} layout")

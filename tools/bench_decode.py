@@ -458,12 +458,17 @@ def _lru_session():
         frequency/size score); hits counted as in DecodeSession."""
 
         def choose_hot(self, hot, ret):
+            if ret.index is None or ret.index.num_clusters != hot.shape[0]:
+                return hot              # another generation: set_hot refuses it
             sel = ret.clusters
             self.lookups += int(sel.size)
             self.hits += int(hot[sel].sum()) if sel.size else 0
             if not hasattr(self, "_last"):
                 self._last = np.zeros(hot.shape[0], np.int64)
                 self._clock = 0
+            if self._last.shape[0] < hot.shape[0]:     # clusters made by appends
+                self._last = np.concatenate([self._last, np.zeros(hot.shape[0] -
+                                                                  self._last.shape[0], np.int64)])
             self._clock += 1
             self._last[sel] = self._clock
             cand = np.union1d(np.flatnonzero(hot), sel)

@@ -95,6 +95,13 @@ class DecodeSession:
             and no fresh pages to fault in.  The returned K/V (the step's and
             its retrieval's) are then views valid until the next step (a
             step with a given ``retrieval`` copies as without this option).
+        baseline: the append rule of a §8 baseline layout
+            (``swarmfs.layout._baselines.append_rule``: Quest's pages,
+            InfLLM's blocks, PQCache's centroids), whose index the
+            Retriever's selector holds: matured entries are then written by
+            that method's rule instead of eq. 9 (no co-activation counts),
+            and each flush extends the selector's index with them.  Default
+            None: SWARM's eq. 9.
 
     Concurrency:
         One thread at a time may call :meth:`step` or :meth:`flush` for a
@@ -116,6 +123,9 @@ class DecodeSession:
         InvalidNumberError: t_base_us or t_transfer_us negative or not finite.
         InvalidBoolError: adapt_cache or reuse_outputs not True or False.
         InvalidTypeError: retriever is not a Retriever.
+        InvalidArgumentError: a ``baseline`` that is not an append rule, or a
+            Retriever whose selector holds no given index.
+        LayoutError: the selector's index has not one row per cluster.
     """
 
     def __init__(self, retriever: Retriever, layer: int, *, tau: float = defaults.ONLINE_TAU,
@@ -124,7 +134,7 @@ class DecodeSession:
                  flush_batch: int = defaults.FLUSH_BATCH, hot_budget_bytes: int | None = None,
                  t_base_us: float = defaults.T_BASE_US,
                  t_transfer_us: float = defaults.T_TRANSFER_US,
-                 adapt_cache: bool = True, reuse_outputs: bool = False):
+                 adapt_cache: bool = True, reuse_outputs: bool = False, baseline=None):
         V.parse_instance(retriever, "retriever", Retriever, layer=layer)
         tau = V.parse_ratio(tau, "tau", layer=layer)
         reuse_outputs = V.parse_bool(reuse_outputs, "reuse_outputs", layer=layer)
@@ -153,6 +163,8 @@ class DecodeSession:
         self.adapt_cache = adapt_cache
         self.reuse_outputs = reuse_outputs
         self._kb = self._vb = None                   # reuse_outputs: K/V buffers
+        self.baseline = self._check_baseline(baseline, li)
+        self._q = None              # the pending entries' queries, for a rule that uses them
         self.freq = li.freq.astype(np.float64).copy()
         self.hot_budget = int(hot_budget_bytes if hot_budget_bytes is not None else
                               int(li.sizes[hot].sum()) * self.store.entry_bytes)
@@ -261,7 +273,7 @@ class DecodeSession:
         admitted, evicted = self._replace_cache(ret) if self.adapt_cache else \
             (np.empty(0, np.int64), np.empty(0, np.int64))
         if row is not None:
-            self._add_pending(row)
+            self._add_pending(row, q)
         flushed = self._flush_matured()
         return StepResult(k=k, v=v, positions=pos, retrieval=ret, admitted=admitted,
                           evicted=evicted, flushed=flushed)
@@ -281,8 +293,8 @@ class DecodeSession:
         at least the uniform share of this step's attention."""
         if n_pend:
             self._age[:n_pend] += 1
-        if not n_pend or ret.clusters.size == 0:
-            return
+        if not n_pend or ret.clusters.size == 0 or self.baseline is not None:
+            return                      # a baseline places entries by its own rule
         scale = self.store.head_dim ** -0.5
         mass = query_token_mass(q, k, scale)                                # [n]
         active = mass >= 1.0 / mass.shape[0]
@@ -336,6 +348,31 @@ class DecodeSession:
                                   entry_bytes=self.store.entry_bytes, t_base_us=self.t_base,
                                   t_transfer_us=self.t_transfer)
         return want
+
+    def _check_baseline(self, baseline, li):
+        """``baseline`` checked against the Retriever's selector: None, or an
+        append rule whose index the selector holds, a row per cluster.
+
+        Raises:
+            InvalidArgumentError: not an append rule, or a selector without a
+                given index.  LayoutError: the index does not fit the layer.
+        """
+        if baseline is None:
+            return None
+        if not all(callable(getattr(baseline, x, None)) for x in ("count", "place")):
+            raise errors.InvalidArgumentError(
+                f"baseline must be an append rule (swarmfs.layout._baselines.append_rule), "
+                f"got {type(baseline).__name__}", layer=self.layer)
+        sel = self.r.selector
+        if not all(callable(getattr(sel, x, None)) for x in ("layer_index", "replace")):
+            raise errors.InvalidArgumentError(
+                f"the Retriever's {sel.name} selector holds no given index for the "
+                f"{getattr(baseline, 'name', '?')} appends to extend", layer=self.layer)
+        for key, x in sel.layer_index(self.layer).items():
+            if x.shape[0] != li.num_clusters:
+                raise errors.LayoutError(f"the {sel.name} index has {x.shape[0]} {key} rows "
+                                         f"for {li.num_clusters} clusters", layer=self.layer)
+        return baseline
 
     def _check_layer(self, li) -> None:
         """The layer is as this session left it: the Retriever's index has the
@@ -392,7 +429,7 @@ class DecodeSession:
         """int32 [pending, C]: eq. 9 co-activation counts of the pending entries."""
         return self._f[:self._n_pend]
 
-    def _add_pending(self, row: np.ndarray) -> None:
+    def _add_pending(self, row: np.ndarray, q: np.ndarray | None = None) -> None:
         n = self._n_pend
         if n == self._rows.shape[0]:                    # full: double the capacity
             cap = 2 * n
@@ -401,6 +438,13 @@ class DecodeSession:
             f = np.zeros((cap, self._f.shape[1]), np.int32)
             rows[:n], age[:n], f[:n] = self._rows, self._age, self._f
             self._rows, self._age, self._f = rows, age, f
+        if self.baseline is not None and self.baseline.queries:
+            if self._q is None or self._q.shape[0] < self._rows.shape[0]:
+                qb = np.zeros((self._rows.shape[0],) + q.shape, np.float32)
+                if self._q is not None:
+                    qb[:n] = self._q[:n]
+                self._q = qb
+            self._q[n] = q
         self._rows[n] = row[0]
         self._age[n] = 0
         self._f[n] = 0
@@ -413,6 +457,8 @@ class DecodeSession:
         self._rows[:rest] = self._rows[n:n + rest]
         self._age[:rest] = self._age[n:n + rest]
         self._f[:rest] = self._f[n:n + rest]
+        if self._q is not None:
+            self._q[:rest] = self._q[n:n + rest]
         if new_clusters:
             f = np.zeros((self._f.shape[0], self._f.shape[1] + new_clusters), np.int32)
             f[:rest, :self._f.shape[1]] = self._f[:rest]
@@ -444,23 +490,35 @@ class DecodeSession:
 
     def _flush_matured(self, force: bool = False) -> np.ndarray:
         ready = int((self.pend_age >= self.window).sum())
-        if not force and ready < self.flush_batch:
-            return np.empty(0, np.int64)
-        n = self.pend_rows.shape[0] if force else ready   # pending are in age order
-        if n == 0:
-            return np.empty(0, np.int64)
-        kv = self.pend_rows[:n].view(self.store.np_dtype).reshape(
-            n, 2, self.store.num_kv_heads, self.store.head_dim)
-        joins = self.joins(self.pend_f[:n])
         li = self.r.index(self.layer)
+        m = self._n_pend
+        # pending are in age order; a baseline's rule may write fewer (whole pages/blocks)
+        n = m if force else ready if self.baseline is None else \
+            self.baseline.count(li.num_tokens, ready, m)
+        if n == 0 or (not force and n < self.flush_batch):
+            return np.empty(0, np.int64)
+        kv = self.pend_rows[:m].view(self.store.np_dtype).reshape(
+            m, 2, self.store.num_kv_heads, self.store.head_dim)
+        medoids = index = None
+        if self.baseline is None:
+            joins, size = self.joins(self.pend_f[:n]), self.new_cluster_size
+        else:
+            g = self.baseline.place(
+                self.r.selector.layer_index(self.layer), num_tokens=li.num_tokens,
+                sizes=li.sizes, k=kv[:, 0].transpose(1, 0, 2).astype(np.float32), n=n,
+                q=self._q[:m].transpose(1, 0, 2) if self.baseline.queries else None)
+            joins, size, medoids, index = g.joins, g.new_cluster_size, g.medoids, g.index
         C_old = li.num_clusters
         hot = self.r.hot(self.layer)
-        pos = self.store.append(self.layer, kv, joins, new_cluster_size=self.new_cluster_size,
-                                expect_tokens=li.num_tokens)
+        pos = self.store.append(self.layer, kv[:n], joins, new_cluster_size=size,
+                                expect_tokens=li.num_tokens, medoids=medoids)
         C_new = self.store.num_clusters(self.layer)
+        if index is not None:     # the selector's index, then the layer: a retrieval
+            self.r.selector.replace(self.layer, index)   # between scores li's rows
         self._drop_pending(n, C_new - C_old)
         self.freq = np.concatenate([self.freq, np.zeros(C_new - C_old)])
         self.r.refresh(self.layer, hot=np.concatenate([hot, np.zeros(C_new - C_old, bool)]))
+        self.r.layer_state(self.layer)      # reloaded now: dram_bytes counts the layer
         return pos
 
     def flush(self) -> np.ndarray:

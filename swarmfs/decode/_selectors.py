@@ -37,7 +37,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .._errors import InvalidArgumentError, NotFoundError
+from .._errors import InvalidArgumentError, LayoutError, NotFoundError
 from .._validate import checked_methods, parse_choice, parse_int, parse_positive_int
 
 __all__ = ["Selector", "FusedSelector", "MedoidSelector", "VectorSelector",
@@ -467,24 +467,87 @@ class MedoidSelector:
 
 
 class _GivenIndex:
-    """A selector whose per-layer index is given to it (the §8 baselines)."""
+    """A selector whose per-layer index is given to it (the §8 baselines).
+
+    The index grows with the layer: :meth:`replace` installs the index after
+    an append (``DecodeSession(baseline=...)`` does, by the method's rule in
+    ``swarmfs.layout._baselines``), and scoring a layer index ``li`` uses the
+    first ``li.num_clusters`` rows, so a retrieval still working on the
+    generation before an append scores the clusters it knows.
+    """
+
+    #: the :attr:`Layout.index` keys of this selector's per-layer index
+    keys: tuple = ()
 
     def invalidate(self, layer: int) -> None:
         """Nothing to drop: the index was given, not derived from the store."""
+
+    def _rows(self, x: np.ndarray, layer, li) -> np.ndarray:
+        """The rows of ``x`` [C', ...] that score layer index ``li`` (all
+        without one): its first C (clusters; tokens for a token selector).
+
+        Raises:
+            LayoutError: fewer rows than ``li`` has clusters (the index was not
+                extended after an append), naming the layer.
+        """
+        if li is None:
+            return x
+        n = li.num_tokens if self.kind == "tokens" else li.num_clusters
+        if x.shape[0] < n:
+            what = "tokens" if self.kind == "tokens" else "clusters"
+            raise LayoutError(f"the {self.name} index holds {x.shape[0]} rows for {n} "
+                              f"{what}: it was not extended when the layer grew (decode "
+                              "with DecodeSession(baseline=...), the method's append rule)",
+                              layer=layer)
+        return x[:n]
+
+    def layer_index(self, layer: int) -> dict:
+        """The layer's index in :attr:`Layout.index` form (``{"lo", "hi"}``,
+        ``{"reps"}``, ``{"vectors"}``, ``{"keys"}``; the arrays themselves).
+
+        Raises:
+            NotFoundError: no index for the layer.
+        """
+        x = _of_layer(self._table, layer, self.name)
+        return dict(zip(self.keys, x if isinstance(x, tuple) else (x,)))
+
+    def replace(self, layer: int, index: dict) -> None:
+        """Install a layer's index (e.g. after an append), in one assignment:
+        a scoring running meanwhile sees the old index or the new one.
+
+        Args:
+            index: the arrays of :meth:`layer_index`'s form.
+
+        Raises:
+            InvalidArgumentError: keys or row counts that do not fit.
+        """
+        if not isinstance(index, dict) or set(index) != set(self.keys):
+            raise InvalidArgumentError(f"the {self.name} index holds {self.keys}, got "
+                                       f"{sorted(index) if isinstance(index, dict) else index!r}",
+                                       layer=layer)
+        old = self._table.get(layer)
+        old = old if isinstance(old, tuple) else (old,) * len(self.keys)
+        arrs = tuple(np.ascontiguousarray(index[x], None if o is None else o.dtype)
+                     for x, o in zip(self.keys, old))       # the layer's dtype kept
+        if len({a.shape for a in arrs}) != 1:
+            raise InvalidArgumentError(f"the {self.name} index arrays differ in shape",
+                                       layer=layer)
+        self._table[layer] = arrs if len(arrs) > 1 else arrs[0]
 
 
 class VectorSelector(_GivenIndex):
     """One vector per cluster (e.g. k-means centroids): {layer: [C, H_kv*d]}."""
 
     kind = "clusters"
+    keys = ("vectors",)
 
     def __init__(self, vectors: dict, name: str = "centroid"):
-        self.vectors = {k: np.ascontiguousarray(v) for k, v in vectors.items()}
+        self.vectors = self._table = {k: np.ascontiguousarray(v) for k, v in vectors.items()}
         self.name = name
 
     def scores(self, layer, q, li=None):
         """Dot products with the cluster vectors: float32 [B, C]."""
-        return _gemv(_of_layer(self.vectors, layer, self.name), q)
+        return _gemv(self._rows(_of_layer(self.vectors, layer, self.name), layer, li), q)
 
     def dram_bytes(self, layer):
         """Bytes of the layer's index."""
@@ -496,14 +559,15 @@ class MultiVectorSelector(_GivenIndex):
     scores its best representative (InfLLM)."""
 
     kind = "clusters"
+    keys = ("reps",)
 
     def __init__(self, reps: dict, name: str = "representatives"):
-        self.reps = {k: np.ascontiguousarray(v) for k, v in reps.items()}
+        self.reps = self._table = {k: np.ascontiguousarray(v) for k, v in reps.items()}
         self.name = name
 
     def scores(self, layer, q, li=None):
         """Best dot product over each cluster's representatives: float32 [B, C]."""
-        r = _of_layer(self.reps, layer, self.name)
+        r = self._rows(_of_layer(self.reps, layer, self.name), layer, li)
         C, R, D = r.shape
         return _gemv(r.reshape(C * R, D), q).reshape(q.shape[0], C, R).max(axis=2)
 
@@ -519,14 +583,16 @@ class BoundSelector(_GivenIndex):
 
     kind = "clusters"
     name = "quest"
+    keys = ("lo", "hi")
 
     def __init__(self, bounds: dict):
-        self.bounds = {k: (np.ascontiguousarray(lo, np.float32), np.ascontiguousarray(hi, np.float32))
-                       for k, (lo, hi) in bounds.items()}
+        self.bounds = self._table = {
+            k: (np.ascontiguousarray(lo, np.float32), np.ascontiguousarray(hi, np.float32))
+            for k, (lo, hi) in bounds.items()}
 
     def scores(self, layer, q, li=None):
         """Upper bounds of q . k over each cluster's keys: float32 [B, C]."""
-        lo, hi = _of_layer(self.bounds, layer, self.name)
+        lo, hi = (self._rows(x, layer, li) for x in _of_layer(self.bounds, layer, self.name))
         qg = np.asarray(q, np.float32) if q.ndim == 2 else \
             group_queries(q, lo.shape[1] // q.shape[-1])
         pos = np.maximum(qg, 0)
@@ -548,12 +614,23 @@ class TokenSelector(_GivenIndex):
     name = "oracle"
 
     def __init__(self, keys: dict):
-        self.keys = {k: np.ascontiguousarray(v) for k, v in keys.items()}
+        self.keys = self._table = {k: np.ascontiguousarray(v) for k, v in keys.items()}
 
     def scores(self, layer, q, li=None):
         """Dot products with every key: float32 [B, S]."""
-        return _gemv(_of_layer(self.keys, layer, self.name), q)
+        return _gemv(self._rows(_of_layer(self._table, layer, self.name), layer, li), q)
+
+    def layer_index(self, layer: int) -> dict:
+        """The layer's keys, ``{"keys": [S, H_kv*d]}``."""
+        return {"keys": _of_layer(self._table, layer, self.name)}
+
+    def replace(self, layer: int, index: dict) -> None:
+        """Install a layer's keys ``{"keys": [S, H_kv*d]}`` (after an append)."""
+        if not isinstance(index, dict) or set(index) != {"keys"}:
+            raise InvalidArgumentError("the oracle index is {'keys': [S, H_kv*d]}",
+                                       layer=layer)
+        self._table[layer] = np.ascontiguousarray(index["keys"])
 
     def dram_bytes(self, layer):
         """Bytes of the layer's index."""
-        return int(_of_layer(self.keys, layer, self.name).nbytes)
+        return int(_of_layer(self._table, layer, self.name).nbytes)

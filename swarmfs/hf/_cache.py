@@ -43,6 +43,13 @@ def _baseline_layout(method: str, q: np.ndarray, k: np.ndarray):
     return B.kmeans_clusters(k)
 
 
+def _baseline_rule(layout):
+    """How a baseline's layout grows while decoding (its pages, blocks or
+    centroids; ``swarmfs.layout._baselines.append_rule``)."""
+    from ..layout import _baselines as B
+    return B.append_rule(layout)
+
+
 def _baseline_selector(method: str, index: dict):
     """The Retriever's selector for a baseline's per-layer index (None: SWARM's
     medoid index)."""
@@ -345,7 +352,10 @@ class SwarmCache(Cache):
             the evaluation's baselines laid out by ``swarmfs.layout._baselines``
             on the same store and Retriever: ``"quest"`` (pages of 16, min/max
             bounds), ``"infllm"`` (blocks of 64, 4 representative keys),
-            ``"pqcache"`` (k-means per 4,096-token chunk, centroids).
+            ``"pqcache"`` (k-means per 4,096-token chunk, centroids).  While
+            decoding (``append=True``) a baseline grows by its own rule
+            (``swarmfs.layout._baselines.append_rule``): Quest appends pages,
+            InfLLM blocks, PQCache assigns new keys to its centroids.
         hot_budget: DRAM for hot clusters per layer, as a fraction of the
             layer's stored KV bytes; §6.2 replacement fills it while decoding
             (default: what the layout's eq. 6 choice takes,
@@ -389,6 +399,7 @@ class SwarmCache(Cache):
             V.parse_fraction(hot_budget, "hot_budget")
         self.hot_budget = hot_budget
         self._index: dict[int, object] = {}
+        self._rules: dict[int, object] = {}       # a baseline's append rule per layer
         V.parse_ratio(ratio, "ratio")
         # the DecodeSessions' rule, checked now: they start only at the first
         # decode step, after the prefill has written the store
@@ -661,6 +672,7 @@ class SwarmCache(Cache):
                                    freq=lay.freq, local_window=W,
                                    extra={"layout": {"method": self.method}, **prefix})
             self._index[layer] = lay.index
+            self._rules[layer] = _baseline_rule(lay)
             rep = {"clusters": lay.num_clusters, "mean_size": float(lay.sizes.mean()),
                    "replication": float(lay.members.shape[0] / S), "hot_clusters": 0}
         del kv
@@ -676,6 +688,7 @@ class SwarmCache(Cache):
             self.prefix_length = self._stored_length()
             self.retriever = Retriever(self.store, ratio=self.ratio,
                                        selector=_baseline_selector(self.method, self._index))
+            self._index.clear()     # the selector holds the indexes now, and grows them
         return self.retriever
 
     def _session(self, layer: int) -> DecodeSession:
@@ -688,6 +701,8 @@ class SwarmCache(Cache):
             if self.hot_budget is not None:
                 kw["hot_budget_bytes"] = int(self.hot_budget * self.store.num_tokens(layer) *
                                              self.store.entry_bytes)
+            if self.method != "swarm":             # new tokens grow the baseline's index
+                kw["baseline"] = self._rules[layer]
             s = self.session_class(r, layer, tau=self.tau, **kw)
             self.sessions[layer] = s
         return s

@@ -612,14 +612,14 @@ class Store:
 
     @E.boundary
     def append(self, layer: int, kv, joins=None, *,
-               new_cluster_size: int | None = None,
+               new_cluster_size: int | None = None, medoids=None,
                expect_tokens: int | None = None) -> np.ndarray:
         """Append new tokens to a layer (SWARM §6.2, cluster maintenance).
 
         The new entries get positions S..S+n-1.  A token joins the existing
         clusters listed for it in ``joins`` (several: replicas); tokens that
         join none form new clusters of up to ``new_cluster_size`` consecutive tokens
-        (medoid: the first), placed by eq. 7.  Every cluster that grows is
+        (medoid: the first, or ``medoids``), placed by eq. 7.  Every cluster that grows is
         rewritten copy-on-write: its old entries and the new ones go to fresh
         extents at the end of the disks, keeping its start disk, so the entry
         appended at slot |C_i| lands on disk (id_i + |C_i|) mod N as §6.2
@@ -637,12 +637,17 @@ class Store:
             expect_tokens: refuse (SwarmError) unless the layer holds exactly
                 this many tokens when the append commits, e.g. because the
                 caller already promised positions S..S+n-1 to its users.
+            medoids: int [k] position of each new cluster's medoid, one of
+                its own new tokens, in the order the clusters are made
+                (default: the first token of each; a baseline's rule may
+                choose another, e.g. InfLLM's best representative).
 
         Returns:
             int64 [n] positions of the new tokens.
 
         Raises:
-            ShapeError: kv shape/dtype, or a bad joins list.
+            ShapeError: kv shape/dtype, a bad joins list, or ``medoids``
+                that are not one token of each new cluster.
             OutOfRangeError: a cluster id that does not exist.
             InvalidIntegerError: ``new_cluster_size`` below 1 or
                 ``expect_tokens`` below 0, or not integers.
@@ -651,7 +656,8 @@ class Store:
         if new_cluster_size is None:
             new_cluster_size = _defaults.NEW_CLUSTER_SIZE
         return _write.append_tokens(self, layer, kv, joins, new_cluster_size=new_cluster_size,
-                                    expect_tokens=expect_tokens, begin=self._transaction)
+                                    expect_tokens=expect_tokens, medoids=medoids,
+                                    begin=self._transaction)
 
     @E.boundary
     def plan(self, layer: int, tokens, *, max_gap: int = 0, max_request: int = MAX_REQUEST,

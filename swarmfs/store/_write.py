@@ -673,7 +673,7 @@ def write_layer(tx: Transaction, old, layer: int, rows, ptr, members, medoids, h
 
 
 def append_tokens(store, layer: int, kv, joins, *, new_cluster_size: int,
-                  expect_tokens: int | None = None, begin) -> np.ndarray:
+                  expect_tokens: int | None = None, medoids=None, begin) -> np.ndarray:
     """The work of :meth:`Store.append` (see there): new cluster table, rows of
     the clusters that grow (read back, verified) and of the new entries,
     copy-on-write extents keeping each cluster's start disk, one commit.
@@ -689,11 +689,29 @@ def append_tokens(store, layer: int, kv, joins, *, new_cluster_size: int,
     with begin() as tx:       # the whole append sees one committed state
         return _append_locked(tx, store, layer, kv, joins,
                               new_cluster_size=int(new_cluster_size),
-                              expect_tokens=expect_tokens)
+                              expect_tokens=expect_tokens, medoids=medoids)
+
+
+def _new_medoids(medoids, lone, gid, k_new: int, S: int, n: int, path, layer) -> np.ndarray:
+    """``Store.append``'s ``medoids`` checked: int64 [k_new], each a token of
+    its own new cluster (new token ``lone[i]`` is in cluster ``gid[i]``)."""
+    m = np.asarray(medoids)
+    if m.dtype.kind not in "iu" or m.shape != (k_new,):
+        raise E.ShapeError(f"medoids must give one token position per new cluster "
+                           f"({k_new}), got {m.dtype} {m.shape}", store=path, layer=layer)
+    m = m.astype(np.int64)
+    grp = np.full(n, -1, np.int64)
+    grp[lone] = gid
+    rel = m - S
+    if k_new and (rel.min() < 0 or rel.max() >= n or
+                  np.any(grp[np.clip(rel, 0, n - 1)] != np.arange(k_new))):
+        raise E.ShapeError("each medoid must be one of its own new cluster's tokens",
+                           store=path, layer=layer)
+    return m
 
 
 def _append_locked(tx: Transaction, store, layer: int, kv, joins, *, new_cluster_size: int,
-                   expect_tokens: int | None) -> np.ndarray:
+                   expect_tokens: int | None, medoids=None) -> np.ndarray:
     li = store.layer(layer)
     if expect_tokens is not None and li.num_tokens != expect_tokens:
         raise E.SwarmError(
@@ -733,6 +751,9 @@ def _append_locked(tx: Transaction, store, layer: int, kv, joins, *, new_cluster
     lone = np.flatnonzero(np.diff(jptr) == 0)
     gid = np.arange(lone.shape[0]) // max(int(new_cluster_size), 1)
     k_new = int(gid[-1]) + 1 if lone.size else 0
+    new_medoids = S + lone[np.searchsorted(gid, np.arange(k_new))]     # the first of each
+    if medoids is not None:
+        new_medoids = _new_medoids(medoids, lone, gid, k_new, S, n, store.path, layer)
     # the full new cluster table: old copies, then additions, then new clusters
     old_sizes = li.sizes
     add = np.bincount(jcl, minlength=C)
@@ -783,7 +804,7 @@ def _append_locked(tx: Transaction, store, layer: int, kv, joins, *, new_cluster
     start_disk = np.concatenate([li.start_disk, start[grow.shape[0]:]]).astype(np.int32)
     extent_off[write] = pl.extent_off
     extent_xxh[write] = xxh
-    medoid = np.concatenate([li.medoid, S + lone[np.searchsorted(gid, np.arange(k_new))]])
+    medoid = np.concatenate([li.medoid, new_medoids])
     half = store.entry_bytes // 2
     new_keys = rows_new[medoid[C:] - S, :half]
     arrays = dict(
