@@ -3,6 +3,7 @@ and the per-disk commit records that pin the manifest's generation."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -179,7 +180,7 @@ def create_disks(path: str, disk_paths: list, *, force: bool, disk_size, block_s
                 created.append(p)
             check_reusable(fd, p, i, path, force)
             bss.append(logical_block_size(fd))
-        for i, (p, fd) in enumerate(zip(disk_paths, fds)):
+        for i, (p, fd) in enumerate(zip(disk_paths, fds, strict=True)):
             if stat.S_ISBLK(os.fstat(fd).st_mode):
                 caps.append(device_size(fd))
             else:
@@ -225,10 +226,8 @@ def create_disks(path: str, disk_paths: list, *, force: bool, disk_size, block_s
             os.close(fd)
         if not done:
             for p in created:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(p)
-                except OSError:
-                    pass
     return m
 
 
@@ -246,7 +245,9 @@ def write_commit_records(engine, fds, uid: bytes, manifest, state: int, *,
     slots = [0, 1] if both else [gen % 2]
     buf = engine.alloc(F.COMMIT_SIZE * n * len(slots), register=False)
     try:
-        disk, off, dst = [], [], []
+        disk: list[int] = []
+        off: list[int] = []
+        dst: list[int] = []
         for i in range(n):
             rec = F.pack_commit(store_uuid=uid, disk_index=i, generation=gen,
                                 manifest_sum=manifest.checksum_u64,
@@ -411,7 +412,7 @@ class ReaderLease:
 
     def __init__(self, store_dir: str):
         self.fd = None
-        self.generation = None
+        self.generation: int | None = None
         self._held: dict[int, int] = {}     # generation -> claims (the Store's, LayerIndexes')
         self._mutex = threading.Lock()
         try:
@@ -514,7 +515,7 @@ def truncate_to(fds, manifest) -> None:
     """Give back the space a failed write allocated on growing file disks:
     cut each regular-file disk without a fixed capacity back to its
     committed end (nothing beyond it is referenced).  Best effort."""
-    for fd, d in zip(fds, manifest.disks):
+    for fd, d in zip(fds, manifest.disks, strict=False):    # best effort: never raise here
         try:
             st = os.fstat(fd)
             if stat.S_ISREG(st.st_mode) and not d.capacity and st.st_size > d.end:

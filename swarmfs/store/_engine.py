@@ -82,9 +82,9 @@ _RING_FLAGS = ((lib.SE_RING_SINGLE_ISSUER, "SINGLE_ISSUER"),
                (lib.SE_RING_SUBMIT_ALL, "SUBMIT_ALL"))
 _BLKSSZGET = 0x1268
 _BLKGETSIZE64 = 0x80081272
-_warned = set()                     # one-line warnings already given, by kind
+_warned: set[str] = set()           # one-line warnings already given, by kind
 _MAX_REQUEST = (1 << 31) - 4096     # statuses are int32 byte counts
-_QUARANTINE = []                    # memory abandoned requests may still write to
+_QUARANTINE: list[tuple] = []       # memory abandoned requests may still write to
 
 
 def _uring_open(pp, cfds, nfds, queue_depth):
@@ -201,8 +201,8 @@ class AlignedBuffer:
         self.pinned = pinned
         self._map()
         self.slot = -1
-        self._engine = None
-        self._unreg = None
+        self._engine: weakref.ref[Engine] | None = None
+        self._unreg: weakref.finalize | None = None
 
     def _map(self) -> None:
         self.tensor = None
@@ -441,12 +441,12 @@ class Engine:
             self._ptr = pp[0]
         self.kind = _KINDS[lib.se_kind(self._ptr)]
         self._pid = os.getpid()
-        self._registered = weakref.WeakSet()
+        self._registered: weakref.WeakSet[AlignedBuffer] = weakref.WeakSet()
         # reentrant: a buffer finalizer (GC) may run inside close() in this thread
         self._cv = threading.Condition(threading.RLock())
         self._calls = 0
         self._closing = False
-        self._buffer_error = None
+        self._buffer_error: str | None = None
         self.retry_limit = int(lib.SE_DEFAULT_RETRY_LIMIT if retry_limit is None
                                else retry_limit)
         lib.se_set_retry_limit(self._ptr, self.retry_limit)

@@ -27,8 +27,8 @@ import numpy as np
 
 from .. import _errors as E
 from ._engine import READ, device_size
-from ._kernels import gather_rows, verify_rows, xxh3_ranges
 from ._index import LayerIndex
+from ._kernels import gather_rows, verify_rows, xxh3_ranges
 from ._planner import Plan
 from ._write import chunk_bounds
 
@@ -104,7 +104,7 @@ class Executor:
 
     def execute(self, li: LayerIndex, plan: Plan, copies: np.ndarray, *, verify: bool,
                 order=None, out: np.ndarray | None = None, cluster=None,
-                consume=None) -> np.ndarray:
+                consume=None) -> np.ndarray | None:
         """Execute a plan in one batched submission and return entry rows:
         the work behind :meth:`Store.execute`, whose docstring gives the
         arguments, return value and errors (here ``verify`` is a bool, not
@@ -179,11 +179,14 @@ class Executor:
             off = int(li.copy_off[c])
             a, e = off // bs * bs, -(-(off + Eb) // bs) * bs
             m = mmap.mmap(-1, e - a)
+            err: OSError | str | None = None
+            n = 0
             try:
                 n = os.preadv(self._fds[d], [m], a)
-                err = None if n == e - a else "short read"
+                if n != e - a:
+                    err = "short read"
             except OSError as oe:
-                err, n = oe, None
+                err = oe
             finally:
                 m.close()
             if err is None:
@@ -220,7 +223,7 @@ class Executor:
         errors: dict[int, tuple[str, int]] = {}
         bad_entries: dict[int, np.ndarray] = {}
         past = offs + nbytes > sizes[dd]
-        for k in np.flatnonzero(gone[dd]):
+        for k in np.flatnonzero(gone[dd]).tolist():
             errors[int(k)] = (f"disk unavailable: {problems[int(dd[k])].message}",
                               int(offs[k]))
         for k in np.flatnonzero(past & ~gone[dd]):
@@ -234,7 +237,7 @@ class Executor:
                          _damage_offset(int(li.copy_off[bad_entries[k][0]]), Eb, size))
         readable = np.flatnonzero(~past & ~gone[dd])
         cuts = chunk_bounds(alen[readable], max_batch)
-        for a, b in zip(cuts[:-1], cuts[1:]):
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
             ks = readable[int(a):int(b)]
             lens = alen[ks]
             dst = np.zeros(ks.shape[0], dtype=np.uint64)

@@ -61,6 +61,7 @@ manifest references it; space freed by a commit is reused two commits later
 
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
 import json
 import os
@@ -232,10 +233,8 @@ def atomic_write(path: str, data: bytes) -> None:
         os.fsync(fd)
     except BaseException:
         os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     os.close(fd)
     os.replace(tmp, path)
@@ -387,10 +386,8 @@ def write_sealed_manifest(store_dir: str, m: dict) -> None:
                 pid = int(name.rsplit(".", 1)[1])
                 os.kill(pid, 0)
             except (ValueError, ProcessLookupError):
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(os.path.join(store_dir, name))
-                except OSError:
-                    pass
             except PermissionError:
                 pass
 
@@ -529,10 +526,8 @@ def save_index(store_dir: str, layer: int, generation: int, arrays: dict, *,
         os.fsync(fd)
     except BaseException:
         os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)          # no partial index file stays behind
-        except OSError:
-            pass
         raise
     os.close(fd)
     fsync_dir(d)
@@ -668,10 +663,8 @@ def remove_uncommitted_indexes(store_dir: str, generation: int) -> None:
     writers that crashed before their commit (best effort)."""
     for name, _layer, gen in list(_index_files(store_dir)):
         if gen >= generation:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(store_dir, INDEX_DIR, name))
-            except OSError:
-                pass
 
 
 def remove_stale_indexes(store_dir: str, keep: set) -> None:
@@ -683,7 +676,5 @@ def remove_stale_indexes(store_dir: str, keep: set) -> None:
         return
     for name in names:
         if name.endswith(".safetensors") and name not in keep:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(d, name))
-            except OSError:
-                pass

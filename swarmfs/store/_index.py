@@ -75,6 +75,20 @@ class LayerIndex:
         tok_ptr: int64 [S+1], tok_copy: int64 [M] copies of each token.
     """
 
+    # the stored arrays (``_format.INDEX_ARRAYS``), set from ``arrays``
+    members_ptr: np.ndarray
+    members: np.ndarray
+    medoid: np.ndarray
+    start_disk: np.ndarray
+    extent_off: np.ndarray
+    extent_xxh: np.ndarray
+    token_xxh: np.ndarray
+    medoid_keys: np.ndarray
+    hot: np.ndarray
+    freq: np.ndarray
+    #: the store's reader-lease claim on the index's generation (set by Store.layer)
+    _claim: list[int]
+
     def __init__(self, layer: int, arrays: dict, *, num_tokens: int, ndisks: int,
                  entry_bytes: int, block_size: int, store=None, disk_end=None,
                  free=None):
@@ -123,7 +137,8 @@ class LayerIndex:
     def _check_shapes(self) -> None:
         C, N, S = self.num_clusters, self.ndisks, self.num_tokens
         p = self.members_ptr
-        if C < 0 or p.shape[0] < 2 or p[0] != 0 or np.any(np.diff(p) <= 0) or p[-1] != self.members.shape[0]:
+        if C < 0 or p.shape[0] < 2 or p[0] != 0 or np.any(np.diff(p) <= 0) \
+                or p[-1] != self.members.shape[0]:
             self._fail("cluster pointers are not increasing or do not cover the members")
         for name, shape in (("medoid", (C,)), ("start_disk", (C,)),
                             ("extent_off", (C, N)), ("extent_xxh", (C, N)),

@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 import operator
 import os
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 
 from .._errors import InvalidArgumentError, boundary
-from .._validate import parse_int
 from .._native import ffi, lib
+from .._validate import parse_int
 
 __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_rows",
            "assign_buckets", "gemv_half", "head_logits_half", "softmax_sum",
@@ -35,7 +35,7 @@ __all__ = ["gather_rows", "scatter_rows", "xxh3_rows", "xxh3_ranges", "verify_ro
 
 # -- argument checks (before C touches memory) ---------------------------------
 
-def _fail(msg: str):
+def _fail(msg: str) -> NoReturn:
     raise InvalidArgumentError(msg)
 
 
@@ -556,8 +556,8 @@ def set_kernel_path(name: str) -> str:
 def cpu_flags() -> list[str]:
     """The SIMD features of this CPU that the kernels care about (from
     /proc/cpuinfo; empty where it is unreadable)."""
-    want = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16",
-            "avx2", "fma", "f16c", "asimd", "fphp", "asimdhp", "sve")
+    want = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+            "avx512_fp16", "avx2", "fma", "f16c", "asimd", "fphp", "asimdhp", "sve")
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

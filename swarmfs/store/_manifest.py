@@ -51,7 +51,8 @@ import os
 import re
 import time
 import types
-from typing import Annotated, Any, ClassVar, Literal, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, NoReturn, cast
 
 import msgspec
 from msgspec import Meta
@@ -77,7 +78,10 @@ _Count = Annotated[int, Meta(ge=1, le=_I31)]
 _Tokens = Annotated[int, Meta(ge=0, le=_I31)]
 _Gen = Annotated[int, Meta(ge=0, le=_U63)]
 _Bytes62 = Annotated[int, Meta(ge=0, le=1 << 62)]
-_Dtype = Literal[tuple(sorted(F.DTYPES))]
+if TYPE_CHECKING:      # a Literal of F.DTYPES, which mypy cannot build
+    _Dtype = str
+else:
+    _Dtype = Literal[tuple(sorted(F.DTYPES))]
 _Path = Annotated[str, Meta(min_length=1, max_length=4096, pattern=r"\A[^\x00]*\Z")]
 _FreeRange = tuple[_Gen, _Gen, _Gen]        # (offset, length, generation freed)
 
@@ -106,7 +110,7 @@ class ModelIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
     @classmethod
     def new(cls, *, name, num_layers, num_kv_heads, head_dim, num_query_heads,
-            dtype) -> "ModelIdentity":
+            dtype) -> ModelIdentity:
         """The identity of a new store, from ``Store.create``'s arguments
         (``num_query_heads`` None: as many as KV heads).
 
@@ -266,7 +270,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def new(cls, store_dir, *, uuid: str, model: ModelIdentity, block_size: int,
             disk_paths: list, capacities: list,
-            local_window: int = _defaults.LOCAL_WINDOW) -> "Manifest":
+            local_window: int = _defaults.LOCAL_WINDOW) -> Manifest:
         """The generation-0 manifest of a new store (no layers, empty disks),
         sealed and passed through the loader (never what open() would refuse).
         ``disk_paths`` as recorded (relative to the store where inside it)."""
@@ -298,7 +302,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
         """The file's bytes, as ``write_manifest`` writes them."""
         return json.dumps(self.to_dict(), indent=1, sort_keys=False).encode() + b"\n"
 
-    def sealed(self) -> "Manifest":
+    def sealed(self) -> Manifest:
         """This manifest with its checksum computed (the format's rule)."""
         return msgspec.structs.replace(self, checksum=F.manifest_checksum(self.to_dict()))
 
@@ -314,7 +318,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
 
     # -- the validating loader -----------------------------------------------------
     @classmethod
-    def load(cls, m: dict, store_dir) -> "Manifest":
+    def load(cls, m: dict, store_dir) -> Manifest:
         """Check a parsed manifest (every field's type and range, and the
         fields' consistency with each other) and build its records.  The
         one validating loader: ``Store.open`` reads through it, and every
@@ -351,7 +355,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
 
 # -- what the schema cannot say: ManifestError naming manifest.json and the field ----
 
-def _fail(msg: str, store_dir, **where):
+def _fail(msg: str, store_dir, **where) -> NoReturn:
     raise E.ManifestError(f"manifest.json: {msg}"[:300], store=store_dir, **where)
 
 
@@ -366,7 +370,7 @@ def _convert(obj, typ, store_dir, prefix: str = "", **where):
     try:
         return msgspec.convert(obj, typ, strict=True)
     except msgspec.ValidationError as exc:
-        at = _AT.fullmatch(str(exc))
+        at = cast(re.Match, _AT.fullmatch(str(exc)))    # always matches: all optional
         field = (prefix + (at["path"] or "")).lstrip(".")
         disk = _DISK.match(field)
         if disk and "disk" not in where:

@@ -81,8 +81,9 @@ class Store:
     they keep reading correct bytes.  A read in flight on the writing Store
     itself reads the generation current when it started: every LayerIndex
     the Store loaded claims its generation until it is garbage, so the
-    space it references is not reused meanwhile (also with verify=False).  Public methods raise only SwarmError
-    subclasses (an unexpected exception is an :class:`InternalError`).
+    space it references is not reused meanwhile (also with verify=False).
+    Public methods raise only SwarmError subclasses (an unexpected exception
+    is an :class:`InternalError`).
 
     Attributes:
         path: the store directory.
@@ -139,7 +140,7 @@ class Store:
                num_query_heads: int | None = None, disk_size: int | None = None,
                block_size: int | None = None, force: bool = False,
                engine: str | None = None, queue_depth: int = 128,
-               verify: bool = True) -> "Store":
+               verify: bool = True) -> Store:
         """Create an empty store.
 
         Args:
@@ -205,8 +206,9 @@ class Store:
         created = not os.path.exists(path)
         os.makedirs(path, exist_ok=True)
         try:
-            return cls._create(path, disks=disks, model=model, disk_size=disk_size, block_size=block_size, force=force,
-                               engine=engine, queue_depth=queue_depth, verify=verify)
+            return cls._create(path, disks=disks, model=model, disk_size=disk_size,
+                               block_size=block_size, force=force, engine=engine,
+                               queue_depth=queue_depth, verify=verify)
         except BaseException:
             if created:      # leave nothing behind for a store that never existed
                 shutil.rmtree(path, ignore_errors=True)
@@ -245,7 +247,7 @@ class Store:
     @E.boundary
     def open(cls, path, *, engine: str | None = None, queue_depth: int = 128,
              verify: bool = True, writable: bool = False,
-             preload: bool = False, damaged: bool = False) -> "Store":
+             preload: bool = False, damaged: bool = False) -> Store:
         """Open a store and check every disk against the manifest.
 
         The manifest is schema-checked; each disk's superblock must carry
@@ -304,6 +306,7 @@ class Store:
                 if now.checksum == m.checksum or attempt == _OPEN_RETRIES - 1:
                     raise
                 time.sleep(0.001 * (attempt + 1))
+        raise E.InternalError("unreachable: the last open attempt returns or raises")
 
     @classmethod
     def _open_once(cls, path, m, *, engine, queue_depth, verify, writable, preload,
@@ -694,7 +697,8 @@ class Store:
     @E.boundary
     def execute(self, li: LayerIndex, plan: Plan, copies: np.ndarray, *,
                 order=None, out: np.ndarray | None = None,
-                verify: bool | None = None, cluster=None, consume=None) -> np.ndarray:
+                verify: bool | None = None, cluster=None,
+                consume=None) -> np.ndarray | None:
         """Execute a plan in one batched submission and return entry rows.
 
         Args:
@@ -712,7 +716,7 @@ class Store:
                 and V straight into its output this way).
 
         Returns:
-            uint8 [k, entry_bytes] rows.
+            uint8 [k, entry_bytes] rows (None with ``consume``).
 
         Raises:
             ChecksumError: an entry does not match its checksum (names the

@@ -22,6 +22,7 @@ import json
 import os
 import types
 import warnings
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
@@ -81,7 +82,7 @@ def _reusable(r, gen: int, oldest_reader: int | None = None) -> bool:
     return r[2] + REUSE_AFTER <= gen and (oldest_reader is None or r[2] <= oldest_reader)
 
 
-def allocate(disks: list, seg: np.ndarray, gen: int,
+def allocate(disks: Sequence, seg: np.ndarray, gen: int,
              oldest_reader: int | None = None) -> tuple[np.ndarray, list]:
     """Where each disk's contiguous segment of ``seg[d]`` bytes goes: the
     smallest reusable free range that holds it (best fit), else the disk's
@@ -121,7 +122,7 @@ def allocate(disks: list, seg: np.ndarray, gen: int,
     return base, out
 
 
-def free_extents(disks: list, cc, dd, off, nbytes, gen: int, block_size: int,
+def free_extents(disks: Sequence, cc, dd, off, nbytes, gen: int, block_size: int,
                  oldest_reader: int | None = None) -> list:
     """Add extents (disk ``dd``, offset ``off``, ``nbytes`` of entries) that
     commit ``gen`` stops referencing to the disks' free lists (sorted,
@@ -140,7 +141,7 @@ def free_extents(disks: list, cc, dd, off, nbytes, gen: int, block_size: int,
         # other; a range still in quarantine merges only with its own kind
         free = sorted([r[0], r[1], 0 if _reusable(r, gen, oldest_reader) else r[2]]
                       for r in free)
-        merged = []
+        merged: list[list[int]] = []
         for r in free:
             if merged and merged[-1][0] + merged[-1][1] == r[0] and merged[-1][2] == r[2]:
                 merged[-1][1] += r[1]
@@ -199,8 +200,8 @@ def as_bytes_rows(kv, entry_shape: tuple, dtype_name: str, *, layer=None,
         shape = arr.shape
         arr = np.ascontiguousarray(arr)
     if len(shape) != 4 or tuple(shape[1:]) != entry_shape:
-        raise E.ShapeError(f"KV shape {tuple(shape)} is not [S, {', '.join(map(str, entry_shape))}]",
-                           store=store, layer=layer)
+        raise E.ShapeError(f"KV shape {tuple(shape)} is not "
+                           f"[S, {', '.join(map(str, entry_shape))}]", store=store, layer=layer)
     if shape[0] == 0:
         raise E.ShapeError("KV array has no tokens", store=store, layer=layer)
     rows = arr.reshape(shape[0], -1).view(np.uint8)
@@ -413,14 +414,14 @@ class Transaction:
         self._publish = publish
         self._is_open = is_open
         self._check_base = check_base
-        self._lock_fd = None
+        self._lock_fd: int | None = None
         self.base: Manifest | None = None
         self.committed: Manifest | None = None
         self.generation = 0
         self.disks: tuple = ()
 
     # -- the lock ----------------------------------------------------------------
-    def __enter__(self) -> "Transaction":
+    def __enter__(self) -> Transaction:
         if self.base is not None:
             raise E.InternalError("a write transaction is entered once", store=self.path)
         self._mutex.acquire()
@@ -463,14 +464,21 @@ class Transaction:
 
     # -- free-extent bookkeeping -------------------------------------------------
     @property
+    def base_manifest(self) -> Manifest:
+        """:attr:`base`, which an entered transaction has."""
+        if self.base is None:
+            raise E.InternalError("the write transaction is not entered", store=self.path)
+        return self.base
+
+    @property
     def entry_bytes(self) -> int:
         """Bytes of one KV entry (2 x KV heads x head_dim x dtype size)."""
-        return self.base.model.entry_bytes
+        return self.base_manifest.model.entry_bytes
 
     @property
     def num_disks(self) -> int:
         """N, the number of disks of the store."""
-        return len(self.base.disks)
+        return len(self.base_manifest.disks)
 
     def place(self, sizes, *, p_global: int, start=None, policy="eq7", layer=None):
         """Eq. 7 placement of clusters of ``sizes`` entries, each disk's
@@ -484,7 +492,7 @@ class Transaction:
             DiskFullError: a disk's capacity would be exceeded (nothing written).
         """
         N = self.num_disks
-        kw = dict(ndisks=N, entry_bytes=self.entry_bytes, block_size=self.base.block_size,
+        kw = dict(ndisks=N, entry_bytes=self.entry_bytes, block_size=self.base_manifest.block_size,
                   p_global=p_global, policy=policy, start=start)
         pl0 = place_clusters(sizes, disk_end=np.zeros(N, np.uint64), **kw)
         base, disks = allocate(self.disks, pl0.disk_end, self.generation,
@@ -502,7 +510,8 @@ class Transaction:
         """Extents (cluster ``cc``, disk ``dd``, offset ``off``, ``nbytes``
         of entries) this commit stops referencing join the free lists."""
         self.disks = tuple(free_extents(self.disks, cc, dd, off, nbytes, self.generation,
-                                        self.base.block_size, self._lease.oldest_reader()))
+                                        self.base_manifest.block_size,
+                                        self._lease.oldest_reader()))
 
     # -- writing -------------------------------------------------------------------
     def write_extents(self, rows, ptr, members, pl, layer) -> np.ndarray:
@@ -515,7 +524,7 @@ class Transaction:
         cl_bytes = ext.sum(axis=1)
         extent_xxh = np.zeros((C, N), dtype=np.uint64)
         cuts = chunk_bounds(cl_bytes, WRITE_CHUNK)
-        for c0, c1 in zip(cuts[:-1], cuts[1:]):
+        for c0, c1 in zip(cuts[:-1], cuts[1:], strict=True):
             c0, c1 = int(c0), int(c1)
             lo = pl.extent_off[c0]
             hi = pl.extent_off[c1 - 1] + ext[c1 - 1]
@@ -656,7 +665,7 @@ def write_layer(tx: Transaction, old, layer: int, rows, ptr, members, medoids, h
     Eb = tx.entry_bytes
     token_xxh = xxh3_rows(rows, Eb)
     medoid_keys = np.ascontiguousarray(rows[medoids, :Eb // 2])
-    pl = tx.place(np.diff(ptr), p_global=tx.base.p_global, policy=placement, layer=layer)
+    pl = tx.place(np.diff(ptr), p_global=tx.base_manifest.p_global, policy=placement, layer=layer)
     extent_xxh = tx.write_extents(rows, ptr, members, pl, layer)
     tx.sync()
     if old is not None:
@@ -669,7 +678,7 @@ def write_layer(tx: Transaction, old, layer: int, rows, ptr, members, medoids, h
                   medoid_keys=medoid_keys, hot=hot, freq=freq)
     return tx.commit(layer, arrays, p_global=pl.p_global,
                      local_window=local_window if local_window is not None
-                     else tx.base.local_window, extra=extra)
+                     else tx.base_manifest.local_window, extra=extra)
 
 
 def append_tokens(store, layer: int, kv, joins, *, new_cluster_size: int,
@@ -783,7 +792,7 @@ def _append_locked(tx: Transaction, store, layer: int, kv, joins, *, new_cluster
     w_sizes = sizes[write]
     w_ptr = np.zeros(write.shape[0] + 1, np.int64)
     np.cumsum(w_sizes, out=w_ptr[1:])
-    p0 = tx.base.p_global
+    p0 = tx.base_manifest.p_global
     start = np.concatenate([li.start_disk[grow],
                             place_clusters(sizes[C:], ndisks=store.num_disks,
                                            entry_bytes=store.entry_bytes,
