@@ -30,10 +30,18 @@ from typing import NamedTuple
 import numpy as np
 
 from .._errors import InvalidArgumentError
-from .._validate import parse_number, parse_positive_int
-from ..store._kernels import (Int8Index, _choice, _count_arg, _csr_args, _i8_fields,
-                              _native_failure, _query, pack_medoids_i8)
 from .._native import ffi, lib
+from .._validate import parse_number, parse_positive_int
+from ..store._kernels import (
+    Int8Index,
+    _choice,
+    _count_arg,
+    _csr_args,
+    _i8_fields,
+    _native_failure,
+    _query,
+    pack_medoids_i8,
+)
 
 __all__ = ["Int8Index2", "pack_medoids_i8x2", "select_i8x2", "groups_to_score", "check_coverage"]
 
@@ -160,7 +168,7 @@ def pack_medoids_i8x2(m: np.ndarray, num_kv_heads: int, *, group_size: int = 32,
     glogn = np.full((H, K), -np.inf, np.float32)
     cent = np.zeros((K, H, d), np.float32)
     mgrp = np.zeros((H, C), np.int32)
-    for h, ((lab, cnt), nb) in enumerate(zip(labs, blocks)):
+    for h, ((lab, cnt), nb) in enumerate(zip(labs, blocks, strict=True)):
         np.cumsum(nb, out=gblk[h, 1:])
         glogn[h, cnt > 0] = np.log(cnt[cnt > 0])
         if not C:

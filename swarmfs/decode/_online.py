@@ -27,14 +27,15 @@ A :class:`DecodeSession` drives one layer of a decode loop over a
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
 from .. import _defaults as defaults
 from .. import _errors as errors
 from .. import _validate as V
-from ._hot import hot_clusters
 from ..store._index import union_ints
+from ._hot import hot_clusters
 from ._report import query_token_mass
 from ._retrieve import Retrieval, Retriever, empty_kv
 from ._window import entry_budget
@@ -147,8 +148,8 @@ class DecodeSession:
                             ("hot_budget_bytes", hot_budget_bytes, 0)):
             if v is not None:
                 V.parse_int(v, name, lo, layer=layer)
-        for name, v in (("t_base_us", t_base_us), ("t_transfer_us", t_transfer_us)):
-            V.parse_number(v, name, 0, unit="µs", layer=layer)
+        for name, us in (("t_base_us", t_base_us), ("t_transfer_us", t_transfer_us)):
+            V.parse_number(us, name, 0, unit="µs", layer=layer)
         self.r = retriever
         self.store = retriever.store
         self.layer = V.parse_index(layer, "layer", store=self.store.path)
@@ -162,9 +163,12 @@ class DecodeSession:
         self.t_base, self.t_transfer = float(t_base_us), float(t_transfer_us)
         self.adapt_cache = adapt_cache
         self.reuse_outputs = reuse_outputs
-        self._kb = self._vb = None                   # reuse_outputs: K/V buffers
+        # reuse_outputs: K/V buffers
+        self._kb: np.ndarray | None = None
+        self._vb: np.ndarray | None = None
         self.baseline = self._check_baseline(baseline, li)
-        self._q = None              # the pending entries' queries, for a rule that uses them
+        # the pending entries' queries, for a rule that uses them
+        self._q: np.ndarray | None = None
         self.freq = li.freq.astype(np.float64).copy()
         self.hot_budget = int(hot_budget_bytes if hot_budget_bytes is not None else
                               int(li.sizes[hot].sum()) * self.store.entry_bytes)
@@ -293,7 +297,8 @@ class DecodeSession:
         at least the uniform share of this step's attention."""
         if n_pend:
             self._age[:n_pend] += 1
-        if not n_pend or ret.clusters.size == 0 or self.baseline is not None:
+        if not n_pend or ret.clusters.size == 0 or self.baseline is not None \
+                or ret.index is None:
             return                      # a baseline places entries by its own rule
         scale = self.store.head_dim ** -0.5
         mass = query_token_mass(q, k, scale)                                # [n]
@@ -429,7 +434,7 @@ class DecodeSession:
         """int32 [pending, C]: eq. 9 co-activation counts of the pending entries."""
         return self._f[:self._n_pend]
 
-    def _add_pending(self, row: np.ndarray, q: np.ndarray | None = None) -> None:
+    def _add_pending(self, row: np.ndarray, q: np.ndarray) -> None:
         n = self._n_pend
         if n == self._rows.shape[0]:                    # full: double the capacity
             cap = 2 * n
@@ -500,13 +505,17 @@ class DecodeSession:
         kv = self.pend_rows[:m].view(self.store.np_dtype).reshape(
             m, 2, self.store.num_kv_heads, self.store.head_dim)
         medoids = index = None
+        # with a baseline, the selector holds a given index (_check_baseline):
+        # layer_index and replace
+        sel: Any = self.r.selector
         if self.baseline is None:
             joins, size = self.joins(self.pend_f[:n]), self.new_cluster_size
         else:
+            qs = self._q[:m].transpose(1, 0, 2) \
+                if self.baseline.queries and self._q is not None else None
             g = self.baseline.place(
-                self.r.selector.layer_index(self.layer), num_tokens=li.num_tokens,
-                sizes=li.sizes, k=kv[:, 0].transpose(1, 0, 2).astype(np.float32), n=n,
-                q=self._q[:m].transpose(1, 0, 2) if self.baseline.queries else None)
+                sel.layer_index(self.layer), num_tokens=li.num_tokens,
+                sizes=li.sizes, k=kv[:, 0].transpose(1, 0, 2).astype(np.float32), n=n, q=qs)
             joins, size, medoids, index = g.joins, g.new_cluster_size, g.medoids, g.index
         C_old = li.num_clusters
         hot = self.r.hot(self.layer)
@@ -514,7 +523,7 @@ class DecodeSession:
                                 expect_tokens=li.num_tokens, medoids=medoids)
         C_new = self.store.num_clusters(self.layer)
         if index is not None:     # the selector's index, then the layer: a retrieval
-            self.r.selector.replace(self.layer, index)   # between scores li's rows
+            sel.replace(self.layer, index)               # between scores li's rows
         self._drop_pending(n, C_new - C_old)
         self.freq = np.concatenate([self.freq, np.zeros(C_new - C_old)])
         self.r.refresh(self.layer, hot=np.concatenate([hot, np.zeros(C_new - C_old, bool)]))

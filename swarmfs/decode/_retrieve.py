@@ -18,19 +18,23 @@ import dataclasses
 import functools
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _errors as errors
 from .. import _validate as V
-from . import _stages as stages
 from .._defaults import RATIO
-from ..store._index import union_ints, unique_ints
+from ..store._index import LayerIndex, union_ints, unique_ints
 from ..store._kernels import empty_aligned, kv_rows
-from ._selectors import MedoidSelector, Selector
 from ..store._planner import POLICIES
 from ..store._store import Store, to_torch
+from . import _stages as stages
+from ._selectors import MedoidSelector, Selector
 from ._window import entry_budget, window_positions, window_size
+
+if TYPE_CHECKING:
+    import concurrent.futures
 
 __all__ = ["Retriever", "Retrieval", "RetrievalStats", "empty_kv"]
 
@@ -99,13 +103,13 @@ class Retrieval:
         index: the :class:`~swarmfs.LayerIndex` the retrieval read (a
             :class:`~swarmfs.DecodeSession` refuses a retrieval of an older one).
     """
-    k: object
-    v: object
+    k: Any      # a torch tensor or a numpy array
+    v: Any
     positions: np.ndarray
     clusters: np.ndarray
     stats: RetrievalStats
     layer: int = -1
-    index: object = dataclasses.field(default=None, repr=False, compare=False)
+    index: LayerIndex | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def _kv_numpy(self):
         k, v = self.k, self.v
@@ -149,7 +153,7 @@ class _LayerState:
     """
 
     def __init__(self, store: Store, layer: int, local_window: int, hot, selector):
-        li = store.layer(layer)
+        li: LayerIndex = store.layer(layer)
         self.li = li
         S = li.num_tokens
         self.sizes = li.sizes
@@ -362,7 +366,7 @@ class Retriever:
         self._layers: dict[int, _LayerState] = {}
         self._lock = threading.Lock()
         self._step_locks: dict[int, threading.Lock] = {}
-        self._pool = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.group = store.model.num_query_heads // store.num_kv_heads
 
     def prefetch(self, layer: int, q, **kw):

@@ -317,8 +317,8 @@ class MedoidSelector:
         parse_choice(index, "index", INDEXES)
         levels = parse_int(levels, "levels", 1, 2)
         parse_positive_int(group_size, "group_size")
-        from ._index2 import check_coverage
         from ..store._kernels import thread_count
+        from ._index2 import check_coverage
         coverage = check_coverage(coverage)
         self.threads = thread_count(threads)
         self.store = store
@@ -326,7 +326,7 @@ class MedoidSelector:
         self.index = index
         self.levels, self.group_size, self.coverage = int(levels), int(group_size), float(coverage)
         self.scale = float(store.head_dim) ** -0.5
-        self._derived = {}      # {(what, layer): (layer index, array)}
+        self._derived: dict[tuple, tuple] = {}      # {(what, layer): (layer index, array)}
 
     def _cached(self, what: str, layer, li, make):
         """``make()`` for the layer index ``li``, made once per index object:
@@ -478,6 +478,10 @@ class _GivenIndex:
 
     #: the :attr:`Layout.index` keys of this selector's per-layer index
     keys: tuple = ()
+    kind: str
+    name: str
+    #: {layer: the index array, or a tuple of them in :attr:`keys` order}
+    _table: dict
 
     def invalidate(self, layer: int) -> None:
         """Nothing to drop: the index was given, not derived from the store."""
@@ -509,7 +513,7 @@ class _GivenIndex:
             NotFoundError: no index for the layer.
         """
         x = _of_layer(self._table, layer, self.name)
-        return dict(zip(self.keys, x if isinstance(x, tuple) else (x,)))
+        return dict(zip(self.keys, x if isinstance(x, tuple) else (x,), strict=True))
 
     def replace(self, layer: int, index: dict) -> None:
         """Install a layer's index (e.g. after an append), in one assignment:
@@ -528,7 +532,7 @@ class _GivenIndex:
         old = self._table.get(layer)
         old = old if isinstance(old, tuple) else (old,) * len(self.keys)
         arrs = tuple(np.ascontiguousarray(index[x], None if o is None else o.dtype)
-                     for x, o in zip(self.keys, old))       # the layer's dtype kept
+                     for x, o in zip(self.keys, old, strict=True))   # the layer's dtype kept
         if len({a.shape for a in arrs}) != 1:
             raise InvalidArgumentError(f"the {self.name} index arrays differ in shape",
                                        layer=layer)
@@ -612,9 +616,10 @@ class TokenSelector(_GivenIndex):
 
     kind = "tokens"
     name = "oracle"
+    keys = ("keys",)
 
     def __init__(self, keys: dict):
-        self.keys = self._table = {k: np.ascontiguousarray(v) for k, v in keys.items()}
+        self._table = {k: np.ascontiguousarray(v) for k, v in keys.items()}
 
     def scores(self, layer, q, li=None):
         """Dot products with every key: float32 [B, S]."""

@@ -24,13 +24,14 @@ entry or per request.
 from __future__ import annotations
 
 import time
+from typing import TypeGuard
 
 import numpy as np
 
 from .. import _errors as errors
 from ..store._index import unique_ints
 from ..store._kernels import gather_kv, thread_count
-from ._selectors import Selector, _select
+from ._selectors import FusedSelector, Selector, _select
 
 __all__ = ["queries", "score", "fuses", "select", "choose", "plan", "merge_positions",
            "submit", "assemble"]
@@ -105,7 +106,7 @@ def _top_tokens(li, scores: np.ndarray, window: np.ndarray, budget: int) -> np.n
     return li.token_copies(unique_ints(top))
 
 
-def fuses(selector: Selector) -> bool:
+def fuses(selector: Selector) -> TypeGuard[FusedSelector]:
     """Whether ``selector`` scores and chooses clusters in one pass (a
     cluster :class:`~swarmfs.decode._selectors.FusedSelector`).  A plain attribute
     test: ``isinstance`` against a runtime-checkable protocol costs ~20 µs,
