@@ -27,8 +27,8 @@ import shutil
 import signal
 import stat
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 
@@ -36,8 +36,8 @@ import pyfuse3
 import trio
 
 from .. import _errors as E
-from ._fuse_ops import MAX_READ, SwarmFS
 from ..store._store import Store
+from ._fuse_ops import MAX_READ, SwarmFS
 
 __all__ = ["mount", "umount", "default_log_file", "MountError", "SwarmFS", "MAX_READ"]
 
@@ -320,14 +320,12 @@ def _spawn(store_path, mountpoint, *, allow_other, debug, direct_io, threads, re
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, env.get("PYTHONPATH")]))
     if log_file is None:     # keep the daemon's log (checksum failures, errors) somewhere
         log_file = default_log_file(mountpoint)
-    out = open(log_file, "ab")
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                pass_fds=(w,), start_new_session=True, cwd="/", env=env)
+        with open(log_file, "ab") as out:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                    pass_fds=(w,), start_new_session=True, cwd="/", env=env)
     finally:
         os.close(w)
-        if log_file:
-            out.close()
     deadline = time.monotonic() + timeout
     msg = b""
     try:

@@ -21,15 +21,39 @@ import functools
 import logging
 import os
 import time
+from typing import Any
 
 import numpy as np
 import pyfuse3
 import trio
 
 from .. import _errors as E
-from ._fuse_stream import KVReader, Stream
-from ._fuse_tree import CLUSTER_BASE, CLUSTER_INFO, CLUSTER_STRIDE, CLUSTERS, DIR_KINDS, DOTS, KV_BIN, KV_KINDS, KV_NPY, KV_NPY_FILE, LAYER_DIR, LAYER_SHIFT, LAYERS, LIVE_KINDS, ROOT_INODE, VER_SHIFT, LookupCounts, Node, Tree, decode, encode, sum_stats
 from ..store._store import Store
+from ._fuse_stream import KVReader, Stream
+from ._fuse_tree import (
+    CLUSTER_BASE,
+    CLUSTER_INFO,
+    CLUSTER_STRIDE,
+    CLUSTERS,
+    DIR_KINDS,
+    DOTS,
+    KV_BIN,
+    KV_KINDS,
+    KV_NPY,
+    KV_NPY_FILE,
+    LAYER_DIR,
+    LAYER_SHIFT,
+    LAYERS,
+    LIVE_KINDS,
+    ROOT_INODE,
+    VER_SHIFT,
+    LookupCounts,
+    Node,
+    Tree,
+    decode,
+    encode,
+    sum_stats,
+)
 
 __all__ = ["SwarmFS", "MAX_READ", "TIMEOUT"]
 
@@ -149,7 +173,7 @@ class SwarmFS(pyfuse3.Operations):
         self._rendered = LIVE_KINDS | ({CLUSTER_INFO} if self.follow_store else frozenset())
         self._neg_timeout = 0.0 if self.follow_store else TIMEOUT
         self._started = time.monotonic()
-        self._last_refresh_error = None
+        self._last_refresh_error: str | None = None
         self._c = dict(lookups=0, forgets=0, getattrs=0, readdirs=0, opens=0, reads=0,
                        bytes_returned=0, kv_reads=0, kv_bytes_returned=0, io_errors=0,
                        checksum_failures=0, refused_writes=0, stale=0, generations_seen=1,
@@ -182,7 +206,7 @@ class SwarmFS(pyfuse3.Operations):
         lookup_underflows (forgets below zero, ignored); direct_io; threads;
         uptime_s.
         """
-        out = dict(self._c)
+        out: dict[str, Any] = dict(self._c)
         out.update(open_handles=len(self._handles), kernel_lookups=self.counts.total,
                    lookup_underflows=self.counts.underflows, direct_io=self.direct_io,
                    threads=self.threads, generation=self.tree.generation,
@@ -303,21 +327,21 @@ class SwarmFS(pyfuse3.Operations):
                 return
             self.counts.add(e.st_ino)
 
-    def _readdir_clusters(self, tree: Tree, l: int, first: int, token) -> None:
+    def _readdir_clusters(self, tree: Tree, layer: int, first: int, token) -> None:
         """``clusters/``: one ``CCCCCC.npy`` per cluster from cluster ``first``
         on.  Inode numbers and sizes come from the Tree's arrays a chunk at a
         time; one EntryAttributes is filled per entry and copied into the
         reply by ``readdir_reply``."""
-        C = tree.num_clusters(l)
+        C = tree.num_clusters(layer)
         if first >= C:
             return
-        w = tree.cluster_width(l)
+        w = tree.cluster_width(layer)
         f = KV_NPY_FILE
-        e = self._entry_from(tree, Node(KV_NPY, layer=l, cluster=first,
-                                        ver=int(tree.cluster_ver[l][first])),
-                             tree.attr(Node(KV_NPY, layer=l, cluster=first)), False)
-        base = ((l + 1) << LAYER_SHIFT) + CLUSTER_BASE + f
-        ver, sizes = tree.cluster_ver[l], tree.npy_sizes(l)
+        e = self._entry_from(tree, Node(KV_NPY, layer=layer, cluster=first,
+                                        ver=int(tree.cluster_ver[layer][first])),
+                             tree.attr(Node(KV_NPY, layer=layer, cluster=first)), False)
+        base = ((layer + 1) << LAYER_SHIFT) + CLUSTER_BASE + f
+        ver, sizes = tree.cluster_ver[layer], tree.npy_sizes(layer)
         reply = pyfuse3.readdir_reply
         c = first
         while c < C:
@@ -331,9 +355,9 @@ class SwarmFS(pyfuse3.Operations):
                 e.st_size = sz
                 e.st_blocks = (sz + 511) >> 9
                 if not reply(token, b"%0*d.npy" % (w, c + i), e, DOTS + c + i + 1):
-                    self.counts.add_clusters(l, c, c + i, f)
+                    self.counts.add_clusters(layer, c, c + i, f)
                     return
-            self.counts.add_clusters(l, c, stop, f)
+            self.counts.add_clusters(layer, c, stop, f)
             c = stop
 
     async def releasedir(self, fh):
@@ -351,7 +375,7 @@ class SwarmFS(pyfuse3.Operations):
         s.f_blocks = -(-tree.total_kv_bytes // bs)
         s.f_bfree = s.f_bavail = 0
         s.f_files = 5 + 2 * tree.num_disks + sum(
-            3 + 6 * tree.num_clusters(l) for l in tree.layers)
+            3 + 6 * tree.num_clusters(layer) for layer in tree.layers)
         s.f_ffree = s.f_favail = 0
         s.f_namemax = 255
         return s
@@ -510,7 +534,7 @@ class SwarmFS(pyfuse3.Operations):
     def _load_generation(self, old: Tree) -> Tree | None:
         """The store's committed generation as a Tree continuing ``old``'s
         versions, or None if it is ``old``'s.  Blocking (worker thread)."""
-        last = None
+        last: E.ManifestError       # each of the attempts returns, raises or sets it
         for _ in range(5):
             try:
                 side = Store.open(self.store.path, engine="threads", queue_depth=1,
@@ -524,15 +548,15 @@ class SwarmFS(pyfuse3.Operations):
                     raise E.MountError("the store was replaced since it was mounted; "
                                        "remount to see it", store=self.store.path)
                 if m.generation == old.generation and \
-                        all(m.layers.get(l) == r for l, r in old.layer_records.items()) \
+                        all(m.layers.get(layer) == r for layer, r in old.layer_records.items()) \
                         and len(m.layers) == len(old.layer_records):
                     return None
                 indexes = {}
-                for l, rec in m.layers.items():
-                    if old.layer_records.get(l) == rec:
-                        indexes[l] = old.load_layer(l)
+                for layer, rec in m.layers.items():
+                    if old.layer_records.get(layer) == rec:
+                        indexes[layer] = old.load_layer(layer)
                     else:
-                        indexes[l] = side.layer(l)
+                        indexes[layer] = side.layer(layer)
                 mkey = self._manifest_key()
                 return Tree(self.store, m, indexes, prev=old, kv_blksize=MAX_READ,
                             mtime_ns=mkey[1] if mkey else time.time_ns())
@@ -545,29 +569,29 @@ class SwarmFS(pyfuse3.Operations):
     def _invalidations(self, old: Tree, new: Tree) -> list:
         """What the kernel may have cached of ``old`` that ``new`` changes:
         ``(parent inode, name)`` entries and ``(inode, None)`` attributes."""
-        items = []
+        items: list[tuple[int, bytes | None]] = []
         if new.manifest_ver != old.manifest_ver:
             items.append((ROOT_INODE, b"manifest.json"))
         layers_ino = encode(Node(LAYERS))
         if new.layers != old.layers:
             items.append((layers_ino, None))
-            for l in set(old.layers) - set(new.layers):
-                items.append((layers_ino, old.layer_name(l)))
-        for l in old.layers:
-            li = new.load_layer(l) if l in new.layers else None
-            if li is old.load_layer(l):
+            for layer in set(old.layers) - set(new.layers):
+                items.append((layers_ino, old.layer_name(layer)))
+        for layer in old.layers:
+            li = new.load_layer(layer) if layer in new.layers else None
+            if li is old.load_layer(layer):
                 continue
-            layer_ino = encode(Node(LAYER_DIR, layer=l))
-            clusters_ino = encode(Node(CLUSTERS, layer=l))
+            layer_ino = encode(Node(LAYER_DIR, layer=layer))
+            clusters_ino = encode(Node(CLUSTERS, layer=layer))
             items.append((layer_ino, b"medoids.npy"))
             items.append((clusters_ino, None))
-            Cold = old.num_clusters(l)
+            Cold = old.num_clusters(layer)
             changed = np.ones(Cold, dtype=bool)
-            if li is not None and new.cluster_width(l) == old.cluster_width(l):
-                k = min(Cold, new.num_clusters(l))
-                changed[:k] = new.changed[l][:k]
-            for c in np.flatnonzero(changed & self.counts.known_clusters(l, Cold)).tolist():
-                name = old.cluster_name(l, c)
+            if li is not None and new.cluster_width(layer) == old.cluster_width(layer):
+                k = min(Cold, new.num_clusters(layer))
+                changed[:k] = new.changed[layer][:k]
+            for c in np.flatnonzero(changed & self.counts.known_clusters(layer, Cold)).tolist():
+                name = old.cluster_name(layer, c)
                 items.append((clusters_ino, name))
                 items.append((clusters_ino, name + b".npy"))
         return items

@@ -129,7 +129,8 @@ class DiskAdmission:
         self.per_disk = int(per_disk)
         self.whole = min(int(whole), self.per_disk)
         self.in_flight = np.zeros(self.num_disks, dtype=np.int64)
-        self._queues = [collections.deque() for _ in range(self.num_disks)]
+        self._queues: list[collections.deque] = [collections.deque()
+                                                 for _ in range(self.num_disks)]
         self.waits = 0
 
     def try_whole(self, disks: np.ndarray) -> bool:
@@ -284,7 +285,7 @@ class KVReader:
         self._turn += 1
         return await trio.to_thread.run_sync(fn, *args, store, limiter=self.limiter)
 
-    async def _read_into(self, stream: "Stream", start: int, end: int,
+    async def _read_into(self, stream: Stream, start: int, end: int,
                          buf: np.ndarray) -> int:
         """Read the entries covering bytes [start, end) of the stream's
         cluster file into ``buf`` in worker threads, through the per-disk
@@ -400,7 +401,7 @@ class KVReader:
                 self.counters["readahead_misses"] += 1
                 buf = self._buffer(end - off + 2 * Eb)
                 base = await self._read_into(stream, off, end, buf)
-                out = memoryview(buf)[off - base:end - base]
+                out = buf.data[off - base:end - base]
                 self._recycle.append(buf)
             if off == stream.next_off or hit is not None:
                 stream.sequential += 1

@@ -46,6 +46,7 @@ import os
 import stat
 import struct
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -196,7 +197,7 @@ def npy_header(descr: str, shape: tuple) -> bytes:
     """An npy format 1.0 header (``numpy.lib.format``), padded with spaces so
     that the data starts at a multiple of 64 bytes."""
     shape = tuple(int(x) for x in shape)
-    text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (descr, shape)
+    text = f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': {shape!r}, }}"
     pad = -(10 + len(text) + 1) % 64
     text = text + " " * pad + "\n"
     if len(text) > 0xFFFF:
@@ -344,7 +345,7 @@ def changed_clusters(old, new) -> np.ndarray:
     k = min(old.num_clusters, C)
     if k:
         same = np.ones(k, dtype=bool)
-        for a, b in zip(_cluster_signature(old), _cluster_signature(new)):
+        for a, b in zip(_cluster_signature(old), _cluster_signature(new), strict=True):
             eq = a[:k] == b[:k]
             same &= eq if eq.ndim == 1 else eq.all(axis=1)
         out[:k] = ~same
@@ -379,15 +380,17 @@ class Tree:
     the generation they were opened on).
     """
 
-    def __init__(self, store, manifest=None, indexes=None, *, prev: "Tree | None" = None,
+    def __init__(self, store, manifest=None, indexes=None, *, prev: Tree | None = None,
                  kv_blksize: int = 1 << 20, cache_entries: int = 4096, mount_stats=None,
                  mtime_ns: int = 0, store_stats=None):
         self.store = store
-        self._store_stats = store_stats or (prev._store_stats if prev else store.stats)
+        self._store_stats: Callable = store_stats or \
+            (prev._store_stats if prev else store.stats)
         m = store.committed if manifest is None else manifest
         if isinstance(m, dict):
             m = Manifest.load(m, store.path)
-        self._mount_stats = mount_stats or (prev._mount_stats if prev else dict)
+        self._mount_stats: Callable[[], dict] = mount_stats or \
+            (prev._mount_stats if prev else dict)
         self.kv_blksize = int(kv_blksize)
         self.entry_bytes = int(store.entry_bytes)
         self.descr = npy_descr(store.dtype)
@@ -399,65 +402,67 @@ class Tree:
         if self.layers and max(self.layers) >= MAX_LAYERS:
             raise ValueError(f"a mount serves layers below {MAX_LAYERS}")
         if indexes is None:
-            indexes = {l: store.layer(l) for l in self.layers}
-        self._li = {l: indexes[l] for l in self.layers}
+            indexes = {layer: store.layer(layer) for layer in self.layers}
+        self._li = {layer: indexes[layer] for layer in self.layers}
         self._layer_set = set(self.layers)
-        self._num_clusters = {l: int(self._li[l].num_clusters) for l in self.layers}
+        self._num_clusters = {layer: int(self._li[layer].num_clusters) for layer in self.layers}
         if any(c > MAX_CLUSTERS for c in self._num_clusters.values()):
             raise ValueError(f"a mount serves at most {MAX_CLUSTERS} clusters per layer")
         self.layer_width = max(2, len(str(max(int(store.num_layers) - 1, 0))))
-        self._cluster_width = {l: max(6, len(str(c - 1))) for l, c in self._num_clusters.items()}
+        self._cluster_width = {layer: max(6, len(str(c - 1)))
+                               for layer, c in self._num_clusters.items()}
         self.mtime_ns = int(mtime_ns)
         self._disk_recs = m.disks
         self.uuid = m.uuid
         #: the manifest's layer records (a new generation reuses the index of
         #: a layer whose record did not change)
-        self.layer_records = {l: m.layers[l] for l in self.layers}
+        self.layer_records = {layer: m.layers[layer] for layer in self.layers}
         self.manifest_bytes = m.to_json()
         self.total_kv_bytes = sum(r.num_copies for r in m.layers.values()) * self.entry_bytes
         # versions: manifest, per layer (medoids.npy), per cluster
         if prev is None:
             self.manifest_ver = 1
-            self.layer_ver = {l: 0 for l in self.layers}
-            self.cluster_ver = {l: np.zeros(c, dtype=np.int64)
-                                for l, c in self._num_clusters.items()}
-            self.changed = {l: np.ones(c, dtype=bool) for l, c in self._num_clusters.items()}
+            self.layer_ver = {layer: 0 for layer in self.layers}
+            self.cluster_ver = {layer: np.zeros(c, dtype=np.int64)
+                                for layer, c in self._num_clusters.items()}
+            self.changed = {layer: np.ones(c, dtype=bool)
+                            for layer, c in self._num_clusters.items()}
         else:
             same_m = prev.manifest_bytes == self.manifest_bytes
             self.manifest_ver = prev.manifest_ver if same_m else \
                 (prev.manifest_ver % MANIFEST_VER_MASK) + 1
             self.layer_ver, self.cluster_ver, self.changed = {}, {}, {}
-            for l in self.layers:
-                self._continue_versions(l, prev)
+            for layer in self.layers:
+                self._continue_versions(layer, prev)
         # sizes of every cluster file, vectorised
         Eb = self.entry_bytes
         shape = tuple(store.entry_shape)
         hdr_len = np.array([0] + [len(npy_header(self.descr, (10 ** (d - 1),) + shape))
                                   for d in range(1, 20)], dtype=np.int64)
         self._kv_size, self._npy_size = {}, {}
-        for l in self.layers:
-            n = self._li[l].sizes.astype(np.int64)
-            self._kv_size[l] = n * Eb
-            self._npy_size[l] = hdr_len[_digits(n)] + n * Eb
+        for layer in self.layers:
+            n = self._li[layer].sizes.astype(np.int64)
+            self._kv_size[layer] = n * Eb
+            self._npy_size[layer] = hdr_len[_digits(n)] + n * Eb
         self._hdr_cache: dict[int, bytes] = {}
-        self._medoid_hdr = {l: npy_header(self.descr, (c, store.num_kv_heads, store.head_dim))
-                            for l, c in self._num_clusters.items()}
+        self._medoid_hdr = {layer: npy_header(self.descr, (c, store.num_kv_heads, store.head_dim))
+                            for layer, c in self._num_clusters.items()}
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_entries = int(cache_entries)
         self._cache_lock = threading.Lock()
         self.cache_hits = 0
         self.cache_misses = 0
 
-    def _continue_versions(self, l: int, prev: "Tree") -> None:
-        li, C = self._li[l], self._num_clusters[l]
-        old = prev._li.get(l)
+    def _continue_versions(self, layer: int, prev: Tree) -> None:
+        li, C = self._li[layer], self._num_clusters[layer]
+        old = prev._li.get(layer)
         if old is li:
-            self.layer_ver[l] = prev.layer_ver[l]
-            self.cluster_ver[l] = prev.cluster_ver[l]
-            self.changed[l] = np.zeros(C, dtype=bool)
+            self.layer_ver[layer] = prev.layer_ver[layer]
+            self.cluster_ver[layer] = prev.cluster_ver[layer]
+            self.changed[layer] = np.zeros(C, dtype=bool)
             return
-        was = prev.cluster_ver.get(l)
-        stamp = (prev.layer_ver.get(l, 0) + 1) & VER_MASK
+        was = prev.cluster_ver.get(layer)
+        stamp = (prev.layer_ver.get(layer, 0) + 1) & VER_MASK
         changed = changed_clusters(old, li) if old is not None else np.ones(C, dtype=bool)
         ver = np.full(C, stamp, dtype=np.int64)
         if was is not None:
@@ -468,9 +473,9 @@ class Tree:
                 stamp = (stamp + 1) & VER_MASK
                 ver[:k] = np.where(changed[:k], stamp, was[:k])
                 ver[k:] = stamp
-        self.layer_ver[l] = stamp
-        self.cluster_ver[l] = ver
-        self.changed[l] = changed
+        self.layer_ver[layer] = stamp
+        self.cluster_ver[layer] = ver
+        self.changed[layer] = changed
 
     # -- layers ---------------------------------------------------------------
     def num_clusters(self, layer: int) -> int:
@@ -555,8 +560,8 @@ class Tree:
         if k == DISK_DIR:
             return Node(DISK_INFO, disk=parent.disk) if name == b"info.json" else None
         if k == LAYERS:
-            l = self._parse_number(name, self.layer_width)
-            return Node(LAYER_DIR, layer=l) if l in self._layer_set else None
+            layer = self._parse_number(name, self.layer_width)
+            return Node(LAYER_DIR, layer=layer) if layer in self._layer_set else None
         if k == LAYER_DIR:
             if name == b"medoids.npy":
                 return self.current(Node(MEDOIDS, layer=parent.layer))
@@ -564,14 +569,14 @@ class Tree:
                 return Node(CLUSTERS, layer=parent.layer)
             return None
         if k == CLUSTERS:
-            l = parent.layer
+            layer = parent.layer
             kind = CLUSTER_DIR
             if name.endswith(b".npy"):
                 name, kind = name[:-4], KV_NPY
-            c = self._parse_number(name, self._cluster_width[l])
-            if not 0 <= c < self._num_clusters[l]:
+            c = self._parse_number(name, self._cluster_width[layer])
+            if not 0 <= c < self._num_clusters[layer]:
                 return None
-            return Node(kind, layer=l, cluster=c, ver=int(self.cluster_ver[l][c]))
+            return Node(kind, layer=layer, cluster=c, ver=int(self.cluster_ver[layer][c]))
         if k == CLUSTER_DIR:
             f = _CLUSTER_FILE_INDEX.get(name)
             return Node(_FILE_KIND[f], layer=parent.layer, cluster=parent.cluster,
@@ -601,20 +606,20 @@ class Tree:
             if start < 1:
                 yield b"info.json", Node(DISK_INFO, disk=parent.disk), DOTS + 1
         elif k == LAYERS:
-            for l in self.layers:
-                if l + 1 > start:
-                    yield self.layer_name(l), Node(LAYER_DIR, layer=l), DOTS + l + 1
+            for layer in self.layers:
+                if layer + 1 > start:
+                    yield self.layer_name(layer), Node(LAYER_DIR, layer=layer), DOTS + layer + 1
         elif k == LAYER_DIR:
             if start < 1:
                 yield b"medoids.npy", self.current(Node(MEDOIDS, layer=parent.layer)), DOTS + 1
             if start < 2:
                 yield b"clusters", Node(CLUSTERS, layer=parent.layer), DOTS + 2
         elif k == CLUSTERS:
-            l = parent.layer
-            w = self._cluster_width[l]
-            ver = self.cluster_ver[l]
-            for c in range(start, self._num_clusters[l]):
-                yield (b"%0*d.npy" % (w, c), Node(KV_NPY, layer=l, cluster=c, ver=int(ver[c])),
+            layer = parent.layer
+            w = self._cluster_width[layer]
+            ver = self.cluster_ver[layer]
+            for c in range(start, self._num_clusters[layer]):
+                yield (b"%0*d.npy" % (w, c), Node(KV_NPY, layer=layer, cluster=c, ver=int(ver[c])),
                        DOTS + c + 1)
         elif k == CLUSTER_DIR:
             for f in range(start + 1, len(_CLUSTER_FILES) + 1):
@@ -774,7 +779,7 @@ def sum_stats(items):
             f.name: sum_stats([getattr(x, f.name) for x in items])
             for f in dataclasses.fields(first)})
     if isinstance(first, (list, tuple)):
-        return type(first)(sum_stats(list(col)) for col in zip(*items))
+        return type(first)(sum_stats(list(col)) for col in zip(*items, strict=False))
     if isinstance(first, (int, float)) and not isinstance(first, bool):
         return sum(items)
     return first
