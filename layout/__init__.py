@@ -4,6 +4,16 @@ DRAM partition and placement.  Installed as ``swarmfs.layout``.
 Heavy dependencies (torch, transformers) load only when capture runs.
 """
 
+# eq. 6, the local window and eq. 7 are the runtime's rules, which the layout
+# applies offline: their layout names
+from ..decode._hot import cluster_scores as cluster_scores
+from ..decode._hot import hot_clusters as hot_clusters
+from ..decode._window import window_mask as local_window_mask
+from ..decode._window import window_positions as local_window
+from ..store._placement import Placement as Placement
+from ..store._placement import copy_locations as copy_locations
+from ..store._placement import place_clusters as place_clusters
+from ..store._placement import start_disks as start_disks
 from ._capture import Capture as Capture
 from ._capture import capture as capture
 from ._capture import default_model_path as default_model_path
@@ -22,16 +32,6 @@ from ._cluster import graph_from_distances as graph_from_distances
 from ._cluster import neighbour_graph as neighbour_graph
 from ._layer import LayoutParams as LayoutParams
 from ._layer import lay_out_layer as lay_out_layer
-# eq. 6, the local window and eq. 7 are the runtime's rules, which the layout
-# applies offline: their layout names
-from ..decode._hot import cluster_scores as cluster_scores
-from ..decode._hot import hot_clusters as hot_clusters
-from ..decode._window import window_mask as local_window_mask
-from ..decode._window import window_positions as local_window
-from ..store._placement import Placement as Placement
-from ..store._placement import copy_locations as copy_locations
-from ..store._placement import place_clusters as place_clusters
-from ..store._placement import start_disks as start_disks
 from ._profile import Profile as Profile
 from ._profile import profile_capture as profile_capture
 from ._profile import profile_layer as profile_layer

@@ -412,7 +412,7 @@ def kmeans_clusters(k, *, mean_size: float = 16.0, chunk: int = 4096, iters: int
     k = _check_keys(k)
     S = k.shape[1]
     rng = np.random.default_rng(seed)
-    members, sizes, cents = [], [], []
+    member_parts, size_parts, cents = [], [], []
     with single_threaded_blas():
         for a in range(0, S, chunk):
             b = min(a + chunk, S)
@@ -420,13 +420,13 @@ def kmeans_clusters(k, *, mean_size: float = 16.0, chunk: int = 4096, iters: int
             c, lab, dist = _kmeans(x, max(1, int(round((b - a) / mean_size))), iters, rng)
             cnt = np.bincount(lab, minlength=c.shape[0])
             keep = np.flatnonzero(cnt)
-            members.append(np.lexsort((dist, lab)) + a)     # by cluster, nearest first
-            sizes.append(cnt[keep])
+            member_parts.append(np.lexsort((dist, lab)) + a)    # by cluster, nearest first
+            size_parts.append(cnt[keep])
             cents.append(c[keep])
-    sizes = np.concatenate(sizes)
+    sizes = np.concatenate(size_parts)
     ptr = np.zeros(sizes.shape[0] + 1, np.int64)
     np.cumsum(sizes, out=ptr[1:])
-    members = np.concatenate(members).astype(np.int64)
+    members = np.concatenate(member_parts).astype(np.int64)
     return Layout(name="pqcache", ptr=ptr, members=members, medoids=members[ptr[:-1]],
                   kind="vectors",
                   index={"vectors": np.concatenate(cents).astype(np.float32)},

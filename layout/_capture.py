@@ -50,8 +50,16 @@ import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype for safetens
 import numpy as np
 
 from .._errors import LayoutError, ModelError, ShapeError
-from .._validate import (checked, checked_methods, parse_choice, parse_index, parse_int,
-                         parse_instance, parse_path, parse_positive_int)
+from .._validate import (
+    checked,
+    checked_methods,
+    parse_choice,
+    parse_index,
+    parse_instance,
+    parse_int,
+    parse_path,
+    parse_positive_int,
+)
 
 __all__ = ["DEFAULT_TEXT_CHARS", "MAX_DEFAULT_WINDOW", "MIN_TOKENS", "Capture", "capture",
            "default_model_path", "load_capture", "read_text", "save_capture", "stdlib_text"]

@@ -80,8 +80,15 @@ import numpy as np
 import scipy.sparse as sp
 
 from .._errors import LayoutError, ShapeError
-from .._validate import (checked, checked_methods, parse_choice, parse_int, parse_number,
-                         parse_positive_int, parse_ratio)
+from .._validate import (
+    checked,
+    checked_methods,
+    parse_choice,
+    parse_int,
+    parse_number,
+    parse_positive_int,
+    parse_ratio,
+)
 from ._profile import Profile, entry_bitsets, one_blas_thread, pair_intersections, popcount_rows
 
 __all__ = ["BUCKET_WINDOW", "DEFAULT_MAX_CLUSTER_SIZE", "DEFAULT_MAX_REPLICAS",
@@ -251,7 +258,7 @@ def graph_from_distances(D, tau: float) -> NeighbourGraph:
         raise ShapeError(f"distance matrix {D.shape} must be square and symmetric")
     if D.size and (D.min() < 0 or D.max() > 1):
         raise ShapeError("distances must lie in [0, 1]")
-    m = D < tau
+    m = tau > D
     np.fill_diagonal(m, False)
     i, j = np.nonzero(np.triu(m, 1))
     g = _symmetric(i, j, 1.0 - D[i, j], D.shape[0])
@@ -259,6 +266,11 @@ def graph_from_distances(D, tau: float) -> NeighbourGraph:
                           metric="given", method="dense",
                           candidate_pairs=int(D.shape[0] * (D.shape[0] - 1) // 2),
                           seconds=0.0, distance=lambda x, others: D[x, others])
+
+
+def _cat(parts: list, dtype) -> np.ndarray:
+    """The concatenation of ``parts`` as ``dtype`` (empty when there are none)."""
+    return np.concatenate(parts).astype(dtype) if parts else np.empty(0, dtype)
 
 
 def _exact_pairs(profile: Profile, tau: float, metric: str, nodes: np.ndarray,
@@ -281,8 +293,7 @@ def _exact_pairs(profile: Profile, tau: float, metric: str, nodes: np.ndarray,
         jj.append(nodes[a + c])
         ss.append(1.0 - d[r, c])
     cand = N * (N - 1) // 2
-    cat = (lambda x, dt: np.concatenate(x).astype(dt) if x else np.empty(0, dt))
-    return cat(ii, np.int64), cat(jj, np.int64), cat(ss, np.float64), cand
+    return _cat(ii, np.int64), _cat(jj, np.int64), _cat(ss, np.float64), cand
 
 
 def _lsh_params(threshold: float, max_hashes: int = 200) -> tuple[int, int]:
@@ -385,8 +396,7 @@ def _minhash_pairs(profile: Profile, tau: float, nodes: np.ndarray, bits: np.nda
         ii.append(nodes[i[keep]])
         jj.append(nodes[j[keep]])
         ss.append(1.0 - d[keep])
-    cat = (lambda x, dt: np.concatenate(x).astype(dt) if x else np.empty(0, dt))
-    return cat(ii, np.int64), cat(jj, np.int64), cat(ss, np.float64), int(uniq.shape[0])
+    return _cat(ii, np.int64), _cat(jj, np.int64), _cat(ss, np.float64), int(uniq.shape[0])
 
 
 def _gather_rows(indptr, indices, rows) -> np.ndarray:
@@ -626,6 +636,9 @@ class _CSR:
     members are ``members[ptr[c]:ptr[c+1]]``): what a clustering and a
     baseline layout share."""
 
+    ptr: np.ndarray
+    members: np.ndarray
+
     @property
     def num_clusters(self) -> int:
         """Clusters C."""
@@ -681,7 +694,7 @@ def _idle_groups(idle: np.ndarray, group: int, keys) -> tuple[list[np.ndarray], 
             kk = keys[:, gr].transpose(1, 0, 2).reshape(gr.shape[0], -1).astype(np.float32)
             medoids.append(int(gr[np.argmin(((kk - kk.mean(0)) ** 2).sum(1))]))
     out = []
-    for gr, m in zip(groups, medoids):
+    for gr, m in zip(groups, medoids, strict=True):
         out.append(np.concatenate([[m], gr[gr != m]]).astype(np.int64))
     return out, np.asarray(medoids, np.int64)
 

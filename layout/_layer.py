@@ -10,13 +10,22 @@ DRAM budget.  Placement (eq. 7) is the store's, at ``Store.write_layer``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
 from .. import _defaults as defaults
-from .._validate import (checked, checked_methods, parse_choice, parse_fraction,
-                         parse_instance, parse_nonneg_int, parse_number, parse_positive_int,
-                         parse_ratio)
+from .._validate import (
+    checked,
+    checked_methods,
+    parse_choice,
+    parse_fraction,
+    parse_instance,
+    parse_nonneg_int,
+    parse_number,
+    parse_positive_int,
+    parse_ratio,
+)
 from ..decode._hot import hot_clusters
 from ._cluster import METRICS, Clustering, cluster
 from ._profile import profile_layer
@@ -112,7 +121,7 @@ def lay_out_layer(q, k, *, params: LayoutParams = LayoutParams(), scaling: float
     entry_bytes = parse_positive_int(entry_bytes, "entry_bytes", layer=layer)
     kw = {} if params.max_queries is None else {"max_queries": params.max_queries}
     prof = profile_layer(q, k, ratio=params.ratio, scaling=scaling, layer=layer, **kw)
-    ckw = {}
+    ckw: dict[str, Any] = {}
     if params.tau is not None:
         ckw["tau"] = params.tau
     if params.metric is not None:

@@ -35,8 +35,14 @@ import scipy.sparse as sp
 
 from .._defaults import RATIO
 from .._errors import LayoutError, ShapeError
-from .._validate import (checked, checked_methods, parse_index, parse_int, parse_positive_int,
-                         parse_ratio)
+from .._validate import (
+    checked,
+    checked_methods,
+    parse_index,
+    parse_int,
+    parse_positive_int,
+    parse_ratio,
+)
 from ..decode._selectors import single_threaded_blas as one_blas_thread
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_RATIO", "Profile", "aggregate_scores",
@@ -219,10 +225,8 @@ def _profile_rows(q, kf, pos, counts, scaling, batch, cols) -> None:
         for r, t in enumerate(p):
             kt = int(counts[a + r])
             row = agg[r, :t + 1]
-            if kt >= t + 1:
-                sel = np.arange(t + 1)
-            else:
-                sel = np.argpartition(row, t + 1 - kt)[t + 1 - kt:]
+            sel = np.arange(t + 1) if kt >= t + 1 else \
+                np.argpartition(row, t + 1 - kt)[t + 1 - kt:]
             cols.append(np.sort(sel))
 
 
@@ -277,7 +281,7 @@ def profile_layer(q, k, *, ratio: float = DEFAULT_RATIO, queries=None,
     kf = np.ascontiguousarray(k, dtype=np.float32)
     counts = np.ceil(ratio * (pos + 1) - 1e-9).astype(np.int64)   # k_t >= 1
     counts = np.clip(counts, 1, pos + 1)
-    cols = []
+    cols: list[np.ndarray] = []
     with one_blas_thread():
         _profile_rows(q, kf, pos, counts, scaling, batch, cols)
     indptr = np.zeros(pos.shape[0] + 1, np.int64)

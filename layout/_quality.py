@@ -30,12 +30,19 @@ import numpy as np
 
 from .._defaults import LOCAL_WINDOW, RATIO
 from .._errors import ShapeError
-from .._validate import (checked, checked_methods, parse_choice, parse_nonneg_int,
-                         parse_number, parse_positive_int, parse_ratio)
-from ..store._index import union_ints
+from .._validate import (
+    checked,
+    checked_methods,
+    parse_choice,
+    parse_nonneg_int,
+    parse_number,
+    parse_positive_int,
+    parse_ratio,
+)
 from ..decode._report import attention_recall, oracle_mass
 from ..decode._stages import choose
 from ..decode._window import entry_budget, window_mask, window_size
+from ..store._index import union_ints
 from ._profile import aggregate_scores, one_blas_thread
 
 __all__ = ["RecallReport", "block_clustering", "evaluate_recall"]

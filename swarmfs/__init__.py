@@ -9,9 +9,6 @@ An implementation of SWARM (FAST 2026).  The public API:
 * errors: :class:`SwarmError` and its subclasses.
 """
 
-from .store._engine import DiskStats as DiskStats
-from .store._engine import Engine as Engine
-from .store._engine import EngineStats as EngineStats
 from ._errors import ChecksumError as ChecksumError
 from ._errors import ConcurrentUseError as ConcurrentUseError
 from ._errors import ConfigError as ConfigError
@@ -20,7 +17,6 @@ from ._errors import DiskFullError as DiskFullError
 from ._errors import DiskMismatchError as DiskMismatchError
 from ._errors import DiskMissingError as DiskMissingError
 from ._errors import DiskTruncatedError as DiskTruncatedError
-from ._errors import IOFailedError as IOFailedError
 from ._errors import InternalError as InternalError
 from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import InvalidBoolError as InvalidBoolError
@@ -34,6 +30,7 @@ from ._errors import InvalidNumberError as InvalidNumberError
 from ._errors import InvalidPathError as InvalidPathError
 from ._errors import InvalidRatioError as InvalidRatioError
 from ._errors import InvalidTypeError as InvalidTypeError
+from ._errors import IOFailedError as IOFailedError
 from ._errors import LayoutError as LayoutError
 from ._errors import ManifestError as ManifestError
 from ._errors import MisalignedRequestError as MisalignedRequestError
@@ -45,19 +42,22 @@ from ._errors import ShapeError as ShapeError
 from ._errors import StoreExistsError as StoreExistsError
 from ._errors import StoreNotFoundError as StoreNotFoundError
 from ._errors import SwarmError as SwarmError
-from .store._index import LayerIndex as LayerIndex
 from .decode._online import DecodeSession as DecodeSession
 from .decode._online import PipelinedStep as PipelinedStep
-from .decode._online import pipelined_step as pipelined_step
 from .decode._online import StepResult as StepResult
-from .decode._selectors import MedoidSelector as MedoidSelector
-from .decode._selectors import Selector as Selector
-from .store._planner import Plan as Plan
-from .store._planner import plan_reads as plan_reads
-from .store._store import Store as Store
+from .decode._online import pipelined_step as pipelined_step
 from .decode._retrieve import Retrieval as Retrieval
 from .decode._retrieve import RetrievalStats as RetrievalStats
 from .decode._retrieve import Retriever as Retriever
+from .decode._selectors import MedoidSelector as MedoidSelector
+from .decode._selectors import Selector as Selector
+from .store._engine import DiskStats as DiskStats
+from .store._engine import Engine as Engine
+from .store._engine import EngineStats as EngineStats
+from .store._index import LayerIndex as LayerIndex
+from .store._planner import Plan as Plan
+from .store._planner import plan_reads as plan_reads
+from .store._store import Store as Store
 from .store._store import StoreStats as StoreStats
 
 __all__ = ["DiskStats", "Engine", "EngineStats", "ChecksumError", "ConcurrentUseError",

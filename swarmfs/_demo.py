@@ -115,7 +115,8 @@ def evaluate_store(store: Store, cap, *, context: int, eval_positions, ratio: fl
     r = Retriever(store, ratio=ratio)
     out = {}
     S = int(context)
-    for layer in tqdm(store.layers, desc="retrieve", unit="layer", disable=None if progress else True):
+    for layer in tqdm(store.layers, desc="retrieve", unit="layer",
+                      disable=None if progress else True):
         k_ctx = cap.k[layer][:, :S]
         v_ctx = cap.v[layer][:, :S]
         r.layer_state(layer)      # load the DRAM partition before timing

@@ -158,7 +158,7 @@ class IOFailedError(SwarmError, OSError):
 CHECKED = "__swarmfs_checked__"
 
 
-def call_error(fn, exc: TypeError) -> "InvalidCallError":
+def call_error(fn, exc: TypeError) -> InvalidCallError:
     """The :class:`InvalidCallError` of a call of ``fn`` that its signature
     does not bind (``exc`` is the TypeError Python raised binding it), naming
     the function and, where Python names one, the argument."""

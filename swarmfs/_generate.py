@@ -37,14 +37,15 @@ def default_model_dir() -> pathlib.Path:
     Raises:
         ModelError: it is not installed.
     """
+    decoder: pathlib.Path | None
     try:
-        from .models import DEFAULT_DECODER
+        from .models import DEFAULT_DECODER as decoder
     except ImportError:
-        DEFAULT_DECODER = None
-    if DEFAULT_DECODER is None or not pathlib.Path(DEFAULT_DECODER, "config.json").exists():
+        decoder = None
+    if decoder is None or not pathlib.Path(decoder, "config.json").exists():
         raise errors.ModelError("no default decoder is installed (swarmfs.models.DEFAULT_DECODER); "
                                 "pass --model DIR (a local transformers causal LM)")
-    return pathlib.Path(DEFAULT_DECODER)
+    return pathlib.Path(decoder)
 
 
 def load_model(model_dir=None, dtype: str | None = None):

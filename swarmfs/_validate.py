@@ -122,7 +122,7 @@ def parse_number(x, name: str, lo: float | None = None, hi: float | None = None,
     ok = v is not None and \
         (lo is None or (v > lo if lo_open else v >= lo)) and \
         (hi is None or (v < hi if hi_open else v <= hi))
-    if not ok:
+    if not ok or v is None:
         rng = ""
         if lo is not None and hi is not None:
             rng = f" in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"

@@ -65,12 +65,13 @@ lock refuses a second process).
 
 from ._cache import ATTENTION as ATTENTION
 from ._cache import METHODS as METHODS
+from ._cache import StepStats as StepStats
 from ._cache import SwarmCache as SwarmCache
 from ._cache import SwarmLayer as SwarmLayer
-from ._cache import StepStats as StepStats
 from ._cache import enable as enable
-from ._cache import register as register
 from ._cache import prefix_fingerprint as prefix_fingerprint
+from ._cache import register as register
 from ._cache import swarm_attention_forward as swarm_attention_forward
 
-__all__ = ['ATTENTION', 'METHODS', 'SwarmCache', 'SwarmLayer', 'StepStats', 'enable', 'register', 'prefix_fingerprint', 'swarm_attention_forward']
+__all__ = ['ATTENTION', 'METHODS', 'SwarmCache', 'SwarmLayer', 'StepStats', 'enable', 'register',
+           'prefix_fingerprint', 'swarm_attention_forward']

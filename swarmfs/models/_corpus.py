@@ -82,8 +82,8 @@ def data_dir() -> pathlib.Path:
     for d in tried:
         if d and (pathlib.Path(d) / _PROSE_FILES["wikitext2"]).exists():
             return pathlib.Path(d)
-    raise NotFoundError(f"shared data (WikiText-2) not found in any of {[str(t) for t in tried if t]}; "
-                        "set SWARMFS_DATA")
+    raise NotFoundError("shared data (WikiText-2) not found in any of "
+                        f"{[str(t) for t in tried if t]}; set SWARMFS_DATA")
 
 
 def _is_heldout_path(rel: str) -> bool:

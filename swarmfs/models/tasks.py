@@ -141,7 +141,8 @@ def _instance(task: str, t: Templates, rng: np.random.Generator,
         keys = _words(rng, 1 if task == "needle" else 4)
         vals = [_number(rng, 7) for _ in keys]
         asked = int(rng.integers(len(keys)))
-        needles = [t(f"\nOne of the special magic numbers for {k} is: {v}.\n") for k, v in zip(keys, vals)]
+        needles = [t(f"\nOne of the special magic numbers for {k} is: {v}.\n")
+                   for k, v in zip(keys, vals, strict=True)]
         k = keys[asked]
         return _Instance(needles, t(f"\nWhat is the special magic number for {k}? "
                                     f"The special magic number for {k} is:"), t(f" {vals[asked]}"))
@@ -173,7 +174,8 @@ def _instance(task: str, t: Templates, rng: np.random.Generator,
     raise InvalidArgumentError(f"task must be one of {TASKS}, not {task!r}")
 
 
-def _splice(filler: np.ndarray, inserts: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, list[int]]:
+def _splice(filler: np.ndarray,
+            inserts: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, list[int]]:
     """``filler`` with each (position in filler, ids) inserted; returns the
     ids and the start of each insert in the result (in the given order)."""
     order = sorted(range(len(inserts)), key=lambda i: inserts[i][0])
@@ -241,7 +243,7 @@ def make_sample(task: str, filler: np.ndarray, length: int, seed, t: Templates,
     d = float(rng.uniform(0.05, 0.95)) if depth is None else depth
     first = int(round(d * n_ctx))
     rest = sorted(int(x) for x in rng.integers(first, n_ctx + 1, len(inst.needles) - 1))
-    ids, starts = _splice(ctx, list(zip([first, *rest], inst.needles)))
+    ids, starts = _splice(ctx, list(zip([first, *rest], inst.needles, strict=True)))
     ids = np.concatenate([ids, inst.query, inst.answer])
     a0 = ids.size - inst.answer.size
     return TaskSample(task, ids, (a0, ids.size), d, a0 - starts[0])
@@ -314,13 +316,14 @@ def make_suite_sample(filler: np.ndarray, length: int, seed, t: Templates,
     if n_ctx < 64 * len(tasks):
         raise InvalidArgumentError(f"length {length} is too short for tasks {tasks}")
     ctx = window[:n_ctx].astype(np.int64)
-    inserts, depths, firsts = [], [], []
+    inserts: list[tuple[int, np.ndarray]] = []
+    depths, firsts = [], []
     for inst in insts:
         d = float(rng.uniform(0.05, 0.95))
         first = int(round(d * n_ctx))
         later = sorted(int(x) for x in rng.integers(first, n_ctx + 1, len(inst.needles) - 1))
         firsts.append(len(inserts))
-        inserts += list(zip([first, *later], inst.needles))
+        inserts += list(zip([first, *later], inst.needles, strict=True))
         depths.append(d)
     ids, _ = _splice(ctx, inserts)
     parts, answers, pos = [ids], [], ids.size
@@ -366,7 +369,7 @@ def embed_tasks(row: np.ndarray, rng: np.random.Generator, t: Templates, n_tasks
         # positions in the original window; the query after every needle
         q = int(rng.integers(n // 8, n))
         pos = sorted(int(x) for x in rng.integers(0, q, len(inst.needles)))
-        for p, piece in zip(pos, inst.needles):
+        for p, piece in zip(pos, inst.needles, strict=True):
             inserts.append((p, piece))
             answer_sizes.append(0)
         inserts.append((q, np.concatenate([inst.query, inst.answer])))
@@ -376,6 +379,6 @@ def embed_tasks(row: np.ndarray, rng: np.random.Generator, t: Templates, n_tasks
     total = sum(p.size for _, p in inserts)
     ids, starts = _splice(row[:n - total], [(min(p, n - total), piece) for p, piece in inserts])
     mask = np.zeros(ids.size, bool)
-    for (_, piece), s, k in zip(inserts, starts, answer_sizes):
+    for (_, piece), s, k in zip(inserts, starts, answer_sizes, strict=True):
         mask[s + piece.size - k:s + piece.size] = True
     return ids, mask
