@@ -20,8 +20,8 @@ import click
 
 from swarmfs._cli import FiniteFloat
 
-__all__ = ["FiniteFloat", "COUNT", "NONNEG", "POSITIVE", "NONNEG_FLOAT", "RATIO", "FRACTION", "DISKS",
-           "QUEUE_DEPTH", "CommaList", "OutPath", "DiskSpec", "clear_store_dir"]
+__all__ = ["FiniteFloat", "COUNT", "NONNEG", "POSITIVE", "NONNEG_FLOAT", "RATIO", "FRACTION",
+           "DISKS", "QUEUE_DEPTH", "CommaList", "OutPath", "DiskSpec", "clear_store_dir"]
 
 #: a count of things or repetitions: >= 1
 COUNT = click.IntRange(min=1)
@@ -99,9 +99,7 @@ class OutPath(click.ParamType):
         self.suffixes = tuple(suffixes)
 
     def convert(self, value, param, ctx):
-        if isinstance(value, pathlib.Path) and self.path:
-            raw = str(value)
-        elif isinstance(value, (str, pathlib.Path)):
+        if isinstance(value, pathlib.Path) and self.path or isinstance(value, (str, pathlib.Path)):
             raw = str(value)
         else:
             self.fail(f"{value!r} is not a path", param, ctx)

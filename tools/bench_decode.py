@@ -195,6 +195,7 @@ def masked_nll(model, ctx, cont, budget: int, policy: str):
 def swarm_run(model, ctx, cont, *, ratio, method, disks, workdir, prefetch="none"):
     """Prefill the context into a new store, teacher-force the continuation."""
     import torch
+
     from swarmfs import hf
     from swarmfs._generate import recall_report
     hf.enable(model)

@@ -51,8 +51,8 @@ import types
 import click
 import numpy as np
 
-from tools._options import COUNT, DISKS, POSITIVE, QUEUE_DEPTH, CommaList, OutPath
 from swarmfs.store._engine import READ, Engine, open_disk
+from tools._options import COUNT, DISKS, POSITIVE, QUEUE_DEPTH, CommaList, OutPath
 
 SIZES = {"4K": 4 << 10, "16K": 16 << 10, "64K": 64 << 10, "128K": 128 << 10,
          "256K": 256 << 10, "1M": 1 << 20}
@@ -253,7 +253,7 @@ def isolation(a):
                 stop = threading.Event()
                 slow_done = [0]
 
-                def slow_reader():
+                def slow_reader(stop=stop, sbuf=sbuf, lock=lock, eng=eng, slow_done=slow_done):
                     r = np.random.default_rng(4)
                     while not stop.is_set():
                         off = r.integers(0, (64 << 20) // 4096, 4).astype(np.uint64) * 4096
@@ -366,7 +366,8 @@ def _min_requests(ctx, param, value):
 @click.option("--disks", type=DISKS, default=4)
 @click.option("--disk-size", type=COUNT, default=256 << 20, help="bytes per disk file")
 @click.option("--qd", type=QUEUE_DEPTH, default=32, help="queue depth for all contenders")
-@click.option("--sizes", type=CommaList(choices=list(SIZES), upper=True), default="4K,128K", help="request sizes, e.g. 4K,16K,128K,1M")
+@click.option("--sizes", type=CommaList(choices=list(SIZES), upper=True), default="4K,128K",
+              help="request sizes, e.g. 4K,16K,128K,1M")
 @click.option("--bytes", type=COUNT, default=512 << 20, help="bytes read per run")
 @click.option("--min-requests", type=COUNT, default=None, callback=_min_requests,
               help=f"fewest requests per run (default {MIN_REQUESTS}, or --max-requests "

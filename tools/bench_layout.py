@@ -48,7 +48,7 @@ import types
 import click
 import numpy as np
 
-from tools._options import FiniteFloat, COUNT, CommaList, OutPath
+from tools._options import COUNT, CommaList, FiniteFloat, OutPath
 from tools._shared_data import data_dir
 
 DATA = data_dir()
@@ -121,8 +121,9 @@ def cmd_scale(args) -> dict:
     cap = cached_capture("wikitext2", max(sizes), [args.layer], args.cache)
     rows = []
     for S in sizes:
-        out = subprocess.run([sys.executable, "-m", "tools.bench_layout", "_scale_worker", "--capture", str(cap),
-                              "--tokens", str(S), "--layer", str(args.layer)],
+        out = subprocess.run([sys.executable, "-m", "tools.bench_layout", "_scale_worker",
+                              "--capture", str(cap), "--tokens", str(S),
+                              "--layer", str(args.layer)],
                              check=True, capture_output=True, text=True,
                              cwd=pathlib.Path(__file__).resolve().parents[1])
         row = json.loads(out.stdout.strip().splitlines()[-1])

@@ -54,16 +54,15 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import types
-
-import threading
 
 import click
 import numpy as np
 
-from tools._options import COUNT, DISKS, NONNEG, POSITIVE, CommaList, OutPath, clear_store_dir
 from swarmfs import Store
+from tools._options import COUNT, DISKS, NONNEG, POSITIVE, CommaList, OutPath, clear_store_dir
 
 MiB = 1 << 20
 
@@ -73,11 +72,10 @@ def build_big(path, *, disks, clusters, cluster_mib, seed=0):
     eb = 2 * 8 * 128 * 2
     n = cluster_mib * MiB // eb
     if os.path.exists(os.path.join(path, "manifest.json")):
-        with contextlib.suppress(Exception):
-            with Store.open(path) as s:
-                if s.num_clusters(0) == clusters and int(s.layer(0).sizes[0]) == n \
+        with contextlib.suppress(Exception), Store.open(path) as s:
+            if s.num_clusters(0) == clusters and int(s.layer(0).sizes[0]) == n \
                         and s.num_disks == disks:
-                    return
+                return
     clear_store_dir(path, option="--dir")
     rng = np.random.default_rng(seed)
     S = n * clusters
@@ -90,10 +88,9 @@ def build_big(path, *, disks, clusters, cluster_mib, seed=0):
 
 def build_wide(path, *, disks, clusters, seed=1):
     if os.path.exists(os.path.join(path, "manifest.json")):
-        with contextlib.suppress(Exception):
-            with Store.open(path) as s:
-                if s.num_clusters(0) == clusters and s.num_disks == disks:
-                    return
+        with contextlib.suppress(Exception), Store.open(path) as s:
+            if s.num_clusters(0) == clusters and s.num_disks == disks:
+                return
     clear_store_dir(path, option="--dir")
     rng = np.random.default_rng(seed)
     S = clusters * 4
@@ -193,7 +190,9 @@ def measure_follow(path, mnt, runs):
     rng = np.random.default_rng(2)
     s = Store.create(path, disks=2, num_layers=1, num_kv_heads=2, head_dim=16,
                      dtype="float16")
-    kv = lambda n: rng.standard_normal((n, 2, 2, 16), dtype=np.float32).astype(np.float16)
+    def kv(n):
+        return rng.standard_normal((n, 2, 2, 16), dtype=np.float32).astype(np.float16)
+
     s.write_layer(0, kv(1000), [np.arange(i * 100, (i + 1) * 100) for i in range(10)])
     out = []
     try:
@@ -221,9 +220,12 @@ def readahead_sweep(big, mnt, sizes_kb, runs, store, *, clusters, concurrent):
     ``clusters``: big clusters in the store (at least ``concurrent``)."""
     res = {}
     with Mount(big, mnt):
-        bdi = [ln.split()[2] for ln in open("/proc/self/mountinfo")
-               if ln.split()[4] == mnt][0]
-        kv = lambda c: os.path.join(mnt, "layers", "00", "clusters", f"{c:06d}", "kv.bin")
+        with open("/proc/self/mountinfo") as f:
+            bdi = [ln.split()[2] for ln in f if ln.split()[4] == mnt][0]
+
+        def kv(c):
+            return os.path.join(mnt, "layers", "00", "clusters", f"{c:06d}", "kv.bin")
+
         for r in range(runs):
             t = time.perf_counter()
             store.read_cluster(0, r % clusters)
@@ -455,7 +457,9 @@ def cli(**options):
     m1, m2 = os.path.join(a.dir, "mnt"), os.path.join(a.dir, "mnt-direct")
     thr = ["--threads", str(a.threads)]
     with Mount(big, m1, *thr) as M1, Mount(big, m2, "--direct-io", *thr) as M2:
-        kv = lambda m, c=0: os.path.join(m, "layers", "00", "clusters", f"{c:06d}", "kv.bin")
+        def kv(m, c=0):
+            return os.path.join(m, "layers", "00", "clusters", f"{c:06d}", "kv.bin")
+
         # correctness once, and warm-up of the index on both mounts
         want = store.read_cluster(0, 0).tobytes()
         for m in (m1, m2):
@@ -517,7 +521,9 @@ def cli(**options):
                             a.follow_runs)
 
     med = {k: statistics.median(v) for k, v in times.items() if v}
-    mbps = lambda sec, n=nbytes: n / sec / 1e6
+    def mbps(sec, n=nbytes):
+        return n / sec / 1e6
+
     fast = mbps(med["fast_read_cluster"])
     # (name, median seconds, MB/s, MB/s of the fast-path baseline it is compared with)
     rows = [("fast path read_cluster", med["fast_read_cluster"], fast, fast),

@@ -41,11 +41,29 @@ import types
 import click
 import numpy as np
 
-from tools._options import FiniteFloat, COUNT, POSITIVE, CommaList, OutPath
 from swarmfs import plan_reads
 from swarmfs.decode._index2 import pack_medoids_i8x2, select_i8x2
-from swarmfs.store._kernels import cpu_flags, empty_aligned, gather_kv, gather_kv_mode, kernel_path, pack_medoids, pack_medoids_i8, select_fused, select_i8, set_kernel_path, softmax_sum, supported_paths
-from swarmfs.decode._selectors import group_queries, head_logits, select_clusters, single_threaded_blas
+from swarmfs.decode._selectors import (
+    group_queries,
+    head_logits,
+    select_clusters,
+    single_threaded_blas,
+)
+from swarmfs.store._kernels import (
+    cpu_flags,
+    empty_aligned,
+    gather_kv,
+    gather_kv_mode,
+    kernel_path,
+    pack_medoids,
+    pack_medoids_i8,
+    select_fused,
+    select_i8,
+    set_kernel_path,
+    softmax_sum,
+    supported_paths,
+)
+from tools._options import COUNT, POSITIVE, CommaList, FiniteFloat, OutPath
 
 PAPER = {131072: (1.635, 0.236), 262144: (3.136, 0.374), 524288: (6.176, 0.554),
          1048576: (12.15, 0.999)}
@@ -191,7 +209,8 @@ def bench_selection(S, cluster_size, reps, rng, r=0.1, H=8, Hq=64, d=128, paths=
     t_logit = per_path[paths[0]]["logit_ms"]
     junk = None
     ix8_bytes = ix8.data.nbytes
-    medoids = packed = ix8 = ix2 = None            # free the index before the naive scan allocates keys
+    # free the index before the naive scan allocates keys
+    medoids = packed = ix8 = ix2 = None
     keys = rng.standard_normal((S, H * d), dtype=np.float32) if naive_scan else None
 
     def naive():
@@ -342,9 +361,9 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
                           for layer in range(L)], []))
         for t in range(steps + 2):             # the configurations step in turn
             q = qs[t]
-            for mode, threads, reuse, r_obj, sess, rows in runs:
+            for mode, _threads, _reuse, _r_obj, sess, rows in runs:
                 if mode == "pipelined":
-                    res = pipelined_step(sess, list(q), lambda i, x: attend(i, x, q[i]),
+                    res = pipelined_step(sess, list(q), lambda i, x, q=q: attend(i, x, q[i]),
                                          new_kv=[(x[0], x[1]) for x in news[t]])
                     rows.append((res.step_us, res.sum_us, res.max_us, sum(res.retrieval_us),
                                  sum(res.compute_us)))
@@ -358,9 +377,10 @@ def bench_pipeline(steps, rng, L=8, S=16384, H=8, d=128, Hq=64, r=0.1, root=None
                     step = (time.perf_counter() - t0) * 1e6
                     rows.append((step, step, step, ret_us, step - ret_us))
         out = {}
-        for mode, threads, reuse, r_obj, sess, rows in runs:
+        for mode, threads, reuse, r_obj, _sess, rows in runs:
             r_obj.close()
-            med = [statistics.median(c) for c in zip(*rows[2:])]   # warm-up: layer states
+            # rows 0-1 are the warm-up (layer states)
+            med = [statistics.median(c) for c in zip(*rows[2:], strict=True)]
             key = mode + ("_2t" if threads == 2 else "") + ("_reuse" if reuse else "")
             out[key] = {"step_us": med[0], "sum_us": med[1], "max_us": med[2],
                         "retrieval_us": med[3], "compute_us": med[4]}
@@ -395,7 +415,7 @@ def bench_session(steps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, root=None):
                                               window=steps + 10), [], [], [])
         n = 0
         for t in range(steps + 3):
-            for reuse, (ret, sess, tot, rt, io) in runs.items():
+            for _ret, sess, tot, rt, io in runs.values():
                 t0 = time.perf_counter()
                 x = sess.step(qs[t], news[t, 0], news[t, 1], include_new=True)
                 tot.append((time.perf_counter() - t0) * 1e6)
@@ -403,13 +423,14 @@ def bench_session(steps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, root=None):
                 io.append(x.retrieval.stats.io_us)
                 n = x.k.shape[1]
         out = {"tokens": S, "entries": n, "entry_bytes": s.entry_bytes}
-        for reuse, (ret, sess, tot, rt, io) in runs.items():
+        for reuse, (ret, _sess, tot, rt, io) in runs.items():
             ret.close()
             step, rtv = statistics.median(tot[3:]), statistics.median(rt[3:])
             iov = statistics.median(io[3:])
             out["reuse" if reuse else "copy"] = {
                 "step_us": step, "retrieval_us": rtv, "io_us": iov, "cpu_us": step - iov,
-                "upkeep_us": statistics.median([a - b for a, b in zip(tot[3:], rt[3:])])}
+                "upkeep_us": statistics.median([a - b for a, b in
+                                                zip(tot[3:], rt[3:], strict=True)])}
         s.close()
     return out
 
@@ -459,7 +480,7 @@ def bench_gather(reps, rng, paths, rounds=3):
                 r["gather_ms"].append(statistics.median(g) * 1e3)
                 r["read_after_ms"].append(statistics.median(c) * 1e3)
         set_kernel_path("auto")
-        for p, r in res.items():
+        for r in res.values():
             r["gather_ms"], r["read_after_ms"] = min(r["gather_ms"]), min(r["read_after_ms"])
             r["gather_gbps"] = n * eb / (r["gather_ms"] * 1e-3) / 1e9
         out.append({"shape": name, "kv_heads": H, "head_dim": d, "dtype": np.dtype(dt).name,
@@ -476,11 +497,10 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
     one's attention-mass recall (``_report.attention_recall`` against the
     exact attention over the whole context)."""
     from swarmfs._demo import build_store, local_window
-    from swarmfs.layout import LayoutParams
     from swarmfs.decode._report import attention_recall, token_mass
     from swarmfs.decode._selectors import MedoidSelector
     from swarmfs.decode._window import window_size
-    from swarmfs.layout import capture
+    from swarmfs.layout import LayoutParams, capture
 
     params = LayoutParams()
     cap = capture(None, None, max_tokens=context + queries, progress=False,
@@ -634,14 +654,15 @@ def cli(ctx, **options):
                    f"{p + ' logit':>12}" for p in paths) +
           f" {'split ms':>9} {'paper':>7}")
     sizes, toks = a.cluster_sizes, a.tokens
-    for S, cs in zip(toks, sizes):
+    for S, cs in zip(toks, sizes, strict=False):
         r = bench_selection(S, cs, a.reps, rng, paths=paths, two_level=a.two_level,
                             group_size=a.group_size, coverage=a.coverage,
                             naive_scan=not a.no_naive, cold=a.cold, H=a.kv_heads,
                             Hq=a.query_heads, d=a.head_dim)
         rows.append(r)
         print(f"{S:8d} {r['medoids']:8d} {r['naive_ms']:9.3f} " +
-              " ".join(f"{r['paths'][p]['int8_ms']:12.3f} {r['paths'][p]['int8_2threads_ms']:14.3f} "
+              " ".join(f"{r['paths'][p]['int8_ms']:12.3f} "
+                       f"{r['paths'][p]['int8_2threads_ms']:14.3f} "
                        f"{r['paths'][p]['prob_ms']:12.3f} {r['paths'][p]['logit_ms']:12.3f}"
                        for p in paths) +
               f" {r['split_ms']:9.3f} {r['paper_swarm_ms'] or 0:7.3f}" +

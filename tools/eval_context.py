@@ -124,6 +124,7 @@ def copy_ratio(model, ids: np.ndarray, passage: int, gap: int, trials: int, seed
 def task_accuracy(model, tok, filler: np.ndarray, task: str, length: int, n: int,
                   seed: int) -> float:
     import torch
+
     from swarmfs.models.tasks import Templates, make_sample
     t = Templates(lambda s: tok(s, add_special_tokens=False)["input_ids"])
     hits = 0

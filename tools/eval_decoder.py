@@ -127,12 +127,14 @@ def main(argv=None):
 def evaluate(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from swarmfs.models import DEFAULT_DECODER, training_texts
     torch.set_num_threads(args.threads)
     mdir = args.model or DEFAULT_DECODER
     t0, c0 = time.time(), time.process_time()
     tok = AutoTokenizer.from_pretrained(mdir)
-    model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
     V = model.config.vocab_size
     eos = tok.eos_token_id
     streams = []
@@ -141,7 +143,8 @@ def evaluate(args) -> int:
     ngram = NGram(streams, V)
     n_train = int(sum(s.size for s in streams))
     result = {"model": str(mdir), "cpu": platform.processor() or platform.machine(),
-              "train_tokens_for_baselines": n_train, "perplexity": {}, "repeat": {}, "by_position": {}}
+              "train_tokens_for_baselines": n_train, "perplexity": {}, "repeat": {},
+              "by_position": {}}
     ids_by = {s: heldout_ids(tok, s) for s in SOURCES}
 
     # 1. held-out perplexity
@@ -157,7 +160,8 @@ def evaluate(args) -> int:
             b.append(ngram.bigram_nll(w[:-1], w[1:]))
         m, u, b = (float(np.concatenate(v).mean()) for v in (m, u, b))
         result["perplexity"][src] = {"tokens": int(ids.size),
-                                     "model": math.exp(m), "bigram_kn": math.exp(b), "unigram": math.exp(u),
+                                     "model": math.exp(m), "bigram_kn": math.exp(b),
+                                     "unigram": math.exp(u),
                                      "model_nll": m, "bigram_nll": b, "unigram_nll": u}
         print(f"[ppl] {src:12s} model {math.exp(m):8.2f}  bigram {math.exp(b):8.2f}  "
               f"unigram {math.exp(u):8.2f}  ({ids.size} tokens)", flush=True)
@@ -171,7 +175,8 @@ def evaluate(args) -> int:
             bnll = ngram.bigram_nll(seq[:-1], seq[1:])
             r = {"passage_tokens": L, "total_tokens": 2 * L,
                  "model_first": float(first.mean()), "model_repeat": float(repeat.mean()),
-                 "bigram_first": float(bnll[: L - 1].mean()), "bigram_repeat": float(bnll[L:].mean())}
+                 "bigram_first": float(bnll[: L - 1].mean()),
+                 "bigram_repeat": float(bnll[L:].mean())}
             result["repeat"][f"{src}_{2 * L}"] = r
             print(f"[repeat] {src:10s} {L}+{L}: model first {r['model_first']:.3f} repeat "
                   f"{r['model_repeat']:.3f} nats/token (bigram {r['bigram_first']:.3f} / "
@@ -183,7 +188,7 @@ def evaluate(args) -> int:
         nll = token_nll(model, ids_by[src][:8192])
         pos = np.arange(1, nll.size + 1)
         result["by_position"][src] = {f"{a}-{b}": float(nll[(pos >= a) & (pos < b)].mean())
-                                      for a, b in zip(edges[:-1], edges[1:])}
+                                      for a, b in zip(edges[:-1], edges[1:], strict=False)}
         print(f"[position] {src}: {result['by_position'][src]}", flush=True)
     result["wall_s"] = round(time.time() - t0, 1)
     result["cpu_s"] = round(time.process_time() - c0, 1)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 import sys
 import time
@@ -288,7 +287,7 @@ def plot(points: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
         for ax, cost, xl in ((axes[0], "dram_fraction", "DRAM held / KV"),
                              (axes[1], "ssd_bytes_per_step", "SSD bytes per step")):
-            for fam, mk in zip(FAMILIES, "o^sD"):
+            for fam, mk in zip(FAMILIES, "o^sD", strict=False):
                 pts = [p for p in points if p["kind"] == kind and p["family"] == fam]
                 if not pts:
                     continue
@@ -351,7 +350,8 @@ def cli(**o):
     from swarmfs.models import DEFAULT_DECODER
     args.model = pathlib.Path(args.model or DEFAULT_DECODER)
     res = run(args)
-    res["config"] = {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()}
+    res["config"] = {k: (str(v) if isinstance(v, pathlib.Path) else v)
+                     for k, v in vars(args).items()}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(res, indent=1))
     if args.plots:

@@ -33,6 +33,7 @@ import collections
 import json
 import multiprocessing
 import os
+import pathlib
 import random
 import shutil
 import signal
@@ -46,10 +47,10 @@ import click
 import numpy as np
 import xxhash
 
-from tools._options import COUNT, POSITIVE, OutPath
 from swarmfs import Store
 from swarmfs import _errors as E
 from swarmfs.store import _format as F
+from tools._options import COUNT, POSITIVE, OutPath
 
 KINDS = ("manifest-bytes", "manifest-json", "manifest-json-deep", "manifest-rollback",
          "index-bytes", "index-resealed", "superblock-bytes", "superblock-resealed",
@@ -279,13 +280,13 @@ def mutate(store: str, base: dict, rng: random.Random, kind: str) -> str:
     idx_files = [os.path.join(store, F.INDEX_DIR, r["index"]["file"])
                  for r in m["layers"].values()]
     if kind == "manifest-bytes":
-        data = bytearray(open(mpath, "rb").read())
+        data = bytearray(pathlib.Path(mpath).read_bytes())
         if rng.random() < 0.2:
             cut = rng.randrange(len(data))
-            open(mpath, "wb").write(bytes(data[:cut]))
+            pathlib.Path(mpath).write_bytes(bytes(data[:cut]))
             return f"manifest cut at {cut}"
         what = _flip(data, rng)
-        open(mpath, "wb").write(bytes(data))
+        pathlib.Path(mpath).write_bytes(bytes(data))
         return "manifest " + what
     if kind in ("manifest-json", "manifest-json-deep"):
         what = "; ".join(_safe_edit(m, rng) for _ in range(rng.choice([1, 1, 2])))
@@ -299,7 +300,7 @@ def mutate(store: str, base: dict, rng: random.Random, kind: str) -> str:
         return f"manifest rolled back to generation {old['generation']}"
     if kind in ("index-bytes", "index-resealed"):
         p = rng.choice(idx_files)
-        data = bytearray(open(p, "rb").read())
+        data = bytearray(pathlib.Path(p).read_bytes())
         if kind == "index-resealed" and rng.random() < 0.5:
             # edit the safetensors header's metadata or an array, keep it parseable
             n = int.from_bytes(data[:8], "little")
@@ -317,7 +318,7 @@ def mutate(store: str, base: dict, rng: random.Random, kind: str) -> str:
             data = bytearray(len(hb).to_bytes(8, "little") + hb + data[8 + n:])
         else:
             what = "index " + _flip(data, rng)
-        open(p, "wb").write(bytes(data))
+        pathlib.Path(p).write_bytes(bytes(data))
         if kind == "index-resealed":
             for r in m["layers"].values():
                 if r["index"]["file"] == os.path.basename(p):
@@ -371,7 +372,7 @@ def mutate(store: str, base: dict, rng: random.Random, kind: str) -> str:
         m[rng.choice(["model", "layers", "zz"])] = json.loads("[" * 30 + "]" * 30)
         text = json.dumps(m)
         text = text[:-1] + ', "deep": ' + "[" * depth + "]" * depth + "}"
-        open(mpath, "w").write(text)
+        pathlib.Path(mpath).write_text(text)
         return f"manifest nested {depth} deep"
     raise ValueError(kind)
 

@@ -230,7 +230,6 @@ def exact_match(logp, sample) -> dict[str, bool]:
 
 def kl(dense_lp, lp) -> float:
     """Mean over positions of KL(dense || method) in nats."""
-    import torch
     return float((dense_lp.exp() * (dense_lp - lp)).sum(-1).mean())
 
 
@@ -323,6 +322,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 def render(summary: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
+
     from swarmfs.models.tasks import TASKS
     t = Table(title="long-context suite (accuracy = exact match; cost per decode step)")
     cols = ["L", "method", "r", *TASKS, "acc", "ppl", "KL", "recall", "DRAM/KV",
@@ -354,7 +354,7 @@ def plot(summary: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
     ratios = sorted({r["ratio"] for r in summary if r["ratio"]})
     methods = [m for m in METHODS if any(r["method"] == m for r in summary)]
     fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.6), squeeze=False)
-    for ax, length in zip(axes[0], lengths):
+    for ax, length in zip(axes[0], lengths, strict=True):
         for m in methods:
             rows = [r for r in summary if r["length"] == length and r["method"] == m]
             if m == "dense" and rows:
@@ -372,7 +372,7 @@ def plot(summary: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
     plt.close(fig)
     fig, axes = plt.subplots(1, max(1, len(ratios)), figsize=(4.5 * max(1, len(ratios)), 3.6),
                              squeeze=False)
-    for ax, r in zip(axes[0], ratios or [None]):
+    for ax, r in zip(axes[0], ratios or [None], strict=True):
         for m in methods:
             rows = sorted((x for x in summary if x["method"] == m and
                            (m == "dense" or x["ratio"] == r)), key=lambda x: x["length"])

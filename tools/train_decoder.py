@@ -14,8 +14,9 @@ The recipe (docs/model.md):
    (betas 0.9/0.95, weight decay 0.1 on matrices), a warm-up / stable / decay
    schedule (linear warm-up, the peak, then linear decay to 10% over the last
    20% of the steps), gradient clipping 1.0, in phases by sequence length
-   (short first, then 2048, then 8192 tokens).  Each step's batch is drawn from random windows of the
-   streams by a generator seeded with (seed, step), so a resumed run sees the
+   (short first, then 2048, then 8192 tokens).  Each step's batch is drawn
+   from random windows of the streams by a generator seeded with (seed,
+   step), so a resumed run sees the
    same data as an uninterrupted one.  From the steps given by ``--repeat``,
    a window is given a copied span with the given probability (an
    earlier span of 16 to seq/4 tokens pasted at a random later position), so
@@ -87,6 +88,7 @@ def prepare(out: pathlib.Path, vocab_size: int, init_from: pathlib.Path | None =
     """Train the tokenizer (or take ``init_from``'s) and tokenize the training
     streams (cached in OUT)."""
     from tokenizers import Tokenizer
+
     from swarmfs.models import training_texts
     tok_path = out / "tokenizer.json"
     if init_from is not None and not tok_path.exists():
@@ -99,7 +101,8 @@ def prepare(out: pathlib.Path, vocab_size: int, init_from: pathlib.Path | None =
     tok = train_tokenizer(docs, vocab_size, tok_path) if not tok_path.exists() \
         else Tokenizer.from_file(str(tok_path))
     eos = tok.token_to_id(EOS)
-    print(f"[prepare] tokenizer: vocab {tok.get_vocab_size()}, {time.time() - t0:.0f} s", flush=True)
+    print(f"[prepare] tokenizer: vocab {tok.get_vocab_size()}, {time.time() - t0:.0f} s",
+          flush=True)
     result = {}
     for kind, path in streams.items():
         texts = [d.text for d in docs if d.kind == kind]
@@ -110,8 +113,9 @@ def prepare(out: pathlib.Path, vocab_size: int, init_from: pathlib.Path | None =
         arr = np.asarray(ids, dtype=np.uint16)
         arr.tofile(path)
         result[kind] = arr
-        print(f"[prepare] {kind}: {len(texts)} documents, {sum(map(len, texts)) / 1e6:.1f} M chars, "
-              f"{arr.size / 1e6:.2f} M tokens", flush=True)
+        print(f"[prepare] {kind}: {len(texts)} documents, "
+              f"{sum(map(len, texts)) / 1e6:.1f} M chars, {arr.size / 1e6:.2f} M tokens",
+              flush=True)
     return result
 
 
@@ -379,7 +383,7 @@ def plot_curve(history: list, png: pathlib.Path, phases) -> None:
         smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
         ax.plot(steps[k - 1:], smooth, color="C0", label=f"mean of {k} steps")
     start = 0
-    for i, (seq, batch, n) in enumerate(phases):
+    for i, (seq, _batch, n) in enumerate(phases):
         ax.axvline(start, color="gray", lw=0.5, ls="--")
         ax.text(start, float(loss.max()) - 0.4 * (i % 3), f" {seq}", fontsize=8, va="top")
         start += n
@@ -427,7 +431,8 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
             old = widen_heads(old, old_config, config, args.seed)
         missing, unexpected = model.load_state_dict(old, strict=False)
         if unexpected or [k for k in missing if k != "lm_head.weight"]:
-            raise SystemExit(f"--init-from {args.init_from}: missing {missing}, unexpected {unexpected}")
+            raise SystemExit(f"--init-from {args.init_from}: missing {missing}, "
+                             f"unexpected {unexpected}")
         model.tie_weights()
         print(f"[train] initialised from {args.init_from} (head_dim {old_config.head_dim} -> "
               f"{config.head_dim})", flush=True)
@@ -441,7 +446,8 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
     model.train()
     last_save = time.time()
     cpu0, wall0 = time.process_time(), time.time()
-    bar = tqdm(total=total, initial=min(step, total), mininterval=15, dynamic_ncols=False, ncols=110)
+    bar = tqdm(total=total, initial=min(step, total), mininterval=15, dynamic_ncols=False,
+               ncols=110)
     ends = np.cumsum([n for _, _, n in phases])
     repeat_plan = parse_repeat(args.repeat)
     override = args.out / "phases.override"
@@ -491,8 +497,8 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
             (args.out / "history.json").write_text(json.dumps(history))
             plot_curve(history, args.out / "loss.png", phases)
             print(f"\n[train] step {step}/{total} seq {seq} loss {float(loss):.3f} "
-                  f"copy ratio {history[-1]['copy']} (ckpt; {time.time() - wall0:.0f} s wall, {time.process_time() - cpu0:.0f} s CPU "
-                  f"this run)", flush=True)
+                  f"copy ratio {history[-1]['copy']} (ckpt; {time.time() - wall0:.0f} s wall, "
+                  f"{time.process_time() - cpu0:.0f} s CPU this run)", flush=True)
     bar.close()
     save_ckpt(ckpt, model, opt, step, history, args)
     (args.out / "history.json").write_text(json.dumps(history))
@@ -527,7 +533,8 @@ def export(args, tok_path: pathlib.Path, dest: pathlib.Path) -> None:
     state = torch.load(args.out / "ckpt" / "last.pt", map_location="cpu", weights_only=False)
     # the model's shape and the phase plan are the checkpoint's, not this command line's
     for key, default in (("hidden", 256), ("intermediate", 512), ("layers", 4), ("heads", 8),
-                         ("kv_heads", 2), ("phases", ""), ("rope_theta", 500000.0), ("head_dim", 0)):
+                         ("kv_heads", 2), ("phases", ""), ("rope_theta", 500000.0),
+                         ("head_dim", 0)):
         setattr(args, key, state["args"].get(key, default))
     model = make_model(make_config(args, tok.get_vocab_size(), eos))
     model.load_state_dict(state["model"])
@@ -548,10 +555,12 @@ def export(args, tok_path: pathlib.Path, dest: pathlib.Path) -> None:
         "phases": [{"seq_len": s, "batch": b, "steps": n} for s, b, n in parse_phases(args.phases)],
         "tokens_per_phase": {str(s): sum(h["tokens"] for h in history if h["seq"] == s)
                              for s, _, _ in parse_phases(args.phases)},
-        "compute_seconds_per_phase": {str(s): round(sum(h["sec"] for h in history if h["seq"] == s), 1)
-                                      for s, _, _ in parse_phases(args.phases)},
+        "compute_seconds_per_phase": {
+            str(s): round(sum(h["sec"] for h in history if h["seq"] == s), 1)
+            for s, _, _ in parse_phases(args.phases)},
         "final_loss_mean_last_20": float(np.mean([h["loss"] for h in history[-20:]])),
-        "args": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in state["args"].items()},
+        "args": {k: (str(v) if isinstance(v, pathlib.Path) else v)
+                 for k, v in state["args"].items()},
         "history": history,
     }
     print(f"[export] {dest}: {json.dumps({k: v for k, v in summary.items() if k != 'history'})}")
@@ -577,14 +586,15 @@ def bench(args, streams, tok_path: pathlib.Path) -> None:
             x = torch.from_numpy(batch_for(streams, args.seed, i, seq, batch, args.prose_fraction))
             t0 = time.time()
             logits = model(input_ids=x[:, :-1], use_cache=False).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                                     x[:, 1:].reshape(-1))
             opt.zero_grad()
             loss.backward()
             opt.step()
             times.append(time.time() - t0)
         med = float(np.median(times))
-        print(f"[bench] seq {seq} batch {batch}: {med:.2f} s/step, {seq * batch / med:.0f} tokens/s "
-              f"(median of {n})", flush=True)
+        print(f"[bench] seq {seq} batch {batch}: {med:.2f} s/step, "
+              f"{seq * batch / med:.0f} tokens/s (median of {n})", flush=True)
 
 
 _P = click.Path(path_type=pathlib.Path)

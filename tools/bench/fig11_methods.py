@@ -32,10 +32,9 @@ from __future__ import annotations
 import sys
 
 import click
-
-from tools import _options as O
 import numpy as np
 
+from tools import _options as O
 from tools.bench import _common as C
 
 METHODS = ("swarm", "no_cluster", "infllm", "pqcache", "quest")
@@ -266,7 +265,7 @@ def plot_steps(p, out):
     with C.figure(out, len(profs), (6 * len(profs), 4),
                   f"Fig. 11 step view: S = {p['tokens']}, r = {p['ratio']}", grid="y",
                   legend=7) as axes:
-        for ax, pn in zip(axes, profs):
+        for ax, pn in zip(axes, profs, strict=True):
             res = pt["profiles"][pn]["methods"]
             lab = [LABELS.get(m, m) for m in res]
             bottom = np.zeros(len(res))
@@ -337,7 +336,7 @@ def plot(p, out):
         C.ceiling_lines(axes[1], p["ceiling_before"])
         for ax, t in zip(axes, ("I/O time per decode step (ms, median)",
                                 "effective bandwidth; inner: top-k goodput (GB/s)",
-                                "attention-mass recall vs oracle top-k")):
+                                "attention-mass recall vs oracle top-k"), strict=True):
             ax.set_xticks(x + 0.4 - w / 2, ds)
             ax.set_title(t, fontsize=10)
         axes[0].legend(fontsize=7)

@@ -19,10 +19,9 @@ from __future__ import annotations
 import sys
 
 import click
-
-from tools import _options as O
 import numpy as np
 
+from tools import _options as O
 from tools.bench import _common as C
 
 #: longest context laid out in one piece; longer ones per SEGMENT tokens

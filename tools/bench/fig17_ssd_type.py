@@ -22,7 +22,6 @@ import sys
 import click
 
 from tools import _options as O
-
 from tools.bench import _common as C
 from tools.bench.fig11_methods import LABELS, METHODS, run_methods
 
@@ -91,7 +90,7 @@ def plot(p, out):
     profs = list(p["profiles"])
     with C.figure(out, len(profs), (5.5 * len(profs), 4), "Fig. 17: SSD type",
                   legend=7) as axes:
-        for ax, prof in zip(axes, profs):
+        for ax, prof in zip(axes, profs, strict=True):
             j = p["profiles"][prof]
             pts = j["points"]
             C.lines(ax, [pt["tokens"] / 1024 for pt in pts],

@@ -17,7 +17,6 @@ import sys
 import click
 
 from tools import _options as O
-
 from tools.bench import _common as C
 from tools.bench.fig11_methods import LABELS, METHODS, method_layouts, run_methods
 

@@ -19,7 +19,6 @@ import sys
 import click
 
 from tools import _options as O
-
 from tools.bench import _common as C
 from tools.bench.fig11_methods import measure
 
@@ -89,11 +88,11 @@ def plot(p, out):
             lab = ctx if ctx == prof else f"{ctx} (profiled on {prof})"
             ls = "o-" if ctx == prof else "s--"
             for ax, key, scale in zip(axes, ("io_us_median", "eff_gbps_median", "recall_mean"),
-                                      (1e3, 1, 1)):
+                                      (1e3, 1, 1), strict=True):
                 C.lines(ax, t, {lab: [r[key] for r in rr]}, ls, scale=scale)
         C.ceiling_lines(axes[1], p["ceiling"])
-        for ax, yl in zip(axes, ("I/O time per step (ms, median)",
-                                 "effective bandwidth (GB/s)", "attention-mass recall")):
+        for ax, yl in zip(axes, ("I/O time per step (ms, median)", "effective bandwidth (GB/s)",
+                                 "attention-mass recall"), strict=True):
             ax.set_xlabel("tau")
             ax.set_ylim(bottom=0)
             ax.set_ylabel(yl)

@@ -29,14 +29,12 @@ from __future__ import annotations
 import sys
 
 import click
-
-from tools import _options as O
 import numpy as np
 
+from tools import _options as O
 from tools.bench import _common as C
 from tools.bench.fig11_methods import (
     LABELS,
-    METHODS,
     method_layouts,
     method_options,
     print_steps,
@@ -161,12 +159,12 @@ def plot_steps(p, out):
     with C.figure(out, len(profs) + 1, (5 * (len(profs) + 1), 4),
                   f"Fig. 20 step view: S = {p['tokens']} (select + plan + I/O + assemble)",
                   legend=6) as axes:
-        for ax, pn in zip(axes, profs):
+        for ax, pn in zip(axes, profs, strict=False):
             C.lines(ax, r, {LABELS.get(m, m): [x["profiles"][pn]["methods"][m]["step_us_median"]
                                                for x in pts] for m in methods}, scale=1e3)
             ax.set_title(f"{pn}: step time (ms, median)", fontsize=10)
             ax.set_xlabel("sparsity ratio r")
-        for pn, style in zip(profs, ("o-", "s--", "^:")):
+        for pn, style in zip(profs, ("o-", "s--", "^:"), strict=False):
             for i, m in enumerate(methods):
                 axes[-1].plot([x["profiles"][pn]["methods"][m]["step_us_median"] / 1e3
                                for x in pts],

@@ -32,7 +32,6 @@ import time
 import click
 
 from tools import _options as O
-
 from tools import _testbed as T
 from tools.bench import _common as C
 

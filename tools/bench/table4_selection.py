@@ -22,10 +22,9 @@ from __future__ import annotations
 import sys
 
 import click
-
-from tools import _options as O
 import numpy as np
 
+from tools import _options as O
 from tools.bench import _common as C
 from tools.bench.fig16_prefix_batch import FULL_MAX, SEGMENT
 from tools.bench_select import bench_selection
@@ -41,9 +40,8 @@ PAPER = {131072: (1.635, 0.236, 0.053), 262144: (3.136, 0.374, 0.104),
 @click.option("--ratio", type=O.RATIO, default=0.1, show_default=True)
 @click.option("--no-synthetic", is_flag=True, help="skip the synthetic measurement")
 def cli(cfg, tokens, ratio, no_synthetic):
-    from swarmfs.layout._baselines import flat_keys
-
     from swarmfs.decode._selectors import group_queries, score_medoids, select_clusters
+    from swarmfs.layout._baselines import flat_keys
     sizes = [int(x) for x in (tokens or ("1024,2048" if cfg.smoke else
                                          "131072,262144,524288,1048576")).split(",")]
     reps = cfg.reps or (5 if cfg.smoke else 50)

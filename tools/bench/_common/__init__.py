@@ -95,11 +95,24 @@ figure reads ``from tools.bench import _common as C`` and ``C.<name>``.
 Not a test: nothing here asserts on timings.
 """
 
-from .cli import (Ablation, ablation_command, command, dataset_option, run, setup,
-                  tokens_option)
-from .config import (BLOCK_S, CACHE, DATA, DATASETS, DECODER_TAIL, DECODER_WINDOW,
-                     ENTRY_BYTES, OUT, QUERY_STRIDE, REPO, TRACE_LAYER, TRACES, WARMUP_S,
-                     BenchConfig, store_dir)
+from .cli import Ablation, ablation_command, command, dataset_option, run, setup, tokens_option
+from .config import (
+                  BLOCK_S,
+                  CACHE,
+                  DATA,
+                  DATASETS,
+                  DECODER_TAIL,
+                  DECODER_WINDOW,
+                  ENTRY_BYTES,
+                  OUT,
+                  QUERY_STRIDE,
+                  REPO,
+                  TRACE_LAYER,
+                  TRACES,
+                  WARMUP_S,
+                  BenchConfig,
+                  store_dir,
+)
 from .disks import Disks, ceilings, fio_ceiling, resolve_disks
 from .layouts import build_layout
 from .output import finish, machine, timer, trace_identity, trace_recipe, write_json
@@ -107,11 +120,28 @@ from .plots import bar_plot, ceiling_lines, figure, lines, pyplot, save_fig, var
 from .runner import STEP_PARTS, Bench, Variant, stream_steps
 from .stats import ACC_KEYS, STEP_KEYS, mean, median, summarize
 from .tables import md_table, measure_cell, ms_cell, num_cell, table, variant_table
-from .traces import (Trace, context, decoder_layer, decoder_model, load_trace,
-                     mass_outside_window, model_hash, query_positions, trace_tokens,
-                     truncated_model, window_stats)
-from .widening import (DECODER_WIDENING, MINILM_WIDENING, Widening, narrow, widen_flat,
-                       widen_kv, widen_q)
+from .traces import (
+                  Trace,
+                  context,
+                  decoder_layer,
+                  decoder_model,
+                  load_trace,
+                  mass_outside_window,
+                  model_hash,
+                  query_positions,
+                  trace_tokens,
+                  truncated_model,
+                  window_stats,
+)
+from .widening import (
+                  DECODER_WIDENING,
+                  MINILM_WIDENING,
+                  Widening,
+                  narrow,
+                  widen_flat,
+                  widen_kv,
+                  widen_q,
+)
 
 __all__ = [
     # config

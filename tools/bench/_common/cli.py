@@ -135,7 +135,7 @@ class Ablation:
         """The fio ceilings of the disks (:func:`ceilings`)."""
         return ceilings(self.disks, self.cfg.smoke)
 
-    def bench(self, store: str, variants) -> "Bench":
+    def bench(self, store: str, variants) -> Bench:
         """A :class:`Bench` of ``variants`` over the context, in store ``store``."""
         return Bench(store_dir(self.cfg, store), self.disks, self.trace, self.start, self.S,
                      variants, ratio=self.ratio, cfg=self.cfg)

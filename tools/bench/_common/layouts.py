@@ -60,7 +60,7 @@ def _build_layout(method, trace, trace_id, start, S, ratio, profile_start, param
     pq = None if profile_start is None else trace.q[:, profile_start:profile_start + S]
     common = {"ratio": ratio, "scaling": trace.scaling, "profile_q": pq}
     seg = kw.pop("segment", None)
-    if seg and S > seg:
+    if seg and seg < S:
         return _segmented(method, trace, start, S, int(seg), ratio, cache, kw)
     if method == "swarm":
         return B.swarm(q, k, **common, **kw)
@@ -91,7 +91,7 @@ def _segmented(method, trace, start, S, seg, ratio, cache, kw):
     parts = [build_layout(method, trace, start + a, min(seg, S - a), ratio=ratio,
                           cache=cache, **kw)[0] for a in range(0, S, seg)]
     ptr, members, meds, freq, off = [np.zeros(1, np.int64)], [], [], [], 0
-    for a, lay in zip(range(0, S, seg), parts):
+    for a, lay in zip(range(0, S, seg), parts, strict=True):
         ptr.append(lay.ptr[1:] + off)
         off += lay.members.shape[0]
         members.append(lay.members + a)

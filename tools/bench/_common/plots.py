@@ -61,7 +61,7 @@ def variant_bars(p: dict, out: pathlib.Path, labels: dict, panels, title: str,
     names = list(p["variants"])
     lab = [labels.get(n, n) for n in names]
     with figure(out, len(panels), size, title, grid="y") as axes:
-        for i, (ax, (key, scale, sub, ceil)) in enumerate(zip(axes, panels)):
+        for i, (ax, (key, scale, sub, ceil)) in enumerate(zip(axes, panels, strict=True)):
             ax.bar(lab, [p["variants"][n][key] / scale for n in names], color=f"C{i}")
             if ceil:
                 ceiling_lines(ax, p["ceiling"])

@@ -100,8 +100,12 @@ class Bench:
 
     def _retriever(self, v: Variant):
         from swarmfs import Retriever
-        from swarmfs.decode._selectors import (BoundSelector, MultiVectorSelector, TokenSelector,
-                                               VectorSelector)
+        from swarmfs.decode._selectors import (
+            BoundSelector,
+            MultiVectorSelector,
+            TokenSelector,
+            VectorSelector,
+        )
         lay, L = v.layout, self.layer[v.name]
         wide = self.trace.wide
         sel = None
@@ -302,7 +306,7 @@ class Bench:
             self.store.execute(li, plan, copies)
         t = time.perf_counter() - t0
         a = eng.stats().disks
-        return t, max(x.busy_us - y.busy_us for x, y in zip(a, b)) / 1e6
+        return t, max(x.busy_us - y.busy_us for x, y in zip(a, b, strict=True)) / 1e6
 
     def measure(self, names, steps, reps: int, *, accuracy: bool = True, seed: int = 0,
                 progress: str = "") -> dict:

@@ -12,8 +12,17 @@ import time
 
 import numpy as np
 
-from .config import (CACHE, DATA, DATASETS, DECODER_TAIL, DECODER_WINDOW, QUERY_STRIDE,
-                     TRACE_LAYER, TRACES, _sha)
+from .config import (
+    CACHE,
+    DATA,
+    DATASETS,
+    DECODER_TAIL,
+    DECODER_WINDOW,
+    QUERY_STRIDE,
+    TRACE_LAYER,
+    TRACES,
+    _sha,
+)
 from .widening import DECODER_WIDENING, MINILM_WIDENING, Widening
 
 
@@ -74,8 +83,9 @@ def trace_tokens(num_tokens: int, model: pathlib.Path | None = None
     Returns:
         (int64 [num_tokens] ids, {dataset: [start, length] of its first pass}).
     """
-    from swarmfs.layout._capture import default_model_path, read_text
     from transformers import AutoTokenizer
+
+    from swarmfs.layout._capture import default_model_path, read_text
     tok = AutoTokenizer.from_pretrained(model or default_model_path(), local_files_only=True)
     parts, segments, off = [], {}, 0
     for name, fname in DATASETS.items():
@@ -264,10 +274,11 @@ def decoder_layer(cache: pathlib.Path, model: pathlib.Path | None = None) -> dic
     Returns:
         {"layer", "mass_outside_window" (per layer), "rule", "model_sha256", ...}.
     """
+    from transformers import AutoTokenizer
+
     from swarmfs._defaults import LOCAL_WINDOW
     from swarmfs.layout._capture import capture
     from swarmfs.models import heldout_texts
-    from transformers import AutoTokenizer
     model = pathlib.Path(model or decoder_model())
     sha = model_hash(model)
     p = pathlib.Path(cache) / f"decoder-layer-{sha}.json"
