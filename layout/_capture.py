@@ -541,7 +541,9 @@ def save_capture(path, cap: Capture) -> None:
     path = parse_path(path, "path")
     parse_instance(cap, "cap", Capture)
     _check(cap.k, cap.v, cap.q, cap.token_ids, cap.meta, where=str(path))
-    meta = {k: json.dumps(v) if not isinstance(v, str) else v for k, v in cap.meta.items()}
+    # every value JSON-encoded, strings too: a string that parses as JSON (an
+    # all-digit hash) must come back a string
+    meta = {k: json.dumps(v) for k, v in cap.meta.items()}
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         save_file({"k": np.ascontiguousarray(cap.k), "v": np.ascontiguousarray(cap.v),

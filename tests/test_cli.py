@@ -154,7 +154,7 @@ def test_tokens_option_refuses_empty_items(store):
 def test_hot_fraction_out_of_range(tmp_path, value):
     p = run("build", str(tmp_path / "kv.safetensors"), str(tmp_path / "st"),
             "--hot-fraction", value, ok=False)
-    assert p.returncode == 1 and "--hot-fraction must be in [0, 1]" in p.stderr
+    assert p.returncode == 1 and "hot_fraction must be a number in [0, 1]" in p.stderr
     assert "Traceback" not in p.stderr
 
 
@@ -246,4 +246,4 @@ def test_disks_zero_is_refused_not_replaced_by_the_default(tmp_path):
     for n in ("0", "-3"):
         p = run("generate", "--prompt-file", str(prompt), "--disks", n,
                 "--max-new-tokens", "1", ok=False)
-        assert p.returncode == 1 and "1 to 256 disks" in p.stderr, p.stderr
+        assert p.returncode == 1 and "disks must be an integer in [1, 256]" in p.stderr, p.stderr

@@ -57,9 +57,9 @@ class Widening:
 #: head each: every MiniLM head is its own store head (the medoid score is a
 #: per-head softmax), 4 KiB per entry
 MINILM_WIDENING = Widening(12, 12, 32, 16, 16, 64)
-#: swarm-llama (8 query heads over 2 KV heads x 32) as Qwen3-32B: 64 query
+#: swarm-llama (8 query heads over 2 KV heads x 64) as Qwen3-32B: 64 query
 #: heads over 8 KV heads x 128 (GQA group 8), 4 KiB per entry
-DECODER_WIDENING = Widening(2, 8, 32, 8, 64, 128)
+DECODER_WIDENING = Widening(2, 8, 64, 8, 64, 128)
 
 
 def _check_model_shape(x, heads: int, dim: int, what: str, wide: Widening):
