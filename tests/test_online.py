@@ -585,3 +585,34 @@ def test_a_layer_that_is_not_an_integer_is_refused_everywhere(store, rng, bad):
     with pytest.raises(E.InvalidArgumentError, match="must be a Retrieval"):
         sess.step(q, retrieval="x")
     assert sess.pending == 0
+
+
+def test_discard_pending_forgets_the_newest_entries_and_their_steps(store, rng):
+    """An assisted decoder's rejected drafts (swarmfs.hf's crop): the newest
+    pending entries go without being written, the older ones get back the
+    steps the drafts aged them by, and the session then runs as if they had
+    never been fed: the same flushes, the same stored bytes."""
+    s, kv, cl = store
+    new_kv = random_kv(rng, 12, H, D, "float16")
+    qs = rng.standard_normal((12, HQ, D)).astype(np.float32)
+    r = Retriever(s, ratio=0.2)
+    sess = DecodeSession(r, 0, window=8, flush_batch=2)
+    for t in range(5):
+        sess.step(qs[t], new_kv[t, 0], new_kv[t, 1])
+    ages = sess.pend_age.copy()
+    for t in range(3):                                    # three drafts
+        sess.step(qs[5], new_kv[11 - t, 0], new_kv[11 - t, 1])
+    assert sess.pending == 8
+    sess.discard_pending(3)
+    assert sess.pending == 5 and np.array_equal(sess.pend_age, ages)
+    assert same_bits(sess.pend_rows.view(np.float16).reshape(5, 2, H, D), new_kv[:5])
+    flushed = []
+    for t in range(5, 12):
+        flushed += sess.step(qs[t], new_kv[t, 0], new_kv[t, 1]).flushed.tolist()
+    assert flushed == list(range(S, S + len(flushed)))      # in order, no draft among them
+    sess.flush()
+    assert same_bits(s.read_entries(0, np.arange(S, S + 12)), new_kv)   # no draft stored
+    for bad in (-1, 1, 0.5, True):
+        with pytest.raises(E.InvalidArgumentError):
+            sess.discard_pending(bad)                       # nothing pending: only 0 is valid
+    sess.discard_pending(0)

@@ -545,6 +545,33 @@ class DecodeSession:
         finally:
             lock.release()
 
+    def discard_pending(self, n: int) -> None:
+        """Forget the ``n`` newest pending entries, never written: an assisted
+        decoder's rejected draft tokens (``swarmfs.hf``'s ``crop``).  Each of
+        the steps that added them aged the older pending entries by one; they
+        get those ``n`` steps back, so they mature when they would have
+        without the drafts.  The eq. 9 counts and cache frequencies the
+        discarded steps added stay (both only rank clusters).
+
+        Raises:
+            InvalidArgumentError: ``n`` not an integer in [0, pending].
+            ConcurrentUseError: another thread is stepping this layer.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or \
+                not 0 <= n <= self._n_pend:
+            raise errors.InvalidArgumentError(f"discard_pending: n must be an integer in "
+                                              f"[0, {self._n_pend}], got {n!r}", layer=self.layer)
+        lock = self.r.step_lock(self.layer)
+        if not lock.acquire(blocking=False):
+            raise errors.ConcurrentUseError("another thread is stepping this layer",
+                                            layer=self.layer)
+        try:
+            rest = self._n_pend - int(n)
+            self._n_pend = rest
+            self._age[:rest] = np.maximum(self._age[:rest] - int(n), 0)
+        finally:
+            lock.release()
+
     @property
     def hit_rate(self) -> float:
         """Fraction of selected clusters that were hot (cache hit rate)."""
