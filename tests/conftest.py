@@ -1,6 +1,7 @@
 """What the test modules share: the engine parametrisation, seeded random
-stores, the real MiniLM layer (captured once per session) and the
-poll-with-deadline helper (tests never sleep a fixed time)."""
+stores, the real MiniLM layer (captured once per session), the
+poll-with-deadline helper (tests never sleep a fixed time) and the
+unit/integration split (``pytest -m unit``, ``pytest -m integration``)."""
 
 import os
 import threading
@@ -15,6 +16,34 @@ ENGINES = ["io_uring", "threads"]
 
 DATA = data_dir()
 WIKI = DATA / "wikitext2_raw_test.raw"
+
+#: Test modules that run the system end to end: real stores on their disks
+#: through the whole storage path, the FUSE mount, the real model, the command
+#: lines in subprocesses.  Every other module is ``unit``; a test marked
+#: ``model``, ``fuse`` or ``root`` is ``integration`` wherever it lives.
+INTEGRATION = {
+    "test_baseline_appends",    # decoding through transformers and the store after appends
+    "test_bench_smoke",         # the evaluation benchmarks, run end to end
+    "test_capture",             # Q/K/V capture from real transformers
+    "test_cli",                 # the swarmfs command line in subprocesses
+    "test_demo",                # the demo on the real model
+    "test_disks",               # FIFOs, directories, devices and loops as disks
+    "test_engine",              # io_uring and threads on real disk files
+    "test_executor",            # batched reads and damage location on real disks
+    "test_format",              # the on-disk format of real stores
+    "test_fuse",                # real mounts
+    "test_fuse_isolation",      # stuck disks under a real mount
+    "test_fuzz",                # damaged stores, opened and read end to end
+    "test_generate",            # swarmfs generate: CLI and model
+    "test_hf",                  # SwarmCache under transformers, on a store
+    "test_hf_batch",            # batched SwarmCache under transformers, on stores
+    "test_model",               # the trained decoder
+    "test_store",               # store round trips and failure modes
+    "test_suite",               # the long-context suite end to end
+    "test_testbed",             # loop devices, cgroups, fio
+    "test_tools",               # the developer tools' command lines
+}
+_INTEGRATION_MARKS = {"model", "fuse", "root"}
 
 
 @pytest.fixture(params=ENGINES)
@@ -152,3 +181,11 @@ def run_in_threads(work, n: int, *, poll=None, timeout: float = 120) -> list:
         t.join(timeout)
     return errors + [f"thread {k} still running after {timeout} s"
                      for k, t in enumerate(threads) if t.is_alive()]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test ``unit`` or ``integration`` (see :data:`INTEGRATION`)."""
+    for item in items:
+        end_to_end = item.path.stem in INTEGRATION or \
+            any(m.name in _INTEGRATION_MARKS for m in item.iter_markers())
+        item.add_marker(pytest.mark.integration if end_to_end else pytest.mark.unit)

@@ -3,13 +3,18 @@ through the selectors that score them."""
 
 import numpy as np
 import pytest
-from conftest import random_kv
-from swarmfs.layout import _baselines as B
-from swarmfs.layout._profile import profile_layer
 
+from conftest import random_kv
 from swarmfs import Retriever, Store
 from swarmfs import _errors as E
-from swarmfs.decode._selectors import BoundSelector, MultiVectorSelector, TokenSelector, VectorSelector
+from swarmfs.decode._selectors import (
+    BoundSelector,
+    MultiVectorSelector,
+    TokenSelector,
+    VectorSelector,
+)
+from swarmfs.layout import _baselines as B
+from swarmfs.layout._profile import profile_layer
 
 H, D, S = 2, 8, 600
 

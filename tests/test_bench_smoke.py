@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 FIGURES = ["fig11_methods", "fig12_clustering", "fig13_placement", "fig14_retrieval",
            "fig16_prefix_batch", "fig17_ssd_type", "fig18_num_disks", "fig19_tau",
@@ -27,8 +27,8 @@ def env(tmp_path_factory):
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
     from swarmfs._errors import ModelError
-    from tools.bench import _common as C
     from swarmfs.layout._capture import default_model_path
+    from tools.bench import _common as C
     try:
         default_model_path()
     except ModelError as exc:  # the model package is missing

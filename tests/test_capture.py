@@ -17,10 +17,18 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import DATA
-from swarmfs.layout._capture import MIN_TOKENS, Capture, capture, default_model_path, load_capture, read_text, save_capture, stdlib_text
-
-from swarmfs._errors import LayoutError, ModelError, ShapeError, SwarmError
+from conftest import DATA  # noqa: E402 - after the importorskips
+from swarmfs._errors import LayoutError, ModelError, ShapeError, SwarmError  # noqa: E402
+from swarmfs.layout._capture import (  # noqa: E402
+    MIN_TOKENS,
+    Capture,
+    capture,
+    default_model_path,
+    load_capture,
+    read_text,
+    save_capture,
+    stdlib_text,
+)
 
 pytestmark = pytest.mark.model
 

@@ -7,8 +7,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import random_clusters, random_kv
 
+from conftest import random_clusters, random_kv
 from swarmfs import Store
 
 SWARMFS = [sys.executable, "-m", "swarmfs._cli"]
@@ -31,6 +31,7 @@ def store(tmp_path, rng):
     return str(tmp_path / "st"), kv, cl
 
 
+@pytest.mark.slow
 def test_help_on_every_command():
     out = run("--help").stdout
     for cmd in ("info", "verify", "read", "demo"):
@@ -193,6 +194,7 @@ def test_verify_lists_disk_problems_and_lost_tokens(store):
     assert "token(s) lost" in p.stderr
 
 
+@pytest.mark.slow
 def test_text_that_utf8_cannot_encode_is_printed_escaped(tmp_path, rng):
     """JSON may hold lone surrogates ("\\ud800"), and Store.create takes any
     str as model_name: every command that prints the store's text prints
@@ -219,7 +221,7 @@ def test_every_ranged_float_option_refuses_nan():
     ranged = [(name, p) for name, cmd in main.commands.items() for p in cmd.params
               if isinstance(p.type, click.FloatRange)]
     assert ranged
-    for name, p in ranged:
+    for _name, p in ranged:
         with pytest.raises(click.BadParameter):
             p.type.convert("nan", p, None)
 

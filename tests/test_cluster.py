@@ -7,12 +7,25 @@ import pytest
 import scipy.sparse as sp
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from swarmfs.layout._cluster import _lsh_params, build_clusters, cluster, coactivation_distance, eq2_tau, graph_from_distances, neighbour_graph
+
+from swarmfs._errors import (
+    InvalidChoiceError,
+    InvalidIntegerError,
+    InvalidNumberError,
+    InvalidRatioError,
+    LayoutError,
+    ShapeError,
+)
+from swarmfs.layout._cluster import (
+    _lsh_params,
+    build_clusters,
+    cluster,
+    coactivation_distance,
+    eq2_tau,
+    graph_from_distances,
+    neighbour_graph,
+)
 from swarmfs.layout._profile import Profile, profile_layer
-
-from swarmfs._errors import (InvalidChoiceError, InvalidIntegerError, InvalidNumberError,
-                             InvalidRatioError, LayoutError, ShapeError)
-
 
 # -- a literal transcription of Algorithm 1, for reference --------------------
 
@@ -143,6 +156,7 @@ def distance_matrices(draw):
     return D
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(D=distance_matrices(), tau=st.sampled_from([0.125, 0.25, 0.5, 0.625, 0.75, 1.0]),
        max_size=st.sampled_from([None, 1, 2, 3, 5]),
@@ -218,6 +232,7 @@ def profiles(draw):
     return Profile(num_tokens=S, queries=np.arange(n), acts=acts, ratio=0.1)
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None)
 @given(prof=profiles(), tau=st.floats(0.05, 1.0), max_size=st.integers(1, 20),
        max_rep=st.sampled_from([None, 1, 2, 4]), idle_group=st.integers(1, 8))

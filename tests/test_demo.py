@@ -9,11 +9,11 @@ import json
 
 import numpy as np
 import pytest
-from conftest import DATA
 
+from conftest import DATA
 from swarmfs import _errors as E
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 CONTEXT = 2048
 EVAL = 16
@@ -43,10 +43,9 @@ def gsm8k():
 @pytest.fixture(scope="module", params=["wikitext2", "gsm8k"])
 def built(request, tmp_path_factory):
     pytest.importorskip("transformers")
-    from swarmfs.layout import _capture as C
-
     from swarmfs._demo import build_store
     from swarmfs.layout import LayoutParams
+    from swarmfs.layout import _capture as C
     text = wikitext() if request.param == "wikitext2" else gsm8k()
     cap = C.capture(None, text, max_tokens=CONTEXT + EVAL, progress=False,
                     text_source=request.param)

@@ -7,11 +7,11 @@ import types
 
 import numpy as np
 import pytest
-from conftest import random_clusters, random_kv
 
+from conftest import random_clusters, random_kv
 from swarmfs import Store
-from swarmfs.store import _disks as D
 from swarmfs import _errors as E
+from swarmfs.store import _disks as D
 from swarmfs.store import _format as F
 from swarmfs.store._manifest import DiskRecord
 from tools.fuzz_store import _raw_manifest
@@ -147,9 +147,8 @@ def test_manifest_free_list_overlapping_data_is_refused(tmp_path, rng):
     m = _raw_manifest(path)
     m["disks"][0]["free"] = [[12288, 512, 0]]
     reseal_manifest(path, m, deep=True)
-    with Store.open(path) as s:
-        with pytest.raises(E.ManifestError, match="free"):
-            s.layer(0)
+    with Store.open(path) as s, pytest.raises(E.ManifestError, match="free"):
+        s.layer(0)
 
 
 def test_open_disk_never_blocks_on_a_fifo(tmp_path):

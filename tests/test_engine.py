@@ -8,6 +8,7 @@ that capability exempts a process from the limit), and a slow disk is a real
 loop device throttled by blk-throttle (root only).
 """
 
+import contextlib
 import errno
 import gc
 import json
@@ -21,11 +22,18 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import run_in_threads, wait_until
 
+from conftest import run_in_threads, wait_until
 from swarmfs import _errors as E
 from swarmfs.store._engine import READ, WRITE, Engine, logical_block_size, open_disk
-from swarmfs.store._kernels import assign_buckets, gather_rows, scatter_rows, verify_rows, xxh3_ranges, xxh3_rows
+from swarmfs.store._kernels import (
+    assign_buckets,
+    gather_rows,
+    scatter_rows,
+    verify_rows,
+    xxh3_ranges,
+    xxh3_rows,
+)
 
 
 @pytest.fixture
@@ -285,10 +293,8 @@ def uring_fds() -> int:
     gc.collect()
     n = 0
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):
             n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[io_uring]"
-        except OSError:
-            pass
     return n
 
 
@@ -317,7 +323,7 @@ def test_threads_read_concurrently_through_one_engine(disks, engine_kind):
     assert failures == []
     s = eng.stats()
     assert s.requests == nthreads * iters * nreq and s.errors == 0 and s.in_flight == 0
-    assert all(a.requests <= b.requests for a, b in zip(snapshots, snapshots[1:]))
+    assert all(a.requests <= b.requests for a, b in zip(snapshots, snapshots[1:], strict=False))
     if engine_kind == "io_uring":
         assert s.fixed_requests == s.requests      # every thread's ring registered its buffer
         assert set(s.ring_flags) >= {"SINGLE_ISSUER"}

@@ -3,6 +3,7 @@ commit records and generations (issue 9, items 2-4)."""
 
 import json
 import os
+import pathlib
 import shutil
 import struct
 import subprocess
@@ -12,15 +13,15 @@ import tempfile
 import numpy as np
 import pytest
 import xxhash
-from conftest import random_clusters, random_kv, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as hst
-from tools.fuzz_store import _raw_manifest, reseal_manifest
 
+from conftest import random_clusters, random_kv, same_bits
 from swarmfs import Store
 from swarmfs import _errors as E
 from swarmfs.store import _format as F
 from swarmfs.store._manifest import IndexRecord
+from tools.fuzz_store import _raw_manifest, reseal_manifest
 
 
 @pytest.fixture
@@ -210,7 +211,7 @@ def test_identity_edits_are_caught_by_the_superblocks(st, change, deep):
 def test_rolled_back_manifest_is_detected(st):
     path, kv, old = st
     assert _opens_equal(path, kv)
-    good = open(_mpath(path)).read()
+    good = pathlib.Path(_mpath(path)).read_text()
     F.write_manifest(path, old)                  # an older, valid manifest
     with pytest.raises(E.ManifestError, match="rolled back"):
         Store.open(path)
@@ -273,7 +274,8 @@ def _disk_paths(path):
 def test_superblock_carries_identity_and_commit_slots_hold_generations(st):
     path, _, _ = st
     m = _raw_manifest(path)
-    raw = open(_disk_paths(path)[2], "rb").read(F.HEADER_BYTES)
+    with open(_disk_paths(path)[2], "rb") as f:
+        raw = f.read(F.HEADER_BYTES)
     sb = F.unpack_superblock(raw)
     assert sb["model"] == {k: m["model"][k] for k in sb["model"]}
     assert sb["disk_index"] == 2 and sb["data_start"] == F.DATA_START
@@ -314,7 +316,7 @@ def test_index_file_metadata_is_cross_checked(st):
     d = os.path.join(path, F.INDEX_DIR)
     f0, f1 = m["layers"]["0"]["index"]["file"], m["layers"]["1"]["index"]["file"]
     shutil.copy(os.path.join(d, f0), os.path.join(d, f1))
-    data = open(os.path.join(d, f1), "rb").read()
+    data = pathlib.Path(d, f1).read_bytes()
     m["layers"]["1"]["index"].update(xxh3=xxhash.xxh3_64_hexdigest(data), bytes=len(data))
     reseal_manifest(path, m, deep=True)
     with pytest.raises(E.ManifestError, match="layer"):

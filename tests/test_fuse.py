@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -36,12 +37,11 @@ trio = pytest.importorskip("trio")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from conftest import random_clusters, random_kv, same_bits, wait_until  # noqa: E402
 from swarmfs import Store  # noqa: E402
 from swarmfs.mount import _fuse_tree as T  # noqa: E402
 from swarmfs.mount._fuse import MountError, umount  # noqa: E402
 from swarmfs.mount._fuse_stream import KVReader, Stream  # noqa: E402
-
-from conftest import random_clusters, random_kv, same_bits, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.fuse
 
@@ -97,7 +97,7 @@ class Mount:
 
     def start(self):
         os.makedirs(self.mnt, exist_ok=True)
-        self._logf = open(self.log, "wb")
+        self._logf = open(self.log, "wb")     # noqa: SIM115 - the daemon's log, closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "swarmfs.mount._fuse", self.store, self.mnt, "--foreground",
              *self.args], stdout=self._logf, stderr=subprocess.STDOUT)
@@ -185,11 +185,11 @@ node_st = st.one_of(
     st.builds(lambda v: T.Node(T.MANIFEST, ver=v), st.integers(0, T.MANIFEST_VER_MASK)),
     st.builds(lambda k, i: T.Node(k, disk=i), st.sampled_from([T.DISK_DIR, T.DISK_INFO]),
               st.integers(0, 255)),
-    st.builds(lambda k, l: T.Node(k, layer=l), st.sampled_from([T.LAYER_DIR, T.CLUSTERS]),
+    st.builds(lambda k, i: T.Node(k, layer=i), st.sampled_from([T.LAYER_DIR, T.CLUSTERS]),
               st.integers(0, T.MAX_LAYERS - 1)),
-    st.builds(lambda l, v: T.Node(T.MEDOIDS, layer=l, ver=v),
+    st.builds(lambda i, v: T.Node(T.MEDOIDS, layer=i, ver=v),
               st.integers(0, T.MAX_LAYERS - 1), st.integers(0, T.VER_MASK)),
-    st.builds(lambda k, l, c, v: T.Node(k, layer=l, cluster=c, ver=v),
+    st.builds(lambda k, i, c, v: T.Node(k, layer=i, cluster=c, ver=v),
               st.sampled_from([T.CLUSTER_DIR, T.KV_BIN, T.KV_NPY, T.TOKENS, T.CLUSTER_INFO]),
               st.integers(0, T.MAX_LAYERS - 1), st.integers(0, T.MAX_CLUSTERS),
               st.integers(0, T.VER_MASK)))
@@ -348,7 +348,7 @@ async def test_kv_reader_ranges_and_readahead(store):
             assert bytes(await reader.read(s, o, n)) == want[o:o + n]
 
         async with trio.open_nursery() as inner:
-            for o, n in zip(rng.integers(0, nbytes, 64), rng.integers(1, 300_000, 64)):
+            for o, n in zip(rng.integers(0, nbytes, 64), rng.integers(1, 300_000, 64), strict=True):
                 inner.start_soon(one, int(o), int(n))
         assert bytes(await reader.read(s, nbytes, 10)) == b""
         reader.close(s)
@@ -410,33 +410,34 @@ def test_manifest_and_medoids(mnt, store):
         got = f.read()
     with open(os.path.join(store.path, "manifest.json"), "rb") as f:
         assert got == f.read()
-    for l in (0, 1):
-        m = np.load(os.path.join(mnt, "layers", f"{l:02d}", "medoids.npy"))
-        assert same_bits(m, store.medoid_keys(l))
+    for layer in (0, 1):
+        m = np.load(os.path.join(mnt, "layers", f"{layer:02d}", "medoids.npy"))
+        assert same_bits(m, store.medoid_keys(layer))
 
 
+@pytest.mark.slow
 def test_kv_files_match_the_fast_path(mnt, store):
     rng = np.random.default_rng(1)
     picks = [(0, 0), (0, C0 - 1)] + [(0, int(c)) for c in rng.choice(C0, 150, replace=False)]
     picks += [(1, c) for c in range(3)]
-    for l, c in picks:
-        want = store.read_cluster(l, c)
-        d = _cdir(mnt, l, c)
+    for layer, c in picks:
+        want = store.read_cluster(layer, c)
+        d = _cdir(mnt, layer, c)
         with open(os.path.join(d, "kv.bin"), "rb") as f:
-            assert f.read() == want.tobytes(), (l, c)
+            assert f.read() == want.tobytes(), (layer, c)
         got = np.load(os.path.join(d, "kv.npy"))
-        assert got.shape == want.shape and same_bits(got, want), (l, c)
+        assert got.shape == want.shape and same_bits(got, want), (layer, c)
         with open(os.path.join(d, "tokens.txt")) as f:
             toks = [int(x) for x in f.read().split()]
-        assert toks == store.cluster_tokens(l, c).tolist()
+        assert toks == store.cluster_tokens(layer, c).tolist()
         with open(os.path.join(d, "info.json")) as f:
             info = json.load(f)
-        ref = store.layer(l).cluster_info(c)
+        ref = store.layer(layer).cluster_info(c)
         assert {k: info[k] for k in ref} == ref
     # the flat name is one path away
-    for l, c in picks[:20]:
-        got = np.load(_cdir(mnt, l, c) + ".npy")
-        assert same_bits(got, store.read_cluster(l, c)), (l, c)
+    for layer, c in picks[:20]:
+        got = np.load(_cdir(mnt, layer, c) + ".npy")
+        assert same_bits(got, store.read_cluster(layer, c)), (layer, c)
 
 
 def _mmap_both_ways(mnt, store, *, shared_ok):
@@ -518,7 +519,8 @@ def test_random_preads_and_eof(mnt, store):
     for name, ref in (("kv.bin", want), ("kv.npy", hdr + want)):
         fd = os.open(os.path.join(_cdir(mnt, 1, 1), name), os.O_RDONLY)
         try:
-            for o, n in zip(rng.integers(0, len(ref), 100), rng.integers(1, 70_000, 100)):
+            for o, n in zip(rng.integers(0, len(ref), 100), rng.integers(1, 70_000, 100),
+                            strict=True):
                 assert os.pread(fd, int(n), int(o)) == ref[o:o + n]
             assert os.pread(fd, 1 << 20, len(ref) - 10) == ref[-10:]     # short only at EOF
             assert os.pread(fd, 100, len(ref)) == b""
@@ -554,7 +556,7 @@ def test_read_only_and_errors(mnt):
                     "disks/4", "disks/00"):
         assert err(os.stat, os.path.join(mnt, missing)) == errno.ENOENT, missing
     assert err(os.stat, os.path.join(mnt, "manifest.json", "x")) == errno.ENOTDIR
-    assert err(lambda: open(d, "rb").read()) == errno.EISDIR
+    assert err(lambda: pathlib.Path(d).read_bytes()) == errno.EISDIR
     assert err(os.stat, os.path.join(mnt, "layers", "00", "clusters", "000001.npy",
                                      "x")) == errno.ENOTDIR
     r = subprocess.run(["cat", d], capture_output=True, text=True)
@@ -805,6 +807,7 @@ def _cluster_bytes(path):
             s.manifest["generation"]
 
 
+@pytest.mark.slow
 def test_follow_shows_appends_and_open_files_keep_their_generation(workdir, rng):
     path = str(workdir / "follow")
     H, d = 2, 16
@@ -819,8 +822,9 @@ def test_follow_shows_appends_and_open_files_keep_their_generation(workdir, rng)
         cl = os.path.join(m.mnt, "layers", "00", "clusters")
         assert len(os.listdir(cl)) == 30
         assert not os.path.exists(os.path.join(cl, "000030.npy"))   # negative lookup
-        held = open(os.path.join(cl, "000000", "kv.bin"), "rb")      # cluster 0, gen 0
-        held_npy = open(os.path.join(cl, "000001.npy"), "rb")
+        # held open across the commits below (closed after them)
+        held = open(os.path.join(cl, "000000", "kv.bin"), "rb")  # noqa: SIM115 - cluster 0, gen 0
+        held_npy = open(os.path.join(cl, "000001.npy"), "rb")    # noqa: SIM115
         first = held.read(4096)
         stop = threading.Event()
         bad, seen = [], []
@@ -843,7 +847,7 @@ def test_follow_shows_appends_and_open_files_keep_their_generation(workdir, rng)
         try:
             w = Store.open(path, writable=True)
             try:
-                for step in range(3):
+                for _ in range(3):
                     n = 150
                     joins = [np.array([0]) if i % 3 == 0 else np.array([], dtype=np.int64)
                              for i in range(n)]
@@ -853,7 +857,7 @@ def test_follow_shows_appends_and_open_files_keep_their_generation(workdir, rng)
                     gens[gen] = cs
                     C = len(cs)
                     # new clusters appear, within a second of the commit
-                    wait_until(lambda: os.path.exists(os.path.join(cl, f"{C - 1:06d}.npy")),
+                    wait_until(lambda C=C: os.path.exists(os.path.join(cl, f"{C - 1:06d}.npy")),
                                timeout=1.0, what=f"cluster {C - 1} of generation {gen}")
                     assert time.monotonic() - t_commit < 1.0
                     names = os.listdir(cl)
@@ -861,7 +865,7 @@ def test_follow_shows_appends_and_open_files_keep_their_generation(workdir, rng)
                     for c in (0, C - 1, C - 2):       # changed and new clusters, both paths
                         # cluster 0 changed: its old names are invalidated right
                         # after the new generation is shown
-                        def current(c=c):
+                        def current(c=c, cs=cs):
                             with open(os.path.join(cl, f"{c:06d}", "kv.bin"), "rb") as f:
                                 a = f.read()
                             b = np.load(os.path.join(cl, f"{c:06d}.npy")).tobytes()

@@ -22,10 +22,8 @@ import time
 
 import numpy as np
 import pytest
-
-from test_fuse import DEADLINE, Mount, _cdir, _direct_io_ok  # skips this module without FUSE
-
 import trio  # noqa: E402
+from test_fuse import DEADLINE, Mount, _cdir, _direct_io_ok  # skips this module without FUSE
 
 from swarmfs import InvalidArgumentError, Store  # noqa: E402
 from swarmfs.mount._fuse_stream import DiskAdmission, KVReader, Stream  # noqa: E402
@@ -165,6 +163,7 @@ def _plan_reads(store, want, mode):
     return stuck[0], stuck, healthy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["direct_io", "page_cache"])
 def test_readers_of_healthy_disks_progress_beside_eight_stuck_readers(gated, tmp_path, mode):
     store, gate, want = gated
@@ -179,7 +178,9 @@ def test_readers_of_healthy_disks_progress_beside_eight_stuck_readers(gated, tmp
         assert gate.ask("hold") == "held"
         try:
             for k, (p, off, size, _) in enumerate(stuck):
-                def reader(k=k, p=os.path.join(m.mnt, p), off=off, size=size):
+                path = os.path.join(m.mnt, p)
+
+                def reader(k=k, p=path, off=off, size=size):
                     results[k] = _pread(p, off, size)
                 t = threading.Thread(target=reader, daemon=True)
                 t.start()
@@ -206,7 +207,7 @@ def test_readers_of_healthy_disks_progress_beside_eight_stuck_readers(gated, tmp
                     pytest.fail(f"{len(late)} of {len(futs)} reads of healthy disks did "
                                 f"not complete in {DEADLINE} s beside 8 stuck readers; "
                                 f"{_kv_stats(m.mnt)}")
-                for f, (p, off, size, b) in zip(futs, healthy):
+                for f, (p, off, size, b) in zip(futs, healthy, strict=True):
                     assert f.result() == b, (p, off, size)
             assert not results and all(t.is_alive() for t in threads)   # still held
         finally:
@@ -276,7 +277,7 @@ async def test_split_reads_return_the_same_bytes(gated):
 
         async with trio.open_nursery() as inner:
             for c, off, n in zip(rng.integers(0, WIDE_CLUSTERS, 40), rng.integers(0, 30000, 40),
-                                 rng.integers(1, 8000, 40)):
+                                 rng.integers(1, 8000, 40), strict=True):
                 inner.start_soon(one, int(c), int(off), int(n))
         s = Stream(0, 1, len(want[(0, 1)]))             # sequential, with read-ahead
         got = bytearray()

@@ -26,6 +26,7 @@ def _alarm(signum, frame):
     raise _Hang()
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**40))

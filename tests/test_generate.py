@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
 
 import pytest
 
@@ -56,6 +55,7 @@ def prompt_file(tmp_path_factory):
     return p
 
 
+@pytest.mark.slow
 def test_generate_streams_text_and_reports_steps(model_dir, prompt_file, tmp_path):
     r = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "--prompt-file",
                                   str(prompt_file), "--max-new-tokens", "5", "--ratio", "0.2",
@@ -66,6 +66,7 @@ def test_generate_streams_text_and_reports_steps(model_dir, prompt_file, tmp_pat
         assert s.num_disks == 2 and s.num_tokens(0) >= 500
 
 
+@pytest.mark.slow
 def test_generate_json_matches_dense_greedy_at_full_budget(model_dir, prompt_file):
     r = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "--prompt-file",
                                   str(prompt_file), "--max-new-tokens", "4", "--ratio", "1",
@@ -81,6 +82,7 @@ def test_generate_json_matches_dense_greedy_at_full_budget(model_dir, prompt_fil
     assert rep["tokens"] == ref[0, ids.shape[1]:].tolist()
 
 
+@pytest.mark.slow
 def test_evaluate_reports_both_perplexities_and_recall(model_dir, prompt_file):
     r = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "--prompt-file",
                                   str(prompt_file), "--evaluate", "6", "--ratio", "1",
@@ -166,9 +168,11 @@ def test_demo_sparse_budget_reports_both_paths(tmp_path):
     assert "prose" in r.output and "512" in r.output
 
 
+@pytest.mark.slow
 def test_heldout_input_refuses_bad_lengths():
-    from swarmfs._errors import InvalidArgumentError
     from transformers import AutoTokenizer
+
+    from swarmfs._errors import InvalidArgumentError
     tok = AutoTokenizer.from_pretrained(_shipped_decoder())
     with pytest.raises(InvalidArgumentError):
         G.heldout_input(tok, "python", 2)

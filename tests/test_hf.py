@@ -26,9 +26,16 @@ PROMPT, NEW = 64, 5
 
 
 def make_model(arch: str, dtype: str = "float32", seed: int = 0, **over):
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
     Cfg, Model = {"llama": (LlamaConfig, LlamaForCausalLM),
                   "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                   "qwen3": (Qwen3Config, Qwen3ForCausalLM),
@@ -267,9 +274,9 @@ def test_bad_use_raises_swarm_errors(tmp_path):
         H.SwarmCache(tmp_path / "x", model.config, ratio=0)
     with pytest.raises(swarmfs.InvalidArgumentError):
         H.SwarmCache(tmp_path / "x", model.config, prefetch="later")
-    with H.SwarmCache(tmp_path / "b", model.config) as c:
-        with pytest.raises(ShapeError, match="batch size 1"), torch.no_grad():
-            model(prompt().repeat(2, 1), cache=c)
+    with H.SwarmCache(tmp_path / "b", model.config) as c, \
+            pytest.raises(ShapeError, match="batch size 1"), torch.no_grad():
+        model(prompt().repeat(2, 1), cache=c)
     with H.SwarmCache(tmp_path / "c", model.config) as c:
         generate(model, prompt(), c, 1)
     with pytest.raises(swarmfs.StoreExistsError):
@@ -278,9 +285,9 @@ def test_bad_use_raises_swarm_errors(tmp_path):
         H.SwarmCache.from_store(tmp_path / "none", model.config)
     short = make_model("mistral", sliding_window=32)
     H.enable(short)
-    with H.SwarmCache(tmp_path / "d", short.config) as c:
-        with pytest.raises(swarmfs.ConfigError, match="sliding window"), torch.no_grad():
-            short(prompt(), cache=c)
+    with H.SwarmCache(tmp_path / "d", short.config) as c, \
+            pytest.raises(swarmfs.ConfigError, match="sliding window"), torch.no_grad():
+        short(prompt(), cache=c)
 
 
 def test_new_tokens_join_clusters_and_stay_exact(tmp_path):
@@ -379,9 +386,9 @@ def test_a_request_shorter_than_the_stored_prefix_is_a_shape_error(tmp_path):
     H.enable(model)
     with H.SwarmCache(tmp_path / "doc", model.config, ratio=1.0, disks=2) as c:
         generate(model, prompt(), c, 1)
-    with H.SwarmCache.from_store(tmp_path / "doc", model.config) as again:
-        with pytest.raises(ShapeError, match="no token after the 64"):
-            generate(model, prompt()[:, :20], again, 1)
+    with H.SwarmCache.from_store(tmp_path / "doc", model.config) as again, \
+            pytest.raises(ShapeError, match="no token after the 64"):
+        generate(model, prompt()[:, :20], again, 1)
 
 
 def test_concurrent_prefills_each_record_their_own_prompt(tmp_path):

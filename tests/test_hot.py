@@ -3,10 +3,10 @@ offline (``layout.hot_clusters``) and online (``DecodeSession``)."""
 
 import numpy as np
 import pytest
-from conftest import random_clusters, random_kv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import random_clusters, random_kv
 from swarmfs import DecodeSession, Retriever, Store
 from swarmfs._errors import InvalidIntegerError, ShapeError
 from swarmfs.decode._hot import cluster_scores, hot_clusters, transfer_us
@@ -38,6 +38,7 @@ def test_zero_frequency_and_excluded_clusters_are_never_cached():
         hot_clusters([1.0], [1], budget_bytes=-1, entry_bytes=1)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_fill_fits_and_no_skipped_cluster_would_fit(data):

@@ -19,7 +19,8 @@ ROOT = "swarmfs"
 #: Modules that drive whole pipelines (capture -> layout -> store -> decode)
 #: and may therefore call the offline layout.  Everything else in the runtime
 #: is below the layout: the layout builds on it, never the other way round.
-PIPELINES = {"swarmfs._cli", "swarmfs._demo", "swarmfs._generate", "swarmfs.hf", "swarmfs.hf._cache"}
+PIPELINES = {"swarmfs._cli", "swarmfs._demo", "swarmfs._generate", "swarmfs.hf",
+             "swarmfs.hf._cache"}
 
 
 def _is_package(spec) -> bool:
@@ -271,6 +272,7 @@ def _project_sources():
             yield ".".join((mod,) + (rel[:-1] if pkg else rel)), p, pkg
 
 
+@pytest.mark.slow
 def test_names_are_imported_from_their_module():
     bad = []
     for name, path, pkg in _project_sources():
@@ -283,7 +285,8 @@ def test_borrowed_import_checker():
     assert borrowed_imports("tests.t", "from swarmfs.decode._selectors import window_size\n",
                             False) == ["tests.t:1: window_size from swarmfs.decode._selectors"]
     assert borrowed_imports("swarmfs.decode._x", "from ._retrieve import score_medoids\n",
-                            False) == ["swarmfs.decode._x:1: score_medoids from swarmfs.decode._retrieve"]
+                            False) == \
+        ["swarmfs.decode._x:1: score_medoids from swarmfs.decode._retrieve"]
     ok = ("from swarmfs.decode._window import window_size\n"   # defined there
           "from swarmfs import Store\n"                  # listed in swarmfs.__all__
           "from swarmfs import _errors\n"                # a submodule

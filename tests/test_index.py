@@ -3,10 +3,10 @@ allocated space before use (issue 9, item 4)."""
 
 import numpy as np
 import pytest
-from conftest import random_clusters
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import random_clusters
 from swarmfs import _errors as E
 from swarmfs.store import _format as F
 from swarmfs.store._index import LayerIndex, concat_ranges, union_ints, unique_ints

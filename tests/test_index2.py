@@ -4,11 +4,17 @@ one-level int8 score, its choice rule, and bad arguments."""
 
 import numpy as np
 import pytest
-from conftest import replicated_csr
 
+from conftest import replicated_csr
 from swarmfs._errors import InvalidArgumentError
 from swarmfs.decode._index2 import groups_to_score, pack_medoids_i8x2, select_i8x2
-from swarmfs.store._kernels import choose_clusters, head_logits_i8, pack_medoids_i8, set_kernel_path, softmax_sum
+from swarmfs.store._kernels import (
+    choose_clusters,
+    head_logits_i8,
+    pack_medoids_i8,
+    set_kernel_path,
+    softmax_sum,
+)
 
 
 def _clustered(rng, C, H, d, centres=12):
@@ -137,7 +143,7 @@ def test_selector_option(rng, tmp_path):
         for budget in (S // 10, S):
             a = one.select(0, q, budget=budget, window=16)
             b = two.select(0, q, budget=budget, window=16)
-            for x, y in zip(a, b):
+            for x, y in zip(a, b, strict=True):
                 assert y.entries >= budget
                 if budget == S:
                     assert x.entries == y.entries == S

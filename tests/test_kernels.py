@@ -6,12 +6,22 @@ import os
 
 import numpy as np
 import pytest
-from conftest import replicated_csr, run_in_threads, same_bits
 
+from conftest import replicated_csr, run_in_threads, same_bits
 from swarmfs import _errors as E
-from swarmfs.store import _kernels as K
 from swarmfs._errors import InvalidArgumentError
-from swarmfs.store._kernels import assign_buckets, gather_rows, gemv_half, head_logits_half, scatter_rows, softmax_sum, verify_rows, xxh3_ranges, xxh3_rows
+from swarmfs.store import _kernels as K
+from swarmfs.store._kernels import (
+    assign_buckets,
+    gather_rows,
+    gemv_half,
+    head_logits_half,
+    scatter_rows,
+    softmax_sum,
+    verify_rows,
+    xxh3_ranges,
+    xxh3_rows,
+)
 
 
 def test_bad_arguments_are_invalid_argument_errors(rng):
@@ -311,7 +321,13 @@ def test_int8_logits_are_the_integer_dots_on_every_path(each_path, rng, G, C):
 
 
 def test_int8_selection_is_the_rule_on_its_scores(each_path, rng):
-    from swarmfs.store._kernels import choose_clusters, head_logits_i8, pack_medoids_i8, select_i8, set_kernel_path
+    from swarmfs.store._kernels import (
+        choose_clusters,
+        head_logits_i8,
+        pack_medoids_i8,
+        select_i8,
+        set_kernel_path,
+    )
     H, Hq, d, C = 4, 32, 64, 301
     m = rng.standard_normal((C, H * d)).astype(np.float16)
     q = rng.standard_normal((Hq, d)).astype(np.float32)
@@ -340,6 +356,7 @@ def test_int8_selection_on_two_threads_under_concurrent_callers(rng):
     uses its caller's scratch): every result is the one-thread result; one
     KV head falls back to one thread."""
     import threading
+
     from swarmfs.store._kernels import pack_medoids_i8, select_i8
     H, Hq, d, C = 8, 64, 128, 700
     m = rng.standard_normal((C, H * d)).astype(np.float16)
@@ -393,7 +410,7 @@ def test_int8_index_refuses_what_does_not_fit(rng):
                                budget=5, window=0, threads=t))
         for t in (0, 3, -1, True, 1.0, "2", None)
     ]
-    for i, f in enumerate(bad):
+    for f in bad:
         with pytest.raises(InvalidArgumentError):
             f()
 
@@ -565,8 +582,14 @@ def test_streaming_gathers_plans_and_selections_from_many_threads(rng):
     plan and select 10 times; every result equals
     the single-threaded one."""
     from swarmfs import plan_reads
-    from swarmfs.store._kernels import (empty_aligned, gather_kv, gather_kv_mode, kernel_path,
-                                         pack_medoids_i8, select_i8)
+    from swarmfs.store._kernels import (
+        empty_aligned,
+        gather_kv,
+        gather_kv_mode,
+        kernel_path,
+        pack_medoids_i8,
+        select_i8,
+    )
     H, d, n = 8, 128, 4200                                  # 4 KiB entries: 17 MB per call
     rows = rng.standard_normal((n, 2, H, d)).astype(np.float16)
     buf = rows.reshape(-1).view(np.uint8)

@@ -19,6 +19,7 @@ existed (main at 0cb505d), with::
 import copy
 import json
 import os
+import pathlib
 import re
 import shutil
 
@@ -66,7 +67,7 @@ def test_an_existing_v2_store_opens_and_reads_back_every_byte(golden):
 
 
 def test_the_serialiser_writes_the_v2_bytes(golden):
-    raw = open(os.path.join(golden, F.MANIFEST), "rb").read()
+    raw = pathlib.Path(golden, F.MANIFEST).read_bytes()
     m = read_manifest(golden)
     assert m.to_json() == raw
     assert m.to_dict() == json.loads(raw)
@@ -80,7 +81,7 @@ def test_writing_an_existing_store_keeps_the_format(golden):
     with Store.open(golden, writable=True) as s:
         s.append(2, new, [[0], [], [0], []])
         assert s.committed.generation == 6
-    raw = open(os.path.join(golden, F.MANIFEST), "rb").read()
+    raw = pathlib.Path(golden, F.MANIFEST).read_bytes()
     d = json.loads(raw)
     assert read_manifest(golden).to_json() == raw
     # the checksum rule of format 2: XXH3-64 of the rest, keys sorted
@@ -100,7 +101,7 @@ def test_a_new_store_writes_what_the_loader_reads_back(tmp_path):
     s = Store.create(tmp_path / "st", disks=2, num_layers=2, num_kv_heads=1, head_dim=4,
                      dtype="float32")
     s.write_layer(1, np.ones((8, 2, 1, 4), np.float32), [np.arange(8)], extra={"x": [1]})
-    raw = open(tmp_path / "st" / F.MANIFEST, "rb").read()
+    raw = (tmp_path / "st" / F.MANIFEST).read_bytes()
     assert s.committed.to_json() == raw and s.manifest == json.loads(raw)
     assert s.committed == read_manifest(tmp_path / "st")
     s.close()

@@ -7,10 +7,9 @@ import os
 import numpy as np
 import pytest
 
+from conftest import DATA
 from swarmfs import InvalidArgumentError
 from swarmfs.models import DEFAULT_DECODER, documents, heldout_documents, heldout_texts
-
-from conftest import DATA
 from tools.eval_decoder import repeat_losses
 
 needs_data = pytest.mark.skipif(not (DATA / "wikitext2_raw_test.raw").exists(),
@@ -166,7 +165,7 @@ def test_copy_augmentation_mixture_and_pairs():
         while pos < seq + 1:
             left = seq + 1 - pos
 
-            def repeats(n):
+            def repeats(n, row=row, pos=pos, left=left):
                 m = min(n, left - n)
                 return m > 0 and np.array_equal(row[pos:pos + m], row[pos + n:pos + n + m])
 
@@ -178,4 +177,4 @@ def test_copy_augmentation_mixture_and_pairs():
             pos += 2 * n
     assert len(distances) > 10            # the copy distance varies
     plain = batch_for(streams, 0, 7, seq, 16, 0.5, [], 8192)
-    assert not any(np.array_equal(a, b) for a, b in zip(rows, plain))
+    assert not any(np.array_equal(a, b) for a, b in zip(rows, plain, strict=False))

@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-from conftest import random_clusters, random_kv, random_layer_store, same_bits
 
+from conftest import random_clusters, random_kv, random_layer_store, same_bits
 from swarmfs import Retriever, Store
 from swarmfs import _errors as E
 from swarmfs.decode._online import DecodeSession
@@ -226,6 +226,7 @@ def test_second_concurrent_step_raises_and_changes_nothing(store, rng):
                                         kv[first["out"].positions][:, 0].transpose(1, 0, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reuse", [False, True])
 def test_stress_prefetch_and_retrieve_beside_stepping(store, rng, reuse):
     """Readers (retrieve and prefetch) on the layer a DecodeSession steps,
@@ -487,8 +488,8 @@ def test_reused_outputs_equal_fresh_ones_step_by_step(tmp_path, rng, include_new
                         x.flushed))
         outs[reuse] = res
         s.close()
-    for t, (a, b) in enumerate(zip(outs[False], outs[True])):
-        for u, w in zip(a, b):
+    for t, (a, b) in enumerate(zip(outs[False], outs[True], strict=True)):
+        for u, w in zip(a, b, strict=True):
             assert u.shape == w.shape and same_bits(u, w), t
 
 
@@ -561,8 +562,8 @@ def test_reused_outputs_hold_every_copy_when_the_retriever_reads_without_dedup(t
             res[reuse] = out
         finally:
             s.close()
-    for a, b in zip(res[False], res[True]):
-        for u, w in zip(a, b):
+    for a, b in zip(res[False], res[True], strict=True):
+        for u, w in zip(a, b, strict=True):
             assert same_bits(u, w)
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from swarmfs._errors import InvalidIntegerError, InvalidNumberError, LayoutError, ShapeError
 from swarmfs._defaults import LOCAL_WINDOW as DEFAULT_LOCAL_WINDOW
+from swarmfs._errors import InvalidIntegerError, InvalidNumberError, LayoutError, ShapeError
 from swarmfs.layout import cluster_scores, hot_clusters, local_window, local_window_mask
 
 

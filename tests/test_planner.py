@@ -11,7 +11,7 @@ from swarmfs import plan_reads
 def simulate(plan, disks_mem):
     """Execute a plan against in-memory disk images (no I/O): staging buffer."""
     buf = np.zeros(plan.staging_bytes, dtype=np.uint8)
-    for d, o, n, t in zip(plan.disk, plan.offset, plan.length, plan.dst):
+    for d, o, n, t in zip(plan.disk, plan.offset, plan.length, plan.dst, strict=True):
         buf[t:t + n] = disks_mem[d][o:o + n]
     return buf
 
@@ -42,7 +42,7 @@ def layouts(draw):
 def build_disks(ndisks, E, tok, disk, off, rows):
     size = int(off.max()) + E + 8192 if off.size else 8192
     mem = [np.zeros(size, dtype=np.uint8) for _ in range(ndisks)]
-    for t, d, o in zip(tok, disk, off):
+    for t, d, o in zip(tok, disk, off, strict=True):
         mem[d][o:o + E] = rows[t]
     return mem
 
@@ -70,7 +70,7 @@ def test_plan_reads_every_wanted_entry_once_and_correctly(layout, policy):
     assert plan.staging_bytes == int(plan.length.sum())
     # the bytes at src are the entries' bytes
     buf = simulate(plan, mem)
-    for t, s in zip(plan.tokens, plan.src):
+    for t, s in zip(plan.tokens, plan.src, strict=True):
         assert (buf[s:s + E] == rows[t]).all()
     # the chosen copy is a copy of that token
     assert (tok[sel][plan.copy] == plan.tokens).all()
@@ -398,7 +398,7 @@ def _planner_ways(tok, cdisk, coff, *, E, bs, dedup, max_gap=0):
     ob, dmax = ((omax - omin) >> tz).bit_length(), int(cdisk.max())
     key_bitmap = (ob + dmax.bit_length() <= 32
                   and ((dmax << ob) | ((omax - omin) >> tz)) < 16 * m + 65536)
-    simple = not ((omin | ozor | E) & (bs - 1)) and (not ozor or E <= 1 << tz)
+    simple = not ((omin | ozor | E) & (bs - 1)) and (not ozor or 1 << tz >= E)
     return token_bitmap, key_bitmap, simple, key_bitmap and simple and (E + max_gap) >> tz <= 1
 
 

@@ -9,10 +9,19 @@ import pytest
 import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from swarmfs.layout._capture import Capture
-from swarmfs.layout._profile import DEFAULT_MAX_QUERIES, Profile, aggregate_scores, entry_bitsets, pair_intersections, profile_capture, profile_layer, sample_queries
 
 from swarmfs._errors import InvalidIntegerError, InvalidRatioError, LayoutError, ShapeError
+from swarmfs.layout._capture import Capture
+from swarmfs.layout._profile import (
+    DEFAULT_MAX_QUERIES,
+    Profile,
+    aggregate_scores,
+    entry_bitsets,
+    pair_intersections,
+    profile_capture,
+    profile_layer,
+    sample_queries,
+)
 
 
 @pytest.fixture
@@ -51,6 +60,7 @@ def check_topk(profile, ref):
             assert agg[unsel].max() <= kth + 1e-5
 
 
+@pytest.mark.slow
 def test_matches_brute_force_on_real_queries(real_qk):
     q, k, scaling = real_qk
     pos = np.array([0, 1, 9, 10, 11, 100, 511, 512, 700, 1023])
@@ -80,6 +90,7 @@ def test_aggregate_scores_rows_and_mask():
     np.testing.assert_allclose(aggregate_scores(q, k).sum(1), 6.0, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_causal_counts_and_default_sample(real_qk):
     q, k, scaling = real_qk
     prof = profile_layer(q, k, scaling=scaling, max_queries=300, ratio=0.1)
@@ -93,6 +104,7 @@ def test_causal_counts_and_default_sample(real_qk):
     assert profile_layer(q[:, :64], k[:, :64], scaling=scaling).num_queries == 64
 
 
+@pytest.mark.slow
 def test_profile_capture(real_qk):
     q, k, scaling = real_qk
     cap = Capture(k=k[None], v=k[None], q=q[None], token_ids=np.zeros(k.shape[1], np.int32),

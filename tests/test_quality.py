@@ -7,11 +7,11 @@ import types
 
 import numpy as np
 import pytest
+
+from swarmfs._errors import InvalidChoiceError, InvalidIntegerError, InvalidRatioError, ShapeError
 from swarmfs.layout._cluster import cluster
 from swarmfs.layout._profile import profile_layer
 from swarmfs.layout._quality import block_clustering, evaluate_recall
-
-from swarmfs._errors import InvalidChoiceError, InvalidIntegerError, InvalidRatioError, ShapeError
 
 
 @pytest.fixture

@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmfs.decode._report import attention_logits, attention_recall, evaluate_query, summarize, token_mass
+from swarmfs.decode._report import (
+    attention_logits,
+    attention_recall,
+    evaluate_query,
+    summarize,
+    token_mass,
+)
 
 
 def test_each_position_counts_once():
@@ -108,8 +114,8 @@ def test_query_token_mass_equals_the_numpy_definition(rng, each_path, dtype):
     for K that is a column slice of a larger buffer (as DecodeSession's)."""
     import ml_dtypes
 
-    from swarmfs.store._kernels import set_kernel_path
     from swarmfs.decode._report import attention_logits, query_token_mass, token_mass
+    from swarmfs.store._kernels import set_kernel_path
     H, G, n, d = 4, 3, 700, 64
     np_dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     buf = (rng.standard_normal((H, n + 50, d)) * 2).astype(np_dt)
@@ -147,8 +153,8 @@ def test_query_token_mass_of_overflowing_logits_is_the_same_on_every_path(rng, e
     """Keys near float16's largest value with a large query overflow the
     logits to inf: every kernel path then returns the numpy definition's
     result (NaN where softmax of inf is undefined), not a path's own."""
-    from swarmfs.store._kernels import set_kernel_path
     from swarmfs.decode._report import attention_logits, query_token_mass, token_mass
+    from swarmfs.store._kernels import set_kernel_path
     k = rng.standard_normal((2, 37, 16)).astype(np.float16)
     k[1, 20] = 60000.0
     q = np.full((4, 16), 1e35, np.float32)

@@ -4,13 +4,19 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import random_clusters, random_kv, random_layer_store, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import random_clusters, random_kv, random_layer_store, same_bits
 from swarmfs import Retriever, Store
 from swarmfs import _errors as E
-from swarmfs.decode._selectors import BoundSelector, MultiVectorSelector, TokenSelector, group_queries, score_medoids
+from swarmfs.decode._selectors import (
+    BoundSelector,
+    MultiVectorSelector,
+    TokenSelector,
+    group_queries,
+    score_medoids,
+)
 
 S, H, HQ, D = 2000, 2, 8, 16
 
@@ -227,6 +233,7 @@ def test_retrieve_into_caller_buffers(store, rng):
     assert same_bits(st_.rows[st_.slot[toks]], kv[toks].reshape(len(toks), -1).view(np.uint8))
 
 
+@pytest.mark.slow
 def test_retrieve_into_kv_buffers_stores_whole_lines_on_every_path(tmp_path, rng, each_path):
     """A step large enough for streaming stores (>= 16 MiB of K and V, 256-byte
     rows, 64-byte aligned kv_buffers) returns the stored bytes on every kernel
@@ -268,6 +275,7 @@ def test_retrieve_into_kv_buffers_stores_whole_lines_on_every_path(tmp_path, rng
         s.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verify", [False, True])
 def test_retriever_state_of_an_older_generation_never_reads_reclaimed_space(tmp_path, rng,
                                                                              verify):
@@ -369,8 +377,8 @@ def test_layer_state_built_while_the_layer_is_rewritten_serves_one_generation(tm
     import threading
     real_layer, fired = s.layer, []
 
-    def layer(l):                  # fault injection: commit a rewrite right after the
-        li = real_layer(l)         # DRAM partition picked its LayerIndex
+    def layer(i):                  # fault injection: commit a rewrite right after the
+        li = real_layer(i)         # DRAM partition picked its LayerIndex
         if not fired:
             fired.append(1)
             t = threading.Thread(target=s.write_layer, args=(0, kv2, cl),

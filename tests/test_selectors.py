@@ -3,10 +3,10 @@ budget of distinct entries, with one local-window rule."""
 
 import numpy as np
 import pytest
-from conftest import random_clusters, random_kv, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import random_clusters, random_kv, same_bits
 from swarmfs import Retriever, Store
 from swarmfs._errors import InvalidArgumentError, SwarmError
 from swarmfs.decode._selectors import MedoidSelector, group_queries, score_medoids, select_clusters
@@ -88,6 +88,7 @@ def test_selection_equals_the_rule(S, C, budget, w, seed, ties):
         assert len(before) < min(budget, S)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**31), st.sampled_from(["normal", "narrow", "ties", "special"]),
        st.sampled_from([0.01, 0.1, 0.5]))
@@ -119,6 +120,7 @@ def test_selection_equals_the_rule_with_many_clusters(seed, kind, r):
     assert sel.entries == n
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(st.integers(0, 2**31))
 def test_r1_returns_every_token_8_kv_heads_4096(tmp_path_factory, seed):
@@ -187,6 +189,7 @@ def _positions(li, sel, S):
     return np.unique(np.concatenate(mem + [np.arange(S - sel.window, S)]))
 
 
+@pytest.mark.slow
 def test_int8_index_keeps_the_exact_selection_when_the_budget_is_everything(real_fp16_store):
     store, cap = real_fp16_store
     S = 2048
@@ -195,13 +198,14 @@ def test_int8_index_keeps_the_exact_selection_when_the_budget_is_everything(real
         li = store.layer(layer)
         q = cap.q[layer][:, S:S + 4].transpose(1, 0, 2).astype(np.float32)
         for a, b in zip(exact.select(layer, q, budget=S, window=64),
-                        fast.select(layer, q, budget=S, window=64)):
+                        fast.select(layer, q, budget=S, window=64), strict=True):
             assert a.entries == b.entries == S
             assert _positions(li, b, S).tolist() == list(range(S))
             # the choice rule stops at the same point; only the order may differ
             assert sorted(a.clusters.tolist()) == sorted(b.clusters.tolist())
 
 
+@pytest.mark.slow
 def test_int8_index_recall_on_a_real_fp16_layout(real_fp16_store):
     """Attention-mass recall of the int8 index within 0.01 of the exact score's
     (mean over 6 layers x 64 held-out queries; 0.0003 at 16K tokens in
@@ -239,6 +243,7 @@ def test_medoid_selector_refuses_an_unknown_index():
             MedoidSelector(None, threads=bad)
 
 
+@pytest.mark.slow
 def test_two_thread_selection_chooses_what_one_thread_does(real_fp16_store):
     """MedoidSelector(threads=2) on a real layout: the same clusters and
     entries as one thread for held-out queries at r = 0.1."""
@@ -248,7 +253,7 @@ def test_two_thread_selection_chooses_what_one_thread_does(real_fp16_store):
     for layer in store.layers:
         q = cap.q[layer][:, S:S + 16].transpose(1, 0, 2).astype(np.float32)
         for a, b in zip(one.select(layer, q, budget=205, window=51),
-                        two.select(layer, q, budget=205, window=51)):
+                        two.select(layer, q, budget=205, window=51), strict=True):
             assert a.clusters.tolist() == b.clusters.tolist() and a.entries == b.entries
 
 

@@ -2,14 +2,23 @@
 
 import numpy as np
 import pytest
-from conftest import random_clusters, random_kv, same_bits
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import random_clusters, random_kv, same_bits
 from swarmfs import Retriever, Store
-from swarmfs.decode import _stages as stages
 from swarmfs._errors import InvalidCallError, InvalidIntegerError, InvalidRatioError, ShapeError
-from swarmfs.decode._selectors import BoundSelector, FusedSelector, MedoidSelector, MultiVectorSelector, Selector, TokenSelector, VectorSelector, select_clusters
+from swarmfs.decode import _stages as stages
+from swarmfs.decode._selectors import (
+    BoundSelector,
+    FusedSelector,
+    MedoidSelector,
+    MultiVectorSelector,
+    Selector,
+    TokenSelector,
+    VectorSelector,
+    select_clusters,
+)
 
 S, H, HQ, D = 600, 2, 4, 16
 

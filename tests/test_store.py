@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 import pytest
-from conftest import is_root, random_clusters, random_kv, same_bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import swarmfs
+from conftest import is_root, random_clusters, random_kv, same_bits
 from swarmfs import Store
 from swarmfs import _errors as E
 from swarmfs.store import _format as F
@@ -33,6 +33,7 @@ def make_store(path, rng, *, S=600, H=2, d=16, dtype="float16", ndisks=4, cluste
     return s, kvs, cls
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(S=st.integers(1, 300), H=st.sampled_from([1, 2, 3, 8]), d=st.sampled_from([4, 16, 32, 64]),
@@ -75,6 +76,7 @@ def test_replica_index_maps_every_copy(tmp_path, rng):
     s.close()
 
 
+@pytest.mark.slow
 def test_torch_and_pinned_output(tmp_path, rng):
     torch = pytest.importorskip("torch")
     for dtype in ("float16", "bfloat16"):
@@ -269,9 +271,8 @@ def test_bad_manifest(tmp_path, rng):
     raw = bytearray(idx.read_bytes())
     raw[-3] ^= 1
     idx.write_bytes(bytes(raw))
-    with Store.open(tmp_path / "st") as s2:
-        with pytest.raises(E.ManifestError, match="checksum"):
-            s2.read_cluster(0, 0)
+    with Store.open(tmp_path / "st") as s2, pytest.raises(E.ManifestError, match="checksum"):
+        s2.read_cluster(0, 0)
 
 
 class _FailingWrites:
@@ -363,6 +364,7 @@ def test_public_names_are_exported():
 
 # -- appending (SWARM §6.2) ----------------------------------------------------
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 60), seed=st.integers(0, 2**31), ndisks=st.integers(1, 5),
@@ -828,9 +830,8 @@ def test_writes_on_a_closed_store_touch_no_file(tmp_path, rng):
     belong to another file of the process)."""
     s, kvs, cls = make_store(tmp_path / "st", rng, ndisks=2, S=60, clusters=6, extra=0)
     s.close()
-    with pytest.raises(E.SwarmError, match="closed"):
-        with s:
-            pass
+    with pytest.raises(E.SwarmError, match="closed"), s:
+        pass
     other = tmp_path / "precious"
     other.write_bytes(b"x" * 100_000)
     fds = [os.open(other, os.O_RDWR) for _ in range(4)]    # reuse the freed numbers
@@ -880,9 +881,8 @@ def test_an_edited_allocation_is_refused_before_a_write_overwrites_a_layer(tmp_p
     else:
         m["disks"][0]["free"] = [[F.DATA_START, 4096, 0]]
     reseal_manifest(tmp_path / "st", m, deep=True)
-    with Store.open(tmp_path / "st", writable=True) as s2:
-        with pytest.raises(E.ManifestError):
-            s2.append(0, random_kv(rng, 3, 2, 16, "float16"))
+    with Store.open(tmp_path / "st", writable=True) as s2, pytest.raises(E.ManifestError):
+        s2.append(0, random_kv(rng, 3, 2, 16, "float16"))
     reseal_manifest(tmp_path / "st", orig, deep=True)       # undo the edit: nothing was lost
     with Store.open(tmp_path / "st") as s3:
         for layer in (0, 1):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
 def test_frontier_at_full_budget_recalls_everything(tmp_path):

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 
 from swarmfs import InvalidArgumentError
-from swarmfs.models.tasks import (TASKS, Templates, embed_tasks, make_sample,
-                                  make_suite_sample)
+from swarmfs.models.tasks import TASKS, Templates, embed_tasks, make_sample, make_suite_sample
 
 
 @pytest.fixture(scope="module")
 def tok():
     from tokenizers import Tokenizer
+
     from swarmfs.models import DEFAULT_DECODER
     return Tokenizer.from_file(str(DEFAULT_DECODER / "tokenizer.json"))
 

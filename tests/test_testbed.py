@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
 
+from conftest import wait_until
 from tools import _testbed as T
 
 TESTBED = Path(__file__).resolve().parent.parent / "tools" / "testbed"

@@ -128,7 +128,7 @@ def test_decoder_tools_refuse_bad_plans_before_any_work(tmp_path):
     """train_decoder and eval_decoder are click commands too: a malformed
     phase plan, copy mixture or range is a usage error (exit 2) that names
     the option, before a work directory is made."""
-    from tools import train_decoder, eval_decoder
+    from tools import eval_decoder, train_decoder
     out = tmp_path / "never"
     for bad in (["--phases", "abc"], ["--phases", "64x0:5"], ["--repeat", "0:2:pairs"],
                 ["--repeat", "0:0.5:bogus"], ["--repeat", "0:0.7:pairs,0:0.7:double"],
@@ -213,7 +213,8 @@ def test_bad_values_are_usage_errors_before_any_work(monkeypatch):
     import click
     tried = 0
     for argv, cmd in _commands():
-        monkeypatch.setattr(cmd, "callback", lambda *a, **kw: pytest.fail(f"{argv} ran"))
+        monkeypatch.setattr(cmd, "callback",
+                            lambda *a, _argv=argv, **kw: pytest.fail(f"{_argv} ran"))
         pre = argv + (["quality"] if argv == ["bench_decode"] else [])
         for p in cmd.params:
             if not isinstance(p, click.Option):
@@ -260,6 +261,7 @@ def test_the_decoder_tools_name_themselves(capsys):
         assert f"Usage: python -m tools {name}" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_select_gather_runs_every_path(tmp_path):
     """bench_select --gather (the assembly benchmark) runs each kernel path
     it names, on one thread and on two, and says which store mode ran;

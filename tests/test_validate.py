@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -371,6 +372,7 @@ def test_an_index_whose_medoid_is_not_a_member_is_refused_even_resealed(tmp_path
     valid), opened: a ManifestError naming the layer and the cluster."""
     import xxhash
     from safetensors.numpy import load_file, save_file
+
     from tools.fuzz_store import _raw_manifest, reseal_manifest
     path = str(tmp_path / "st")
     kv = np.ones((6, 2, 1, 4), np.float16)
@@ -386,18 +388,17 @@ def test_an_index_whose_medoid_is_not_a_member_is_refused_even_resealed(tmp_path
     arrays["medoid"] = arrays["medoid"].copy()
     arrays["medoid"][1] = 1                      # token 1 is in cluster 0 only
     save_file(arrays, ip, metadata=meta)
-    data = open(ip, "rb").read()
+    data = pathlib.Path(ip).read_bytes()
     raw["layers"]["0"]["index"].update(xxh3=xxhash.xxh3_64_hexdigest(data), bytes=len(data))
     reseal_manifest(path, raw, deep=True)
-    with Store.open(path) as s:
-        with pytest.raises(E.ManifestError) as ei:
-            s.layer(0)
+    with Store.open(path) as s, pytest.raises(E.ManifestError) as ei:
+        s.layer(0)
     assert "medoid of cluster 1 (token 1) is not a member" in str(ei.value)
     assert ei.value.layer == 0
     # the same file with the medoid put back opens (the edit, not the path, is refused)
     arrays["medoid"][1] = 4
     save_file(arrays, ip, metadata=meta)
-    data = open(ip, "rb").read()
+    data = pathlib.Path(ip).read_bytes()
     raw["layers"]["0"]["index"].update(xxh3=xxhash.xxh3_64_hexdigest(data), bytes=len(data))
     reseal_manifest(path, raw, deep=True)
     with Store.open(path) as s:
@@ -407,6 +408,7 @@ def test_an_index_whose_medoid_is_not_a_member_is_refused_even_resealed(tmp_path
 
 def test_the_manifest_schema_is_msgspec_structs():
     import msgspec
+
     from swarmfs.store import _manifest as M
     for cls in (M.ModelIdentity, M.DiskRecord, M.IndexRecord, M.LayerRecord):
         assert issubclass(cls, msgspec.Struct)

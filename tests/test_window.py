@@ -6,7 +6,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from swarmfs._errors import InvalidIntegerError
-from swarmfs.decode._window import entry_budget, stored_window, window_mask, window_positions, window_size
+from swarmfs.decode._window import (
+    entry_budget,
+    stored_window,
+    window_mask,
+    window_positions,
+    window_size,
+)
 
 
 def test_entry_budget_is_ceil_r_s():

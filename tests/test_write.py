@@ -117,15 +117,14 @@ def test_a_failed_transaction_commits_nothing_and_gives_space_back(tmp_path):
     s, kv = _small_store(tmp_path)
     before = s.committed
     sizes = [os.path.getsize(p) for p in s.disk_paths]
-    with pytest.raises(RuntimeError, match="boom"):
-        with s._transaction() as tx:
-            rows = kv.reshape(40, -1).view(np.uint8)
-            ptr = np.array([0, 40], np.int64)
-            pl = tx.place(np.array([40]), p_global=tx.base.p_global, layer=0)
-            assert [d.end for d in tx.disks] != [d.end for d in before.disks]
-            tx.write_extents(rows, ptr, np.arange(40), pl, 0)
-            assert max(os.path.getsize(p) for p in s.disk_paths) > max(sizes)
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), s._transaction() as tx:
+        rows = kv.reshape(40, -1).view(np.uint8)
+        ptr = np.array([0, 40], np.int64)
+        pl = tx.place(np.array([40]), p_global=tx.base.p_global, layer=0)
+        assert [d.end for d in tx.disks] != [d.end for d in before.disks]
+        tx.write_extents(rows, ptr, np.arange(40), pl, 0)
+        assert max(os.path.getsize(p) for p in s.disk_paths) > max(sizes)
+        raise RuntimeError("boom")
     assert s.committed == before
     assert [os.path.getsize(p) for p in s.disk_paths] == [d.end for d in before.disks]
     assert s.read_entries(0, np.arange(40)).tobytes() == kv.tobytes()
@@ -172,9 +171,8 @@ def test_a_transaction_commits_once_and_only_inside_its_lock(tmp_path):
         tx.commit(0, {}, p_global=0)
     with tx:
         pass
-    with pytest.raises(E.InternalError, match="entered once"):
-        with tx:
-            pass
+    with pytest.raises(E.InternalError, match="entered once"), tx:
+        pass
     s.append(0, kv[:1], [[0]])                     # the lock was released both times
     assert s.num_tokens(0) == 41
     s.close()
