@@ -414,8 +414,7 @@ def build(kv_file, store, disks, disk_paths, context, profile_queries, force, ra
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_layout_options
 @ENGINE_OPT
-@click.pass_context
-def demo(ctx, workdir, disks, model, kind, context, evaluate, minilm, text_file, eval_queries,
+def demo(workdir, disks, model, kind, context, evaluate, minilm, text_file, eval_queries,
          as_json, ratio, tau, metric, local_window, hot_fraction, engine):
     """The main job: decode long held-out inputs with the KV cache on N disk files.
 
@@ -425,18 +424,8 @@ def demo(ctx, workdir, disks, model, kind, context, evaluate, minilm, text_file,
     teacher-forced through dense attention and through swarmfs.  Prints
     perplexity, attention-mass recall against the oracle and the per-token
     step time of both.  --minilm runs the earlier capture example instead.
-    (--tau, --metric, --local-window, --hot-fraction, --text and
-    --eval-queries apply to --minilm; --kind and --evaluate to the decoder.)
+    (--tau, --metric, --local-window and --hot-fraction apply to --minilm.)
     """
-    if minilm:
-        _refuse_given(ctx, ("kind", "evaluate"), "with --minilm (the capture example "
-                      "decodes nothing)")
-    else:
-        _refuse_given(ctx, ("tau", "metric", "local_window", "hot_fraction", "text_file",
-                            "eval_queries"),
-                      "without --minilm (the decoder demo lays out with SwarmCache's defaults)")
-    from ._validate import parse_int
-    parse_int(disks, "disks", 1, 256)         # before the model loads (Store.create's rule)
     params = _params(ratio, tau, metric, local_window, hot_fraction)
     if not minilm:
         _demo_decode(workdir, disks, model, kind, context or 8192, evaluate, ratio, engine,
@@ -569,63 +558,6 @@ _STEP_COLS = (("step", "step", "{}"), ("clusters", "clusters", "{:.0f}"),
                                                           "{:.2f}"))
 
 
-def _given(ctx, name: str) -> bool:
-    """Whether option ``name`` was given (command line or environment), not
-    left at its default."""
-    from click.core import ParameterSource
-    return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE,
-                                              ParameterSource.ENVIRONMENT)
-
-
-def _refuse_given(ctx, names, why: str) -> None:
-    """A usage error (exit 2, before any work) naming the given options of
-    ``names`` that do not apply."""
-    opts = {p.name: p.opts[0] for p in ctx.command.params}
-    bad = [opts[n] for n in names if _given(ctx, n)]
-    if bad:
-        raise click.UsageError(f"{', '.join(bad)} {'does' if len(bad) == 1 else 'do'} not "
-                               f"apply {why}")
-
-
-class _PrefillBars:
-    """rich progress bars (stderr) for a prefill's dense attention, layout and
-    write, per layer and row: ``SwarmCache(progress=...)``.  Stopped once the
-    write is done, before the decoded text streams; off unless stderr is a
-    terminal."""
-
-    LABELS = {"prefill": "prefill (dense attention)", "layout": "layout (co-activation)",
-              "write": "write (disks)"}
-
-    def __init__(self, enabled: bool, console=None):
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-        self.bars = Progress(TextColumn("{task.description:<28}"), BarColumn(),
-                             MofNCompleteColumn(), TimeElapsedColumn(),
-                             console=console or Console(stderr=True), disable=not enabled)
-        self.tasks: dict = {}
-
-    def __call__(self, stage: str, done: int, total: int) -> None:
-        if stage not in self.tasks:
-            if not self.tasks:
-                self.bars.start()
-            self.tasks[stage] = self.bars.add_task(self.LABELS.get(stage, stage), total=total)
-        self.bars.update(self.tasks[stage], completed=done, total=total)
-        if stage == "write" and done >= total:
-            self.bars.stop()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.bars.stop()
-
-
 def _step_table(rows, title, max_rows=24):
     from rich.table import Table
     t = Table(*(c for c, _, _ in _STEP_COLS), title=title)
@@ -652,10 +584,7 @@ def _step_table(rows, title, max_rows=24):
 @click.option("--disk", "disk_paths", multiple=True, type=click.Path(),
               help="A disk path (file or block device); repeat for each disk.")
 @click.option("--store", type=click.Path(), default=None,
-              help="Store directory (default: a temporary one, removed afterwards, also on "
-                   "Ctrl-C or SIGTERM).  A new store keeps the prompt; an existing one is "
-                   "served: the prompt must continue its stored document (checked), which "
-                   "is not prefilled again.")
+              help="Store directory (default: a temporary one, removed afterwards).")
 @click.option("--force", is_flag=True, help="Replace an existing store / foreign disks.")
 @click.option("--prefetch", type=click.Choice(["none", "previous"]), default="none",
               show_default=True,
@@ -665,41 +594,23 @@ def _step_table(rows, title, max_rows=24):
 @click.option("--evaluate", type=click.IntRange(min=1), default=None, metavar="N",
               help="Hold out the last N tokens of the prompt file and compare perplexity "
                    "and attention-mass recall, dense against swarmfs (teacher-forced).")
-@click.option("--sinks", type=click.IntRange(min=0), default=None,
-              help="Attention sinks: the first N tokens stay in DRAM and are attended at "
-                   f"every step (default {defaults.ATTENTION_SINKS}; 0: off).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @ENGINE_OPT
-@click.pass_context
-def generate(ctx, model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store, force,
-             prefetch, dtype, evaluate, sinks, as_json, engine):
+def generate(model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store, force,
+             prefetch, dtype, evaluate, as_json, engine):
     """Decode with the KV cache on swarmfs (swarmfs.hf.SwarmCache).
 
     The prompt is prefilled densely, laid out by co-activation of its own
     queries and written to the disks; each decode step retrieves per layer
     (window + hot clusters + one batched SSD read).  Streams the text, then
-    prints a per-step table (sums over layers).  With --store naming an
-    existing store, the stored document is served instead: the prompt must
-    continue it.
+    prints a per-step table (sums over layers).
     """
     from . import _generate as G
     if disks is not None and disk_paths:
         raise click.UsageError("give either --disks N (disk files under STORE/disks) or "
                                "--disk PATH ..., not both")
-    from ._validate import parse_int, parse_ratio
+    from ._validate import parse_ratio
     parse_ratio(ratio, "ratio")
-    if disks is not None:             # before the model loads (Store.create's rule)
-        parse_int(disks, "disks", 1, 256)
-    if evaluate is not None:
-        _refuse_given(ctx, ("max_new_tokens",), "with --evaluate N (it teacher-forces the "
-                      "prompt file's last N tokens; nothing new is decoded)")
-    if G.is_store(store) and not force:
-        if evaluate is not None:
-            raise click.UsageError(f"--store {store} holds a store; --evaluate lays out a "
-                                   "context of its own: give a new --store, or --force to "
-                                   "replace it")
-        _refuse_given(ctx, ("disks", "disk_paths"), f"to the stored document in {store}: it "
-                      "keeps its disks (--force replaces it)")
     try:
         with open(prompt_file, encoding="utf-8") as f:
             text = f.read()
@@ -711,15 +622,10 @@ def generate(ctx, model, prompt_file, max_new_tokens, ratio, disks, disk_paths, 
     hf_logging.disable_progress_bar()
     from rich.console import Console
     con = Console(width=max(Console().width, 200))
-
-    def warn(message):
-        click.echo(f"swarmfs: warning: {message}", err=True)
-    bars = _PrefillBars(sys.stderr.isatty())
     if evaluate is not None:
-        with bars:
-            rep = G.run_evaluate(text, evaluate, model_dir=model, store=store, disks=dk,
-                                 ratio=ratio, force=force, engine=engine, prefetch=prefetch,
-                                 dtype=dtype, on_warning=warn, progress=bars, sinks=sinks)
+        rep = G.run_evaluate(text, evaluate, model_dir=model, store=store, disks=dk,
+                             ratio=ratio, force=force, engine=engine, prefetch=prefetch,
+                             dtype=dtype)
         if as_json:
             click.echo(json.dumps(rep, indent=1, default=float))
             return
@@ -738,24 +644,18 @@ def generate(ctx, model, prompt_file, max_new_tokens, ratio, disks, disk_paths, 
         con.print(_step_table(rep["steps"], "teacher-forced decode steps (sums over layers)"))
         return
     stream = None if as_json else (lambda s: click.echo(s, nl=False))
-    with bars:
-        rep = G.run_generate(text, model_dir=model, store=store, disks=dk, ratio=ratio,
-                             max_new_tokens=max_new_tokens, force=force, engine=engine,
-                             prefetch=prefetch, dtype=dtype, on_text=stream, on_warning=warn,
-                             progress=bars, sinks=sinks)
-    if rep["hint"]:
-        click.echo(f"swarmfs: {rep['hint']}", err=True)
+    rep = G.run_generate(text, model_dir=model, store=store, disks=dk, ratio=ratio,
+                         max_new_tokens=max_new_tokens, force=force, engine=engine,
+                         prefetch=prefetch, dtype=dtype, on_text=stream)
     if as_json:
         click.echo(json.dumps(rep, indent=1, default=float))
         return
     click.echo()
     s = rep["summary"]
-    how = (f"served the stored document ({rep['reused']['tokens']} tokens) from "
-           f"{rep['reused']['store']}" if rep["reused"] else
-           f"prompt {rep['prompt_tokens']} tokens on {rep['disks']} disks")
-    con.print(f"{how}, r = {ratio}; {len(rep['tokens'])} tokens in {rep['wall_s']:.2f} s "
-              f"(layout + write {rep['layout_write_s']:.2f} s); DRAM "
-              f"{_human(s['dram_bytes'])}; cache hit rate {s.get('cache_hit_rate', 0):.2f}")
+    con.print(f"prompt {rep['prompt_tokens']} tokens on {rep['disks']} disks, r = {ratio}; "
+              f"{len(rep['tokens'])} tokens in {rep['wall_s']:.2f} s (layout + write "
+              f"{rep['layout_write_s']:.2f} s); DRAM {_human(s['dram_bytes'])}; cache hit "
+              f"rate {s.get('cache_hit_rate', 0):.2f}")
     con.print(_step_table(rep["steps"], "decode steps (sums over layers)"))
 
 
