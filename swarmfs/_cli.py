@@ -383,7 +383,8 @@ def build(kv_file, store, disks, disk_paths, context, profile_queries, force, ra
         info = s.info()
     n = info["num_disks"]
     click.echo(f"built {info['path']}: {info['clusters']} clusters over {n} "
-               f"disk{'s' if n != 1 else ''}, {info['entries']} entries, replication {info['replication']}")
+               f"disk{'s' if n != 1 else ''}, {info['entries']} entries, "
+               f"replication {info['replication']}")
     for layer, x in rep.items():
         click.echo(f"  layer {layer}: {x['clusters']} clusters, mean size "
                    f"{x['mean_size']:.1f}, replication {x['replication']:.3f}, "
@@ -414,7 +415,8 @@ def build(kv_file, store, disks, disk_paths, context, profile_queries, force, ra
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_layout_options
 @ENGINE_OPT
-def demo(workdir, disks, model, kind, context, evaluate, minilm, text_file, eval_queries,
+@click.pass_context
+def demo(ctx, workdir, disks, model, kind, context, evaluate, minilm, text_file, eval_queries,
          as_json, ratio, tau, metric, local_window, hot_fraction, engine):
     """The main job: decode long held-out inputs with the KV cache on N disk files.
 
@@ -424,8 +426,18 @@ def demo(workdir, disks, model, kind, context, evaluate, minilm, text_file, eval
     teacher-forced through dense attention and through swarmfs.  Prints
     perplexity, attention-mass recall against the oracle and the per-token
     step time of both.  --minilm runs the earlier capture example instead.
-    (--tau, --metric, --local-window and --hot-fraction apply to --minilm.)
+    (--tau, --metric, --local-window, --hot-fraction, --text and
+    --eval-queries apply to --minilm; --kind and --evaluate to the decoder.)
     """
+    if minilm:
+        _refuse_given(ctx, ("kind", "evaluate"), "with --minilm (the capture example "
+                      "decodes nothing)")
+    else:
+        _refuse_given(ctx, ("tau", "metric", "local_window", "hot_fraction", "text_file",
+                            "eval_queries"),
+                      "without --minilm (the decoder demo lays out with SwarmCache's defaults)")
+    from ._validate import parse_int
+    parse_int(disks, "disks", 1, 256)         # before the model loads (Store.create's rule)
     params = _params(ratio, tau, metric, local_window, hot_fraction)
     if not minilm:
         _demo_decode(workdir, disks, model, kind, context or 8192, evaluate, ratio, engine,
@@ -444,8 +456,9 @@ def demo(workdir, disks, model, kind, context, evaluate, minilm, text_file, eval
 
 
 def _demo_decode(workdir, disks, model, kind, context, evaluate, ratio, engine, as_json):
-    from ._demo import run_demo
     from transformers.utils import logging as hf_logging
+
+    from ._demo import run_demo
     hf_logging.disable_progress_bar()
     kinds = ("python", "prose") if kind == "both" else (kind,)
 
@@ -465,7 +478,7 @@ def _demo_decode(workdir, disks, model, kind, context, evaluate, ratio, engine, 
                     f"{rep['disks']} disks)")
     for c in ("text", "context", "steps", "ppl dense", "ppl swarmfs", "Δ ppl",
               "recall", "dense ms/token", "swarmfs ms/token", "CPU µs/step", "I/O µs/step",
-              "SSD MB/step", "DRAM MB"):
+              "SSD MB/step", "DRAM MB", "entries/cluster", "DRAM/KV", "mean read"):
         t.add_column(c, justify="left" if c == "text" else "right")
     for k, r in rep["runs"].items():
         s = r["summary"]
@@ -477,13 +490,24 @@ def _demo_decode(workdir, disks, model, kind, context, evaluate, ratio, engine, 
                   f"{r['recall']:.3f}", f"{r['dense_step_ms']:.1f}",
                   "-" if r["swarm_step_ms"] is None else f"{r['swarm_step_ms']:.1f}",
                   f"{cpu:.0f}", f"{s.get('io_us', 0.0):.0f}",
-                  f"{s.get('bytes_read', 0.0) / 1e6:.2f}", f"{s['dram_bytes'] / 1e6:.1f}")
-    Console(width=max(Console().width, 160)).print(t)
+                  f"{s.get('bytes_read', 0.0) / 1e6:.2f}", f"{s['dram_bytes'] / 1e6:.1f}",
+                  *_operating_point(s))
+    Console(width=max(Console().width, 200)).print(t)
     click.echo("recall: attention mass of the retrieved entries / mass of the oracle's "
                "exact top-k (k = ceil(r x context)), mean over layers and steps.  Step "
                "times are medians per token over all layers (attention, MLP, retrieval); "
                "CPU µs (score + select + plan + assemble) and I/O µs are medians per "
                "step summed over layers.")
+
+
+def _operating_point(summary: dict) -> tuple[str, str, str]:
+    """Issue 23's operating point from ``SwarmCache.summary()``: mean entries
+    per cluster (smallest layer's), DRAM as a share of the KV, mean read."""
+    epc, lo = summary.get("entries_per_cluster"), summary.get("entries_per_cluster_min")
+    share, read = summary.get("dram_share"), summary.get("mean_read_bytes")
+    return ("-" if epc is None else f"{epc:.1f} (min {lo:.1f})",
+            "-" if share is None else f"{100 * share:.1f}%",
+            "-" if read is None else _human(read))
 
 
 @main.command()
@@ -522,7 +546,7 @@ def mount(store, mountpoint, foreground, allow_other, debug, direct_io, snapshot
         from .mount._fuse import mount as do_mount
     except ImportError as exc:
         raise click.ClickException(f"mounting needs pyfuse3 and trio "
-                                   f"(pip install 'swarmfs[mount]'): {exc}")
+                                   f"(pip install 'swarmfs[mount]'): {exc}") from None
     if not foreground and log_file is None:
         log_file = default_log_file(mountpoint)
     pid = do_mount(store, mountpoint, foreground=foreground, allow_other=allow_other,
@@ -558,6 +582,63 @@ _STEP_COLS = (("step", "step", "{}"), ("clusters", "clusters", "{:.0f}"),
                                                           "{:.2f}"))
 
 
+def _given(ctx, name: str) -> bool:
+    """Whether option ``name`` was given (command line or environment), not
+    left at its default."""
+    from click.core import ParameterSource
+    return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE,
+                                              ParameterSource.ENVIRONMENT)
+
+
+def _refuse_given(ctx, names, why: str) -> None:
+    """A usage error (exit 2, before any work) naming the given options of
+    ``names`` that do not apply."""
+    opts = {p.name: p.opts[0] for p in ctx.command.params}
+    bad = [opts[n] for n in names if _given(ctx, n)]
+    if bad:
+        raise click.UsageError(f"{', '.join(bad)} {'does' if len(bad) == 1 else 'do'} not "
+                               f"apply {why}")
+
+
+class _PrefillBars:
+    """rich progress bars (stderr) for a prefill's dense attention, layout and
+    write, per layer and row: ``SwarmCache(progress=...)``.  Stopped once the
+    write is done, before the decoded text streams; off unless stderr is a
+    terminal."""
+
+    LABELS = {"prefill": "prefill (dense attention)", "layout": "layout (co-activation)",
+              "write": "write (disks)"}
+
+    def __init__(self, enabled: bool, console=None):
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+        self.bars = Progress(TextColumn("{task.description:<28}"), BarColumn(),
+                             MofNCompleteColumn(), TimeElapsedColumn(),
+                             console=console or Console(stderr=True), disable=not enabled)
+        self.tasks: dict = {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.tasks:
+            if not self.tasks:
+                self.bars.start()
+            self.tasks[stage] = self.bars.add_task(self.LABELS.get(stage, stage), total=total)
+        self.bars.update(self.tasks[stage], completed=done, total=total)
+        if stage == "write" and done >= total:
+            self.bars.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.bars.stop()
+
+
 def _step_table(rows, title, max_rows=24):
     from rich.table import Table
     t = Table(*(c for c, _, _ in _STEP_COLS), title=title)
@@ -584,7 +665,10 @@ def _step_table(rows, title, max_rows=24):
 @click.option("--disk", "disk_paths", multiple=True, type=click.Path(),
               help="A disk path (file or block device); repeat for each disk.")
 @click.option("--store", type=click.Path(), default=None,
-              help="Store directory (default: a temporary one, removed afterwards).")
+              help="Store directory (default: a temporary one, removed afterwards, also on "
+                   "Ctrl-C or SIGTERM).  A new store keeps the prompt; an existing one is "
+                   "served: the prompt must continue its stored document (checked), which "
+                   "is not prefilled again.")
 @click.option("--force", is_flag=True, help="Replace an existing store / foreign disks.")
 @click.option("--prefetch", type=click.Choice(["none", "previous"]), default="none",
               show_default=True,
@@ -594,23 +678,41 @@ def _step_table(rows, title, max_rows=24):
 @click.option("--evaluate", type=click.IntRange(min=1), default=None, metavar="N",
               help="Hold out the last N tokens of the prompt file and compare perplexity "
                    "and attention-mass recall, dense against swarmfs (teacher-forced).")
+@click.option("--sinks", type=click.IntRange(min=0), default=None,
+              help="Attention sinks: the first N tokens stay in DRAM and are attended at "
+                   f"every step (default {defaults.ATTENTION_SINKS}; 0: off).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @ENGINE_OPT
-def generate(model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store, force,
-             prefetch, dtype, evaluate, as_json, engine):
+@click.pass_context
+def generate(ctx, model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store, force,
+             prefetch, dtype, evaluate, sinks, as_json, engine):
     """Decode with the KV cache on swarmfs (swarmfs.hf.SwarmCache).
 
     The prompt is prefilled densely, laid out by co-activation of its own
     queries and written to the disks; each decode step retrieves per layer
     (window + hot clusters + one batched SSD read).  Streams the text, then
-    prints a per-step table (sums over layers).
+    prints a per-step table (sums over layers).  With --store naming an
+    existing store, the stored document is served instead: the prompt must
+    continue it.
     """
     from . import _generate as G
     if disks is not None and disk_paths:
         raise click.UsageError("give either --disks N (disk files under STORE/disks) or "
                                "--disk PATH ..., not both")
-    from ._validate import parse_ratio
+    from ._validate import parse_int, parse_ratio
     parse_ratio(ratio, "ratio")
+    if disks is not None:             # before the model loads (Store.create's rule)
+        parse_int(disks, "disks", 1, 256)
+    if evaluate is not None:
+        _refuse_given(ctx, ("max_new_tokens",), "with --evaluate N (it teacher-forces the "
+                      "prompt file's last N tokens; nothing new is decoded)")
+    if G.is_store(store) and not force:
+        if evaluate is not None:
+            raise click.UsageError(f"--store {store} holds a store; --evaluate lays out a "
+                                   "context of its own: give a new --store, or --force to "
+                                   "replace it")
+        _refuse_given(ctx, ("disks", "disk_paths"), f"to the stored document in {store}: it "
+                      "keeps its disks (--force replaces it)")
     try:
         with open(prompt_file, encoding="utf-8") as f:
             text = f.read()
@@ -622,10 +724,15 @@ def generate(model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store
     hf_logging.disable_progress_bar()
     from rich.console import Console
     con = Console(width=max(Console().width, 200))
+
+    def warn(message):
+        click.echo(f"swarmfs: warning: {message}", err=True)
+    bars = _PrefillBars(sys.stderr.isatty())
     if evaluate is not None:
-        rep = G.run_evaluate(text, evaluate, model_dir=model, store=store, disks=dk,
-                             ratio=ratio, force=force, engine=engine, prefetch=prefetch,
-                             dtype=dtype)
+        with bars:
+            rep = G.run_evaluate(text, evaluate, model_dir=model, store=store, disks=dk,
+                                 ratio=ratio, force=force, engine=engine, prefetch=prefetch,
+                                 dtype=dtype, on_warning=warn, progress=bars, sinks=sinks)
         if as_json:
             click.echo(json.dumps(rep, indent=1, default=float))
             return
@@ -644,18 +751,27 @@ def generate(model, prompt_file, max_new_tokens, ratio, disks, disk_paths, store
         con.print(_step_table(rep["steps"], "teacher-forced decode steps (sums over layers)"))
         return
     stream = None if as_json else (lambda s: click.echo(s, nl=False))
-    rep = G.run_generate(text, model_dir=model, store=store, disks=dk, ratio=ratio,
-                         max_new_tokens=max_new_tokens, force=force, engine=engine,
-                         prefetch=prefetch, dtype=dtype, on_text=stream)
+    with bars:
+        rep = G.run_generate(text, model_dir=model, store=store, disks=dk, ratio=ratio,
+                             max_new_tokens=max_new_tokens, force=force, engine=engine,
+                             prefetch=prefetch, dtype=dtype, on_text=stream, on_warning=warn,
+                             progress=bars, sinks=sinks)
+    if rep["hint"]:
+        click.echo(f"swarmfs: {rep['hint']}", err=True)
     if as_json:
         click.echo(json.dumps(rep, indent=1, default=float))
         return
     click.echo()
     s = rep["summary"]
-    con.print(f"prompt {rep['prompt_tokens']} tokens on {rep['disks']} disks, r = {ratio}; "
-              f"{len(rep['tokens'])} tokens in {rep['wall_s']:.2f} s (layout + write "
-              f"{rep['layout_write_s']:.2f} s); DRAM {_human(s['dram_bytes'])}; cache hit "
-              f"rate {s.get('cache_hit_rate', 0):.2f}")
+    how = (f"served the stored document ({rep['reused']['tokens']} tokens) from "
+           f"{rep['reused']['store']}" if rep["reused"] else
+           f"prompt {rep['prompt_tokens']} tokens on {rep['disks']} disks")
+    con.print(f"{how}, r = {ratio}; {len(rep['tokens'])} tokens in {rep['wall_s']:.2f} s "
+              f"(layout + write {rep['layout_write_s']:.2f} s); DRAM "
+              f"{_human(s['dram_bytes'])}; cache hit rate {s.get('cache_hit_rate', 0):.2f}")
+    epc, share, read = _operating_point(s)
+    con.print(f"operating point: {epc} entries per cluster, DRAM {share} of the prompt's KV, "
+              f"mean read {read}")
     con.print(_step_table(rep["steps"], "decode steps (sums over layers)"))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __all__ = ["RATIO", "LOCAL_WINDOW", "T_BASE_US", "T_TRANSFER_US", "SSD_GBPS", "HOT_FRACTION",
            "ONLINE_TAU", "MAX_JOINS", "NEW_CLUSTER_SIZE", "FLUSH_BATCH", "DECODER_TAU",
-           "DECODER_MAX_CLUSTER_SIZE"]
+           "DECODER_MAX_CLUSTER_SIZE", "ATTENTION_SINKS"]
 
 #: Sparsity ratio r: the fraction of a context's entries a query may use
 #: (the entry budget is ceil(r x S)); SWARM §8.1 evaluates at 0.10.
@@ -48,3 +48,8 @@ MAX_JOINS = 2
 NEW_CLUSTER_SIZE = 16
 #: Matured new entries written together by one ``Store.append``.
 FLUSH_BATCH = 32
+
+#: Attention sinks of ``swarmfs.hf.SwarmCache``: the first tokens of a
+#: document kept in DRAM and attended at every decode step beside the entry
+#: budget (StreamingLLM's 4).  Measured on the shipped decoder (docs/hf.md).
+ATTENTION_SINKS = 4

@@ -5,6 +5,8 @@ Two pipelines over :class:`swarmfs.hf.SwarmCache`:
 * :func:`run_generate` prefills a prompt densely, lays its KV out on N disks
   and decodes greedily, streaming the text; the report holds per-step
   retrieval figures (clusters, SSD entries, bytes, µs per stage, hit rates).
+  Given an existing store it serves the stored document instead (the
+  prompt must continue it; its fingerprint is checked), with no prefill.
 * :func:`run_evaluate` holds out the last N tokens of a text as the
   continuation and teacher-forces them through dense attention (one causal
   forward, transformers' SDPA) and through swarmfs (prefill of the context,
@@ -19,7 +21,9 @@ import math
 import os
 import pathlib
 import shutil
+import signal
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -27,8 +31,8 @@ import numpy as np
 from . import _defaults as defaults
 from . import _errors as errors
 
-__all__ = ["default_model_dir", "heldout_input", "load_model", "recall_report",
-           "run_evaluate", "run_generate", "teacher_force"]
+__all__ = ["default_model_dir", "heldout_input", "load_model", "load_tokenizer", "check_length",
+           "trained_length", "recall_report", "run_evaluate", "run_generate", "teacher_force"]
 
 
 def default_model_dir() -> pathlib.Path:
@@ -48,6 +52,78 @@ def default_model_dir() -> pathlib.Path:
     return pathlib.Path(decoder)
 
 
+def _model_path(model_dir) -> pathlib.Path:
+    path = pathlib.Path(model_dir) if model_dir is not None else default_model_dir()
+    if not (path / "config.json").exists():
+        raise errors.ModelError(f"{path} is not a model directory (no config.json)")
+    return path
+
+
+def load_tokenizer(model_dir=None):
+    """The tokenizer and config of a local causal LM, without its weights
+    (what the checks before any work need).
+
+    Returns:
+        (tokenizer, config).
+
+    Raises:
+        ModelError: the directory does not hold a tokenizer and a config.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+    path = _model_path(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(str(path)), AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise errors.ModelError(f"cannot load a tokenizer and config from {path}: {exc}") from None
+
+
+def trained_length(model_dir, config) -> int | None:
+    """Tokens of context the model was trained on, where known: the RoPE
+    scaling's ``original_max_position_embeddings``, or the shipped decoder's
+    (``swarmfs.models.DECODER_TRAINED_TOKENS``); None otherwise."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rp = getattr(config, key, None)
+        if isinstance(rp, dict) and isinstance(rp.get("original_max_position_embeddings"), int):
+            return int(rp["original_max_position_embeddings"])
+    try:
+        from .models import DECODER_TRAINED_TOKENS, DEFAULT_DECODER
+    except ImportError:
+        return None
+    if model_dir is None or pathlib.Path(model_dir).resolve() == pathlib.Path(
+            DEFAULT_DECODER).resolve():
+        return int(DECODER_TRAINED_TOKENS)
+    return None
+
+
+def check_length(config, tokens: int, new_tokens: int, *, model_dir=None) -> str | None:
+    """Check a request's length against the model before any work.
+
+    Args:
+        config: the model's config; tokens: the prompt's; new_tokens: to decode.
+
+    Returns:
+        A warning (str) when the request runs past the model's trained
+        length (its quality there is unknown), else None.
+
+    Raises:
+        InvalidArgumentError: past the model's positions
+            (``max_position_embeddings``): RoPE has no angles for them.
+    """
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    total = int(tokens) + int(new_tokens)
+    positions = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(positions, int) and total > positions:
+        raise errors.InvalidArgumentError(
+            f"the prompt has {tokens} tokens and {new_tokens} more would be decoded: "
+            f"{total} > the model's {positions} positions; shorten the prompt")
+    trained = trained_length(model_dir, cfg)
+    if trained is not None and total > trained:
+        return (f"the prompt has {tokens} tokens and {new_tokens} more would be decoded: "
+                f"{total} > the {trained} the model was trained on; past them its output "
+                "degrades (and the prefill of a long prompt takes minutes)")
+    return None
+
+
 def load_model(model_dir=None, dtype: str | None = None):
     """Load a local causal LM and its tokenizer, with the ``"swarm"`` attention.
 
@@ -65,9 +141,7 @@ def load_model(model_dir=None, dtype: str | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import hf
-    path = pathlib.Path(model_dir) if model_dir is not None else default_model_dir()
-    if not (path / "config.json").exists():
-        raise errors.ModelError(f"{path} is not a model directory (no config.json)")
+    path = _model_path(model_dir)
     tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            None: torch.float32}[dtype]
     try:
@@ -112,63 +186,122 @@ class _Streamer:
             self.on_text(text[self.printed:])
 
 
-def _open_cache(model, store, *, ratio, disks, force, engine, prefetch, record, append=True):
+def _open_cache(model, store, *, ratio, disks, force, engine, prefetch, record, append=True,
+                sinks=None, progress=None):
     from . import hf
+    kw = {} if sinks is None else {"sinks": sinks}
     return hf.SwarmCache(store, model.config, ratio=ratio, disks=disks, force=force,
-                         engine=engine, prefetch=prefetch, record=record, append=append)
+                         engine=engine, prefetch=prefetch, record=record, append=append,
+                         progress=progress, **kw)
+
+
+def is_store(path) -> bool:
+    """Whether ``path`` holds a store (its manifest)."""
+    return path is not None and os.path.exists(os.path.join(path, "manifest.json"))
+
+
+class _Terminated(SystemExit):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt so
+    that every ``with`` and ``finally`` runs (exit status 143 = 128 + 15)."""
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
 
 
 class _StoreDir:
-    """The store directory: the given one, or a temporary one removed at exit."""
+    """The store directory: the given one, or a temporary one removed at exit,
+    also on SIGTERM (``timeout``, ``kill``) as on Ctrl-C."""
 
     def __init__(self, store):
         self.tmp = None if store else tempfile.mkdtemp(prefix="swarmfs-generate-")
         self.path = os.path.abspath(store) if store else os.path.join(self.tmp, "store")
+        self._prev = None
 
     def __enter__(self):
+        if self.tmp and threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGTERM, _on_sigterm)
         return self.path
 
     def __exit__(self, *exc):
-        if self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        try:
+            if self.tmp:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        finally:
+            if self._prev is not None:
+                signal.signal(signal.SIGTERM, self._prev)
 
 
 def run_generate(prompt: str, *, model_dir=None, store=None, disks=4, ratio: float = defaults.RATIO,
                  max_new_tokens: int = 64, force: bool = False, engine=None,
-                 prefetch: str = "none", dtype=None, on_text=None) -> dict:
-    """Prefill ``prompt`` onto a new store and decode greedily.
+                 prefetch: str = "none", dtype=None, on_text=None, on_warning=None,
+                 progress=None, sinks=None) -> dict:
+    """Prefill ``prompt`` onto a new store and decode greedily, or serve a
+    stored document.
+
+    ``store`` naming an existing store (and ``force`` False) reuses it: the
+    prompt must continue the stored document (its fingerprint is checked,
+    ``SwarmCache.from_store``), nothing is prefilled or written, and the
+    prompt's tokens after the stored ones are fed first.  A new store holds
+    the prompt alone (the generated tokens stay in DRAM), so that a later
+    request can continue it.
 
     Args:
         prompt: the prompt text.
         model_dir: model directory (default: the trained decoder).
-        store: store directory (default: a temporary one, removed after).
+        store: store directory (default: a temporary one, removed after,
+            also on SIGTERM).
         disks: number of file disks or a list of disk paths.
         ratio: sparsity ratio r.
         max_new_tokens: tokens to generate (>= 1).
         on_text: called with each decoded text piece as it is generated.
+        on_warning: called with a warning (the prompt runs past the model's
+            trained length) before the weights load; default: ``warnings.warn``.
+        progress: ``progress(stage, done, total)`` during the prefill
+            (``SwarmCache``'s).
+        sinks: attention sinks (default ``SwarmCache``'s).
 
     Returns:
-        dict: model, prompt_tokens, text, tokens, ratio, prefill_s, decode_s,
-        tokens_per_s, layout (per layer), steps (per-step rows), summary.
+        dict: model, prompt_tokens, text, tokens, ratio, reused (the stored
+        document served, or None), prefill_s, decode_s, tokens_per_s,
+        layout (per layer), steps (per-step rows), summary, hint (why no
+        decode step ran, or None).
 
     Raises:
-        ModelError, InvalidArgumentError, StoreExistsError, SwarmError.
+        ModelError, InvalidArgumentError (also a prompt past the model's
+        positions, before any work), StoreExistsError, ShapeError (a prompt
+        that does not continue the stored document), SwarmError.
     """
     import torch
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
             max_new_tokens < 1:
         raise errors.InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
-    model, tok = load_model(model_dir, dtype)
+    tok, config = load_tokenizer(model_dir)
     ids = _tokens(tok, prompt)
+    _warn(check_length(config, ids.shape[1], max_new_tokens, model_dir=model_dir), on_warning)
+    reuse = store is not None and not force and is_store(store)
+    model, tok = load_model(model_dir, dtype)
+    from . import hf
     with _StoreDir(store) as path:
-        cache = _open_cache(model, path, ratio=ratio, disks=disks, force=force, engine=engine,
-                            prefetch=prefetch, record=False)
+        if reuse:
+            cache = hf.SwarmCache.from_store(path, model.config, ratio=ratio, engine=engine,
+                                             prefetch=prefetch, input_ids=ids,
+                                             **({} if sinks is None else {"sinks": sinks}))
+        else:
+            cache = _open_cache(model, path, ratio=ratio, disks=disks, force=force,
+                                engine=engine, prefetch=prefetch, record=False, append=False,
+                                sinks=sinks, progress=progress)
         with cache:
+            stored = cache.get_seq_length() if reuse else 0
             streamer = _Streamer(tok, on_text, ids.shape[1]) if on_text else None
             t0 = time.perf_counter()
             with torch.no_grad():
-                out = model.generate(ids, cache=cache, max_new_tokens=max_new_tokens,
-                                     do_sample=False, streamer=streamer,
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                                     max_new_tokens=max_new_tokens, do_sample=False,
+                                     streamer=streamer,
                                      pad_token_id=tok.pad_token_id or tok.eos_token_id or 0)
             t1 = time.perf_counter()
             new = out[0, ids.shape[1]:].tolist()
@@ -177,14 +310,33 @@ def run_generate(prompt: str, *, model_dir=None, store=None, disks=4, ratio: flo
                            r["assemble_us"] + r["session_us"] + r["attend_us"]
                            for r in steps) / 1e6
             prefill_s = sum(x["layout_s"] + x["write_s"] for x in cache.layout_report.values())
+            eos = tok.eos_token_id
+            hint = None
+            if not steps:
+                first = "end-of-text" if new and new[0] == eos else repr(tok.decode(new[:1]))
+                hint = (f"no decode step ran: the model's first token was {first}, which ends "
+                        "the text (a prompt that ends mid-sentence or mid-line continues; "
+                        "--evaluate N scores the prompt's last N tokens instead)") \
+                    if max_new_tokens > 1 else "one token asked for: it comes from the prefill"
             return {"model": str(model_dir or default_model_dir()),
                     "prompt_tokens": int(ids.shape[1]), "tokens": new,
                     "text": tok.decode(new, skip_special_tokens=True), "ratio": ratio,
                     "store": None if store is None else path, "disks": cache.store.num_disks,
+                    "reused": {"store": path, "tokens": stored} if reuse else None,
                     "wall_s": t1 - t0, "layout_write_s": prefill_s,
                     "swarm_attention_s": decode_s,
                     "layout": {str(k): v for k, v in cache.layout_report.items()},
-                    "steps": steps, "summary": cache.summary()}
+                    "steps": steps, "summary": cache.summary(), "hint": hint}
+
+
+def _warn(message, on_warning) -> None:
+    if message is None:
+        return
+    if on_warning is not None:
+        on_warning(message)
+    else:
+        import warnings
+        warnings.warn(message, stacklevel=3)
 
 
 def _nll(logits, targets) -> np.ndarray:
@@ -239,7 +391,7 @@ def recall_report(cache, ratio: float, context: int) -> dict:
         k_ctx = np.ascontiguousarray(kv[:, 0].transpose(1, 0, 2))
         v_ctx = np.ascontiguousarray(kv[:, 1].transpose(1, 0, 2))
         rec = []
-        for q, pos, scaling in recs:
+        for q, pos, scaling, *_ in recs:
             r = evaluate_query(q, k_ctx, v_ctx, pos[pos < context], scaling=scaling,
                                ratio=ratio)
             rec.append(r["recall"])
@@ -258,8 +410,9 @@ def recall_report(cache, ratio: float, context: int) -> dict:
 
 def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=4,
                  ratio: float = defaults.RATIO, force: bool = False, engine=None,
-                 prefetch: str = "none",
-                 dtype=None, model=None, tok=None, max_context: int | None = None) -> dict:
+                 prefetch: str = "none", dtype=None, model=None, tok=None,
+                 max_context: int | None = None, on_warning=None, progress=None,
+                 sinks=None) -> dict:
     """Teacher-force the last ``evaluate`` tokens of ``text`` densely and
     through swarmfs; compare perplexities and attention-mass recall.
 
@@ -268,6 +421,7 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
         evaluate: N, continuation tokens (>= 1; the context keeps >= 2 tokens).
         max_context: keep only the last this many context tokens.
         model, tok: an already loaded model and tokenizer (else ``load_model``).
+        on_warning, progress, sinks: as :func:`run_generate`.
 
     Returns:
         dict: context_tokens, continuation_tokens, ratio, perplexity_dense,
@@ -278,11 +432,17 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
         summary (retrieval medians), steps.
 
     Raises:
-        InvalidArgumentError: N out of range.  ModelError, SwarmError.
+        InvalidArgumentError: N out of range, or the text past the model's
+        positions (before the weights load).  ModelError, SwarmError.
     """
     import torch
     from transformers import DynamicCache
     if model is None:
+        tok, config = load_tokenizer(model_dir)
+        n_text = _tokens(tok, text).shape[1]
+        if max_context is not None:
+            n_text = min(n_text, int(max_context) + int(evaluate))
+        _warn(check_length(config, n_text, 0, model_dir=model_dir), on_warning)
         model, tok = load_model(model_dir, dtype)
     ids = _tokens(tok, text)
     n = int(evaluate)
@@ -311,7 +471,8 @@ def run_evaluate(text: str, evaluate: int, *, model_dir=None, store=None, disks=
         hf.enable(model)
         with _StoreDir(store) as path:
             cache = _open_cache(model, path, ratio=ratio, disks=disks, force=force,
-                                engine=engine, prefetch=prefetch, record=True)
+                                engine=engine, prefetch=prefetch, record=True, sinks=sinks,
+                                progress=progress)
             with cache:
                 step_logits, prefill_s, swarm_ms = teacher_force(model, ctx, cont, cache, n - 1)
                 nll_swarm = _nll(step_logits, cont)

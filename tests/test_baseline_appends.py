@@ -297,9 +297,11 @@ def generate(model, ids, cache):
 def swarm_decode(decoder, path, method, ratio):
     import swarmfs.hf as hf
     model, ids, _, _ = decoder
+    from swarmfs.layout import LayoutParams
     hf.enable(model)
+    # W = 100: new entries mature after 100 steps, so 259 steps flush several times
     cache = hf.SwarmCache(path, model.config, ratio=ratio, disks=2, method=method,
-                          record=True)
+                          record=True, layout=LayoutParams(local_window=100))
     try:
         seq, logits = generate(model, ids, cache)
     finally:
@@ -338,7 +340,7 @@ def check_layers(cache, method):
                 D_ = S - PROMPT
                 # the session scores a block over the block and its 64 successors;
                 # the forced flush at close, the `rest` pending then, over them
-                sess, rule, rest = cache.sessions[layer], cache._rules[layer], 0
+                sess, rule, rest = cache.sessions[layer], cache._row(0).doc.rules[layer], 0
                 for _ in range(D_):
                     rest += 1
                     n = rule.count(0, max(rest - sess.window, 0), rest)
@@ -398,7 +400,7 @@ def test_baseline_at_one_tenth_keeps_its_index_and_budget(decoder, tmp_path, met
     W = cache.sessions[0].window
     with Store.open(cache.path) as st:
         most = max(int(st.layer(layer).sizes.max()) for layer in range(st.num_layers))
-    limit = {"quest": W + 32 + 16, "infllm": 2 * 64, "pqcache": W + 32}[method]
+    limit = {"quest": W + 32 + 16, "infllm": W + 64, "pqcache": W + 32}[method]
     sparse = 0
     for s in cache.stats:
         stored = PROMPT + s.step - s.pending
@@ -409,7 +411,8 @@ def test_baseline_at_one_tenth_keeps_its_index_and_budget(decoder, tmp_path, met
     assert sparse == len(cache.stats)
     assert len(cache.stats) == 4 * (NEW - 1) and S == PROMPT + NEW - 1
     pend = [s.pending for s in cache.stats if s.layer == 0]
-    assert sum(b < a for a, b in zip(pend, pend[1:], strict=False)) >= 3           # flushes
+    flushes = sum(b < a for a, b in zip(pend, pend[1:], strict=False))
+    assert flushes >= (2 if method == "infllm" else 3)
 
 
 

@@ -121,8 +121,7 @@ def test_decoder_decode_queries_continue_the_context_window(rng):
     W, T, tail = 64, 200, 16
     wide = C.DECODER_WIDENING
     q, k, v = _random_trace(wide, rng, T)
-    q_tail = rng.standard_normal((8, -(-T // W), tail, wide.head_dim))
-    q_tail = q_tail.astype(np.float16)
+    q_tail = rng.standard_normal((8, -(-T // W), tail, wide.head_dim)).astype(np.float16)
     tr = C.Trace(q=q, k=k, v=v, scaling=wide.head_dim ** -0.5,
                  segments={"gsm8k": (70, 130)}, meta={},
                  path=None, kind="decoder", wide=wide, window=W, q_tail=q_tail, align=W)

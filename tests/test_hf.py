@@ -426,3 +426,176 @@ def test_concurrent_prefills_each_record_their_own_prompt(tmp_path):
             with pytest.raises(ShapeError, match="not the stored prompt"):
                 H.SwarmCache.from_store(path, model.config,
                                         input_ids=torch.cat([prompts[(i + 1) % 4], ext], 1))
+
+
+# -- issue 24: what a serving engine hits ---------------------------------------------
+
+@pytest.mark.slow
+def test_local_window_follows_the_growing_context(tmp_path):
+    """Issue 24, input 2: a 16-token prompt at r = 0.1, then 600 generated
+    tokens.  The window was frozen at the prefill's value (0) and right after
+    a flush the tokens 2-4 back were not attended.  Now new tokens stay in
+    DRAM for W steps and the stored window is min(W, S, ceil(rS) // 4) at
+    the current S: at every step and layer the last 4 generated tokens are
+    attended (the prompt's own, at S = 16, get the budget's rule: 2 entries,
+    no window, and the 4 attention sinks)."""
+    from swarmfs.decode._window import entry_budget, window_size
+    model = make_model("llama")
+    ids = prompt(16)
+    H.enable(model)
+    with H.SwarmCache(tmp_path / "s", model.config, ratio=0.1, disks=2, record=True) as c, \
+            torch.no_grad():
+        model.generate(ids, cache=c, max_new_tokens=600, min_new_tokens=600, do_sample=False,
+                       pad_token_id=0)
+        S = c.store.num_tokens(0)
+        assert S > 16 + 200                     # tokens were appended (flushes happened)
+        for layer in (0, 1):
+            recs = c.records[layer]
+            assert len(recs) == 599
+            for step, (_, _, _, pos) in enumerate(recs):
+                me = 16 + step                              # this step's own position
+                back = set(range(max(me - 4, 16), me + 1))
+                assert back <= set(pos.tolist()), (layer, step)
+            want = window_size(min(256, S), entry_budget(0.1, S), S)
+            assert c.retriever.window(layer).shape[0] == want > 0
+
+
+def test_padding_never_reaches_the_layout(tmp_path):
+    """Issue 24, input 3: the same 200 tokens with 27 left pads and an
+    attention mask.  The pads were profiled and clustered (26 medoids),
+    counted in r x S (23 entries per step against 20), and the logits
+    differed by up to 0.88.  Now the store holds the 200 tokens in the same
+    clusters, each step attends to as many entries, and the logits agree."""
+    model = make_model("llama")
+    ids = prompt(200, seed=4)
+    ids[ids == 0] = 1                          # no pad id inside the prompt
+    padded = torch.cat([torch.zeros(1, 27, dtype=torch.long), ids], 1)
+    am = torch.cat([torch.zeros(1, 27, dtype=torch.long), torch.ones(1, 200, dtype=torch.long)], 1)
+    H.enable(model)
+    out = {}
+    for name, x, m in (("plain", ids, torch.ones_like(ids)), ("padded", padded, am)):
+        with H.SwarmCache(tmp_path / name, model.config, ratio=0.1, disks=2) as c, \
+                torch.no_grad():
+            o = model.generate(x, attention_mask=m, cache=c, max_new_tokens=6, min_new_tokens=6,
+                               do_sample=False, pad_token_id=0, output_logits=True,
+                               return_dict_in_generate=True)
+            li = c.store.layer(1)
+            out[name] = (o.sequences[0, x.shape[1]:], torch.stack(o.logits).float(),
+                         c.store.num_tokens(1), li.members.copy(), li.medoid.copy(),
+                         [s.entries for s in c.stats])
+    (t0, l0, n0, m0, d0, e0), (t1, l1, n1, m1, d1, e1) = out["plain"], out["padded"]
+    assert n0 == n1 == 200
+    assert np.array_equal(m0, m1) and np.array_equal(d0, d1)     # the same clusters, medoids
+    assert e0 == e1                                              # the same budget per step
+    assert torch.equal(t0, t1) and float((l0 - l1).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_casts_k_and_v_to_one_store_dtype(dtype, tmp_path):
+    """Issue 24, input 4: under torch.autocast K arrives in float32 (RoPE)
+    and V in the autocast dtype.  The prefill wrote a float32 store and the
+    first decode step failed (a raw TypeError for bfloat16, a ShapeError
+    naming V for float16).  Now both are cast to the autocast dtype, which
+    SDPA computes in anyway: DynamicCache's tokens and logits exactly."""
+    model = make_model("llama")
+    ids = prompt(120)
+    model.set_attn_implementation("sdpa")
+    with torch.autocast("cpu", dtype=dtype):
+        seq_d, lg_d = generate(model, ids, None, 6)
+    H.enable(model)
+    with torch.autocast("cpu", dtype=dtype), \
+            H.SwarmCache(tmp_path / "s", model.config, ratio=1.0, disks=2) as c:
+        seq_s, lg_s = generate(model, ids, c, 6)
+        assert c.store.dtype == str(dtype).removeprefix("torch.")
+    assert torch.equal(seq_d, seq_s) and float((lg_d - lg_s).abs().max()) == 0.0
+
+
+def test_k_and_v_of_different_dtypes_are_refused_before_a_write(tmp_path):
+    """Without autocast, K and V of different dtypes (or not the store's) are
+    a ShapeError naming both, before any store exists."""
+    model = make_model("llama")
+    k = torch.randn(1, 2, 8, 16)
+    with H.SwarmCache(tmp_path / "s", model.config) as c, \
+            pytest.raises(ShapeError, match="K is float32 and V is bfloat16"):
+        c.update(k, k.to(torch.bfloat16), 0)
+    assert not (tmp_path / "s").exists()
+
+
+def test_attention_sinks_stay_attended(tmp_path):
+    """Issue 24, input 5: across 48 steps and 4 layers tokens 0-3 were
+    never all attended.  With sinks (the default, 4) they are at every
+    step and layer, from DRAM; sinks=0 leaves them to the selection."""
+    model = make_model("llama", num_hidden_layers=4)
+    ids = prompt(400, seed=2)
+    H.enable(model)
+    seen = {}
+    for s in (4, 0):
+        with H.SwarmCache(tmp_path / f"s{s}", model.config, ratio=0.1, disks=2, sinks=s,
+                          record=True) as c:
+            generate(model, ids, c, 49)
+            assert s == 0 or c.dram_bytes() >= 4 * 4 * c.store.entry_bytes
+            seen[s] = [set(range(4)) <= set(pos.tolist())
+                       for layer in range(4) for *_, pos in c.records[layer]]
+    assert len(seen[4]) == 4 * 48 and all(seen[4])
+    assert not all(seen[0])
+    from swarmfs import _defaults
+    assert _defaults.ATTENTION_SINKS == 4
+
+
+@pytest.mark.parametrize("kw", [{"prompt_lookup_num_tokens": 3}, {"assistant": True}])
+def test_assisted_decoding_never_stores_rejected_drafts(kw, tmp_path):
+    """Issue 24, input 6: assisted and prompt-lookup decoding were refused by
+    transformers only after the draft tokens were fed, and close() then
+    wrote them.  Now the prompt alone is laid out, drafts stay in DRAM until
+    accepted, crop() drops the rejected ones: the tokens are plain greedy's
+    and the store holds exactly what plain greedy decoding stores."""
+    model = make_model("llama")
+    ids = prompt(20).repeat(1, 6)                       # repeats: prompt lookup finds drafts
+    if "assistant" in kw:
+        kw = {"assistant_model": make_model("llama", seed=5)}
+    H.enable(model)
+    common = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    with H.SwarmCache(tmp_path / "plain", model.config, ratio=1.0, disks=2) as c, \
+            torch.no_grad():
+        plain = model.generate(ids, cache=c, **common)
+    dropped = []
+    orig = swarmfs.DecodeSession.discard_pending
+
+    def spy(self, n):
+        dropped.append(n)
+        return orig(self, n)
+    swarmfs.DecodeSession.discard_pending = spy
+    try:
+        with H.SwarmCache(tmp_path / "assisted", model.config, ratio=1.0, disks=2) as c, \
+                torch.no_grad():
+            seq = model.generate(ids, cache=c, **common, **kw)
+            assert c.layout_report[0]["clusters"] > 0
+    finally:
+        swarmfs.DecodeSession.discard_pending = orig
+    assert torch.equal(seq, plain)
+    assert sum(dropped) > 0                              # drafts were rejected and dropped
+    with swarmfs.Store.open(tmp_path / "plain") as a, \
+            swarmfs.Store.open(tmp_path / "assisted") as b:
+        assert a.num_tokens(0) == b.num_tokens(0) == 120 + 23
+        ea = a.read_entries(0, np.arange(143)).astype(np.float32)
+        eb = b.read_entries(0, np.arange(143)).astype(np.float32)
+        assert np.array_equal(ea[:120], eb[:120]) and np.abs(ea - eb).max() <= 1e-5
+    # crop() refuses what is stored; assisted decoding from a stored document is refused
+    with H.SwarmCache.from_store(tmp_path / "plain", model.config) as c:
+        with pytest.raises(swarmfs.ConfigError, match="laid out on the disks"):
+            c.crop(-1)
+        with pytest.raises(swarmfs.ConfigError, match="new store"), torch.no_grad():
+            model.generate(seq, cache=c, max_new_tokens=2, prompt_lookup_num_tokens=3,
+                           pad_token_id=0)
+
+
+def test_beam_search_is_refused_before_any_store_is_written(tmp_path):
+    model = make_model("llama")
+    H.enable(model)
+    with H.SwarmCache(tmp_path / "s", model.config) as c:
+        for kw in ({"num_beams": 2}, {"num_beams": 2, "do_sample": True}):
+            with pytest.raises(swarmfs.ConfigError, match="beam"), torch.no_grad():
+                model.generate(prompt(), cache=c, max_new_tokens=2, pad_token_id=0, **kw)
+        with pytest.raises(swarmfs.ConfigError, match="beam search"):
+            c.reorder_cache(torch.tensor([0]))
+    assert not (tmp_path / "s").exists()

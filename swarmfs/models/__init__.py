@@ -20,7 +20,12 @@ from ._corpus import stdlib_dir as stdlib_dir
 from ._corpus import training_texts as training_texts
 
 __all__ = ["KINDS", "Document", "data_dir", "documents", "heldout_documents", "heldout_texts",
-           "stdlib_dir", "training_texts", "DEFAULT_DECODER"]
+           "stdlib_dir", "training_texts", "DEFAULT_DECODER", "DECODER_TRAINED_TOKENS"]
 
 #: Directory of the trained decoder (config, safetensors, tokenizer).
 DEFAULT_DECODER: pathlib.Path = pathlib.Path(__file__).resolve().parent / "swarm-llama"
+
+#: Longest context the trained decoder saw in training (tokens; docs/model.md:
+#: "trained to 16384").  Its config allows 32,768 positions, but past this
+#: length its output is not trained; ``swarmfs generate`` warns before any work.
+DECODER_TRAINED_TOKENS: int = 16384
