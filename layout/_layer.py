@@ -27,6 +27,7 @@ from .._validate import (
     parse_ratio,
 )
 from ..decode._hot import hot_clusters
+from ..store._write import REPRESENTATIVES
 from ._cluster import METRICS, Clustering, cluster
 from ._profile import profile_layer
 
@@ -53,10 +54,14 @@ class LayoutParams:
             of the layer's KV bytes (eq. 6 chooses which clusters fill it).
         t_base_us, t_transfer_us: eq. 6 costs (µs, >= 0): SSD access latency
             and per-entry transfer time.
+        representative: the key the DRAM index keeps per cluster, passed to
+            ``Store.write_layer``: ``"medoid"`` (§5.2) or ``"centroid"`` (the
+            members' mean K); None: the writer's default (``"medoid"``, and
+            ``defaults.DECODER_REPRESENTATIVE`` in ``swarmfs.hf``).
 
     Raises:
         InvalidRatioError: ratio or tau outside (0, 1].
-        InvalidChoiceError: an unknown metric.
+        InvalidChoiceError: an unknown metric or representative.
         InvalidIntegerError: max_queries below 1, local_window below 0.
         InvalidFractionError: hot_fraction outside [0, 1].
         InvalidNumberError: a negative or non-finite cost.
@@ -70,6 +75,7 @@ class LayoutParams:
     hot_fraction: float = defaults.HOT_FRACTION
     t_base_us: float = defaults.T_BASE_US
     t_transfer_us: float = defaults.T_TRANSFER_US
+    representative: str | None = None
 
     def __post_init__(self):
         parse_ratio(self.ratio, "ratio")
@@ -85,6 +91,8 @@ class LayoutParams:
         parse_fraction(self.hot_fraction, "hot_fraction")
         parse_number(self.t_base_us, "t_base_us", 0, unit="µs")
         parse_number(self.t_transfer_us, "t_transfer_us", 0, unit="µs")
+        if self.representative is not None:
+            parse_choice(self.representative, "representative", REPRESENTATIVES)
 
 
 @checked

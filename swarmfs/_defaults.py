@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __all__ = ["RATIO", "LOCAL_WINDOW", "T_BASE_US", "T_TRANSFER_US", "SSD_GBPS", "HOT_FRACTION",
            "ONLINE_TAU", "MAX_JOINS", "NEW_CLUSTER_SIZE", "FLUSH_BATCH", "DECODER_TAU",
-           "DECODER_MAX_CLUSTER_SIZE", "ATTENTION_SINKS"]
+           "DECODER_MAX_CLUSTER_SIZE", "DECODER_REPRESENTATIVE", "ATTENTION_SINKS"]
 
 #: Sparsity ratio r: the fraction of a context's entries a query may use
 #: (the entry budget is ceil(r x S)); SWARM §8.1 evaluates at 0.10.
@@ -39,6 +39,10 @@ DECODER_TAU = 0.3
 #: ``layout`` gives none); with DECODER_TAU it sets the operating point
 #: (issue 23: entries per cluster, DRAM index size, read size).
 DECODER_MAX_CLUSTER_SIZE = 64
+#: What the DRAM index keeps per cluster for a decoder's prompt
+#: (``SwarmCache`` when its ``layout`` gives none): ``"medoid"`` (SWARM §5.2)
+#: or ``"centroid"`` (the members' mean key; ``Store.write_layer``).
+DECODER_REPRESENTATIVE = "medoid"
 #: Eq. 9 radius of the online maintenance (§6.2): a new entry joins clusters
 #: co-activated in more than (1 - tau) of the W steps it is observed.
 ONLINE_TAU = 0.5

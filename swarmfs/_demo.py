@@ -90,6 +90,7 @@ def build_store(cap, store_path, *, disks=4, params: LayoutParams = LayoutParams
         kv = np.ascontiguousarray(np.stack([k, v], axis=0).transpose(2, 0, 1, 3))
         store.write_layer(layer, kv, (cl.ptr, cl.members), cl.medoids, hot=hot,
                           freq=cl.freq, local_window=local_window(params, S),
+                          representative=params.representative or "medoid",
                           extra={"layout": {"tau": cl.stats.tau, "metric": cl.stats.metric,
                                             "ratio": params.ratio}})
         t2 = time.perf_counter()

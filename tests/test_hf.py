@@ -154,6 +154,38 @@ def test_decoder_layout_tau_default_and_override(tmp_path):
     assert _defaults.DECODER_TAU == 0.3
 
 
+def test_decoder_layout_representative_default_and_centroid(tmp_path):
+    """The decoder path keeps ``DECODER_REPRESENTATIVE`` unless the layout
+    names one; a centroid layout's index keys are its clusters' mean keys,
+    also after decoding appended entries (r = 1 matches dense either way)."""
+    from swarmfs import _defaults
+    from swarmfs.layout import LayoutParams
+    model = make_model("llama")
+    ids = prompt(300)
+    seq_d, lg_d = dense_generate(model, ids, 40)
+    H.enable(model)
+    for name, layout, want in (("default", None, _defaults.DECODER_REPRESENTATIVE),
+                               ("centroid", LayoutParams(representative="centroid",
+                                                         local_window=8), "centroid")):
+        cache = H.SwarmCache(tmp_path / name, model.config, ratio=1.0, disks=2, layout=layout)
+        with cache:
+            seq, lg = generate(model, ids, cache, 40)
+        assert torch.equal(seq, seq_d) and float((lg - lg_d).abs().max()) <= 1e-4
+        from swarmfs import Store
+        with Store.open(tmp_path / name) as st:
+            for layer in st.layers:
+                assert st.layer_record(layer).representative == want
+                li = st.layer(layer)
+                if want != "centroid":
+                    continue
+                assert li.num_tokens > 300                   # decoded entries were appended
+                k = st.read_entries(layer, np.arange(li.num_tokens))[:, 0].astype(np.float64)
+                means = np.stack([k[li.members[a:b]].mean(0) for a, b in
+                                  zip(li.members_ptr[:-1], li.members_ptr[1:], strict=True)])
+                assert np.allclose(st.medoid_keys(layer), means, rtol=1e-5, atol=1e-6)
+    assert _defaults.DECODER_REPRESENTATIVE == "medoid"
+
+
 def test_sparse_budget_differs_from_dense_by_a_small_amount(tmp_path):
     """r < 1 decodes; its logits move away from dense, less as r grows
     (measured on this random model: max |diff| ~0.15 at r = 0.1, ~0.05 at

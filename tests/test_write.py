@@ -176,3 +176,107 @@ def test_a_transaction_commits_once_and_only_inside_its_lock(tmp_path):
     s.append(0, kv[:1], [[0]])                     # the lock was released both times
     assert s.num_tokens(0) == 41
     s.close()
+
+
+# -- the index's representative keys (issue 23) ------------------------------------
+
+def _mean_keys(kv, li):
+    """Each cluster's mean K from the members, float64 -> rounded like the writer."""
+    k = kv[:, 0].astype(np.float64)
+    return np.stack([k[li.members[li.members_ptr[c]:li.members_ptr[c + 1]]].mean(0)
+                     for c in range(li.num_clusters)])
+
+
+def _ulps_close(got, want, dtype):
+    """float32-accumulated means against float64 ones: within one rounding step."""
+    eps = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -22}[dtype]
+    got = got.astype(np.float64)
+    return np.all(np.abs(got - want) <= 2 * eps * np.maximum(np.abs(want), 1e-3) + 1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_centroid_index_holds_the_members_mean_key_through_appends(tmp_path, dtype):
+    """representative="centroid": medoid_keys are each cluster's mean K (the
+    replicas included), the manifest says so, and appends keep every changed
+    cluster's mean exact (joins into old clusters, new clusters) while the
+    unchanged clusters keep their bytes."""
+    from swarmfs import Store
+    if dtype == "bfloat16":
+        ml = pytest.importorskip("ml_dtypes")
+        npd = ml.bfloat16
+    else:
+        npd = np.dtype(dtype)
+    rng = np.random.default_rng(3)
+    s = Store.create(tmp_path / "s", disks=3, num_layers=2, num_kv_heads=2, head_dim=8,
+                     dtype=dtype)
+    kv = rng.standard_normal((60, 2, 2, 8)).astype(np.float32).astype(npd)
+    cl = [np.arange(0, 25), np.arange(20, 45), np.arange(45, 60), np.array([3, 50])]
+    s.write_layer(0, kv, cl, representative="centroid")
+    s.write_layer(1, kv, cl)                                  # the default: medoids
+    li = s.layer(0)
+    assert _ulps_close(s.medoid_keys(0), _mean_keys(kv, li), dtype)
+    assert np.array_equal(s.medoid_keys(1).view(np.uint8),
+                          kv[li.medoid, 0].view(np.uint8))
+    assert s.info()["layers"]["0"]["representative"] == "centroid"
+    assert s.info()["layers"]["1"]["representative"] == "medoid"
+    before = s.medoid_keys(0).copy()
+    new = rng.standard_normal((7, 2, 2, 8)).astype(np.float32).astype(npd)
+    s.append(0, new, [[1], [1, 3], [], [], [], [2], []], new_cluster_size=2)
+    li = s.layer(0)
+    allkv = s.read_entries(0, np.arange(li.num_tokens))
+    assert _ulps_close(s.medoid_keys(0), _mean_keys(allkv, li), dtype)
+    assert np.array_equal(s.medoid_keys(0)[0].view(np.uint8), before[0].view(np.uint8))
+    s.close()
+    with Store.open(tmp_path / "s", writable=True) as s2:   # persisted, and checks out
+        assert s2.info()["layers"]["0"]["representative"] == "centroid"
+        assert s2.verify() == []
+        s2.write_layer(0, kv, cl)                   # a rewrite says what it holds anew
+        assert s2.info()["layers"]["0"]["representative"] == "medoid"
+
+
+def test_a_medoid_layer_record_is_written_as_before(tmp_path):
+    """Stores that never ask for centroids keep their manifest bytes: the
+    record gains no key (older readers and checksums see what they always
+    did); a centroid layer's record says ``representative``."""
+    import json
+
+    from swarmfs import Store
+    s = Store.create(tmp_path / "s", disks=2, num_layers=2, num_kv_heads=1, head_dim=4)
+    kv = np.ones((8, 2, 1, 4), np.float16)
+    s.write_layer(0, kv, [np.arange(8)])
+    s.write_layer(1, kv, [np.arange(8)], representative="centroid")
+    rec = json.loads((tmp_path / "s" / "manifest.json").read_text())["layers"]
+    assert "representative" not in rec["0"]
+    assert rec["1"]["representative"] == "centroid"
+    s.close()
+
+
+@pytest.mark.parametrize("bad", ["mean", "", None, 1, "Centroid"])
+def test_an_unknown_representative_is_refused_before_writing(tmp_path, bad):
+    from swarmfs import Store
+    s = Store.create(tmp_path / "s", disks=2, num_layers=1, num_kv_heads=1, head_dim=4)
+    with pytest.raises(E.InvalidChoiceError, match="representative"):
+        s.write_layer(0, np.ones((4, 2, 1, 4), np.float16), [np.arange(4)],
+                      representative=bad)
+    assert s.info()["layers"] == {}
+    s.close()
+
+
+def test_a_manifest_with_an_unknown_representative_does_not_open(tmp_path):
+    """The field is part of the checked schema: an edited value is a
+    ManifestError naming it, not a store that scores the wrong keys."""
+    import json
+
+    from swarmfs import Store
+    from swarmfs.store import _format as F
+    s = Store.create(tmp_path / "s", disks=2, num_layers=1, num_kv_heads=1, head_dim=4)
+    s.write_layer(0, np.ones((4, 2, 1, 4), np.float16), [np.arange(4)],
+                  representative="centroid")
+    s.close()
+    p = tmp_path / "s" / "manifest.json"
+    doc = json.loads(p.read_text())
+    doc["layers"]["0"]["representative"] = "mean"
+    doc["checksum"] = F.manifest_checksum(doc)
+    p.write_text(json.dumps(doc))
+    with pytest.raises(E.ManifestError, match="representative"):
+        Store.open(tmp_path / "s")

@@ -18,6 +18,9 @@ Methods (all on the same token ids, at each sparsity ratio r):
 * ``dense`` -- full attention (SDPA), the reference.
 * ``swarm`` -- :class:`swarmfs.hf.SwarmCache` (SWARM §5-§7: layout, medoid
   index, window, hot clusters, batched reads from file disks).
+* ``swarm@TAU/CAP/REP`` (``--swarm-layout``) -- ``swarm`` laid out with
+  radius TAU, at most CAP entries per cluster, and a ``medoid`` or
+  ``centroid`` index (``LayoutParams``): the operating points of issue 23.
 * ``quest``, ``infllm``, ``pqcache`` -- the same store and Retriever with
   the baselines' layouts and indexes (``swarmfs.layout._baselines``).
 * ``sinks`` -- StreamingLLM: the first 4 tokens and the most recent ones,
@@ -171,19 +174,41 @@ def kv_bytes(model, tokens: int) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * d * 4 * tokens
 
 
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``"TAU/CAP/REP"`` (``0.9/16/centroid``) -> (method label, LayoutParams
+    fields): a SWARM layout other than the decoder default."""
+    from swarmfs.layout import LayoutParams
+    try:
+        tau, cap, rep = text.split("/")
+        fields = {"tau": float(tau), "max_cluster_size": int(cap), "representative": rep}
+        LayoutParams(**fields)
+    except Exception as exc:                           # noqa: BLE001 (reported as usage)
+        raise click.BadParameter(f"{text!r}: TAU/CAP/REP, e.g. 0.9/16/centroid ({exc})") \
+            from None
+    return f"swarm@{text}", fields
+
+
+def base_method(method: str) -> str:
+    """``swarm@...`` -> ``swarm``; other methods unchanged."""
+    return method.split("@", 1)[0]
+
+
 def store_logits(model, ids: np.ndarray, start: int, *, method: str, ratio: float,
                  workdir: pathlib.Path, disks: int):
-    """Teacher-forced decode with the KV on swarmfs (``method``), and the
-    step's cost: recall, DRAM fraction, SSD bytes / requests / mean read,
-    entries per cluster."""
+    """Teacher-forced decode with the KV on swarmfs (``method``: a store
+    method, or ``swarm@TAU/CAP/REP``), and the step's cost: recall, DRAM
+    fraction, SSD bytes / requests / mean read, entries per cluster."""
     import torch
 
     from swarmfs import hf
     from swarmfs._generate import recall_report
-    path = workdir / f"{method}-{ratio}-{time.monotonic_ns()}"
+    from swarmfs.layout import LayoutParams
+    layout = LayoutParams(**parse_variant(method.split("@", 1)[1])[1]) if "@" in method \
+        else None
+    path = workdir / f"{base_method(method)}-{ratio}-{time.monotonic_ns()}"
     with torch.no_grad(), hf.SwarmCache(path, model.config, ratio=ratio, disks=disks,
-                                        method=method, record=True, append=True,
-                                        force=True) as cache:
+                                        method=base_method(method), record=True,
+                                        append=True, force=True, layout=layout) as cache:
         out = model(torch.from_numpy(ids[None, :start]), cache=cache, use_cache=True)
         lg, dram = [out.logits[0, -1]], 0
         for t in range(start, ids.size - 1):
@@ -297,7 +322,7 @@ def summarize(runs: list[dict]) -> list[dict]:
     perplexity (geometric over kinds), KL, and the cost means."""
     from swarmfs.models.tasks import TASKS
     keys = sorted({(r["length"], r["method"], r["ratio"] or 0.0) for r in runs},
-                  key=lambda x: (x[0], METHODS.index(x[1]), x[2]))
+                  key=lambda x: (x[0], METHODS.index(base_method(x[1])), x[1], x[2]))
     out = []
     for length, m, ratio in keys:
         sel = [r for r in runs if r["length"] == length and r["method"] == m
@@ -352,7 +377,8 @@ def plot(summary: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
     out.mkdir(parents=True, exist_ok=True)
     lengths = sorted({r["length"] for r in summary})
     ratios = sorted({r["ratio"] for r in summary if r["ratio"]})
-    methods = [m for m in METHODS if any(r["method"] == m for r in summary)]
+    methods = sorted({r["method"] for r in summary},
+                     key=lambda m: (METHODS.index(base_method(m)), m))
     fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.6), squeeze=False)
     for ax, length in zip(axes[0], lengths, strict=True):
         for m in methods:
@@ -407,6 +433,9 @@ def _ints(ctx, param, value):
 @click.option("--samples", type=COUNT, default=4, help="task samples per length")
 @click.option("--ratios", type=RATIO, multiple=True, default=[0.1])
 @click.option("--methods", multiple=True, type=click.Choice(METHODS), default=METHODS)
+@click.option("--swarm-layout", "variants", multiple=True, callback=lambda c, p, v: v,
+              help="also run SWARM laid out as TAU/CAP/REP (e.g. 0.9/16/centroid: "
+                   "radius, entries-per-cluster cap, medoid or centroid index)")
 @click.option("--continuation", type=COUNT, default=64,
               help="held-out text tokens scored after each context (perplexity, KL)")
 @click.option("--offset", type=click.IntRange(min=0), default=0,
@@ -426,6 +455,9 @@ def cli(**o):
     if args.quick:
         args.lengths, args.samples, args.continuation = (1024,), 1, 16
         args.ratios = args.ratios if o["ratios"] != (0.1,) else (0.1,)
+    args.methods = (*args.methods, *(parse_variant(v)[0] for v in args.variants))
+    if "dense" not in args.methods:         # the reference of every KL
+        args.methods = ("dense", *args.methods)
     from swarmfs.models import DEFAULT_DECODER
     args.model = args.model or DEFAULT_DECODER
     model, tok = load_model(args.model, args.threads)

@@ -179,9 +179,10 @@ class SwarmCache(DecodeMixin, Cache):
         disks: N file disks or a list of disk paths (as ``Store.create``;
             each row's store gets its own).
         layout: :class:`swarmfs.layout.LayoutParams` (tau, local window W,
-            hot fraction, eq. 6 costs); its ratio is replaced by ``ratio``,
-            and a tau or max_cluster_size of None by ``defaults.DECODER_TAU``
-            and ``DECODER_MAX_CLUSTER_SIZE``.  W is the
+            hot fraction, eq. 6 costs, representative); its ratio is
+            replaced by ``ratio``, and a tau, max_cluster_size or
+            representative of None by ``defaults.DECODER_TAU``,
+            ``DECODER_MAX_CLUSTER_SIZE`` and ``DECODER_REPRESENTATIVE``.  W is the
             DRAM window (the last min(W, S) stored tokens, §5.2) and the
             steps a new token stays in DRAM before it joins clusters (§6.2);
             a query uses the last min(W, S, ceil(rS) // 4) stored tokens, S
@@ -275,7 +276,9 @@ class SwarmCache(DecodeMixin, Cache):
             layout, ratio=self.ratio,
             tau=defaults.DECODER_TAU if layout.tau is None else layout.tau,
             max_cluster_size=defaults.DECODER_MAX_CLUSTER_SIZE
-            if layout.max_cluster_size is None else layout.max_cluster_size)
+            if layout.max_cluster_size is None else layout.max_cluster_size,
+            representative=defaults.DECODER_REPRESENTATIVE
+            if layout.representative is None else layout.representative)
         self.prefetch_mode = prefetch
         self.append, self.tau, self.record = bool(append), float(tau), bool(record)
         self.sinks, self.progress = int(sinks), progress
@@ -753,6 +756,7 @@ class SwarmCache(DecodeMixin, Cache):
             self._progress("layout")
             doc.store.write_layer(layer, kv, (cl.ptr, cl.members), cl.medoids, hot=hot,
                                   freq=cl.freq, local_window=W,
+                                  representative=self.params.representative,
                                   extra={"layout": {"tau": cl.stats.tau,
                                                     "metric": cl.stats.metric,
                                                     "ratio": self.ratio}, **prefix})

@@ -190,6 +190,10 @@ class LayerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         hot_clusters: clusters marked hot (eq. 6).
         index: the layer's index file.
         generation: the commit that wrote the index file.
+        representative: what the index's ``medoid_keys`` hold per cluster:
+            ``"medoid"`` (SWARM §5.2: the medoid entry's K) or ``"centroid"``
+            (the mean K of the cluster's members, kept exact by appends;
+            docs/deviations.md).  Written only when not ``"medoid"``.
         extra: the caller's JSON fields (``write_layer(extra=...)``); not a
             key of the JSON record but every key beyond the others.
     """
@@ -201,6 +205,7 @@ class LayerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     hot_clusters: _Tokens
     index: IndexRecord
     generation: Annotated[int, Meta(ge=1, le=_U63)]
+    representative: Literal["medoid", "centroid"] = "medoid"
     extra: Mapping = msgspec.field(default_factory=lambda: _EMPTY)
 
     def to_dict(self) -> dict:
@@ -209,7 +214,9 @@ class LayerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
                 "num_tokens": self.num_tokens, "num_clusters": self.num_clusters,
                 "num_copies": self.num_copies, "replication": self.replication,
                 "hot_clusters": self.hot_clusters, "index": self.index.to_dict(),
-                "generation": self.generation}
+                "generation": self.generation,
+                **({"representative": self.representative}
+                   if self.representative != "medoid" else {})}
 
 
 #: keys of a layer record that swarmfs sets itself (the rest is the

@@ -513,7 +513,7 @@ class Store:
     @E.boundary
     def write_layer(self, layer: int, kv, clusters, medoids=None, *, hot=None,
                     freq=None, local_window: int | None = None, extra: dict | None = None,
-                    placement: str = "eq7") -> None:
+                    placement: str = "eq7", representative: str = "medoid") -> None:
         """Write (or rewrite) one layer and commit it.
 
         Clusters are placed by eq. 7 after the data already on the disks and
@@ -536,8 +536,14 @@ class Store:
             extra: JSON-ready dict stored in the layer's manifest record.
             placement: ``"eq7"`` (SWARM §5.2) or ``"disk0"`` (every cluster
                 starts at disk 0: the No-Balance ablation of §8.3).
+            representative: the key the index keeps per cluster (what a
+                ``MedoidSelector`` scores): ``"medoid"`` (SWARM §5.2: the
+                medoid's K) or ``"centroid"`` (the mean K of the members,
+                rounded to the store dtype; appends keep it exact).  The same
+                DRAM either way; docs/deviations.md says when each wins.
 
         Raises:
+            InvalidChoiceError: an unknown ``representative``.
             ShapeError: kv shape/dtype or cluster definitions are wrong.
             OutOfRangeError: layer outside the model.
             DiskFullError: a disk ran out of space (nothing is committed).
@@ -550,6 +556,8 @@ class Store:
         if local_window is not None:
             local_window = V.parse_nonneg_int(local_window, "local_window", store=self.path,
                                               layer=layer)
+        V.parse_choice(representative, "representative", _write.REPRESENTATIVES,
+                       store=self.path, layer=layer)
         rows, ptr, members, medoids, hot, freq = _write.check_layer_input(
             kv, clusters, medoids, hot, freq, extra, placement, entry_shape=self.entry_shape,
             dtype=self.dtype, layer=layer, store=self.path)
@@ -561,7 +569,7 @@ class Store:
                 except E.SwarmError:
                     old = None       # an unreadable old index: leave its space alone
             _write.write_layer(tx, old, layer, rows, ptr, members, medoids, hot, freq,
-                               local_window, extra, placement)
+                               local_window, extra, placement, representative)
 
     # -- the write transaction -------------------------------------------------
     def _transaction(self) -> _write.Transaction:
@@ -916,7 +924,7 @@ class Store:
         m = self._m
         layers = {str(k): {x: getattr(rec, x) for x in (
             "num_tokens", "num_clusters", "num_copies", "replication", "local_window",
-            "hot_clusters")} for k, rec in sorted(m.layers.items())}
+            "hot_clusters", "representative")} for k, rec in sorted(m.layers.items())}
         disks = [{"index": i, "path": self.disk_paths[i], "used_bytes": d.end,
                   "capacity": d.capacity or None, "size": _size_or_none(self.disk_paths[i])}
                  for i, d in enumerate(m.disks)]

@@ -23,6 +23,7 @@ import os
 import types
 import warnings
 from collections.abc import Sequence
+from typing import Literal, cast
 
 import msgspec
 import numpy as np
@@ -565,12 +566,13 @@ class Transaction:
 
     # -- the commit -------------------------------------------------------------------
     def commit(self, layer: int, arrays: dict, *, p_global: int,
-               local_window: int | None = None, extra: dict | None = None) -> Manifest:
+               local_window: int | None = None, extra: dict | None = None,
+               representative: str | None = None) -> Manifest:
         """Make a layer's new arrays the committed state: index file (fsync),
         prepared commit records on every disk (fdatasync), the manifest
         (atomic rename), then the records marked committed.  The data must
         be on the disks (:meth:`sync`).  The layer record keeps its previous
-        ``local_window`` and extra fields unless given.
+        ``local_window``, ``representative`` and extra fields unless given.
 
         Returns:
             The committed manifest (also passed to ``publish``).
@@ -599,12 +601,15 @@ class Transaction:
         M = int(arrays["members"].shape[0])
         if local_window is None:
             local_window = old.local_window if old is not None else m.local_window
+        if representative is None:
+            representative = old.representative if old is not None else "medoid"
         layers = dict(m.layers)
         layers[layer] = LayerRecord(
             num_tokens=S, num_clusters=int(arrays["members_ptr"].shape[0] - 1),
             num_copies=M, replication=round(M / S, 6), local_window=int(local_window),
             hot_clusters=int(np.asarray(arrays["hot"]).sum()),
             index=_index_record(rec), generation=gen,
+            representative=cast(Literal["medoid", "centroid"], representative),
             extra=types.MappingProxyType({**(old.extra if old is not None else {}),
                                           **(extra or {})}))
         new = msgspec.structs.replace(m, generation=gen, p_global=int(p_global),
@@ -657,14 +662,45 @@ def _metadata_error(exc: OSError, store, layer) -> E.SwarmError:
                            errno=exc.errno, store=store, layer=layer)
 
 
+#: what an index's ``medoid_keys`` may hold per cluster (``LayerRecord.representative``)
+REPRESENTATIVES = ("medoid", "centroid")
+
+
+def representative_keys(rows, ptr, local, medoid_rows, kind: str, dtype: str) -> np.ndarray:
+    """Each cluster's representative key, as the index's ``medoid_keys`` rows.
+
+    Args:
+        rows: uint8 [R, entry_bytes] entries (K first, then V).
+        ptr: int64 [C+1] cluster offsets into ``local``.
+        local: int [M] row of each cluster member.
+        medoid_rows: int [C] row of each cluster's medoid.
+        kind: ``"medoid"`` (SWARM §5.2: the medoid's K bytes) or
+            ``"centroid"`` (the mean K of the members, accumulated in
+            float32 and rounded to the store dtype).
+        dtype: the store dtype's name.
+
+    Returns:
+        uint8 [C, entry_bytes // 2], contiguous.
+    """
+    half = rows.shape[1] // 2
+    if kind == "medoid":
+        return np.ascontiguousarray(rows[medoid_rows, :half])
+    nd = F.numpy_dtype(dtype)
+    k = np.ascontiguousarray(rows[:, :half]).view(nd).astype(np.float32)
+    sums = np.add.reduceat(k[np.asarray(local, np.int64)], ptr[:-1], axis=0)
+    mean = sums / np.diff(ptr).astype(np.float32)[:, None]
+    return np.ascontiguousarray(mean.astype(nd)).view(np.uint8)
+
+
 def write_layer(tx: Transaction, old, layer: int, rows, ptr, members, medoids, hot, freq,
-                local_window, extra, placement) -> Manifest:
+                local_window, extra, placement, representative: str = "medoid") -> Manifest:
     """The work of :meth:`Store.write_layer` inside transaction ``tx``
     (arguments checked): place, write, sync, free the layer's previous
     extents (``old``: its :class:`LayerIndex`, or None), commit."""
     Eb = tx.entry_bytes
     token_xxh = xxh3_rows(rows, Eb)
-    medoid_keys = np.ascontiguousarray(rows[medoids, :Eb // 2])
+    medoid_keys = representative_keys(rows, ptr, members, medoids, representative,
+                                      tx.base_manifest.model.dtype)
     pl = tx.place(np.diff(ptr), p_global=tx.base_manifest.p_global, policy=placement, layer=layer)
     extent_xxh = tx.write_extents(rows, ptr, members, pl, layer)
     tx.sync()
@@ -678,7 +714,8 @@ def write_layer(tx: Transaction, old, layer: int, rows, ptr, members, medoids, h
                   medoid_keys=medoid_keys, hot=hot, freq=freq)
     return tx.commit(layer, arrays, p_global=pl.p_global,
                      local_window=local_window if local_window is not None
-                     else tx.base_manifest.local_window, extra=extra)
+                     else tx.base_manifest.local_window, extra=extra,
+                     representative=representative)
 
 
 def append_tokens(store, layer: int, kv, joins, *, new_cluster_size: int,
@@ -815,12 +852,18 @@ def _append_locked(tx: Transaction, store, layer: int, kv, joins, *, new_cluster
     extent_xxh[write] = xxh
     medoid = np.concatenate([li.medoid, new_medoids])
     half = store.entry_bytes // 2
-    new_keys = rows_new[medoid[C:] - S, :half]
+    medoid_keys = np.concatenate([li.medoid_keys, np.empty((k_new, half), np.uint8)])
+    if tx.base_manifest.layers[layer].representative == "centroid":
+        # every cluster that changed is rewritten from `rows`: its mean again, exactly
+        medoid_keys[write] = representative_keys(rows, w_ptr, local, None, "centroid",
+                                                 store.dtype)
+    else:
+        medoid_keys[C:] = rows_new[medoid[C:] - S, :half]
     arrays = dict(
         members_ptr=ptr, members=members, medoid=medoid, start_disk=start_disk,
         extent_off=extent_off, extent_xxh=extent_xxh,
         token_xxh=np.concatenate([li.token_xxh, xxh3_rows(rows_new, store.entry_bytes)]),
-        medoid_keys=np.concatenate([li.medoid_keys, new_keys]),
+        medoid_keys=medoid_keys,
         hot=np.concatenate([li.hot, np.zeros(k_new, np.uint8)]),
         freq=np.concatenate([li.freq, np.zeros(k_new, np.float32)]))
     tx.commit(layer, arrays, p_global=p_new)
