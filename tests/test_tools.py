@@ -48,6 +48,9 @@ def test_bench_decode_lists_and_defaults(monkeypatch):
     assert (a["what"], a["kinds"], a["ratios"], a["disk_paths"], a["steps"]) == \
         ("throughput", ["python", "prose"], [0.1, 0.2], ["/dev/loop0", "/dev/loop1"], 8)
     with pytest.raises(Parsed) as got:
+        bench_decode.main(["throughput", "--batch", "1", "4", "8", "--steps", "8"])
+    assert (got.value.args[0]["batch"], got.value.args[0]["steps"]) == ([1, 4, 8], 8)
+    with pytest.raises(Parsed) as got:
         bench_decode.main(["quality"])
     a = got.value.args[0]
     assert a["methods"] == ["swarm", "quest", "infllm", "pqcache", "sinks", "oracle"]

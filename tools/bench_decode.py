@@ -24,6 +24,11 @@ KV on the disks (``prefetch`` none and previous) against dense in-DRAM
 decoding (DynamicCache), medians per token, with the per-step breakdown (CPU
 µs of scoring/selection/planning/assembly/session/attention beside I/O µs),
 the §6.2 cache hit rate, the §7 prefetch hit rate, DRAM bytes and RSS.
+With ``--batch 1 4 8`` it measures batches instead (Fig. 16): B requests,
+each the next ``--context``-token window of the held-out text, each on its
+own store of ``--disks`` disks, decoded together ``--steps`` greedy steps; per batch
+size the step time, tokens/s (B tokens per step) against batch 1, the I/O
+µs and bytes per step, and dense DynamicCache on the same batch.
 
 ``online`` (Table 5 equivalent): after ``--steps`` greedy tokens with eq. 9
 upkeep (W = ``--online-window``), the co-activation distance of each new
@@ -39,6 +44,8 @@ fresh prefill.
         --out docs/data/decode-quality.json
     /work/bench-exclusive tools/dev run python -m tools.bench_decode throughput \\
         --out docs/data/decode-throughput.json
+    /work/bench-exclusive tools/dev run python -m tools.bench_decode throughput \\
+        --batch 1 4 8 --ratios 0.1 --out docs/data/decode-batch.json
 """
 
 from __future__ import annotations
@@ -272,11 +279,79 @@ def disks_for(args, i: int, n: int):
     return args.disk_paths[i * k:(i + 1) * k]
 
 
+def batch_throughput(args, model, tok):
+    """Fig. 16: batches of ``--batch`` sizes, each row its own request and
+    store, against dense DynamicCache on the same batch; medians per step."""
+    import torch
+    from transformers import DynamicCache
+
+    from swarmfs import hf
+    text = texts(args)[args.kinds[0]]
+    B_max = max(args.batch)
+    ctx = token_ids(tok, text, args.offset + args.context * B_max)[0, args.offset:]
+    rows = [ctx[i * args.context:(i + 1) * args.context] for i in range(B_max)]
+    out = {"context": args.context, "steps": args.steps, "ratio": args.ratios[0],
+           "kind": args.kinds[0], "disks": args.disks, "batches": {}}
+    for B in args.batch:
+        ids = torch.stack(rows[:B])
+        am = torch.ones_like(ids)
+        res = {}
+        with tempfile.TemporaryDirectory(dir=args.workdir) as wd, torch.no_grad():
+            for name in ("dense", "swarm"):
+                if name == "dense":
+                    model.set_attn_implementation("sdpa")
+                    cache = DynamicCache()
+                else:
+                    hf.enable(model)
+                    cache = hf.SwarmCache([pathlib.Path(wd) / f"row{i}" for i in range(B)],
+                                          model.config, ratio=args.ratios[0],
+                                          disks=disks_for(args, 0, 1), eos_token_id=False)
+                try:
+                    o = model(ids, attention_mask=am, cache=cache, use_cache=True)
+                    nxt = o.logits[:, -1:].argmax(-1)
+                    del o
+                    ms = []
+                    for _ in range(args.steps):
+                        am = torch.cat([am, torch.ones(B, 1, dtype=am.dtype)], 1)
+                        t0 = time.perf_counter()
+                        o = model(nxt, attention_mask=am, cache=cache, use_cache=True)
+                        ms.append((time.perf_counter() - t0) * 1e3)
+                        nxt = o.logits[:, -1:].argmax(-1)
+                    am = torch.ones_like(ids)
+                    med = statistics.median(ms)
+                    res[name] = {"step_ms": med, "tokens_per_s": B * 1e3 / med}
+                    if name == "swarm":
+                        s = cache.summary()
+                        res[name].update(io_us_per_step=s["io_us"],
+                                         bytes_per_step=s["bytes_read"],
+                                         cpu_us_per_step=sum(s[k] for k in (
+                                             "score_us", "select_us", "plan_us",
+                                             "assemble_us", "session_us")),
+                                         attend_us_per_step=s["attend_us"],
+                                         dram_bytes=s["dram_bytes"])
+                finally:
+                    if name == "swarm":
+                        cache.close()
+        out["batches"][str(B)] = res
+        base = out["batches"].get(str(min(args.batch)), res)
+        for name in res:
+            res[name]["vs_batch_1"] = res[name]["tokens_per_s"] / base[name]["tokens_per_s"]
+        print(f"batch {B}: swarmfs {res['swarm']['step_ms']:.1f} ms/step, "
+              f"{res['swarm']['tokens_per_s']:.1f} tokens/s "
+              f"({res['swarm']['vs_batch_1']:.2f}x batch {min(args.batch)}), I/O "
+              f"{res['swarm']['io_us_per_step']:.0f} µs/step; dense "
+              f"{res['dense']['tokens_per_s']:.1f} tokens/s", flush=True)
+    out["rss_mb"] = rss_mb()
+    return out
+
+
 def throughput(args, model, tok):
     """Dense in-DRAM decoding (DynamicCache) and swarmfs decoding (prefetch
     none / previous) step by step in turn, so that they share the machine's
-    noise; medians per token."""
+    noise; medians per token.  With ``--batch``: :func:`batch_throughput`."""
     import contextlib
+    if args.batch:
+        return batch_throughput(args, model, tok)
 
     import torch
     from transformers import DynamicCache
@@ -574,7 +649,7 @@ def reuse(args, model, tok):
 
 #: options that take one or more values, as ``--kinds python prose``
 #: (argparse's ``nargs="+"``); click gets them as repeated options
-_LISTS = ("--kinds", "--ratios", "--methods", "--disk-paths", "--dram-fractions")
+_LISTS = ("--kinds", "--ratios", "--methods", "--disk-paths", "--dram-fractions", "--batch")
 
 
 def _is_value(tok: str) -> bool:
@@ -643,6 +718,9 @@ class _ListsCommand(click.Command):
               default=[0.01, 0.02, 0.05, 0.1])
 @click.option("--threads", type=COUNT, default=2, help="torch threads")
 @click.option("--reps", type=COUNT, default=3, help="repetitions (reuse)")
+@click.option("--batch", type=COUNT, multiple=True, default=[],
+              help="throughput: batch sizes to measure (e.g. 1 4 8; Fig. 16), each row "
+                   "its own request and store")
 @click.option("--out", type=OutPath(), default=None)
 def cli(**options):
     args = types.SimpleNamespace(**{k: list(v) if isinstance(v, tuple) else v
