@@ -25,10 +25,11 @@ import numpy as np
 from .. import _errors as errors
 from .. import _validate as V
 from .._defaults import RATIO
+from ..store._format import to_torch
 from ..store._index import LayerIndex, union_ints, unique_ints
 from ..store._kernels import empty_aligned, kv_rows
 from ..store._planner import POLICIES
-from ..store._store import Store, to_torch
+from ..store._store import Store
 from . import _stages as stages
 from ._selectors import MedoidSelector, Selector
 from ._window import entry_budget, window_positions, window_size

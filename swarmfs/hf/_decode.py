@@ -15,8 +15,8 @@ import numpy as np
 
 from .. import _errors as errors
 from .. import _validate as V
+from ..store._format import to_torch
 from ..store._index import union_ints
-from ..store._store import to_torch
 from . import _batch
 from ._attention import _sdpa
 

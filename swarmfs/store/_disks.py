@@ -8,6 +8,7 @@ import errno
 import fcntl
 import mmap
 import os
+import shutil
 import stat
 import threading
 import warnings
@@ -147,6 +148,33 @@ def check_reusable(fd, p, i, store, force):
         raise E.StoreExistsError("block device holds data in its first MiB "
                                  "(use --force / force=True to overwrite)",
                                  disk=i, path=p, store=store)
+
+
+def prepare_store_dir(path: str, force: bool) -> bool:
+    """Make ``path`` an empty store directory for ``Store.create``: refuse a
+    non-empty one unless ``force`` (then remove what a store keeps there).
+    Returns whether the directory was created (so a failed create removes it).
+
+    Raises:
+        StoreExistsError: a file, a store or other files at ``path``, no ``force``.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise E.StoreExistsError("store path exists and is not a directory", store=path)
+    if os.path.isdir(path) and os.listdir(path):
+        if not force:
+            what = ("a store already exists here" if os.path.exists(
+                os.path.join(path, F.MANIFEST)) else "store path is not empty")
+            raise E.StoreExistsError(f"{what} (replace it with --force / force=True)",
+                                     store=path)
+        for sub in (F.MANIFEST, F.INDEX_DIR, "disks", ReaderLease.NAME):
+            p = os.path.join(path, sub)
+            if os.path.isdir(p):
+                shutil.rmtree(p)
+            elif os.path.exists(p):
+                os.unlink(p)
+    created = not os.path.exists(path)
+    os.makedirs(path, exist_ok=True)
+    return created
 
 
 def create_disks(path: str, disk_paths: list, *, force: bool, disk_size, block_size,

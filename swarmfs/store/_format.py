@@ -79,7 +79,7 @@ from .. import _errors as E
 __all__ = ["FORMAT_VERSION", "MAGIC", "COMMIT_MAGIC", "SUPERBLOCK_SIZE", "COMMIT_SIZE",
            "COMMIT_OFF", "DATA_START", "HEADER_BYTES", "MANIFEST", "INDEX_DIR",
            "MAX_MANIFEST_BYTES", "MAX_INDEX_BYTES", "MAX_JSON_DEPTH", "DTYPES", "DTYPE_CODES",
-           "numpy_dtype", "pack_superblock", "unpack_superblock", "pack_commit",
+           "numpy_dtype", "to_torch", "pack_superblock", "unpack_superblock", "pack_commit",
            "unpack_commit", "new_uuid", "fsync_dir", "atomic_write", "read_bounded",
            "json_depth", "parse_json", "manifest_checksum", "seal_manifest", "write_manifest",
            "write_sealed_manifest", "check_format", "read_manifest", "INDEX_NAME_RE",
@@ -678,3 +678,12 @@ def remove_stale_indexes(store_dir: str, keep: set) -> None:
         if name.endswith(".safetensors") and name not in keep:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(d, name))
+
+
+def to_torch(arr: np.ndarray, dtype_name: str):
+    """numpy array (store dtype; ml_dtypes bfloat16 allowed) -> torch tensor,
+    sharing memory."""
+    import torch
+    if dtype_name == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)

@@ -26,9 +26,9 @@ from .. import _defaults
 from .. import _errors as E
 from .. import _validate as V
 from . import _format as F
-from . import _write
-from ._disks import ReaderLease, create_disks, open_disks
-from ._engine import Engine, EngineStats, device_size
+from . import _inspect, _write
+from ._disks import ReaderLease, create_disks, open_disks, prepare_store_dir
+from ._engine import Engine, EngineStats
 from ._executor import Executor
 from ._index import LayerIndex, unique_ints
 from ._manifest import LayerRecord, Manifest, ModelIdentity, read_manifest, write_manifest
@@ -189,22 +189,7 @@ class Store:
             disks = [V.parse_path(p, "disks") for p in disks]
         V.parse_int(queue_depth, "queue_depth", 1, 32768)
         V.parse_bool(verify, "verify")
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise E.StoreExistsError("store path exists and is not a directory", store=path)
-        if os.path.isdir(path) and os.listdir(path):
-            if not force:
-                what = ("a store already exists here" if os.path.exists(
-                    os.path.join(path, F.MANIFEST)) else "store path is not empty")
-                raise E.StoreExistsError(f"{what} (replace it with --force / force=True)",
-                                         store=path)
-            for sub in (F.MANIFEST, F.INDEX_DIR, "disks", ReaderLease.NAME):
-                p = os.path.join(path, sub)
-                if os.path.isdir(p):
-                    shutil.rmtree(p)
-                elif os.path.exists(p):
-                    os.unlink(p)
-        created = not os.path.exists(path)
-        os.makedirs(path, exist_ok=True)
+        created = prepare_store_dir(path, force)
         try:
             return cls._create(path, disks=disks, model=model, disk_size=disk_size,
                                block_size=block_size, force=force, engine=engine,
@@ -770,7 +755,7 @@ class Store:
         arr = rows.view(self.np_dtype).reshape((n,) + self.entry_shape)
         if not torch:
             return arr
-        return to_torch(arr, self.dtype)
+        return F.to_torch(arr, self.dtype)
 
     @E.boundary
     def read_cluster(self, layer: int, cid: int, *, torch: bool = False,
@@ -893,24 +878,7 @@ class Store:
             raise E.InvalidTypeError(f"layers must be a list of layer numbers, got "
                                      f"{layers!r}"[:300], argument="layers", store=self.path)
         todo = self.layers if layers is None else [self._check_layer(x) for x in layers]
-        failures = []
-        sizes = np.array([self._executor.disk_size(d) for d in range(self.num_disks)],
-                         np.uint64)
-        gone = np.zeros(self.num_disks, bool)
-        for d, exc in self.disk_problems.items():
-            gone[d] = not isinstance(exc, (E.DiskTruncatedError, E.DiskMismatchError))
-        for layer in todo:
-            try:
-                li = self.layer(layer)
-            except E.SwarmError as exc:
-                failures.append(dict(layer=layer, cluster=None, disk=exc.disk,
-                                     path=exc.path, offset=None, extent_offset=None,
-                                     error=f"layer index unusable: {exc.message}",
-                                     entries=None, tokens=[], lost=[]))
-                continue
-            failures += self._executor.verify_layer(li, sizes, gone, self.disk_problems,
-                                                    max_batch, progress)
-        return failures
+        return _inspect.verify_layers(self, todo, progress, max_batch)
 
     @E.boundary
     def stats(self) -> StoreStats:
@@ -921,53 +889,9 @@ class Store:
     @E.boundary
     def info(self) -> dict:
         """JSON-ready summary: disks, sizes, layers, clusters, replication, engine."""
-        m = self._m
-        layers = {str(k): {x: getattr(rec, x) for x in (
-            "num_tokens", "num_clusters", "num_copies", "replication", "local_window",
-            "hot_clusters", "representative")} for k, rec in sorted(m.layers.items())}
-        disks = [{"index": i, "path": self.disk_paths[i], "used_bytes": d.end,
-                  "capacity": d.capacity or None, "size": _size_or_none(self.disk_paths[i])}
-                 for i, d in enumerate(m.disks)]
-        recs = m.layers.values()
-        copies = sum(r.num_copies for r in recs)
-        tokens = sum(r.num_tokens for r in recs)
-        return {
-            "path": self.path, "uuid": m.uuid, "format_version": F.FORMAT_VERSION,
-            "generation": m.generation, "model": m.model.to_dict(),
-            "block_size": self.block_size, "entry_bytes": self.entry_bytes,
-            "allocated_bytes": sum(d.end - F.DATA_START for d in m.disks),
-            "engine": self.engine.kind, "queue_depth": self.engine.queue_depth,
-            "verify_checksums": self.verify_checksums,
-            "num_disks": self.num_disks, "disks": disks,
-            "num_layers_stored": len(m.layers),
-            "clusters": sum(r.num_clusters for r in recs),
-            "entries": tokens, "copies": copies,
-            "replication": round(copies / tokens, 4) if tokens else None,
-            "kv_bytes": copies * self.entry_bytes,
-            "layers": layers,
-        }
+        return _inspect.store_info(self)
 
 
 def _drop_claim(lease, claim: list) -> None:
     """Release a garbage LayerIndex's claim on its generation."""
     lease.release(claim[0])
-
-
-def _size_or_none(p):
-    try:
-        fd = os.open(p, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        return device_size(fd)
-    finally:
-        os.close(fd)
-
-
-def to_torch(arr: np.ndarray, dtype_name: str):
-    """numpy array (store dtype; ml_dtypes bfloat16 allowed) -> torch tensor,
-    sharing memory."""
-    import torch
-    if dtype_name == "bfloat16":
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(arr)
