@@ -631,3 +631,35 @@ def test_beam_search_is_refused_before_any_store_is_written(tmp_path):
         with pytest.raises(swarmfs.ConfigError, match="beam search"):
             c.reorder_cache(torch.tensor([0]))
     assert not (tmp_path / "s").exists()
+
+
+def test_background_upkeep_decodes_and_stores_as_inline(tmp_path):
+    """upkeep="background" (issue 26): each layer's session upkeep runs on a
+    worker thread after its attention; greedy tokens and logits at r = 0.1
+    and the stored layers equal the inline run's, across flushes; it is
+    refused beside a prefetch and for an unknown mode."""
+    from swarmfs import Store
+    from swarmfs.layout import LayoutParams
+    model = make_model("llama")
+    ids = prompt(300)
+    runs = {}
+    for mode in ("inline", "background"):
+        H.enable(model)
+        cache = H.SwarmCache(tmp_path / mode, model.config, ratio=0.1, disks=2,
+                             layout=LayoutParams(local_window=16), upkeep=mode)
+        with cache:
+            seq, lg = generate(model, ids, cache, 60)
+        with Store.open(tmp_path / mode) as st:
+            state = [(st.layer(x).members.copy(), st.read_entries(x, np.arange(
+                st.num_tokens(x))).copy()) for x in st.layers]
+        runs[mode] = (seq, lg, state)
+    (sa, la, xa), (sb, lb, xb) = runs["inline"], runs["background"]
+    assert torch.equal(sa, sb) and torch.equal(la, lb)
+    assert all(np.array_equal(m1, m2) and np.array_equal(k1.view(np.uint8), k2.view(np.uint8))
+               for (m1, k1), (m2, k2) in zip(xa, xb, strict=True))
+    assert all(m.shape[0] > 300 for m, _ in xa)          # decoded entries were flushed
+    for kw, err in (({"upkeep": "background", "prefetch": "previous"},
+                     swarmfs.InvalidArgumentError),
+                    ({"upkeep": "thread"}, swarmfs.InvalidChoiceError)):
+        with pytest.raises(err, match="upkeep"):
+            H.SwarmCache(tmp_path / "bad", model.config, disks=2, **kw)

@@ -617,3 +617,105 @@ def test_discard_pending_forgets_the_newest_entries_and_their_steps(store, rng):
         with pytest.raises(E.InvalidArgumentError):
             sess.discard_pending(bad)                       # nothing pending: only 0 is valid
     sess.discard_pending(0)
+
+
+@pytest.mark.parametrize("include_new", [False, True])
+def test_deferred_upkeep_serves_and_stores_what_inline_upkeep_does(tmp_path, rng,
+                                                                    include_new):
+    """defer_upkeep=True (issue 26): steps return before the eq. 9 counts,
+    the §6.2 replacement, the pending entry and the flush; run at the next
+    step ("next"), or by ``upkeep()`` on a second thread while the caller
+    reads the step's K/V ("thread"), every step serves the same bytes and
+    positions as inline upkeep, the upkeeps report the same admissions,
+    evictions and flushes, and the store ends the same, across flushes,
+    new clusters, prefetched retrievals and reused buffers."""
+    from concurrent.futures import ThreadPoolExecutor
+    outs, ends = {}, {}
+    pool = ThreadPoolExecutor(1)
+    for mode in ("inline", "next", "thread"):
+        r2 = np.random.default_rng(11)
+        s, kv, cl = random_layer_store(tmp_path / mode, r2, S=S, H=H, HQ=HQ, D=D, disks=3,
+                                       clusters=60, extra_copies=100, hot=range(4),
+                                       freq=np.ones(60), local_window=32)
+        r = Retriever(s, ratio=0.2)
+        sess = DecodeSession(r, 0, window=12, flush_batch=5, tau=0.7, max_joins=2,
+                             new_cluster_size=3, reuse_outputs=True,
+                             defer_upkeep=mode != "inline")
+        new_kv = random_kv(r2, 45, H, D, "float16")
+        res, ups = [], []
+        for t in range(45):
+            q = r2.standard_normal((HQ, D)).astype(np.float32)
+            given = r.retrieve(0, q, torch=False) if t % 9 == 4 and mode == "inline" else None
+            if mode != "inline" and t % 9 == 4:
+                sess.upkeep()            # a retrieval made ahead sees the upkept layer
+                given = r.retrieve(0, q, torch=False)
+            x = sess.step(q, new_kv[t, 0], new_kv[t, 1], retrieval=given,
+                          include_new=include_new)
+            fut = pool.submit(sess.upkeep) if mode == "thread" else None
+            res.append((x.k.copy(), x.v.copy(), x.positions.copy()))   # beside the upkeep
+            if mode == "inline":
+                ups.append((x.admitted, x.evicted, x.flushed))
+            elif fut is not None:
+                u = fut.result()
+                ups.append((u.admitted, u.evicted, u.flushed))
+        final = sess.flush()
+        outs[mode] = (res, ups)
+        li = s.layer(0)
+        ends[mode] = (final, li.members_ptr.copy(), li.members.copy(), s.medoid_keys(0).copy(),
+                      r.hot(0).copy(), s.read_entries(0, np.arange(li.num_tokens)))
+        assert s.verify() == []
+        s.close()
+    pool.shutdown()
+    for mode in ("next", "thread"):
+        for t, (a, b) in enumerate(zip(outs["inline"][0], outs[mode][0], strict=True)):
+            for u, w in zip(a, b, strict=True):
+                assert u.shape == w.shape and same_bits(u, w), (mode, t)
+        for u, w in zip(ends["inline"], ends[mode], strict=True):
+            assert u.shape == w.shape and same_bits(u, w), mode
+    for a, b in zip(outs["inline"][1], outs["thread"][1], strict=True):
+        for u, w in zip(a, b, strict=True):
+            assert np.array_equal(u, w)
+    assert sum(f.size for _, _, f in outs["inline"][1]) >= 20        # flushes happened
+
+
+def test_deferred_upkeep_is_waited_for_and_guards_the_layer(store, rng):
+    """The next step waits for an upkeep running on another thread; a
+    second session stepping the layer meanwhile is refused; upkeep with
+    nothing due does nothing; a bad defer_upkeep is refused."""
+    import threading
+    s, kv, cl = store
+    r = Retriever(s, ratio=0.2)
+    sess = DecodeSession(r, 0, window=4, flush_batch=2, defer_upkeep=True)
+    u = sess.upkeep()
+    assert u.admitted.size == u.evicted.size == u.flushed.size == 0
+    new_kv = random_kv(rng, 8, H, D, "float16")
+    q = rng.standard_normal((HQ, D)).astype(np.float32)
+    sess.step(q, new_kv[0, 0], new_kv[0, 1])
+    assert sess.pending == 1                 # the due entry counts before its upkeep
+    gate, entered = threading.Event(), threading.Event()
+    orig = sess._upkeep
+
+    def slow(*a):
+        entered.set()
+        gate.wait(5)
+        return orig(*a)
+    sess._upkeep = slow
+    t = threading.Thread(target=sess.upkeep)
+    t.start()
+    assert entered.wait(5)
+    other = DecodeSession(r, 0)
+    with pytest.raises(E.ConcurrentUseError):
+        other.step(q)
+    done = []
+    t2 = threading.Thread(target=lambda: done.append(sess.step(q, new_kv[1, 0],
+                                                               new_kv[1, 1])))
+    t2.start()
+    t2.join(0.3)
+    assert not done                          # waiting for the upkeep
+    gate.set()
+    t.join(5)
+    t2.join(5)
+    assert done and sess.pending == 2
+    for bad in ("yes", 1, None):
+        with pytest.raises(E.InvalidArgumentError, match="defer_upkeep"):
+            DecodeSession(r, 0, defer_upkeep=bad)

@@ -347,8 +347,9 @@ def batch_throughput(args, model, tok):
 
 def throughput(args, model, tok):
     """Dense in-DRAM decoding (DynamicCache) and swarmfs decoding (prefetch
-    none / previous) step by step in turn, so that they share the machine's
-    noise; medians per token.  With ``--batch``: :func:`batch_throughput`."""
+    none / previous, and upkeep in the background) step by step in turn, so
+    that they share the machine's noise; medians per token.  With
+    ``--batch``: :func:`batch_throughput`."""
     import contextlib
     if args.batch:
         return batch_throughput(args, model, tok)
@@ -361,14 +362,20 @@ def throughput(args, model, tok):
     ctx = token_ids(tok, text, args.offset + args.context)[:, args.offset:]
     out = {"context": args.context, "steps": args.steps, "ratio": args.ratios[0],
            "kind": args.kinds[0], "disks": disks_for(args, 0, 2)}
-    names = ["dense", "swarm_prefetch_none", "swarm_prefetch_previous"]
+    # swarmfs: no prefetch, §7's prefetch, and the session upkeep on a worker
+    # thread after each layer's attention (issue 26)
+    variants = {"swarm_prefetch_none": ("none", "inline"),
+                "swarm_prefetch_previous": ("previous", "inline"),
+                "swarm_upkeep_background": ("none", "background")}
+    names = ["dense", *variants]
     with tempfile.TemporaryDirectory(dir=args.workdir) as wd, contextlib.ExitStack() as ex, \
             torch.no_grad():
         caches = {"dense": DynamicCache()}
-        for i, pf in enumerate(("none", "previous")):
-            caches[f"swarm_prefetch_{pf}"] = ex.enter_context(hf.SwarmCache(
-                pathlib.Path(wd) / pf, model.config, ratio=args.ratios[0],
-                disks=disks_for(args, i, 2), prefetch=pf, force=bool(args.disk_paths)))
+        for i, (name, (pf, up)) in enumerate(variants.items()):
+            caches[name] = ex.enter_context(hf.SwarmCache(
+                pathlib.Path(wd) / name, model.config, ratio=args.ratios[0],
+                disks=disks_for(args, i, len(variants)), prefetch=pf, upkeep=up,
+                force=bool(args.disk_paths)))
         nxt, ms = {}, {n: [] for n in names}
         for n in names:
             model.set_attn_implementation("sdpa") if n == "dense" else hf.enable(model)

@@ -26,8 +26,10 @@ A :class:`DecodeSession` drives one layer of a decode loop over a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+import threading
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -40,7 +42,7 @@ from ._report import query_token_mass
 from ._retrieve import Retrieval, Retriever, empty_kv
 from ._window import entry_budget
 
-__all__ = ["DecodeSession", "StepResult", "PipelinedStep", "pipelined_step"]
+__all__ = ["DecodeSession", "StepResult", "Upkeep", "PipelinedStep", "pipelined_step"]
 
 
 @V.checked_methods
@@ -65,6 +67,15 @@ class StepResult:
     v: np.ndarray
     positions: np.ndarray
     retrieval: Retrieval
+    admitted: np.ndarray
+    evicted: np.ndarray
+    flushed: np.ndarray
+
+
+class Upkeep(NamedTuple):
+    """What a step's upkeep changed (:meth:`DecodeSession.upkeep`): clusters
+    admitted to and evicted from the hot set (int64), positions flushed to
+    the store (int64)."""
     admitted: np.ndarray
     evicted: np.ndarray
     flushed: np.ndarray
@@ -106,8 +117,10 @@ class DecodeSession:
 
     Concurrency:
         One thread at a time may call :meth:`step` or :meth:`flush` for a
-        layer of a Retriever (whichever session it goes through); a second
-        concurrent call is detected and raises
+        layer of a Retriever (whichever session it goes through); with
+        ``defer_upkeep``, :meth:`upkeep` may run on another thread while the
+        caller attends, and the session's next step waits for it.  A second
+        concurrent step is detected and raises
         :class:`~swarmfs.ConcurrentUseError` without changing anything.
         Meanwhile any number of threads may :meth:`Retriever.retrieve` or
         :meth:`Retriever.prefetch` the same layer (the SWARM §7 pipeline):
@@ -135,8 +148,10 @@ class DecodeSession:
                  flush_batch: int = defaults.FLUSH_BATCH, hot_budget_bytes: int | None = None,
                  t_base_us: float = defaults.T_BASE_US,
                  t_transfer_us: float = defaults.T_TRANSFER_US,
-                 adapt_cache: bool = True, reuse_outputs: bool = False, baseline=None):
+                 adapt_cache: bool = True, reuse_outputs: bool = False, baseline=None,
+                 defer_upkeep: bool = False):
         V.parse_instance(retriever, "retriever", Retriever, layer=layer)
+        self.defer_upkeep = V.parse_bool(defer_upkeep, "defer_upkeep", layer=layer)
         tau = V.parse_ratio(tau, "tau", layer=layer)
         reuse_outputs = V.parse_bool(reuse_outputs, "reuse_outputs", layer=layer)
         adapt_cache = V.parse_bool(adapt_cache, "adapt_cache", layer=layer)
@@ -180,6 +195,11 @@ class DecodeSession:
         self._f = np.zeros((16, li.num_clusters), np.int32)
         self.hits = 0
         self.lookups = 0
+        # defer_upkeep: the step whose upkeep has not run yet, and the lock
+        # that makes the next step wait for an upkeep running on another thread
+        self._due: tuple | None = None
+        self._upkeep_cv = threading.Condition()
+        self._upkeep_running = False
 
     # -- one step ------------------------------------------------------------
     def step(self, q, k_new=None, v_new=None, *, retrieval: Retrieval | None = None,
@@ -198,7 +218,9 @@ class DecodeSession:
             retrieval: this step's retrieval made ahead of time (SWARM §7:
                 ``Retriever.prefetch(layer, q, torch=False)`` started while the
                 previous layer computed); default: retrieve now.  It must be of
-                this layer's current index (else ``SwarmError``).
+                this layer's current index (else ``SwarmError``); with
+                ``defer_upkeep``, call :meth:`upkeep` before retrieving ahead,
+                since the upkeep may flush.
             include_new: also return this step's own entry (``k_new``,
                 ``v_new``) after the pending ones, at the position it will be
                 stored at, so that the caller's attention needs no copy to
@@ -228,15 +250,77 @@ class DecodeSession:
         if include_new and row is None:
             raise errors.ShapeError("include_new needs this step's k_new and v_new",
                                     layer=self.layer)
+        with self._exclusive("another thread is stepping this layer (one "
+                             "DecodeSession.step per layer at a time)"):
+            return self._step(qf[0], row, retrieval, include_new)
+
+    @contextlib.contextmanager
+    def _exclusive(self, busy: str):
+        """The layer's step lock for this session's work, after any upkeep
+        another thread is running and with the due one run first.
+
+        Raises:
+            ConcurrentUseError: ``busy``: another thread holds the step lock
+                (nothing changed: a due upkeep stays due)."""
+        with self._upkeep_cv:
+            while self._upkeep_running:
+                self._upkeep_cv.wait()
+            due, self._due = self._due, None
         lock = self.r.step_lock(self.layer)
         if not lock.acquire(blocking=False):
-            raise errors.ConcurrentUseError("another thread is stepping this layer (one "
-                                            "DecodeSession.step per layer at a time)",
-                                            layer=self.layer)
+            with self._upkeep_cv:
+                self._due = due if self._due is None else self._due
+            raise errors.ConcurrentUseError(busy, layer=self.layer)
         try:
-            return self._step(qf[0], row, retrieval, include_new)
+            if due is not None:
+                self._upkeep(*due)
+            yield
         finally:
             lock.release()
+
+    def upkeep(self) -> Upkeep:
+        """Run the upkeep of the last step now (``defer_upkeep=True``): the
+        eq. 9 counts, the §6.2 hot-set replacement, the new entry added to the
+        pending ones, and a flush of the matured ones.  The next :meth:`step`
+        (or :meth:`flush`) runs it first when nobody did, so calling it is
+        optional; calling it after the step's attention, e.g. on a second
+        thread while the next layer computes, takes it off the step's
+        critical path.  A second call, or a call with nothing due, does
+        nothing and returns empty arrays.
+
+        Concurrency: may run on any thread while the caller reads the step's
+        K/V (they are not written); the session's next step, flush or upkeep
+        waits for it.
+
+        Returns:
+            An :class:`Upkeep` (clusters admitted and evicted, positions flushed).
+
+        Raises:
+            ConcurrentUseError: another session is stepping this layer.
+            DiskFullError, IOFailedError: the flush failed (the entries stay
+                pending).
+        """
+        empty = np.empty(0, np.int64)
+        with self._upkeep_cv:
+            due, self._due = self._due, None
+            if due is None:
+                return Upkeep(empty, empty, empty)
+            self._upkeep_running = True
+        try:
+            lock = self.r.step_lock(self.layer)
+            if not lock.acquire(blocking=False):
+                with self._upkeep_cv:
+                    self._due = due
+                raise errors.ConcurrentUseError("another thread is stepping this layer",
+                                                layer=self.layer)
+            try:
+                return self._upkeep(*due)
+            finally:
+                lock.release()
+        finally:
+            with self._upkeep_cv:
+                self._upkeep_running = False
+                self._upkeep_cv.notify_all()
 
     def _step(self, q: np.ndarray, row, retrieval, include_new: bool) -> StepResult:
         li0 = self.r.index(self.layer)
@@ -273,14 +357,24 @@ class DecodeSession:
             else:
                 k = np.concatenate([k, pk[:, 0].transpose(1, 0, 2)], axis=1)
                 v = np.concatenate([v, pk[:, 1].transpose(1, 0, 2)], axis=1)
-        self._count_coactivation(q, k[:, :n_ret + n_pend], ret, n_pend)
+        due = (q, k[:, :n_ret + n_pend], ret, n_pend, row)
+        if self.defer_upkeep:
+            self._due = due
+            e = np.empty(0, np.int64)
+            return StepResult(k=k, v=v, positions=pos, retrieval=ret, admitted=e, evicted=e,
+                              flushed=e)
+        u = self._upkeep(*due)
+        return StepResult(k=k, v=v, positions=pos, retrieval=ret, admitted=u.admitted,
+                          evicted=u.evicted, flushed=u.flushed)
+
+    def _upkeep(self, q, k, ret: Retrieval, n_pend: int, row) -> Upkeep:
+        """A step's maintenance after its entries are served (step lock held)."""
+        self._count_coactivation(q, k, ret, n_pend)
         admitted, evicted = self._replace_cache(ret) if self.adapt_cache else \
             (np.empty(0, np.int64), np.empty(0, np.int64))
         if row is not None:
             self._add_pending(row, q)
-        flushed = self._flush_matured()
-        return StepResult(k=k, v=v, positions=pos, retrieval=ret, admitted=admitted,
-                          evicted=evicted, flushed=flushed)
+        return Upkeep(admitted, evicted, self._flush_matured())
 
     def _outputs(self, li, after: int):
         """The session's K/V buffers [H_kv, cap, d], grown (by 1.25x) to hold
@@ -536,14 +630,8 @@ class DecodeSession:
         Raises:
             ConcurrentUseError: another thread is stepping this layer.
         """
-        lock = self.r.step_lock(self.layer)
-        if not lock.acquire(blocking=False):
-            raise errors.ConcurrentUseError("another thread is stepping this layer",
-                                            layer=self.layer)
-        try:
+        with self._exclusive("another thread is stepping this layer"):
             return self._flush_matured(force=True)
-        finally:
-            lock.release()
 
     def discard_pending(self, n: int) -> None:
         """Forget the ``n`` newest pending entries, never written: an assisted
@@ -557,20 +645,16 @@ class DecodeSession:
             InvalidArgumentError: ``n`` not an integer in [0, pending].
             ConcurrentUseError: another thread is stepping this layer.
         """
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or \
-                not 0 <= n <= self._n_pend:
-            raise errors.InvalidArgumentError(f"discard_pending: n must be an integer in "
-                                              f"[0, {self._n_pend}], got {n!r}", layer=self.layer)
-        lock = self.r.step_lock(self.layer)
-        if not lock.acquire(blocking=False):
-            raise errors.ConcurrentUseError("another thread is stepping this layer",
-                                            layer=self.layer)
-        try:
+        with self._exclusive("another thread is stepping this layer"):
+            # (the last step's entry is pending now, its upkeep done)
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or \
+                    not 0 <= n <= self._n_pend:
+                raise errors.InvalidArgumentError(
+                    f"discard_pending: n must be an integer in [0, {self._n_pend}], "
+                    f"got {n!r}", layer=self.layer)
             rest = self._n_pend - int(n)
             self._n_pend = rest
             self._age[:rest] = np.maximum(self._age[:rest] - int(n), 0)
-        finally:
-            lock.release()
 
     @property
     def hit_rate(self) -> float:
@@ -579,8 +663,10 @@ class DecodeSession:
 
     @property
     def pending(self) -> int:
-        """New entries still only in DRAM."""
-        return int(self.pend_rows.shape[0])
+        """New entries still only in DRAM (with ``defer_upkeep``, the last
+        step's entry counts before its upkeep adds it)."""
+        due = self._due is not None and self._due[4] is not None
+        return int(self.pend_rows.shape[0]) + int(due)
 
     @staticmethod
     def budget_for(retriever: Retriever, layer: int) -> int:

@@ -189,6 +189,13 @@ class SwarmCache(DecodeMixin, Cache):
             the current stored length.
         prefetch: ``"none"`` or ``"previous"`` (§7, see the module
             docstring; one row only).
+        upkeep: ``"inline"`` (default): each layer's session upkeep (eq. 9
+            counts, §6.2 replacement, pending entries, flushes) runs inside
+            its decode step.  ``"background"``: it runs on a worker thread
+            after the layer's attention, overlapping the next layers'
+            compute, and the layer's next step waits for it
+            (``DecodeSession(defer_upkeep=True)``; the same tokens and
+            store; issue 26).  Needs ``prefetch="none"``.
         method: ``"swarm"`` (co-activation clusters, medoid index), or one of
             the evaluation's baselines laid out by ``swarmfs.layout._baselines``
             on the same store and Retriever: ``"quest"`` (pages of 16, min/max
@@ -248,7 +255,8 @@ class SwarmCache(DecodeMixin, Cache):
                  append: bool = True, tau: float = defaults.ONLINE_TAU, record: bool = False,
                  method: str = "swarm", hot_budget: float | None = None, force: bool = False,
                  engine: str | None = None, sinks: int = defaults.ATTENTION_SINKS,
-                 eos_token_id=None, progress=None, _opened: list | None = None):
+                 eos_token_id=None, progress=None, upkeep: str = "inline",
+                 _opened: list | None = None):
         register()
         V.parse_choice(method, "method", METHODS)
         if method != "swarm" and _opened is not None:
@@ -263,6 +271,11 @@ class SwarmCache(DecodeMixin, Cache):
         # decode step, after the prefill has written the store
         V.parse_ratio(tau, "tau")
         V.parse_choice(prefetch, "prefetch", ("none", "previous"))
+        V.parse_choice(upkeep, "upkeep", ("inline", "background"))
+        if upkeep == "background" and prefetch != "none":
+            raise errors.InvalidArgumentError(
+                "upkeep='background' needs prefetch='none': a retrieval made ahead must "
+                "see the layer after its last upkeep", argument="upkeep")
         for name, v in (("append", append), ("record", record), ("force", force)):
             V.parse_bool(v, name)
         if layout is not None:
@@ -279,7 +292,7 @@ class SwarmCache(DecodeMixin, Cache):
             if layout.max_cluster_size is None else layout.max_cluster_size,
             representative=defaults.DECODER_REPRESENTATIVE
             if layout.representative is None else layout.representative)
-        self.prefetch_mode = prefetch
+        self.prefetch_mode, self.upkeep_mode = prefetch, upkeep
         self.append, self.tau, self.record = bool(append), float(tau), bool(record)
         self.sinks, self.progress = int(sinks), progress
         self._disks, self._force, self._engine = disks, force, engine
@@ -301,6 +314,8 @@ class SwarmCache(DecodeMixin, Cache):
         super().__init__(layers=[SwarmLayer(self, i, seen) for i in range(num_layers)])
         self.stats: list[StepStats] = []
         self._futures: dict = {}
+        self._upkeeps: dict = {}             # (row, layer) -> Future of a session's upkeep
+        self._upkeep_pool = None
         self._prev_q: dict[int, np.ndarray] = {}
         self._alive: np.ndarray | None = None      # rows x tokens of the running forward
         self._pads_checked = _opened is None
@@ -816,6 +831,8 @@ class SwarmCache(DecodeMixin, Cache):
                                              doc.store.entry_bytes)
             if self.method != "swarm":             # new tokens grow the baseline's index
                 kw["baseline"] = doc.rules[layer]
+            if self.upkeep_mode == "background":
+                kw["defer_upkeep"] = True
             s = self.session_class(r, layer, tau=self.tau, **kw)
             row.sessions[layer] = s
         return s
@@ -835,6 +852,11 @@ class SwarmCache(DecodeMixin, Cache):
                     with contextlib.suppress(Exception):     # only draining
                         f.result()
             self._futures.clear()
+            upkeeps, self._upkeeps = list(self._upkeeps.values()), {}
+            for f in upkeeps:        # an upkeep's error surfaces here, before the flush
+                f.result()
+            if self._upkeep_pool is not None:
+                self._upkeep_pool.shutdown()
             if self.append:
                 for r in self._rows:
                     if not r.doc.shared:

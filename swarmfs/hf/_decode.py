@@ -101,6 +101,9 @@ class DecodeMixin:
     record: bool
     ratio: float
     prefetch_mode: str
+    upkeep_mode: str
+    _upkeeps: dict
+    _upkeep_pool: Any
     path: Any
     _kv_dtype: Any
     _futures: dict
@@ -177,9 +180,24 @@ class DecodeMixin:
                     out[r.row, t] = o[0, 0]
                     self._note(r, layer, res, info, (time.perf_counter() - ta) * 1e6,
                                attended, query, t, scaling, keep)
+                    if self.upkeep_mode == "background":
+                        self._start_upkeep(r, layer)
         if out is None:                     # every row has finished
             out = query.new_zeros((B, T, Hq, d))
         return out, None
+
+    def _start_upkeep(self, row, layer: int) -> None:
+        """Run the session's upkeep of this step on the worker thread."""
+        if self._upkeep_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._upkeep_pool = ThreadPoolExecutor(1, thread_name_prefix="swarmfs-upkeep")
+        self._upkeeps[(row.row, layer)] = self._upkeep_pool.submit(row.sessions[layer].upkeep)
+
+    def _wait_upkeep(self, row, layer: int) -> None:
+        """The session's last upkeep, finished (its error raised here)."""
+        f = self._upkeeps.pop((row.row, layer), None)
+        if f is not None:
+            f.result()
 
     @staticmethod
     def _query(query, r, t) -> np.ndarray:
@@ -193,6 +211,8 @@ class DecodeMixin:
         dt = self._kv_dtype
         r = self._ensure_retriever(doc)
         sess = [self._session(row, layer) for row in rows]
+        for row in rows:
+            self._wait_upkeep(row, layer)
         qs = [self._query(query, row, t) for row in rows]
         ret, pre, hit, wait_us, measure_us = None, False, float("nan"), 0.0, 0.0
         tw = time.perf_counter()
