@@ -307,3 +307,51 @@ def test_pointers_out_of_order_are_refused_not_followed():
         with pytest.raises(InvalidArgumentError, match="in order"):
             select_clusters(np.array([1.0, 0.5, 0.2][:len(ptr) - 1], np.float32),
                             np.array(ptr), np.array([0, 1, 2]), num_tokens=4, budget=4)
+
+
+# -- threads="auto" (issue 26) ------------------------------------------------------
+
+def test_thread_chooser_follows_the_faster_setting_and_re_measures():
+    """One thread first, then two; then the faster by moving average, the
+    other re-measured at intervals that double while it keeps losing (so
+    a steady load wastes few calls); a change of load (two threads turning
+    slow, as when the model takes the other core) moves the choice within
+    a few re-measurements; layers are apart."""
+    from swarmfs.decode._selectors import ThreadChooser
+    ch = ThreadChooser(explore_every=4, max_interval=64, alpha=0.5)
+    assert ch.pick(0) == 1
+    ch.record(0, 1, 100.0)
+    assert ch.pick(0) == 2
+    ch.record(0, 2, 60.0)
+    picks = []
+    for _ in range(200):
+        t = ch.pick(0)
+        picks.append(t)
+        ch.record(0, t, 60.0 if t == 2 else 100.0)
+    ones = [i for i, t in enumerate(picks) if t == 1]
+    assert 3 <= len(ones) <= 8                         # 4, 8, 16, 32, 64, 64, ... apart
+    gaps = np.diff(ones)
+    assert gaps.tolist() == sorted(gaps.tolist()) and gaps[-1] <= 64
+    for _ in range(300):                                # the other core gets busy
+        t = ch.pick(0)
+        ch.record(0, t, 180.0 if t == 2 else 100.0)
+    last = [ch.pick(0) for _ in range(64)]
+    assert last.count(2) <= 2 and ch.estimate(0)[2] > ch.estimate(0)[1]
+    assert ch.pick(1) == 1 and ch.estimate(1) == {1: None, 2: None}
+
+
+def test_auto_threads_select_what_one_thread_does(small_fp16_store, rng):
+    """threads="auto" chooses the same clusters and entries as one thread,
+    whichever count each call used, and measures both counts."""
+    store, _ = small_fp16_store
+    one, auto = MedoidSelector(store), MedoidSelector(store, threads="auto")
+    assert auto.threads == "auto"
+    for _ in range(40):
+        q = rng.standard_normal((1, 8, 16)).astype(np.float32)
+        a, = one.select(0, q, budget=60, window=8)
+        b, = auto.select(0, q, budget=60, window=8)
+        assert a.clusters.tolist() == b.clusters.tolist() and a.entries == b.entries
+    est = auto.chooser.estimate(0)
+    assert est[1] is not None and est[2] is not None
+    with pytest.raises(InvalidArgumentError, match="threads"):
+        MedoidSelector(store, threads="Auto")

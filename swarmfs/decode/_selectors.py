@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import threading
+import time
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -43,7 +45,7 @@ from .._validate import checked_methods, parse_choice, parse_int, parse_positive
 __all__ = ["Selector", "FusedSelector", "MedoidSelector", "VectorSelector",
            "MultiVectorSelector", "BoundSelector", "TokenSelector", "Selection",
            "select_clusters", "group_queries", "score_medoids", "head_logits",
-           "single_threaded_blas"]
+           "single_threaded_blas", "ThreadChooser"]
 
 _BLAS = None
 
@@ -273,6 +275,76 @@ INDEXES = ("int8", "exact")
 
 
 @checked_methods
+class ThreadChooser:
+    """One or two threads for the int8 selection, from what calls measured
+    (``MedoidSelector(threads="auto")``, issue 26).
+
+    The second thread pays only when the other core is free; while the
+    model's attention, MLP or a BLAS pool uses it, two threads are slower
+    than one (here 4 ms against 0.2 ms at 8K tokens with the other core
+    busy).  So the chooser keeps, per layer, an exponential moving average
+    of the µs per query of each setting and uses the faster one.  It
+    re-measures the other setting after ``explore_every`` calls; each
+    re-measurement that confirms the choice doubles that interval (up to
+    ``max_interval``), one that overturns it resets it, so a losing setting
+    costs at most about 1/max_interval of the calls once the load is
+    steady, and a change of load is followed within a few re-measurements.
+    Starts with one thread, then measures two.
+
+    Concurrency: any number of threads may call :meth:`pick` and
+    :meth:`record` (one lock, held for a few operations).
+    """
+
+    def __init__(self, explore_every: int = 16, max_interval: int = 1024,
+                 alpha: float = 0.25):
+        self.explore_every = parse_positive_int(explore_every, "explore_every")
+        self.max_interval = max(parse_positive_int(max_interval, "max_interval"),
+                                self.explore_every)
+        self.alpha = float(alpha)
+        self._ema: dict[tuple[int, int], float] = {}
+        self._calls: dict[int, int] = {}
+        self._next: dict[int, int] = {}         # call number of the next re-measurement
+        self._interval: dict[int, int] = {}
+        self._exploring: dict[int, int] = {}    # the setting being re-measured
+        self._lock = threading.Lock()
+
+    def pick(self, layer: int) -> int:
+        """The thread count for this layer's next call: 1 or 2."""
+        with self._lock:
+            n = self._calls.get(layer, 0)
+            self._calls[layer] = n + 1
+            one, two = self._ema.get((layer, 1)), self._ema.get((layer, 2))
+            if one is None:
+                return 1
+            if two is None:
+                return 2
+            best = 1 if one <= two else 2
+            interval = self._interval.setdefault(layer, self.explore_every)
+            if n >= self._next.setdefault(layer, n + interval):
+                self._next[layer] = n + interval
+                self._exploring[layer] = 3 - best
+                return 3 - best
+            return best
+
+    def record(self, layer: int, threads: int, us_per_query: float) -> None:
+        """A call of ``threads`` threads took ``us_per_query`` µs per query."""
+        with self._lock:
+            old = self._ema.get((layer, threads))
+            self._ema[(layer, threads)] = us_per_query if old is None else \
+                old + self.alpha * (us_per_query - old)
+            if self._exploring.get(layer) == threads:
+                del self._exploring[layer]
+                other = self._ema.get((layer, 3 - threads))
+                interval = self._interval.get(layer, self.explore_every)
+                self._interval[layer] = min(2 * interval, self.max_interval) \
+                    if other is not None and us_per_query > other else self.explore_every
+
+    def estimate(self, layer: int) -> dict[int, float | None]:
+        """{threads: the moving average of µs per query, or None}."""
+        with self._lock:
+            return {t: self._ema.get((layer, t)) for t in (1, 2)}
+
+
 class MedoidSelector:
     """SWARM §5.2: score each cluster by its medoid's key (store dtype).
 
@@ -304,8 +376,11 @@ class MedoidSelector:
             speed: docs/benchmarks.md §9.
         threads: 1 (default) or 2: the one-level int8 score of one query on
             two threads (half the KV heads each; :func:`swarmfs.store._kernels.select_i8`),
-            for a step whose other work is not using the second core.  The
-            other scores and ``levels=2`` run on one thread.
+            for a step whose other work is not using the second core;
+            ``"auto"``: per layer, whichever of 1 and 2 measured faster
+            lately (:class:`ThreadChooser`), so the second core is used
+            only while it helps.  The other scores and ``levels=2`` run on
+            one thread.
     """
 
     kind = "clusters"
@@ -320,7 +395,9 @@ class MedoidSelector:
         from ..store._kernels import thread_count
         from ._index2 import check_coverage
         coverage = check_coverage(coverage)
-        self.threads = thread_count(threads)
+        self.chooser = ThreadChooser() if isinstance(threads, str) and threads == "auto" \
+            else None
+        self.threads = "auto" if self.chooser is not None else thread_count(threads)
         self.store = store
         self.score = score
         self.index = index
@@ -406,13 +483,19 @@ class MedoidSelector:
             return self._select_two_level(layer, li, m, q, budget, window)
         if ix is not None:
             from ..store._kernels import select_i8
+            qs = np.asarray(q, dtype=np.float32)
+            threads = self.threads if self.chooser is None else self.chooser.pick(layer)
+            t0 = time.perf_counter()
             out = []
-            for qq in np.asarray(q, dtype=np.float32):
+            for qq in qs:
                 cl, n = select_i8(ix, qq, self.store.num_kv_heads, scale=self.scale,
                                   ptr=li.members_ptr, members=li.members,
                                   num_tokens=li.num_tokens, budget=budget, window=window,
-                                  check=False, threads=self.threads)
+                                  check=False, threads=threads)
                 out.append(Selection(cl, n, window))
+            if self.chooser is not None and qs.shape[0]:
+                self.chooser.record(layer, threads,
+                                    (time.perf_counter() - t0) * 1e6 / qs.shape[0])
             return out
         if m.dtype == np.float32:
             return [_select(s, li.members_ptr, li.members, li.num_tokens, budget, window)
