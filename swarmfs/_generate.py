@@ -383,17 +383,20 @@ def recall_report(cache, ratio: float, context: int) -> dict:
         their ratio per query), "rel_error": mean attention-output error,
         "oracle_rel_error": ...}.
     """
-    from .decode._report import evaluate_query
+    from .decode._report import evaluate_queries
     st = cache.store
     per_layer, err, oerr, mass, omass = {}, [], [], [], []
     for layer, recs in sorted(cache.records.items()):
+        if not recs:
+            continue
         kv = st.read_entries(layer, np.arange(context)).astype(np.float32)
         k_ctx = np.ascontiguousarray(kv[:, 0].transpose(1, 0, 2))
         v_ctx = np.ascontiguousarray(kv[:, 1].transpose(1, 0, 2))
         rec = []
-        for q, pos, scaling, *_ in recs:
-            r = evaluate_query(q, k_ctx, v_ctx, pos[pos < context], scaling=scaling,
-                               ratio=ratio)
+        scaling = recs[0][2]
+        qs = np.stack([x[0] for x in recs])                     # [n, H_q, d]
+        for r in evaluate_queries(qs, k_ctx, v_ctx, [x[1][x[1] < context] for x in recs],
+                                  scaling=scaling, ratio=ratio):
             rec.append(r["recall"])
             err.append(r["rel_error"])
             oerr.append(r["oracle_rel_error"])

@@ -165,3 +165,25 @@ def test_query_token_mass_of_overflowing_logits_is_the_same_on_every_path(rng, e
         got = query_token_mass(q, k, 0.25)
         assert np.array_equal(np.isnan(got), np.isnan(want)), path
         np.testing.assert_allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=1e-5)
+
+
+def test_evaluate_queries_equals_one_query_at_a_time(rng):
+    """The batched evaluation (chunks of queries in one GEMM per KV head)
+    gives each query what evaluate_query gives it, across chunk edges,
+    with returned K/V and without."""
+    from swarmfs.decode._report import evaluate_queries
+    H, Hq, d, S, n = 2, 8, 16, 300, 11
+    k = rng.standard_normal((H, S, d)).astype(np.float32)
+    v = rng.standard_normal((H, S, d)).astype(np.float32)
+    qs = rng.standard_normal((n, Hq, d)).astype(np.float32)
+    pos = [np.sort(rng.choice(S, size=int(rng.integers(5, 80)), replace=False))
+           for _ in range(n)]
+    noisy = [v[:, p] + 0.1 for p in pos]
+    for kw in ({}, {"k_ret": [k[:, p] for p in pos], "v_ret": noisy}):
+        got = evaluate_queries(qs, k, v, pos, scaling=d ** -0.5, ratio=0.1, chunk=4, **kw)
+        for i in range(n):
+            one = {key: x[i] for key, x in kw.items()}
+            want = evaluate_query(qs[i], k, v, pos[i], scaling=d ** -0.5, ratio=0.1, **one)
+            assert got[i].keys() == want.keys()
+            for key in want:
+                assert got[i][key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
