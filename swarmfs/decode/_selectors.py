@@ -284,7 +284,9 @@ class ThreadChooser:
     than one (here 4 ms against 0.2 ms at 8K tokens with the other core
     busy).  So the chooser keeps, per layer, an exponential moving average
     of the µs per query of each setting and uses the faster one.  It
-    re-measures the other setting after ``explore_every`` calls; each
+    re-measures the other setting after ``explore_every`` calls (the
+    re-measurement replaces that setting's average, which may be stale or
+    from a cold first call); each
     re-measurement that confirms the choice doubles that interval (up to
     ``max_interval``), one that overturns it resets it, so a losing setting
     costs at most about 1/max_interval of the calls once the load is
@@ -330,9 +332,12 @@ class ThreadChooser:
         """A call of ``threads`` threads took ``us_per_query`` µs per query."""
         with self._lock:
             old = self._ema.get((layer, threads))
-            self._ema[(layer, threads)] = us_per_query if old is None else \
+            exploring = self._exploring.get(layer) == threads
+            # a re-measurement replaces the old average: its samples are rare and
+            # the average may be stale (a cold first call, another load)
+            self._ema[(layer, threads)] = us_per_query if old is None or exploring else \
                 old + self.alpha * (us_per_query - old)
-            if self._exploring.get(layer) == threads:
+            if exploring:
                 del self._exploring[layer]
                 other = self._ema.get((layer, 3 - threads))
                 interval = self._interval.get(layer, self.explore_every)
