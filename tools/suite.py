@@ -430,7 +430,7 @@ def _ints(ctx, param, value):
               default=None, help="decoder directory (default swarmfs.models.DEFAULT_DECODER)")
 @click.option("--lengths", callback=_ints, default="4096,8192,16384",
               help="context lengths, comma-separated")
-@click.option("--samples", type=COUNT, default=4, help="task samples per length")
+@click.option("--samples", type=COUNT, default=2, help="task samples per length")
 @click.option("--ratios", type=RATIO, multiple=True, default=[0.1])
 @click.option("--methods", multiple=True, type=click.Choice(METHODS), default=METHODS)
 @click.option("--swarm-layout", "variants", multiple=True, callback=lambda c, p, v: v,
