@@ -350,6 +350,7 @@ class ThreadChooser:
             return {t: self._ema.get((layer, t)) for t in (1, 2)}
 
 
+@checked_methods
 class MedoidSelector:
     """SWARM §5.2: score each cluster by its medoid's key (store dtype).
 
