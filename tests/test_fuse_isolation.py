@@ -221,6 +221,54 @@ def test_readers_of_healthy_disks_progress_beside_eight_stuck_readers(gated, tmp
         assert st["disk_waits"] >= 8 - st["per_disk"]
 
 
+@pytest.mark.slow
+def test_readers_of_one_open_file_are_not_held_by_its_stuck_read(gated, tmp_path):
+    """Several readers of one open file (one file handle, one stream in the
+    daemon): while one read of it waits on the stuck disk, reads of the same
+    file's entries on the other disks complete with the right bytes (a miss
+    reads without the stream's lock; bench_mount --isolation shares file
+    handles this way)."""
+    store, gate, want = gated
+    c = 0
+    on = _entry_disks(store, 0, c)
+    b = want[(0, c)]
+    Eb = len(b) // WIDE_N
+    j_stuck = int(np.flatnonzero(on == STUCK)[0])
+    # entries on the other disks, none next to another: random reads, no read-ahead
+    # (a read-ahead window spans every disk, so a read it serves waits for it)
+    others = np.flatnonzero(on != STUCK)[::3][:16].tolist()
+    with Mount(store.path, tmp_path / "mnt", "--direct-io") as m:
+        fd = os.open(os.path.join(m.mnt, _cdir("", 0, c), "kv.bin"), os.O_RDONLY)
+        try:
+            assert os.pread(fd, Eb, j_stuck * Eb) == b[j_stuck * Eb:(j_stuck + 1) * Eb]
+            got = {}
+            assert gate.ask("hold") == "held"
+            try:
+                t = threading.Thread(target=lambda: got.setdefault(
+                    "stuck", os.pread(fd, Eb, j_stuck * Eb)), daemon=True)
+                t.start()
+                deadline = time.monotonic() + DEADLINE
+                while _kv_stats(m.mnt)["disk_in_flight"][STUCK] < 1:
+                    assert time.monotonic() < deadline, "the stuck read never arrived"
+                    time.sleep(0.01)
+                with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                    futs = [pool.submit(os.pread, fd, Eb, j * Eb) for j in others]
+                    done, late = concurrent.futures.wait(futs, timeout=DEADLINE)
+                    if late:
+                        gate.ask("release")
+                        pytest.fail(f"{len(late)} of {len(futs)} reads of the same open "
+                                    f"file waited for its stuck read")
+                    for f, j in zip(futs, others, strict=True):
+                        assert f.result() == b[j * Eb:(j + 1) * Eb]
+                assert "stuck" not in got and t.is_alive()
+            finally:
+                assert gate.ask("release") == "released"
+                t.join(DEADLINE)
+            assert got["stuck"] == b[j_stuck * Eb:(j_stuck + 1) * Eb]
+        finally:
+            os.close(fd)
+
+
 # -- the per-disk queues without FUSE (pytest-trio) ---------------------------------
 
 @pytest.mark.trio

@@ -386,31 +386,40 @@ class KVReader:
                     if w.end >= end:
                         hit = w
                     break
-            out = None
             if hit is not None:
+                # a read-ahead window (its buffer is the stream's: under the lock)
                 await hit.done.wait()
                 if hit.error is None:
                     self.counters["readahead_hits"] += 1
-                    out = memoryview(hit.buf)[off - hit.base:end - hit.base]
-                else:
-                    self.counters["readahead_failed"] += 1
-                    for w in wins:
-                        self._drop(w)
-                    wins.clear()
-            if out is None:
-                self.counters["readahead_misses"] += 1
-                buf = self._buffer(end - off + 2 * Eb)
-                base = await self._read_into(stream, off, end, buf)
-                out = buf.data[off - base:end - base]
-                self._recycle.append(buf)
-            if off == stream.next_off or hit is not None:
-                stream.sequential += 1
-            else:
-                stream.sequential = 0
-            stream.next_off = end
-            if stream.sequential >= 2 and self.window_max > 0 and not stream.closed:
-                self._read_ahead(stream, end, end - off)
-            return out
+                    self._advance(stream, off, end, True)
+                    return memoryview(hit.buf)[off - hit.base:end - hit.base]
+                self.counters["readahead_failed"] += 1
+                for w in wins:
+                    self._drop(w)
+                wins.clear()
+        # a miss reads into a buffer of its own without the stream's lock, so a
+        # read stuck on one disk does not hold up the stream's other reads
+        # (several readers of one open file: issue 26's isolation)
+        self.counters["readahead_misses"] += 1
+        buf = self._buffer(end - off + 2 * Eb)
+        base = await self._read_into(stream, off, end, buf)
+        async with stream.lock:
+            self._advance(stream, off, end, hit is not None)
+        # recycled at the next read's start, once this reply is sent: nothing
+        # may await between here and the return
+        self._recycle.append(buf)
+        return buf.data[off - base:end - base]
+
+    def _advance(self, stream: Stream, off: int, end: int, hit: bool) -> None:
+        """A read of [off, end) ended: the sequential count and read-ahead
+        (the stream's lock held)."""
+        if off == stream.next_off or hit:
+            stream.sequential += 1
+        else:
+            stream.sequential = 0
+        stream.next_off = end
+        if stream.sequential >= 2 and self.window_max > 0 and not stream.closed:
+            self._read_ahead(stream, end, end - off)
 
     def _read_ahead(self, stream: Stream, pos: int, req: int) -> None:
         wins = stream.windows
