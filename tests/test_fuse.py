@@ -756,6 +756,58 @@ def test_direct_io_mode(store, workdir):
         _mmap_both_ways(m.mnt, store, shared_ok=False)
 
 
+@pytest.mark.slow
+def test_readers_sharing_one_open_file_get_correct_bytes(store, workdir):
+    """The stream contract (issue 26): reads of one open file share its
+    read-ahead windows but wait only for their own entries.  On one file
+    handle, six threads read the file front to back in turn (a shared
+    cursor: read-ahead windows are made, hit, consumed and dropped under
+    them) while two read at random offsets and sizes (misses that read
+    without the stream's lock and recycle their buffers); three passes:
+    every read returns the file's bytes, and both kinds of read happened."""
+    want = store.read_cluster(1, 0).tobytes()
+    n, chunk = len(want), 16_384
+    with Mount(store.path, workdir / "mnt-shared", "--direct-io") as m:
+        fd = os.open(os.path.join(_cdir(m.mnt, 1, 0), "kv.bin"), os.O_RDONLY)
+        bad, cursor, lock, done = [], [0], threading.Lock(), threading.Event()
+
+        def sequential():
+            while True:
+                with lock:
+                    off = cursor[0]
+                    if off >= 3 * n:
+                        return
+                    cursor[0] += chunk
+                off %= n
+                got = os.pread(fd, chunk, off)
+                if got != want[off:off + chunk]:
+                    bad.append(("seq", off))
+
+        def random_reader(k):
+            r = np.random.default_rng(k)
+            while not done.is_set():
+                off, size = int(r.integers(0, n - 1)), int(r.integers(1, 70_000))
+                if os.pread(fd, size, off) != want[off:off + size]:
+                    bad.append(("rand", off, size))
+                time.sleep(0.002)
+        try:
+            rnd = [threading.Thread(target=random_reader, args=(k,)) for k in range(2)]
+            seq = [threading.Thread(target=sequential) for _ in range(6)]
+            for t in rnd + seq:
+                t.start()
+            for t in seq:
+                t.join(DEADLINE)
+            done.set()
+            for t in rnd:
+                t.join(DEADLINE)
+            assert not any(t.is_alive() for t in rnd + seq)
+            st = json.load(open(os.path.join(m.mnt, "stats.json")))["mount"]["kv_reader"]
+        finally:
+            os.close(fd)
+    assert bad == []
+    assert st["readahead_hits"] > 0 and st["readahead_misses"] > 0
+
+
 def test_refused_mount_names_dev_fuse_once(workdir, rng):
     """Issue 9 item 8: --allow-other as a user who cannot open /dev/fuse gets
     the /dev/fuse cause (not /etc/fuse.conf), with the context printed once."""
