@@ -274,7 +274,6 @@ SCORES = ("prob", "logit")
 INDEXES = ("int8", "exact")
 
 
-@checked_methods
 class ThreadChooser:
     """One or two threads for the int8 selection, from what calls measured
     (``MedoidSelector(threads="auto")``, issue 26).
