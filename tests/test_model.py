@@ -178,3 +178,25 @@ def test_copy_augmentation_mixture_and_pairs():
     assert len(distances) > 10            # the copy distance varies
     plain = batch_for(streams, 0, 7, seq, 16, 0.5, [], 8192)
     assert not any(np.array_equal(a, b) for a, b in zip(rows, plain, strict=False))
+
+
+def test_far_copy_augmentation_copies_short_passages_far_back():
+    """``far`` windows hold 2 to 6 passages of 32 to 256 tokens, each a copy
+    of text at least 1K tokens (a quarter of the window) earlier."""
+    from tools.train_decoder import batch_for
+    seq = 4096
+    streams = {"python": np.arange(60_000, dtype=np.uint16),   # every token unique
+               "prose": np.arange(60_000, dtype=np.uint16)}
+    rows = batch_for(streams, 0, 3, seq, 8, 0.5, [(1.0, "far")], 8192)
+    plain = batch_for(streams, 0, 3, seq, 8, 0.5, [], 8192)
+    for row, base in zip(rows, plain, strict=True):
+        first: dict[int, int] = {}
+        copied = np.zeros(seq + 1, bool)
+        for i, v in enumerate(row.tolist()):
+            if v in first and i - first[v] >= seq // 4:
+                copied[i] = True
+            first.setdefault(v, i)
+        assert copied.any() and not np.array_equal(row, base)
+        edges = np.flatnonzero(np.diff(np.r_[0, copied.astype(int), 0]))
+        runs = edges[1::2] - edges[::2]
+        assert (runs >= 32).any() and copied.sum() <= 6 * 256     # passages may abut

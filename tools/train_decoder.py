@@ -162,7 +162,10 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
     copy at one fixed distance, seq/2, which a positional head can solve);
     with ``"pairs"`` the window is a run of random-id segments of 4 to seq/4
     tokens, each followed by itself (the copy distance varies, so only an
-    induction head predicts the repeats).
+    induction head predicts the repeats); with ``"far"`` 2 to 6 passages of
+    32 to 256 natural tokens are each copied 1K to 15/16 of the window later
+    (many copy onsets per window at the distances where copying fades: the
+    held-out probe repeats a 160-token passage 6K tokens back).
     """
     rng = np.random.default_rng([seed, step])
     rows = []
@@ -197,6 +200,15 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
                 if repeat_mode == "random":
                     row[:n] = rng.integers(0, vocab, n)
                 row[n:2 * n] = row[:n]
+            elif repeat_mode == "far":
+                for _ in range(int(rng.integers(2, 7))):
+                    n = int(rng.integers(32, 257))
+                    lo = min(1024, seq // 4)
+                    gap = int(rng.integers(lo, max(seq * 15 // 16 - n, lo + 1)))
+                    if gap + 2 * n > seq + 1:
+                        continue
+                    src = int(rng.integers(0, seq + 2 - gap - 2 * n))
+                    row[src + gap:src + gap + n] = row[src:src + n]
             else:
                 n = int(rng.integers(16, max(17, seq // 4)))
                 src = int(rng.integers(0, seq + 1 - 2 * n))
@@ -332,7 +344,7 @@ def repeat_at(plan, step: int) -> list[tuple[float, str]]:
     return list(plan[max(in_force)]) if in_force else []
 
 
-REPEAT_MODES = ("span", "double", "random", "pure", "pairs")
+REPEAT_MODES = ("span", "double", "random", "pure", "pairs", "far")
 
 
 def pick_mode(mix: list[tuple[float, str]], u: float) -> str | None:
