@@ -801,7 +801,7 @@ def test_readers_sharing_one_open_file_get_correct_bytes(store, workdir):
             for t in rnd:
                 t.join(DEADLINE)
             assert not any(t.is_alive() for t in rnd + seq)
-            st = json.load(open(os.path.join(m.mnt, "stats.json")))["mount"]["kv_reader"]
+            st = json.loads(pathlib.Path(m.mnt, "stats.json").read_text())["mount"]["kv_reader"]
         finally:
             os.close(fd)
     assert bad == []
