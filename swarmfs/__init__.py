@@ -46,6 +46,7 @@ from .decode._online import DecodeSession as DecodeSession
 from .decode._online import PipelinedStep as PipelinedStep
 from .decode._online import StepResult as StepResult
 from .decode._online import pipelined_step as pipelined_step
+from .decode._retrieve import EntryBuffer as EntryBuffer
 from .decode._retrieve import Retrieval as Retrieval
 from .decode._retrieve import RetrievalStats as RetrievalStats
 from .decode._retrieve import Retriever as Retriever
@@ -69,8 +70,8 @@ __all__ = ["DiskStats", "Engine", "EngineStats", "ChecksumError", "ConcurrentUse
            "InvalidTypeError", "LayoutError", "ManifestError", "MisalignedRequestError",
            "ModelError", "MountError", "NotFoundError", "OutOfRangeError", "ShapeError",
            "StoreExistsError", "StoreNotFoundError", "SwarmError", "LayerIndex",
-           "DecodeSession", "PipelinedStep", "pipelined_step", "StepResult", "MedoidSelector",
-           "Selector", "Plan",
+           "DecodeSession", "EntryBuffer", "PipelinedStep", "pipelined_step", "StepResult",
+           "MedoidSelector", "Selector", "Plan",
            "plan_reads", "Store", "Retrieval", "RetrievalStats", "Retriever", "StoreStats"]
 
 __version__ = "0.1.0"

@@ -382,7 +382,9 @@ def test_baseline_at_full_budget_decodes_as_dense(decoder, tmp_path, method):
     _, _, seq_d, lg_d = decoder
     seq, lg, cache = swarm_decode(decoder, tmp_path / "s", method, 1.0)
     assert torch.equal(seq, seq_d)
-    assert float((lg - lg_d).abs().max()) <= 1e-5
+    # float32 roundoff: the attention sums the entries in landing order
+    # (DecodeSession's EntryBuffer), dense in position order
+    assert float((lg - lg_d).abs().max()) <= 5e-5
     pend = [s.pending for s in cache.stats if s.layer == 0]
     flushes = sum(b < a for a, b in zip(pend, pend[1:], strict=False))
     assert flushes >= (2 if method == "infllm" else 4)

@@ -458,11 +458,13 @@ def test_new_cluster_size_and_no_deprecated_group_alias(store, rng):
 
 @pytest.mark.parametrize("include_new", [False, True])
 def test_reused_outputs_equal_fresh_ones_step_by_step(tmp_path, rng, include_new):
-    """DecodeSession(reuse_outputs=True) builds K/V in its own buffers in
+    """DecodeSession(reuse_outputs=True) builds K/V in its own EntryBuffer in
     place (retrieved, pending, and with include_new this step's entry) and
     returns what a session without it returns, step by step, across buffer
-    growth by appends and flushes; its K/V are views of one buffer reused
-    from step to step; a step given a prefetched retrieval copies as before."""
+    growth by appends and flushes, up to the order of the retrieved entries
+    (landing order; the same entries, positions and bytes); its K/V are views
+    of one buffer reused from step to step; a step given a prefetched
+    retrieval copies as before."""
     outs = {}
     for reuse in (False, True):
         r2 = np.random.default_rng(7)
@@ -483,8 +485,11 @@ def test_reused_outputs_equal_fresh_ones_step_by_step(tmp_path, rng, include_new
                 assert x.positions[-1] == s.num_tokens(0) + sess.pending - 1
                 assert same_bits(x.k[:, -1], new_kv[t, 0]) and same_bits(x.v[:, -1], new_kv[t, 1])
             if reuse and given is None:
-                assert x.k.base is not None and np.shares_memory(x.k, sess._kb)
-            res.append((x.k.copy(), x.v.copy(), x.positions.copy(), x.admitted, x.evicted,
+                assert x.k.base is not None and np.shares_memory(x.k, sess._eb.rows)
+            o = np.argsort(x.positions, kind="stable")
+            if not reuse:
+                assert np.array_equal(o, np.arange(o.size))     # ascending already
+            res.append((x.k[:, o], x.v[:, o], x.positions[o], x.admitted, x.evicted,
                         x.flushed))
         outs[reuse] = res
         s.close()
@@ -542,7 +547,7 @@ def test_a_foreign_append_is_refused_before_the_step_changes_anything(tmp_path, 
 def test_reused_outputs_hold_every_copy_when_the_retriever_reads_without_dedup(tmp_path, rng):
     """With Retriever(dedup=False) a step returns every stored copy (more
     than S with replicas); reuse_outputs sizes its buffers for that and
-    returns what a copying session returns."""
+    returns what a copying session returns (in landing order)."""
     res = {}
     for reuse in (False, True):
         r2 = np.random.default_rng(3)
@@ -557,7 +562,8 @@ def test_reused_outputs_hold_every_copy_when_the_retriever_reads_without_dedup(t
             for t in range(3):
                 q = r2.standard_normal((HQ, D)).astype(np.float32)
                 x = sess.step(q, new[t, 0], new[t, 1], include_new=True)
-                out.append((x.k.copy(), x.v.copy(), x.positions.copy()))
+                o = np.argsort(x.positions, kind="stable")    # reuse: landing order
+                out.append((x.k[:, o], x.v[:, o], x.positions[o]))
             assert out[-1][2].shape[0] > s.num_tokens(0)       # copies beyond S
             res[reuse] = out
         finally:

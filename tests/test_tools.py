@@ -301,15 +301,18 @@ def test_bench_select_assembly_and_pipeline_measure_one_and_two_assembly_threads
 
 
 def test_bench_select_session_steps_with_and_without_reused_outputs(rng):
-    """bench_select --session (small shape): both session kinds step and
-    their step, retrieval and upkeep medians are positive."""
+    """bench_select --session (small shape): the three session kinds step
+    and their step, retrieval and upkeep medians are positive; only the
+    deferred one runs upkeep off the step's path."""
     from tools.bench_select import bench_session
     out = bench_session(3, rng, S=2048, H=2, d=64, Hq=8)
     assert out["entries"] > 0 and out["entry_bytes"] == 2 * 2 * 64 * 2
-    for key in ("copy", "reuse"):
+    for key in ("copy", "reuse", "deferred"):
         x = out[key]
         assert x["step_us"] > 0 and x["retrieval_us"] > 0 and x["step_us"] >= x["retrieval_us"]
-        assert x["io_us"] > 0 and x["cpu_us"] > 0
+        assert x["io_us"] > 0 and x["cpu_us"] > 0 and x["step_min_us"] <= x["step_us"]
+        assert x["cpu_over_io"] == pytest.approx(x["cpu_us"] / x["io_us"])
+    assert out["deferred"]["offpath_us"] > 10 * out["copy"]["offpath_us"]
 
 
 # -- options whose defaults must follow other options; output prefixes -------------------

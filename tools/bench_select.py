@@ -407,11 +407,15 @@ def bench_session(steps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, root=None):
     """``DecodeSession.step`` on one Qwen3-32B-shaped layer (4 KiB fp16
     entries, S tokens, 4 file disks on tmpfs, r = 0.1): each step adds a new
     entry and returns it too (``include_new``), as ``swarmfs.hf`` does;
-    sessions with and without ``reuse_outputs`` step in turn, over separate
-    Retrievers of one store.  Medians of the step, of its retrieval, of the
-    retrieval's I/O (and the step's CPU beside it: step minus I/O), and of
-    the rest (the session's upkeep: eq. 9 counts, §6.2 replacement, pending
-    entries, building K/V)."""
+    sessions that copy (``copy``), that land the reads in their EntryBuffer
+    (``reuse_outputs``, key ``reuse``), and that also defer the upkeep
+    (``defer_upkeep``, key ``deferred``: the step returns once its entries
+    are served and ``upkeep()`` runs after it, as it would beside the
+    attention; its time is ``offpath_us``) step in turn, over separate
+    Retrievers of one store.  Medians of the step (the critical path), of
+    its retrieval, of the retrieval's I/O (and the step's CPU beside it:
+    step minus I/O), and of the rest (the session's upkeep: eq. 9 counts,
+    §6.2 replacement, pending entries, building K/V)."""
     import tempfile
 
     from swarmfs import DecodeSession, Retriever
@@ -421,28 +425,35 @@ def bench_session(steps, rng, S=32768, H=8, d=128, Hq=64, r=0.1, root=None):
         qs = rng.standard_normal((steps + 3, Hq, d)).astype(np.float32)
         news = rng.standard_normal((steps + 3, 2, H, d)).astype(np.float16)
         runs = {}
-        for reuse in (False, True):
+        for key, reuse, defer in (("copy", False, False), ("reuse", True, False),
+                                  ("deferred", True, True)):
             ret = Retriever(s, ratio=r)
-            runs[reuse] = (ret, DecodeSession(ret, 0, reuse_outputs=reuse,
-                                              window=steps + 10), [], [], [])
+            runs[key] = (ret, DecodeSession(ret, 0, reuse_outputs=reuse, defer_upkeep=defer,
+                                            window=steps + 10), [], [], [], [])
         n = 0
         for t in range(steps + 3):
-            for _ret, sess, tot, rt, io in runs.values():
+            for _ret, sess, tot, rt, io, off in runs.values():
                 t0 = time.perf_counter()
                 x = sess.step(qs[t], news[t, 0], news[t, 1], include_new=True)
-                tot.append((time.perf_counter() - t0) * 1e6)
+                t1 = time.perf_counter()
+                if sess.defer_upkeep:
+                    sess.upkeep()
+                off.append((time.perf_counter() - t1) * 1e6)
+                tot.append((t1 - t0) * 1e6)
                 rt.append(x.retrieval.stats.total_us)
                 io.append(x.retrieval.stats.io_us)
                 n = x.k.shape[1]
         out = {"tokens": S, "entries": n, "entry_bytes": s.entry_bytes}
-        for reuse, (ret, _sess, tot, rt, io) in runs.items():
+        for key, (ret, _sess, tot, rt, io, off) in runs.items():
             ret.close()
             step, rtv = statistics.median(tot[3:]), statistics.median(rt[3:])
             iov = statistics.median(io[3:])
-            out["reuse" if reuse else "copy"] = {
-                "step_us": step, "retrieval_us": rtv, "io_us": iov, "cpu_us": step - iov,
+            out[key] = {
+                "step_us": step, "step_min_us": min(tot[3:]), "retrieval_us": rtv,
+                "io_us": iov, "cpu_us": step - iov, "cpu_over_io": (step - iov) / iov,
                 "upkeep_us": statistics.median([a - b for a, b in
-                                                zip(tot[3:], rt[3:], strict=True)])}
+                                                zip(tot[3:], rt[3:], strict=True)]),
+                "offpath_us": statistics.median(off[3:])}
         s.close()
     return out
 
@@ -763,12 +774,13 @@ def _rest(a, argv, rng, paths, rows, sizes, auto) -> None:
     if a.session:
         ses = bench_session(max(a.reps // 8, 10), rng)
         plan["session"] = ses
-        for key in ("copy", "reuse"):
+        for key in ("copy", "reuse", "deferred"):
             x = ses[key]
             print(f"DecodeSession.step ({ses['tokens']} tokens, {ses['entries']} entries of "
                   f"{ses['entry_bytes']} B), {key}: {x['step_us'] / 1e3:.2f} ms (retrieval "
                   f"{x['retrieval_us'] / 1e3:.2f} ms, upkeep {x['upkeep_us'] / 1e3:.2f} ms; "
-                  f"CPU {x['cpu_us'] / 1e3:.2f} ms beside I/O {x['io_us'] / 1e3:.2f} ms)")
+                  f"CPU {x['cpu_us'] / 1e3:.2f} ms beside I/O {x['io_us'] / 1e3:.2f} ms, "
+                  f"{x['cpu_over_io']:.2f}x; off the path {x['offpath_us'] / 1e3:.2f} ms)")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"selection": rows, "planning": plan, "cluster_sizes": sizes,

@@ -39,7 +39,7 @@ from .. import _validate as V
 from ..store._index import union_ints
 from ._hot import hot_clusters
 from ._report import query_token_mass
-from ._retrieve import Retrieval, Retriever, empty_kv
+from ._retrieve import EntryBuffer, Retrieval, Retriever, entry_views
 from ._window import entry_budget
 
 __all__ = ["DecodeSession", "StepResult", "Upkeep", "PipelinedStep", "pipelined_step"]
@@ -55,10 +55,13 @@ class StepResult:
             new entries still pending in DRAM (store dtype), then, with
             ``step(include_new=True)``, this step's own entry.  With
             ``DecodeSession(reuse_outputs=True)`` they, and ``retrieval.k``
-            and ``retrieval.v``, are views of the session's buffers, valid
-            until its next step (copy what must outlive it).
+            and ``retrieval.v``, are strided views of the session's
+            :class:`~swarmfs.EntryBuffer`, valid until its next step (copy
+            what must outlive it).
         positions: int64 [n] token positions (pending ones, and this step's
-            own entry, are >= the layer's stored length).
+            own entry, are >= the layer's stored length, ascending); the
+            retrieved ones are ascending, or with ``reuse_outputs`` in the
+            order they landed (:attr:`Retrieval.positions`).
         retrieval: the underlying :class:`Retrieval` of stored entries.
         admitted, evicted: clusters that entered / left the hot set.
         flushed: positions of entries written to the store at this step.
@@ -100,13 +103,17 @@ class DecodeSession:
             store's hot set takes).
         t_base_us, t_transfer_us: eq. 6 costs (µs).
         adapt_cache: run cache replacement (False: the hot set stays).
-        reuse_outputs: retrieve into K/V buffers the session keeps and grows
-            (64-byte aligned, so assembly streams whole lines), and place the
-            pending entries (and with ``include_new`` this step's entry) after
-            the retrieved ones in place: no copy of the retrieved K/V per step
-            and no fresh pages to fault in.  The returned K/V (the step's and
-            its retrieval's) are then views valid until the next step (a
-            step with a given ``retrieval`` copies as without this option).
+        reuse_outputs: retrieve into an :class:`~swarmfs.EntryBuffer` the
+            session keeps and grows: the read entries land in it in the
+            stored layout (no staging copy and no assembly pass when entries
+            are block multiples, issue 26), the DRAM-resident ones are
+            copied in as rows, and the pending entries (and with
+            ``include_new`` this step's entry) go after the retrieved ones:
+            no copy of the retrieved K/V per step and no fresh pages to
+            fault in.  The returned K/V (the step's and its retrieval's) are
+            then strided views valid until the next step, and the retrieved
+            positions are in landing order (a step with a given
+            ``retrieval`` copies as without this option).
         baseline: the append rule of a §8 baseline layout
             (``swarmfs.layout._baselines.append_rule``: Quest's pages,
             InfLLM's blocks, PQCache's centroids), whose index the
@@ -178,9 +185,8 @@ class DecodeSession:
         self.t_base, self.t_transfer = float(t_base_us), float(t_transfer_us)
         self.adapt_cache = adapt_cache
         self.reuse_outputs = reuse_outputs
-        # reuse_outputs: K/V buffers
-        self._kb: np.ndarray | None = None
-        self._vb: np.ndarray | None = None
+        # reuse_outputs: the entry buffer retrievals land in
+        self._eb: EntryBuffer | None = None
         self.baseline = self._check_baseline(baseline, li)
         # the pending entries' queries, for a rule that uses them
         self._q: np.ndarray | None = None
@@ -351,9 +357,9 @@ class DecodeSession:
             pk = new.view(self.store.np_dtype).reshape(n_new, 2, self.store.num_kv_heads,
                                                        self.store.head_dim)
             if out is not None:                     # in place, after the retrieved entries
-                k, v = out[0][:, :n_ret + n_new], out[1][:, :n_ret + n_new]
-                k[:, n_ret:] = pk[:, 0].transpose(1, 0, 2)
-                v[:, n_ret:] = pk[:, 1].transpose(1, 0, 2)
+                rows = out.rows[:n_ret + n_new]
+                rows[n_ret:] = new
+                k, v = entry_views(rows, self.store)
             else:
                 k = np.concatenate([k, pk[:, 0].transpose(1, 0, 2)], axis=1)
                 v = np.concatenate([v, pk[:, 1].transpose(1, 0, 2)], axis=1)
@@ -376,15 +382,15 @@ class DecodeSession:
             self._add_pending(row, q)
         return Upkeep(admitted, evicted, self._flush_matured())
 
-    def _outputs(self, li, after: int):
-        """The session's K/V buffers [H_kv, cap, d], grown (by 1.25x) to hold
-        any retrieval of the layer (at most its S distinct entries, or all
-        its M stored copies when the Retriever reads without dedup) plus
-        ``after`` entries: untouched columns cost no memory until used."""
+    def _outputs(self, li, after: int) -> EntryBuffer:
+        """The session's EntryBuffer, grown (by 1.25x) to hold any retrieval
+        of the layer (at most its S distinct entries, or all its M stored
+        copies when the Retriever reads without dedup) plus ``after``
+        entries: untouched rows cost no memory until used."""
         need = (li.num_tokens if self.r.dedup else li.num_copies) + after
-        if self._kb is None or self._kb.shape[1] < need:
-            self._kb, self._vb = empty_kv(self.store, need + need // 4)
-        return self._kb, self._vb
+        if self._eb is None or self._eb.capacity < need:
+            self._eb = self.r.entry_buffer(need + need // 4)
+        return self._eb
 
     def _count_coactivation(self, q, k, ret: Retrieval, n_pend: int) -> None:
         """Eq. 9 counts: pending entries x selected clusters whose medoids drew
@@ -402,9 +408,8 @@ class DecodeSession:
         if pend_active.size == 0:
             return
         med = ret.index.medoid[ret.clusters]
-        idx = np.searchsorted(ret.positions, med)
-        idx = np.minimum(idx, n_ret - 1)
-        ok = (ret.positions[idx] == med) & active[:n_ret][idx]
+        idx = ret.find(med)
+        ok = (idx >= 0) & active[:n_ret][np.maximum(idx, 0)]
         cl = ret.clusters[ok]
         if cl.size:
             self.pend_f[np.ix_(pend_active, cl)] += 1

@@ -25,6 +25,7 @@ import numpy as np
 from .. import _errors as errors
 from .. import _validate as V
 from .._defaults import RATIO
+from ..store._engine import AlignedBuffer
 from ..store._format import to_torch
 from ..store._index import LayerIndex, union_ints, unique_ints
 from ..store._kernels import empty_aligned, kv_rows
@@ -37,7 +38,7 @@ from ._window import entry_budget, window_positions, window_size
 if TYPE_CHECKING:
     import concurrent.futures
 
-__all__ = ["Retriever", "Retrieval", "RetrievalStats", "empty_kv"]
+__all__ = ["Retriever", "Retrieval", "RetrievalStats", "EntryBuffer", "empty_kv", "entry_views"]
 
 
 @V.checked_methods
@@ -97,12 +98,18 @@ class Retrieval:
         k: keys [H_kv, n, head_dim] (torch or numpy, store dtype), written in
             place by the engine's gather (no intermediate copy).
         v: values [H_kv, n, head_dim].
-        positions: int64 [n] token positions of the entries (ascending).
+        positions: int64 [n] token positions of the entries: ascending, or,
+            into an :class:`EntryBuffer`, in the order the entries lie there
+            (the DRAM-resident ones ascending, then the read ones as they
+            landed); attention does not depend on the order.
         clusters: int64 [c] selected cluster ids, in score order.
         stats: :class:`RetrievalStats`.
         layer: the layer.
         index: the :class:`~swarmfs.LayerIndex` the retrieval read (a
             :class:`~swarmfs.DecodeSession` refuses a retrieval of an older one).
+        entry_rows: into an :class:`EntryBuffer`: the entries as stored rows,
+            uint8 [n, entry_bytes] (a view of the buffer, of which ``k`` and
+            ``v`` are strided views); else None.
     """
     k: Any      # a torch tensor or a numpy array
     v: Any
@@ -111,6 +118,8 @@ class Retrieval:
     stats: RetrievalStats
     layer: int = -1
     index: LayerIndex | None = dataclasses.field(default=None, repr=False, compare=False)
+    entry_rows: np.ndarray | None = dataclasses.field(default=None, repr=False,
+                                                       compare=False)
 
     def _kv_numpy(self):
         k, v = self.k, self.v
@@ -126,8 +135,30 @@ class Retrieval:
     def rows_of(self, idx) -> np.ndarray:
         """The entries at indices ``idx`` (into ``positions``) as stored rows:
         uint8 [len(idx), entry_bytes] (K heads then V heads); a copy."""
+        idx = np.asarray(idx, dtype=np.int64)
+        if self.entry_rows is not None:
+            return self.entry_rows[idx]
         k, v = self._kv_numpy()
-        return kv_rows(k, v, np.asarray(idx, dtype=np.int64))        # one pass in C
+        return kv_rows(k, v, idx)                                   # one pass in C
+
+    def find(self, toks) -> np.ndarray:
+        """Where each token position of ``toks`` (int64 [m]) lies in
+        ``positions``: int64 [m] indices, -1 for a position not retrieved.
+        Vectorised (a binary search, over a sort of ``positions`` when they
+        are in landing order)."""
+        toks = np.asarray(toks, dtype=np.int64)
+        pos = self.positions
+        if not pos.size or not toks.size:
+            return np.full(toks.shape, -1, np.int64)
+        order = None if self.entry_rows is None else self._order
+        at = np.minimum(np.searchsorted(pos, toks, sorter=order), pos.shape[0] - 1)
+        if order is not None:
+            at = order[at]
+        return np.where(pos[at] == toks, at, -1)
+
+    @functools.cached_property
+    def _order(self) -> np.ndarray:
+        return np.argsort(self.positions, kind="stable")
 
     @functools.cached_property
     def rows(self) -> np.ndarray:
@@ -286,6 +317,57 @@ def empty_kv(store: Store, cap: int) -> tuple[np.ndarray, np.ndarray]:
     Untouched pages cost no memory."""
     shape = (store.num_kv_heads, int(cap), store.head_dim)
     return empty_aligned(shape, store.np_dtype), empty_aligned(shape, store.np_dtype)
+
+
+@V.checked_methods
+class EntryBuffer:
+    """A reusable output of :meth:`Retriever.retrieve` that keeps the stored
+    entry layout, so that reads land where attention reads them (issue 26).
+
+    One buffer of ``capacity`` rows of ``entry_bytes`` (page aligned,
+    registered with the store's engine as a fixed buffer where possible).
+    A retrieval into it puts the DRAM-resident entries first (copied rows)
+    and reads the rest straight into the rows after them when the store's
+    entries are a multiple of its block size (4 KiB fp16 entries of the
+    Qwen3-32B shape): no staging buffer and no assembly pass.  Its K and V
+    [H_kv, n, head_dim] are strided numpy views of the rows (each head's
+    keys one row of ``entry_bytes`` apart), which numpy, torch and BLAS read
+    as they are.  Made by :meth:`Retriever.entry_buffer`.
+
+    Attributes:
+        rows: uint8 [capacity, entry_bytes], the buffer.
+        capacity: entries it holds.
+
+    Concurrency: one retrieval (or session step) at a time per buffer (a
+    second one meanwhile gets ConcurrentUseError and reads nothing into
+    it); the K, V and ``entry_rows`` of a retrieval stay valid until the
+    buffer's next retrieval.
+    """
+
+    def __init__(self, buf, entry_bytes: int, capacity: int):
+        if not isinstance(buf, AlignedBuffer):
+            raise errors.InvalidArgumentError("make an EntryBuffer with "
+                                              "Retriever.entry_buffer(capacity)")
+        entry_bytes = V.parse_positive_int(entry_bytes, "entry_bytes")
+        capacity = V.parse_positive_int(capacity, "capacity")
+        if capacity * entry_bytes > buf.size:
+            raise errors.InvalidArgumentError(f"{capacity} entries of {entry_bytes} bytes do "
+                                              f"not fit a {buf.size}-byte buffer")
+        self._buf = buf
+        self._busy = threading.Lock()       # one retrieval lands at a time
+        self.capacity = int(capacity)
+        self.rows = buf.array[:self.capacity * entry_bytes].reshape(self.capacity, entry_bytes)
+
+    def __repr__(self) -> str:
+        return f"EntryBuffer({self.capacity} entries of {self.rows.shape[1]} bytes)"
+
+
+def entry_views(rows: np.ndarray, store: Store) -> tuple[np.ndarray, np.ndarray]:
+    """K and V [H_kv, n, head_dim] (store dtype) as strided views of entry
+    rows uint8 [n, entry_bytes] (K heads then V heads, as stored)."""
+    n = rows.shape[0]
+    kv = rows.view(store.np_dtype).reshape(n, 2, store.num_kv_heads, store.head_dim)
+    return kv[:, 0].transpose(1, 0, 2), kv[:, 1].transpose(1, 0, 2)
 
 
 @V.checked_methods
@@ -512,9 +594,8 @@ class Retriever:
             evicted = np.flatnonzero(st.hot & ~want)
             toks = unique_ints(st.li.members[st.li.cluster_copies(admitted)]) \
                 if admitted.size else np.empty(0, np.int64)
-            at = np.searchsorted(retrieval.positions, toks)
-            if toks.size and (at.max() >= retrieval.positions.shape[0] or
-                              np.any(retrieval.positions[at] != toks)):
+            at = retrieval.find(toks)
+            if toks.size and at.min() < 0:
                 raise errors.InvalidArgumentError("an admitted cluster was not read by the given "
                                                   "retrieval", layer=layer)
             st.evict(evicted)
@@ -608,7 +689,10 @@ class Retriever:
             torch: return torch tensors (else numpy).
             pinned: K and V in pinned (page-locked) host memory.
             budget: entry budget per query (default ceil(r x S)).
-            out: ``(k, v)`` buffers to write into instead of new arrays: numpy
+            out: an :class:`EntryBuffer` (:meth:`entry_buffer`): the entries
+                land in it in the stored layout, K and V are strided numpy
+                views of it and ``positions`` are in landing order; or
+                ``(k, v)`` buffers to write into instead of new arrays: numpy
                 arrays or torch CPU tensors [H_kv, cap, head_dim] of the store
                 dtype with cap >= n, C-contiguous, reused across steps as a
                 serving engine would (no page faults on fresh memory); the
@@ -646,15 +730,31 @@ class Retriever:
             plan = stages.plan(self.store, li, cand, policy=self.policy,  # plan
                                dedup=self.dedup, max_gap=self.max_gap)
             t3 = time.perf_counter()
-            pos, d_idx, s_idx = stages.merge_positions(dram_toks, plan.tokens)
-            n = pos.shape[0]
-            k, v, kw, vw = self._outputs(n, torch, pinned) if out is None else \
-                self._given_outputs(out, n)
-            placed = stages.submit(self.store, li, plan, cand, s_idx, kw, vw,  # submit
-                                   threads=self.assembly_threads)
-            t4 = time.perf_counter()
-            stages.assemble(pool, slots, self.store.entry_bytes, d_idx, kw, vw,  # assemble
-                            threads=self.assembly_threads)
+            rows = None
+            if isinstance(out, EntryBuffer):      # reads land in the entry rows
+                n = dram_toks.shape[0] + plan.num_entries
+                rows = self._entry_rows(out, n)
+                if not out._busy.acquire(blocking=False):
+                    raise errors.ConcurrentUseError("another retrieval is landing in this "
+                                                    "EntryBuffer", layer=layer)
+                try:
+                    pos = stages.land(self.store, li, plan, cand, out, dram_toks)  # submit
+                    t4 = time.perf_counter()
+                    stages.copy_rows(pool, slots, rows[:dram_toks.shape[0]])   # assemble
+                finally:
+                    out._busy.release()
+                k, v = entry_views(rows, self.store)
+                placed = 0.0
+            else:
+                pos, d_idx, s_idx = stages.merge_positions(dram_toks, plan.tokens)
+                n = pos.shape[0]
+                k, v, kw, vw = self._outputs(n, torch, pinned) if out is None else \
+                    self._given_outputs(out, n)
+                placed = stages.submit(self.store, li, plan, cand, s_idx, kw, vw,  # submit
+                                       threads=self.assembly_threads)
+                t4 = time.perf_counter()
+                stages.assemble(pool, slots, self.store.entry_bytes, d_idx, kw, vw,  # assemble
+                                threads=self.assembly_threads)
         finally:
             st.unpin(dram_toks)
         t5 = time.perf_counter()
@@ -668,7 +768,42 @@ class Retriever:
                             clusters=int(clusters.shape[0]), hot=hot_sel, n=n, dram=nd,
                             dups=int(cand.shape[0] - plan.num_entries) if self.dedup else 0)
         return Retrieval(k=k, v=v, positions=pos, clusters=clusters, stats=stats,
-                         layer=int(layer), index=li)
+                         layer=int(layer), index=li, entry_rows=rows)
+
+    def _entry_rows(self, out: EntryBuffer, n: int) -> np.ndarray:
+        """The first n rows of an EntryBuffer of this store's engine
+        (InvalidArgumentError otherwise)."""
+        if out._buf.slot >= 0 and (out._buf._engine is None or
+                                   out._buf._engine() is not self.store.engine) \
+                or out.rows.shape[1] != self.store.entry_bytes:
+            raise errors.InvalidArgumentError("the EntryBuffer is not of this store "
+                                              "(make it with this Retriever's entry_buffer)",
+                                              store=self.store.path)
+        if out.capacity < n:
+            raise errors.InvalidArgumentError(f"the EntryBuffer holds {out.capacity} entries; "
+                                              f"this retrieval returns {n}",
+                                              store=self.store.path)
+        return out.rows[:n]
+
+    def entry_buffer(self, capacity: int) -> EntryBuffer:
+        """A reusable :class:`EntryBuffer` of ``capacity`` entries for
+        :meth:`retrieve` ``(out=...)``: reads land in it in the stored entry
+        layout, and K and V are strided views of it (issue 26).  A layer's
+        retrieval returns at most its S distinct entries (its M copies
+        without dedup).
+
+        Raises:
+            InvalidIntegerError: capacity is not a positive integer.
+            InvalidArgumentError: the buffer does not fit in memory."""
+        capacity = V.parse_positive_int(capacity, "capacity", store=self.store.path)
+        nbytes = capacity * self.store.entry_bytes
+        try:
+            buf = self.store.engine.alloc(nbytes)
+        except (MemoryError, OSError, ValueError) as exc:
+            raise errors.InvalidArgumentError(f"an EntryBuffer of {capacity} entries "
+                                              f"({nbytes} bytes) does not fit: {exc}",
+                                              store=self.store.path) from None
+        return EntryBuffer(buf, self.store.entry_bytes, capacity)
 
     def _given_outputs(self, out, n: int):
         """Caller buffers [H_kv, cap, d] -> (k view, v view, k array, v array)."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import _errors as errors
 from ..store._index import unique_ints
-from ..store._kernels import gather_kv, thread_count
+from ..store._kernels import gather_kv, gather_rows, thread_count
 from ._selectors import FusedSelector, Selector, _select
 
 __all__ = ["queries", "score", "fuses", "select", "choose", "plan", "merge_positions",
@@ -207,6 +207,36 @@ def submit(store, li, plan, copies: np.ndarray, s_idx: np.ndarray, k: np.ndarray
         placed[0] = time.perf_counter() - t
     store.execute(li, plan, copies, consume=place)
     return placed[0]
+
+
+def land(store, li, plan, copies: np.ndarray, out, dram: np.ndarray) -> np.ndarray:
+    """Stage 5 into an :class:`~swarmfs.EntryBuffer`: read ``plan`` (of
+    ``copies``) in one batched submission, checksum-verified, into the rows
+    after the ``dram`` positions' (``Store.execute(into=)``: straight from
+    the disks when the entries are block multiples).
+
+    Returns:
+        int64 [nd + U] the token position of each row: ``dram`` (ascending),
+        then the read entries in the order they landed.
+
+    Raises:
+        ChecksumError, IOFailedError, DiskTruncatedError: the read failed.
+    """
+    nd, eb = dram.shape[0], store.entry_bytes
+    where = store.execute(li, plan, copies, into=(out._buf, nd * eb))
+    pos = np.empty(nd + plan.num_entries, dtype=np.int64)
+    pos[:nd] = dram
+    pos[(where // np.uint64(eb)).astype(np.int64)] = plan.tokens
+    return pos
+
+
+def copy_rows(pool: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+    """Stage 6 into an EntryBuffer: DRAM pool rows ``slots`` (uint8 [*,
+    entry_bytes]) into ``out`` uint8 [len(slots), entry_bytes] (memcpy per
+    row, in C)."""
+    if slots.size:
+        eb = pool.shape[1]
+        gather_rows(pool.reshape(-1), slots.astype(np.uint64) * np.uint64(eb), eb, out)
 
 
 def assemble(pool: np.ndarray, slots: np.ndarray, entry_bytes: int, d_idx: np.ndarray,

@@ -277,10 +277,7 @@ class DecodeMixin:
             doc.sinks[layer] = (kv[:, 0].transpose(0, 1).contiguous(),
                                 kv[:, 1].transpose(0, 1).contiguous())
         n = int(doc.sinks[layer][0].shape[1])
-        c = int(np.searchsorted(pos, n))
-        if c == n:
-            return np.empty(0, np.int64)
-        return np.setdiff1d(np.arange(n, dtype=np.int64), pos[:c], assume_unique=True)
+        return np.setdiff1d(np.arange(n, dtype=np.int64), pos[pos < n])  # any order
 
     def _attend(self, row, layer, module, query, t, res, keep, scaling, mask):
         """One row's attention at token t over its step's entries, the

@@ -104,13 +104,15 @@ class Executor:
 
     def execute(self, li: LayerIndex, plan: Plan, copies: np.ndarray, *, verify: bool,
                 order=None, out: np.ndarray | None = None, cluster=None,
-                consume=None) -> np.ndarray | None:
+                consume=None, into=None) -> np.ndarray | None:
         """Execute a plan in one batched submission and return entry rows:
         the work behind :meth:`Store.execute`, whose docstring gives the
         arguments, return value and errors (here ``verify`` is a bool, not
         None for the store's setting, and ``li`` is the layer's index).
         """
         Eb = self.entry_bytes
+        if into is not None:
+            return self._execute_into(li, plan, copies, verify, into, cluster)
         with self.staging(plan.staging_bytes) as buf:
             if plan.num_requests:
                 try:
@@ -118,19 +120,7 @@ class Executor:
                                         buf, layer=li.layer, cluster=cluster, check=False)
                 except (E.DiskTruncatedError, E.IOFailedError) as exc:
                     raise self.locate_damage(li, copies[plan.copy], exc) from exc
-            copy_ids = copies[plan.copy]
-            if verify and plan.num_entries:
-                bad = verify_rows(buf.array, plan.src, Eb, li.token_xxh[li.members[copy_ids]])
-                if bad.size:
-                    self.count(checksum_failures=int(bad.size))
-                    c = int(copy_ids[bad[0]])
-                    raise E.ChecksumError(
-                        f"entry of token {int(li.members[c])} at offset "
-                        f"{int(li.copy_off[c])} fails its checksum"
-                        + (f" ({bad.size} entries)" if bad.size > 1 else ""),
-                        store=self.path, disk=int(li.copy_disk[c]),
-                        path=self.disk_paths[int(li.copy_disk[c])], layer=li.layer,
-                        cluster=int(li.copy_cluster[c]), offset=int(li.copy_off[c]))
+            self._verify(li, buf.array, plan.src, copies[plan.copy], verify)
             src = plan.src if order is None else plan.src[order]
             if consume is not None:     # the caller places the entries itself
                 consume(buf.array, src)
@@ -142,6 +132,63 @@ class Executor:
         self.count(bytes_read=int(plan.staging_bytes), entries_returned=rows.shape[0],
                    bytes_returned=rows.nbytes)
         return rows
+
+    def _execute_into(self, li: LayerIndex, plan: Plan, copies: np.ndarray, verify: bool,
+                      into, cluster) -> np.ndarray:
+        """``Store.execute(into=(buf, base))``: the plan's entries as rows of
+        ``buf`` from byte ``base``; returns each entry's byte offset in
+        ``buf`` (uint64 [U], plan order).  A plan whose requests are exactly
+        its entries (no block padding, no coalescing gap: entries a multiple
+        of the block size), at a block-aligned ``base``, is read straight
+        there (O_DIRECT into the caller's buffer); any other plan goes
+        through a staging buffer and its entries are copied there."""
+        Eb = self.entry_bytes
+        buf, base = into
+        U = plan.num_entries
+        if plan.staging_bytes == U * Eb and base % self.block_size == 0:
+            if plan.num_requests:
+                try:
+                    self.engine.execute(READ, plan.disk, plan.offset, plan.length,
+                                        plan.dst + np.uint64(base), buf, layer=li.layer,
+                                        cluster=cluster, check=False)
+                except (E.DiskTruncatedError, E.IOFailedError) as exc:
+                    raise self.locate_damage(li, copies[plan.copy], exc) from exc
+            where = plan.src + np.uint64(base)
+            self._verify(li, buf.array, where, copies[plan.copy], verify)
+        else:
+            with self.staging(plan.staging_bytes) as stage:
+                if plan.num_requests:
+                    try:
+                        self.engine.execute(READ, plan.disk, plan.offset, plan.length,
+                                            plan.dst, stage, layer=li.layer, cluster=cluster,
+                                            check=False)
+                    except (E.DiskTruncatedError, E.IOFailedError) as exc:
+                        raise self.locate_damage(li, copies[plan.copy], exc) from exc
+                self._verify(li, stage.array, plan.src, copies[plan.copy], verify)
+                gather_rows(stage.array, plan.src, Eb,
+                            buf.array[base:base + U * Eb].reshape(U, Eb))
+            where = np.uint64(base) + np.arange(U, dtype=np.uint64) * np.uint64(Eb)
+        self.count(bytes_read=int(plan.staging_bytes), entries_returned=U,
+                   bytes_returned=U * Eb)
+        return where
+
+    def _verify(self, li: LayerIndex, buf: np.ndarray, where: np.ndarray,
+                copy_ids: np.ndarray, verify: bool) -> None:
+        """Per-entry XXH3-64 of the entries at byte offsets ``where`` of
+        ``buf`` (copies ``copy_ids``); ChecksumError naming the first bad one."""
+        if not verify or not where.size:
+            return
+        bad = verify_rows(buf, where, self.entry_bytes, li.token_xxh[li.members[copy_ids]])
+        if bad.size:
+            self.count(checksum_failures=int(bad.size))
+            c = int(copy_ids[bad[0]])
+            raise E.ChecksumError(
+                f"entry of token {int(li.members[c])} at offset "
+                f"{int(li.copy_off[c])} fails its checksum"
+                + (f" ({bad.size} entries)" if bad.size > 1 else ""),
+                store=self.path, disk=int(li.copy_disk[c]),
+                path=self.disk_paths[int(li.copy_disk[c])], layer=li.layer,
+                cluster=int(li.copy_cluster[c]), offset=int(li.copy_off[c]))
 
     def disk_size(self, d: int) -> int:
         """Disk ``d``'s size in bytes (``device_size`` of its open fd)."""

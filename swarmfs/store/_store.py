@@ -28,7 +28,7 @@ from .. import _validate as V
 from . import _format as F
 from . import _inspect, _write
 from ._disks import ReaderLease, create_disks, open_disks, prepare_store_dir
-from ._engine import Engine, EngineStats
+from ._engine import AlignedBuffer, Engine, EngineStats
 from ._executor import Executor
 from ._index import LayerIndex, unique_ints
 from ._manifest import LayerRecord, Manifest, ModelIdentity, read_manifest, write_manifest
@@ -691,7 +691,7 @@ class Store:
     def execute(self, li: LayerIndex, plan: Plan, copies: np.ndarray, *,
                 order=None, out: np.ndarray | None = None,
                 verify: bool | None = None, cluster=None,
-                consume=None) -> np.ndarray | None:
+                consume=None, into=None) -> np.ndarray | None:
         """Execute a plan in one batched submission and return entry rows.
 
         Args:
@@ -707,9 +707,22 @@ class Store:
                 it (uint64 [k], ``order`` applied), after verification and while
                 the buffer is valid; returns None then (the Retriever writes K
                 and V straight into its output this way).
+            into: ``(buffer, base)``: put the entries, as rows of
+                ``entry_bytes``, into ``buffer`` (an :meth:`Engine.alloc`
+                buffer, e.g. a Retriever's :class:`~swarmfs.EntryBuffer`)
+                from byte ``base``, and return where each landed.  When the
+                plan's requests are exactly its entries (entries a multiple of
+                the block size, no coalescing gap) and ``base`` is block
+                aligned, the reads land there directly (no staging buffer, no
+                copy; issue 26); otherwise they are staged and copied.
+                Checksums are verified where the entries lie either way.
+                ``order`` and ``out`` do not apply.
 
         Returns:
-            uint8 [k, entry_bytes] rows (None with ``consume``).
+            uint8 [k, entry_bytes] rows (None with ``consume``); with
+            ``into``: uint64 [U] byte offset in the buffer of each entry, in
+            plan order (``plan.tokens``), the U entries filling
+            ``[base, base + U * entry_bytes)``.
 
         Raises:
             ChecksumError: an entry does not match its checksum (names the
@@ -733,8 +746,36 @@ class Store:
                                 store=self.path, layer=li.layer, disk=int(bad[0]),
                                 path=getattr(exc, "path", None))
         verify = self.verify_checksums if verify is None else verify
+        if into is not None:
+            into = self._check_into(into, plan, li)
         return self._executor.execute(li, plan, copies, verify=bool(verify), order=order,
-                                      out=out, cluster=cluster, consume=consume)
+                                      out=out, cluster=cluster, consume=consume, into=into)
+
+    def _check_into(self, into, plan: Plan, li: LayerIndex) -> tuple[AlignedBuffer, int]:
+        """``execute(into=)``: a (buffer of this store's engine, base) pair
+        whose buffer holds the plan's entries from base, with base an int
+        (InvalidArgumentError)."""
+        try:
+            buf, base = into
+        except (TypeError, ValueError):
+            raise E.InvalidArgumentError("into must be a (buffer, base) pair",
+                                         store=self.path, layer=li.layer) from None
+        if not isinstance(buf, AlignedBuffer):
+            raise E.InvalidArgumentError(f"into's buffer is a {type(buf).__name__}, not a "
+                                         "buffer from Engine.alloc", store=self.path,
+                                         layer=li.layer)
+        if buf.slot >= 0 and (buf._engine is None or buf._engine() is not self.engine):
+            raise E.InvalidArgumentError("into's buffer is registered with another engine "
+                                         "(allocate it from this store's engine)",
+                                         store=self.path, layer=li.layer)
+        base = V.parse_int(base, "into base", 0, 1 << 62, store=self.path, layer=li.layer)
+        if base + plan.num_entries * self.entry_bytes > buf.size:
+            raise E.InvalidArgumentError(
+                f"into's buffer holds {buf.size} bytes; {plan.num_entries} entries of "
+                f"{self.entry_bytes} from byte {base} need "
+                f"{base + plan.num_entries * self.entry_bytes}", store=self.path,
+                layer=li.layer)
+        return buf, base
 
     def _check_plan_args(self, max_gap, max_request, policy, dedup=True) -> None:
         """Planner options, checked before planning (InvalidArgumentError)."""
