@@ -6,6 +6,7 @@ command lines parse into and that ``python -m tools`` reaches every tool.
 
 import json
 import pathlib
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -340,6 +341,20 @@ def test_bench_select_cluster_sizes_follow_tokens():
         == [6.0, 7.0]
     with pytest.raises(click.UsageError, match="3 cluster sizes for 2 --tokens"):
         _params(B, ["--cluster-sizes", "6,7,8", "--tokens", "4096,8192"])
+
+
+def test_bench_decode_compare_parses_method_at_ratio():
+    """throughput --compare METHOD@R: a baseline at its own r; anything else
+    is a usage error naming the value."""
+    import click
+
+    from tools import bench_decode as B
+    assert _params(B, ["throughput"])["compare"] == ()
+    assert _params(B, ["throughput", "--compare", "quest@0.3", "--compare", "pqcache@1"]
+                   )["compare"] == (("quest", 0.3), ("pqcache", 1.0))
+    for bad in ("quest", "quest@", "quest@0", "quest@1.5", "quest@x", "dense@0.1", "@0.1"):
+        with pytest.raises(click.BadParameter, match=re.escape(bad)):
+            _params(B, ["throughput", "--compare", bad])
 
 
 def test_bench_select_query_heads_follow_kv_heads():

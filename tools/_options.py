@@ -21,7 +21,8 @@ import click
 from swarmfs._cli import FiniteFloat
 
 __all__ = ["FiniteFloat", "COUNT", "NONNEG", "POSITIVE", "NONNEG_FLOAT", "RATIO", "FRACTION",
-           "DISKS", "QUEUE_DEPTH", "CommaList", "OutPath", "DiskSpec", "clear_store_dir"]
+           "DISKS", "QUEUE_DEPTH", "CommaList", "OutPath", "DiskSpec", "MethodRatio",
+           "clear_store_dir"]
 
 #: a count of things or repetitions: >= 1
 COUNT = click.IntRange(min=1)
@@ -174,3 +175,23 @@ def clear_store_dir(path, *, option: str = "ROOT") -> None:
                                  "deletes and rewrites this directory, so give a new or "
                                  "empty one", param_hint=option)
     shutil.rmtree(p)
+
+
+class MethodRatio(click.ParamType):
+    """``METHOD@R``: a decode method and its sparsity ratio r in (0, 1]."""
+    name = "METHOD@R"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        m, sep, r = str(value).partition("@")
+        if not sep or m not in ("swarm", "quest", "infllm", "pqcache"):
+            self.fail(f"{value!r}: give swarm, quest, infllm or pqcache, then @ and r", param,
+                      ctx)
+        try:
+            ratio = float(r)
+        except ValueError:
+            ratio = -1.0
+        if not 0 < ratio <= 1:
+            self.fail(f"{value!r}: r must be a number in (0, 1]", param, ctx)
+        return m, ratio

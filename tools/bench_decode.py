@@ -64,7 +64,7 @@ import types
 import click
 import numpy as np
 
-from tools._options import COUNT, DISKS, FRACTION, NONNEG, RATIO, OutPath
+from tools._options import COUNT, DISKS, FRACTION, NONNEG, RATIO, MethodRatio, OutPath
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -364,16 +364,20 @@ def throughput(args, model, tok):
            "kind": args.kinds[0], "disks": disks_for(args, 0, 2)}
     # swarmfs: no prefetch, §7's prefetch, and the session upkeep on a worker
     # thread after each layer's attention (issue 26)
-    variants = {"swarm_prefetch_none": ("none", "inline"),
-                "swarm_prefetch_previous": ("previous", "inline"),
-                "swarm_upkeep_background": ("none", "background")}
+    # (prefetch, upkeep, method, r); --compare adds a method at its own r,
+    # e.g. the r at which a baseline matches swarmfs's accuracy (issue 26)
+    variants = {"swarm_prefetch_none": ("none", "inline", "swarm", args.ratios[0]),
+                "swarm_prefetch_previous": ("previous", "inline", "swarm", args.ratios[0]),
+                "swarm_upkeep_background": ("none", "background", "swarm", args.ratios[0])}
+    for m, r in args.compare:
+        variants[f"{m}@{r:g}"] = ("none", "inline", m, r)
     names = ["dense", *variants]
     with tempfile.TemporaryDirectory(dir=args.workdir) as wd, contextlib.ExitStack() as ex, \
             torch.no_grad():
         caches = {"dense": DynamicCache()}
-        for i, (name, (pf, up)) in enumerate(variants.items()):
+        for i, (name, (pf, up, m, r)) in enumerate(variants.items()):
             caches[name] = ex.enter_context(hf.SwarmCache(
-                pathlib.Path(wd) / name, model.config, ratio=args.ratios[0],
+                pathlib.Path(wd) / name.replace("@", "_"), model.config, ratio=r, method=m,
                 disks=disks_for(args, i, len(variants)), prefetch=pf, upkeep=up,
                 force=bool(args.disk_paths)))
         nxt, ms = {}, {n: [] for n in names}
@@ -401,7 +405,8 @@ def throughput(args, model, tok):
             cpu = sum(s[k] for k in ("score_us", "select_us", "plan_us", "assemble_us",
                                      "session_us"))
             med = statistics.median(ms[n])
-            out[n] = {"step_ms": med, "tokens_per_s": 1e3 / med,
+            out[n] = {"method": variants[n][2], "ratio": variants[n][3],
+                      "step_ms": med, "tokens_per_s": 1e3 / med,
                       "vs_dense": med / out["dense"]["step_ms"],
                       "cpu_us_per_step": cpu, "io_us_per_step": s["io_us"],
                       "attend_us_per_step": s["attend_us"], "summary": s,
@@ -728,6 +733,9 @@ class _ListsCommand(click.Command):
 @click.option("--batch", type=COUNT, multiple=True, default=[],
               help="throughput: batch sizes to measure (e.g. 1 4 8; Fig. 16), each row "
                    "its own request and store")
+@click.option("--compare", type=MethodRatio(), multiple=True, default=[],
+              help="throughput: also decode with METHOD@R (e.g. quest@0.3: a baseline at "
+                   "the r where it matches swarmfs's accuracy)")
 @click.option("--out", type=OutPath(), default=None)
 def cli(**options):
     args = types.SimpleNamespace(**{k: list(v) if isinstance(v, tuple) else v
