@@ -601,7 +601,11 @@ def bench_recall(workdir, context=16384, queries=64, r=0.1, coverages=(2.0, 3.0)
               help="also time a decode step over 8 layers, sequential vs pipelined")
 @click.option("--session", is_flag=True,
               help="also time DecodeSession.step (Qwen3-32B-shaped layer, 32K tokens), "
-                   "with and without reuse_outputs")
+                   "copying, landing in its EntryBuffer, and with the upkeep deferred")
+@click.option("--session-tokens", type=CommaList(int, item=click.IntRange(min=1024)),
+              default="32768",
+              show_default=True, help="--session: context lengths to step at (e.g. "
+                                      "32768,131072)")
 @click.option("--recall", metavar="DIR",
               help="only measure the int8 index's recall against the exact score on "
                    "the demo's capture cast to fp16 (store written under DIR)")
@@ -771,9 +775,10 @@ def _rest(a, argv, rng, paths, rows, sizes, auto) -> None:
                   f"sum {x['sum_us'] / 1e3:.2f}, max {x['max_us'] / 1e3:.2f})")
         print(f"pipelined / sequential step: {1 / pipe['speedup']:.2f} (one assembly "
               f"thread), {1 / pipe['speedup_2t']:.2f} (two)")
-    if a.session:
-        ses = bench_session(max(a.reps // 8, 10), rng)
-        plan["session"] = ses
+    for n_tok in (a.session_tokens if a.session else []):
+        ses = bench_session(max(a.reps // 8, 10), rng, S=n_tok)
+        plan.setdefault("session", ses)                 # the first length, as before
+        plan.setdefault("sessions", {})[n_tok] = ses
         for key in ("copy", "reuse", "deferred"):
             x = ses[key]
             print(f"DecodeSession.step ({ses['tokens']} tokens, {ses['entries']} entries of "
