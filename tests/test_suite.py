@@ -12,10 +12,12 @@ def test_frontier_at_full_budget_recalls_everything(tmp_path):
     out = tmp_path / "f.json"
     frontier.main(["--kinds", "python", "--tokens", "1024", "--queries", "3", "--ratios", "1.0",
                    "--ratios", "0.1", "--taus", "0.9", "--caps", "8", "--reps", "medoid",
-                   "--reps", "bounds", "--pages", "16", "--blocks", "64", "--means", "16",
+                   "--reps", "bounds", "--reps", "centroids2", "--reps", "oracle",
+                   "--pages", "16", "--blocks", "64", "--means", "16",
                    "--cache", str(tmp_path / "c"), "--out", str(out), "--plots", str(tmp_path)])
     pts = json.loads(out.read_text())["points"]
-    assert {p["family"] for p in pts} == {"swarm", "quest", "infllm", "pqcache"}
+    assert {p["family"] for p in pts} == {"swarm", "quest", "infllm", "pqcache",
+                                          "cluster-oracle"}
     for p in pts:
         assert 0.0 < p["recall"] <= 1.0 + 1e-9
         if p["ratio"] == 1.0:
@@ -24,6 +26,13 @@ def test_frontier_at_full_budget_recalls_everything(tmp_path):
     assert quest["entries_per_cluster"] == 16.0
     # Quest's index is two float16 keys per page of 16: 1/16 of the float16 K and V
     assert quest["index_fraction"] == pytest.approx(1 / 16)
+    # on the same clusters: the mass oracle bounds every representative's
+    # recall; two centroids cost twice one medoid's DRAM
+    at = {p["config"].split()[-1]: p for p in pts
+          if p["family"] != "quest" and "swarm" in p["config"] and p["ratio"] == 0.1}
+    assert at["oracle"]["recall"] >= max(at[r]["recall"] for r in ("medoid", "bounds",
+                                                                    "centroids2")) - 1e-9
+    assert at["centroids2"]["index_fraction"] == pytest.approx(2 * at["medoid"]["index_fraction"])
     assert (tmp_path / "frontier_python.png").exists()
 
 

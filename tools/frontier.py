@@ -15,8 +15,12 @@ Configurations:
 * ``swarm``: co-activation clustering (SWARM §5.1; ``swarmfs.layout.cluster``)
   for each tau and cluster-size cap, with each cluster representative:
   ``medoid`` (§5.2, the paper), ``centroid`` (the members' mean key, the
-  same DRAM) or ``bounds`` (per-channel min/max of the members' keys, Quest's
-  upper bound, twice the DRAM).
+  same DRAM), ``bounds`` (per-channel min/max of the members' keys, Quest's
+  upper bound, twice the DRAM), ``centroids2`` (two 2-means centroids of
+  the members, twice the DRAM) or ``oracle`` (each cluster scored by its
+  true attention mass for the query: the ranking a perfect scorer of those
+  clusters gives, so it separates what the clustering loses from what the
+  index loses; no DRAM counted; plotted apart from the methods).
 * ``quest``: pages of 8, 16, 32 and 64 tokens with min/max bounds.
 * ``infllm``: blocks of 32, 64 and 128 tokens with 4 representative keys.
 * ``pqcache``: k-means over the keys into clusters of 8, 16 and 32 on
@@ -107,6 +111,25 @@ def _reduce(flat_members: np.ndarray, ptr: np.ndarray, how: str) -> np.ndarray:
     return f.reduceat(flat_members, ptr[:-1], axis=0).astype(np.float32)
 
 
+def _two_centroids(flat_members: np.ndarray, ptr: np.ndarray, iters: int = 4) -> np.ndarray:
+    """Two representatives per cluster: 2-means of its members' keys, seeded
+    by the centroid and the member farthest from it (a one-member cluster
+    repeats its key): float32 [C, 2, H_kv*d]."""
+    C = ptr.shape[0] - 1
+    out = np.empty((C, 2, flat_members.shape[1]), np.float32)
+    for c in range(C):                       # offline layout analysis, not the decode path
+        x = flat_members[ptr[c]:ptr[c + 1]]
+        a = x.mean(0)
+        b = x[np.argmax(((x - a) ** 2).sum(1))]
+        for _ in range(iters):
+            near_b = ((x - b) ** 2).sum(1) < ((x - a) ** 2).sum(1)
+            if near_b.all() or not near_b.any():
+                break
+            a, b = x[~near_b].mean(0), x[near_b].mean(0)
+        out[c, 0], out[c, 1] = a, b
+    return out
+
+
 def swarm_configs(q, k, S, scaling, ratio, taus, caps, reps, layer) -> list[Config]:
     from swarmfs import layout as L
     t0 = time.perf_counter()
@@ -125,10 +148,17 @@ def swarm_configs(q, k, S, scaling, ratio, taus, caps, reps, layer) -> list[Conf
                     index = {"vectors": _flat(k, np.asarray(cl.medoids))}
                 elif rep == "centroid":
                     index = {"vectors": _reduce(fm, ptr, "mean")}
+                elif rep == "centroids2":
+                    index = {"reps": _two_centroids(fm, ptr)}
+                elif rep == "oracle":
+                    index = {}
                 else:
                     index = {"lo": _reduce(fm, ptr, "min"), "hi": _reduce(fm, ptr, "max")}
-                out.append(Config("swarm", f"swarm tau={tau} cap={cap} {rep}", ptr, mem,
-                                  "bounds" if rep == "bounds" else "vectors", index, dt))
+                kind = {"bounds": "bounds", "centroids2": "reps", "oracle": "oracle"}.get(
+                    rep, "vectors")
+                out.append(Config("cluster-oracle" if rep == "oracle" else "swarm",
+                                  f"swarm tau={tau} cap={cap} {rep}", ptr, mem, kind, index,
+                                  dt))
     return out
 
 
@@ -156,6 +186,8 @@ def baseline_configs(q, k, S, pages, blocks, means) -> list[Config]:
 
 def selector_for(cfg: Config):
     from swarmfs.decode import _selectors as Sel
+    if cfg.kind == "oracle":
+        return None
     if cfg.kind == "vectors":
         return Sel.VectorSelector({0: cfg.index["vectors"]})
     if cfg.kind == "reps":
@@ -191,7 +223,10 @@ def evaluate(cfg: Config, q_dec, k, v, S, scaling, ratio, dense) -> dict:
     for i in range(q_dec.shape[0]):
         qi = np.ascontiguousarray(q_dec[i][None], np.float32)
         t0 = time.perf_counter()
-        scores = sel.scores(0, qi)[0]
+        if sel is None:         # the cluster oracle: each cluster's true attention mass
+            scores = np.add.reduceat(dense[i][0].mean(0)[cfg.members], cfg.ptr[:-1])
+        else:
+            scores = sel.scores(0, qi)[0]
         chosen = select_clusters(scores, cfg.ptr, cfg.members, num_tokens=S, budget=budget,
                                  window=w)
         cpu.append((time.perf_counter() - t0) * 1e6)
@@ -335,8 +370,12 @@ def _ints(ctx, param, value):
 @click.option("--ratios", type=RATIO, multiple=True, default=[0.05, 0.1, 0.2])
 @click.option("--taus", callback=_floats, default="0.3,0.7,0.9")
 @click.option("--caps", callback=_ints, default="8,16,64")
-@click.option("--reps", multiple=True, type=click.Choice(["medoid", "centroid", "bounds"]),
-              default=["medoid", "centroid", "bounds"])
+@click.option("--reps", multiple=True,
+              type=click.Choice(["medoid", "centroid", "bounds", "centroids2", "oracle"]),
+              default=["medoid", "centroid", "bounds"],
+              help="cluster representatives; centroids2: two per cluster (2-means); "
+                   "oracle: each cluster ranked by its true attention mass (what a perfect "
+                   "scorer of those clusters would do; costs no DRAM here)")
 @click.option("--pages", callback=_ints, default="8,16,32,64")
 @click.option("--blocks", callback=_ints, default="32,64,128")
 @click.option("--means", callback=_ints, default="8,16,32")
