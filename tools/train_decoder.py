@@ -500,7 +500,7 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
                         "grad_norm": gnorm, "sec": dt, "tokens": seq * batch,
                         "answer_loss": None if answer_loss is None else answer_loss.item()})
         bar.update(1)
-        bar.set_postfix(seq=seq, loss=f"{float(lm_loss):.3f}", tok_s=f"{seq * batch / dt:.0f}")
+        bar.set_postfix(seq=seq, loss=f"{history[-1]['loss']:.3f}", tok_s=f"{seq * batch / dt:.0f}")
         boundary = step in set(ends.tolist())
         if boundary or time.time() - last_save > args.ckpt_every or step == total:
             history[-1]["copy"] = copy_probe(model, probe_ids)
@@ -508,7 +508,7 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
             last_save = time.time()
             (args.out / "history.json").write_text(json.dumps(history))
             plot_curve(history, args.out / "loss.png", phases)
-            print(f"\n[train] step {step}/{total} seq {seq} loss {float(loss):.3f} "
+            print(f"\n[train] step {step}/{total} seq {seq} loss {loss.item():.3f} "
                   f"copy ratio {history[-1]['copy']} (ckpt; {time.time() - wall0:.0f} s wall, "
                   f"{time.process_time() - cpu0:.0f} s CPU this run)", flush=True)
     bar.close()
