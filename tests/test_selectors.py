@@ -271,15 +271,29 @@ def small_fp16_store(tmp_path_factory):
     s.close()
 
 
+def _devices():
+    """None (the C kernels), torch on the CPU, and CUDA where a GPU exists."""
+    out = [None, "cpu"]
+    try:
+        import torch
+        if torch.cuda.is_available():
+            out.append("cuda")
+    except ImportError:
+        out.remove("cpu")
+    return out
+
+
+@pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("score", ["prob", "logit"])
-def test_exact_medoid_scores_are_the_per_head_rule(small_fp16_store, rng, score):
+def test_exact_medoid_scores_are_the_per_head_rule(small_fp16_store, rng, score, device):
     """"prob": per query head, softmax over the clusters of q_h . k_medoid
     (scaled by head_dim**-0.5; query head h reads KV head h // 4), summed over
     heads; "logit": the plain sum of those logits.  ``select`` picks what
-    :func:`select_clusters` picks from those scores."""
+    :func:`select_clusters` picks from those scores.  The same on the C
+    kernels and in torch on a device (issue 26's GPU score path)."""
     s, kv = small_fp16_store
     li = s.layer(0)
-    sel = MedoidSelector(s, score=score, index="exact")
+    sel = MedoidSelector(s, score=score, index="exact", device=device)
     q = rng.standard_normal((3, 8, 16)).astype(np.float32)
     kmed = kv[li.medoid, 0].astype(np.float64)                   # [C, H, d]
     logits = np.einsum("bhd,chd->bhc", q.astype(np.float64), kmed[:, np.arange(8) // 4])
@@ -355,3 +369,22 @@ def test_auto_threads_select_what_one_thread_does(small_fp16_store, rng):
     assert est[1] is not None and est[2] is not None
     with pytest.raises(InvalidArgumentError, match="threads"):
         MedoidSelector(store, threads="Auto")
+
+
+def test_torch_score_path_serves_a_retriever_and_refuses_bad_devices(small_fp16_store, rng):
+    """MedoidSelector(device=...) through a Retriever returns the entries the
+    exact CPU score returns; its device copy counts as DRAM only on the CPU;
+    a device torch does not know is an InvalidArgumentError."""
+    pytest.importorskip("torch")
+    s, _ = small_fp16_store
+    cpu, dev = MedoidSelector(s, index="exact"), MedoidSelector(s, device="cpu")
+    ra, rb = Retriever(s, ratio=0.2, selector=cpu), Retriever(s, ratio=0.2, selector=dev)
+    for _ in range(5):
+        q = rng.standard_normal((8, 16)).astype(np.float32)
+        a, b = ra.retrieve(0, q, torch=False), rb.retrieve(0, q, torch=False)
+        assert a.clusters.tolist() == b.clusters.tolist()
+        assert np.array_equal(a.positions, b.positions) and same_bits(a.k, b.k)
+    assert dev.dram_bytes(0) == 3 * cpu._medoids(0).nbytes      # fp16 keys + an fp32 copy
+    for bad in ("tpu", "cuda:99", 3.5, "nope:0"):
+        with pytest.raises(InvalidArgumentError, match="device"):
+            MedoidSelector(s, device=bad)

@@ -386,13 +386,29 @@ class MedoidSelector:
             lately (:class:`ThreadChooser`), so the second core is used
             only while it helps.  The other scores and ``levels=2`` run on
             one thread.
+        device: None (default): the CPU kernels above.  A torch device
+            (``"cuda"``, ``"cuda:1"``, ``"cpu"``): the score runs in torch
+            on that device, for a model whose attention already runs there
+            (issue 26): the medoid keys are copied there once per layer
+            index (store dtype on a GPU, float32 on the CPU), each query's
+            logits are one batched matmul per KV head, the "prob" softmax
+            is float32, and only the scores [B, C] come back to choose
+            clusters by the same rule.  ``index`` and ``levels`` do not
+            apply (the exact keys are scored); ``"cpu"`` runs the same code
+            on the CPU (how it is tested where no GPU exists).
+
+    Raises:
+        InvalidChoiceError: score or index not one of the choices.
+        InvalidArgumentError: a device torch does not know, or torch is
+            missing.
     """
 
     kind = "clusters"
     name = "swarm"
 
     def __init__(self, store, score: str = "prob", index: str = "int8", levels: int = 1,
-                 group_size: int = 32, coverage: float = 3.0, threads: int = 1):
+                 group_size: int = 32, coverage: float = 3.0, threads: int = 1,
+                 device=None):
         parse_choice(score, "score", SCORES)
         parse_choice(index, "index", INDEXES)
         levels = parse_int(levels, "levels", 1, 2)
@@ -408,6 +424,7 @@ class MedoidSelector:
         self.index = index
         self.levels, self.group_size, self.coverage = int(levels), int(group_size), float(coverage)
         self.scale = float(store.head_dim) ** -0.5
+        self.device = None if device is None else _torch_device(device)
         self._derived: dict[tuple, tuple] = {}      # {(what, layer): (layer index, array)}
 
     def _cached(self, what: str, layer, li, make):
@@ -462,6 +479,8 @@ class MedoidSelector:
         index the caller works on (default the store's current one)."""
         li = self.store.layer(layer) if li is None else li
         m = self._medoids(layer, li)
+        if self.device is not None:
+            return self._torch_scores(layer, li, m, q)
         if self.score == "logit":
             return _gemv(m, q)
         from ..store._kernels import head_logits_i8, softmax_sum
@@ -483,6 +502,9 @@ class MedoidSelector:
         layer index the caller works on (default the store's current one)."""
         li = self.store.layer(layer) if li is None else li
         m = self._medoids(layer, li)
+        if self.device is not None:
+            return [_select(x, li.members_ptr, li.members, li.num_tokens, budget, window)
+                    for x in self._torch_scores(layer, li, m, q)]
         ix = self._int8(layer, li, m)
         if ix is not None and self.levels == 2:
             return self._select_two_level(layer, li, m, q, budget, window)
@@ -517,6 +539,30 @@ class MedoidSelector:
             out.append(Selection(cl, n, window))
         return out
 
+    def _torch_scores(self, layer, li, m, q) -> np.ndarray:
+        """``scores`` on ``self.device`` in torch: float32 [B, C] (numpy)."""
+        import torch
+        H = self.store.num_kv_heads
+        dev = self.device
+
+        def make():                  # head-major [H_kv, C, d] on the device
+            from ..store._format import to_torch
+            t = to_torch(np.ascontiguousarray(m), self.store.dtype)
+            t = t.to(dev).float() if dev.type == "cpu" else t.to(dev)
+            return t.reshape(t.shape[0], H, -1).transpose(0, 1).contiguous()
+        mt = self._cached("torch", layer, li, make)
+        qt = torch.as_tensor(np.asarray(q, dtype=np.float32)).to(dev)
+        B, Hq, d = qt.shape
+        G = Hq // H
+        if self.score == "logit":
+            qg = qt.reshape(B, H, G, d).sum(2).transpose(0, 1)            # [H, B, d]
+            out = torch.matmul(qg.to(mt.dtype), mt.transpose(1, 2)).float().sum(0)
+            return out.cpu().numpy()
+        qh = qt.reshape(B, H, G, d).transpose(0, 1).reshape(H, B * G, d)
+        lg = torch.matmul(qh.to(mt.dtype), mt.transpose(1, 2)).float() * self.scale
+        p = torch.softmax(lg, dim=-1).reshape(H, B, G, -1).sum((0, 2))  # [B, C]
+        return p.cpu().numpy()
+
     def _select_two_level(self, layer, li, m, q, budget, window) -> list[Selection]:
         """``select`` through the two-level index, made once per layer index."""
         from ._index2 import pack_medoids_i8x2, select_i8x2
@@ -548,10 +594,29 @@ class MedoidSelector:
         for (what, lay), (_, x) in list(self._derived.items()):
             if lay != layer or what == "medoids":
                 continue
+            if what == "torch":              # host memory only where the device is the CPU
+                on_cpu = getattr(self.device, "type", None) == "cpu"
+                extra += x.nelement() * x.element_size() if on_cpu else 0
+                continue
             # an array, or a record of arrays (the int8 and two-level indexes)
             extra += int(x.nbytes) if hasattr(x, "nbytes") else \
                 sum(a.nbytes for a in x if isinstance(a, np.ndarray))
         return int(self._medoids(layer).nbytes + extra)
+
+
+def _torch_device(device):
+    """A torch.device from a name or device (InvalidArgumentError)."""
+    try:
+        import torch
+    except ImportError:
+        raise InvalidArgumentError(f"device={device!r} needs torch, which is not "
+                                   "installed") from None
+    try:
+        dev = torch.device(device)
+        torch.empty(1, device=dev)              # the device exists and is usable
+    except (RuntimeError, TypeError, ValueError, AssertionError) as exc:
+        raise InvalidArgumentError(f"device {device!r} is not usable: {exc}") from None
+    return dev
 
 
 class _GivenIndex:
