@@ -5,6 +5,7 @@ command lines parse into and that ``python -m tools`` reaches every tool.
 """
 
 import json
+import os
 import pathlib
 import re
 
@@ -416,3 +417,26 @@ def test_bench_mount_sweep_reads_only_the_clusters_it_built(monkeypatch, tmp_pat
                     str(big), "--concurrent", str(conc)])
         assert got.value.args[0] == {"clusters": max(big, conc), "concurrent": conc}
         assert built["clusters"] == max(big, conc)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, all its threads (/proc/PID/stat)."""
+    f = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.slow
+def test_bench_select_busy_core_keeps_one_core_busy():
+    """--busy stands for the model keeping the other core busy: one core.
+    It set OPENBLAS_NUM_THREADS after numpy had started its pool, so the
+    child's matrix products ran on both cores (its CPU time was about twice
+    its wall time on an idle 2-core machine), and one-thread selection
+    was slowed as much as two threads."""
+    import time
+
+    from tools.bench_select import _BusyCore
+    with _BusyCore() as busy:
+        c0, t0 = _cpu_seconds(busy.proc.pid), time.monotonic()
+        time.sleep(2.0)
+        cores = (_cpu_seconds(busy.proc.pid) - c0) / (time.monotonic() - t0)
+    assert 0.2 < cores < 1.2, cores

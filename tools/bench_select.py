@@ -709,11 +709,15 @@ class _BusyCore:
 
 
 def _spin(stop) -> None:
-    os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"
+    # numpy (and its BLAS pool, one thread per core) is loaded with this
+    # module before this runs, so an environment variable set here is too
+    # late: limit the pool itself, or the "busy core" keeps both cores busy
+    from threadpoolctl import threadpool_limits
     a = np.random.default_rng(0).standard_normal((384, 384)).astype(np.float32)
-    while not stop.is_set():
-        for _ in range(20):
-            a = np.tanh(a @ a)
+    with threadpool_limits(limits=1):
+        while not stop.is_set():
+            for _ in range(20):
+                a = np.tanh(a @ a)
 
 
 def _selection_rows(a, toks, sizes, rng, paths, rows) -> None:
