@@ -190,11 +190,13 @@ int se_gemv_half(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld, int 
                  const float *q, int64_t nq, float *out);
 
 /* Per-query-head logits against rows of H_kv heads, one pass over m:
- * m [rows, H_kv * d] (fp16 kind 1 / bf16 kind 2), q float32 [nq, H_q, d],
- * out float32 [nq, H_q, rows]; query head h uses KV head h / (H_q / H_kv).
- * Returns 0 or -EINVAL. */
-int se_head_logits(const uint16_t *m, int64_t rows, int64_t num_kv_heads, int64_t d,
-                   int kind, const float *q, int64_t nq, int64_t num_q_heads, float *out);
+ * m [rows, H_kv * d] (fp16 kind 1 / bf16 kind 2) whose rows start ld
+ * elements apart (ld >= H_kv * d: e.g. the K half of stored entry rows, ld =
+ * 2 H_kv d), q float32 [nq, H_q, d], out float32 [nq, H_q, rows]; query head
+ * h uses KV head h / (H_q / H_kv).  Returns 0 or -EINVAL. */
+int se_head_logits(const uint16_t *m, int64_t rows, int64_t ld, int64_t num_kv_heads,
+                   int64_t d, int kind, const float *q, int64_t nq, int64_t num_q_heads,
+                   float *out);
 
 /* Softmax of each of nh rows of x [nh, n] (after multiplying by scale),
  * summed over the rows into out [n] (out is overwritten).  Vectorised exp on

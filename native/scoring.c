@@ -164,8 +164,8 @@ static int64_t *head_slots(int64_t H, int64_t G, int64_t Hq, int64_t P, int64_t 
 }
 
 __attribute__((target("avx512f,avx512dq")))
-static int head_logits_avx512(const uint16_t *m, int64_t rows, int64_t H, int64_t d,
-                               int kind, const float *q, int64_t nq, int64_t Hq,
+static int head_logits_avx512(const uint16_t *m, int64_t rows, int64_t ld, int64_t H,
+                               int64_t d, int kind, const float *q, int64_t nq, int64_t Hq,
                                float *out)
 {
     /* For each row and KV head, the (query, query head) pairs that read that
@@ -177,7 +177,7 @@ static int head_logits_avx512(const uint16_t *m, int64_t rows, int64_t H, int64_
     if (!slot)
         return -ENOMEM;
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *row = m + r * H * d;
+        const uint16_t *row = m + r * ld;
         for (int64_t g = 0; g < H; g++) {
             const uint16_t *seg = row + g * d;
             for (int64_t p0 = 0; p0 < P; p0 += 8) {
@@ -312,8 +312,9 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
 }
 
 __attribute__((target("avx2,fma,f16c")))
-static int head_logits_avx2(const uint16_t *m, int64_t rows, int64_t H, int64_t d,
-                             int kind, const float *q, int64_t nq, int64_t Hq, float *out)
+static int head_logits_avx2(const uint16_t *m, int64_t rows, int64_t ld, int64_t H,
+                             int64_t d, int kind, const float *q, int64_t nq, int64_t Hq,
+                             float *out)
 {
     /* as head_logits_avx512, with 8-lane accumulators */
     int64_t G = Hq / H, dv = d & ~(int64_t)7, P = nq * G, nblk = (P + 7) / 8;
@@ -321,7 +322,7 @@ static int head_logits_avx2(const uint16_t *m, int64_t rows, int64_t H, int64_t 
     if (!slot)
         return -ENOMEM;
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *row = m + r * H * d;
+        const uint16_t *row = m + r * ld;
         for (int64_t g = 0; g < H; g++) {
             const uint16_t *seg = row + g * d;
             for (int64_t p0 = 0; p0 < P; p0 += 8) {
@@ -626,8 +627,9 @@ int se_gemv_half(const uint16_t *m, int64_t rows, int64_t cols, int64_t ld, int 
 }
 
 /* per KV head, one strided GEMV of its query heads (paths without a fused kernel) */
-static int head_logits_by_gemv(int path, const uint16_t *m, int64_t rows, int64_t H, int64_t d,
-                               int kind, const float *q, int64_t nq, int64_t Hq, float *out)
+static int head_logits_by_gemv(int path, const uint16_t *m, int64_t rows, int64_t ld,
+                               int64_t H, int64_t d, int kind, const float *q, int64_t nq,
+                               int64_t Hq, float *out)
 {
     int64_t G = Hq / H;
     float *tmp = malloc(sizeof(float) * (size_t)(nq * G * rows + 1));
@@ -640,7 +642,7 @@ static int head_logits_by_gemv(int path, const uint16_t *m, int64_t rows, int64_
     for (int64_t g = 0; g < H; g++) {
         for (int64_t b = 0; b < nq; b++)
             memcpy(qg + b * G * d, q + (b * Hq + g * G) * d, sizeof(float) * (size_t)(G * d));
-        gemv_dispatch(path, m + g * d, rows, d, H * d, kind, qg, nq * G, tmp);
+        gemv_dispatch(path, m + g * d, rows, d, ld, kind, qg, nq * G, tmp);
         for (int64_t b = 0; b < nq; b++)
             for (int64_t j = 0; j < G; j++)
                 memcpy(out + (b * Hq + g * G + j) * rows, tmp + (b * G + j) * rows,
@@ -651,20 +653,20 @@ static int head_logits_by_gemv(int path, const uint16_t *m, int64_t rows, int64_
     return 0;
 }
 
-int se_head_logits(const uint16_t *m, int64_t rows, int64_t H, int64_t d, int kind,
-                   const float *q, int64_t nq, int64_t Hq, float *out)
+int se_head_logits(const uint16_t *m, int64_t rows, int64_t ld, int64_t H, int64_t d,
+                   int kind, const float *q, int64_t nq, int64_t Hq, float *out)
 {
-    if (!m || !q || !out || rows < 0 || H <= 0 || d <= 0 || nq <= 0 || Hq <= 0 ||
-        Hq % H || (kind != 1 && kind != 2))
+    if (!m || !q || !out || rows < 0 || H <= 0 || d <= 0 || ld < H * d || nq <= 0 ||
+        Hq <= 0 || Hq % H || (kind != 1 && kind != 2))
         return -EINVAL;
     int path = se_kernel_path();
 #if SE_X86
     if (path == SE_PATH_AVX512)
-        return head_logits_avx512(m, rows, H, d, kind, q, nq, Hq, out);
+        return head_logits_avx512(m, rows, ld, H, d, kind, q, nq, Hq, out);
     if (path == SE_PATH_AVX2)
-        return head_logits_avx2(m, rows, H, d, kind, q, nq, Hq, out);
+        return head_logits_avx2(m, rows, ld, H, d, kind, q, nq, Hq, out);
 #endif
-    return head_logits_by_gemv(path, m, rows, H, d, kind, q, nq, Hq, out);
+    return head_logits_by_gemv(path, m, rows, ld, H, d, kind, q, nq, Hq, out);
 }
 
 static void softmax_sum_dispatch(int path, const float *x, int64_t nh, int64_t n, float scale,
@@ -724,12 +726,12 @@ static int prob_scores(int path, const se_half_index *ix, const se_query *q, flo
     else if (packed && path == SE_PATH_AVX2)
         packed_logits_avx2(packed, C, H, d, kind, q->q, Hq, lg);
     else if (path == SE_PATH_AVX512)
-        rc = head_logits_avx512(m, C, H, d, kind, q->q, 1, Hq, lg);
+        rc = head_logits_avx512(m, C, H * d, H, d, kind, q->q, 1, Hq, lg);
     else if (path == SE_PATH_AVX2)
-        rc = head_logits_avx2(m, C, H, d, kind, q->q, 1, Hq, lg);
+        rc = head_logits_avx2(m, C, H * d, H, d, kind, q->q, 1, Hq, lg);
     else
 #endif
-        rc = head_logits_by_gemv(path, m, C, H, d, kind, q->q, 1, Hq, lg);
+        rc = head_logits_by_gemv(path, m, C, H * d, H, d, kind, q->q, 1, Hq, lg);
     (void)packed;
     if (rc < 0)
         return rc;

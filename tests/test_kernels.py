@@ -94,9 +94,13 @@ def test_every_path_matches_the_scalar_reference(each_path, rng, bf16):
     S = int(ptr[-1])
     members = rng.permutation(S).astype(np.int32)
     results = {}
+    wide = np.zeros((C, 3 * H * d), dt)                 # rows 3 x H d apart, read in place
+    wide[:, :H * d] = m
+    wide[:, H * d:] = dt(7.0)
     for path in each_path:
         assert set_kernel_path(path) == path == kernel_path()
         lg = head_logits_half(m, q[None], H, bf16=bf16)[0]
+        assert same_bits(head_logits_half(wide[:, :H * d], q[None], H, bf16=bf16)[0], lg)
         g = gemv_half(m, q.reshape(H, Hq // H, d).sum(1).reshape(1, -1), bf16=bf16)
         sm = softmax_sum(lg, d ** -0.5)
         fused = {s: select_fused(m, q, H, scale=d ** -0.5, score=s, bf16=bf16, ptr=ptr,

@@ -128,6 +128,15 @@ def test_query_token_mass_equals_the_numpy_definition(rng, each_path, dtype):
         assert got.shape == (n,) and got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-9, err_msg=path)
         assert abs(float(got.sum()) - 1.0) < 1e-4
+        # K as an EntryBuffer gives it: strided views of stored entry rows
+        # [n, 2, H, d] (K heads side by side in each row), read in place
+        rows = np.zeros((n, 2, H, d), np_dt)
+        rows[:, 0] = k.transpose(1, 0, 2)
+        rows[:, 1] = -k.transpose(1, 0, 2)                  # V: must not be read as K
+        kv = rows[:, 0].transpose(1, 0, 2)
+        assert not kv.flags.c_contiguous
+        np.testing.assert_allclose(query_token_mass(q, kv, d ** -0.5), want, rtol=2e-5,
+                                   atol=1e-9, err_msg=path)
 
 
 

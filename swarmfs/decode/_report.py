@@ -88,12 +88,20 @@ def query_token_mass(q, k, scaling: float) -> np.ndarray:
     if k.dtype.name not in ("float16", "bfloat16"):
         return token_mass(attention_logits(q[:, None, :], k, scaling))[0]
     from ..store._kernels import head_logits_half, softmax_sum
-    g = q.shape[0] // H
-    lg = np.empty((q.shape[0], n), dtype=np.float32)
-    for h in range(H):                      # one pass over each KV head's rows
-        lg[h * g:(h + 1) * g] = head_logits_half(np.ascontiguousarray(k[h]),
-                                                 q[None, h * g:(h + 1) * g], 1,
-                                                 bf16=k.dtype.name == "bfloat16")[0]
+    bf16 = k.dtype.name == "bfloat16"
+    it = k.itemsize
+    if k.strides[0] == d * it and k.strides[2] == it and k.strides[1] >= H * d * it:
+        # K as strided views of stored entry rows (an EntryBuffer): each
+        # token's H_kv heads lie side by side, so one pass reads them in place
+        rows = np.lib.stride_tricks.as_strided(k, (n, H * d), (k.strides[1], it))
+        lg = head_logits_half(rows, q[None], H, bf16=bf16)[0]
+    else:
+        g = q.shape[0] // H
+        lg = np.empty((q.shape[0], n), dtype=np.float32)
+        for h in range(H):                      # one pass over each KV head's rows
+            lg[h * g:(h + 1) * g] = head_logits_half(np.ascontiguousarray(k[h]),
+                                                     q[None, h * g:(h + 1) * g], 1,
+                                                     bf16=bf16)[0]
     if not np.isfinite(lg).all():
         with np.errstate(invalid="ignore", over="ignore"):
             return token_mass(lg[:, None, :] * np.float32(scaling))[0]

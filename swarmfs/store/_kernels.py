@@ -57,6 +57,21 @@ def _arr(x, what: str, *, writable: bool = False) -> np.ndarray:
     return x
 
 
+def _row_strided(x, what: str) -> np.ndarray:
+    """A 2-D array whose rows are contiguous and lie a positive whole number
+    of items apart, at least a row long (copied to C order otherwise): what
+    a kernel taking a leading dimension reads in place.  The caller keeps
+    it alive while C reads it."""
+    x = _arr(x, what) if not isinstance(x, np.ndarray) else x
+    if x.dtype.hasobject:
+        _fail(f"{what} holds Python objects ({x.dtype}), not numbers")
+    it = x.itemsize
+    if x.ndim != 2 or x.shape[1] == 0 or x.strides[1] != it or x.strides[0] % it or \
+            x.strides[0] < x.shape[1] * it:
+        x = np.ascontiguousarray(x)
+    return x
+
+
 def _vec(x, dtype, what: str) -> np.ndarray:
     """A 1-D integer array as ``dtype`` (refusing floats, bools and negatives
     for unsigned types)."""
@@ -458,13 +473,15 @@ def head_logits_half(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *,
     """Per-query-head logits against fp16/bf16 rows in one pass over them (C).
 
     Args:
-        m: C-contiguous [rows, H_kv * d] 2-byte floats.
+        m: [rows, H_kv * d] 2-byte floats, each row contiguous; the rows may
+            lie a fixed stride apart (e.g. the K halves of stored entry rows,
+            uint8 [n, entry_bytes] viewed as 2-byte floats), read in place.
         q: float32 [B, H_q, d]; query head h uses KV head h // (H_q / H_kv).
 
     Returns:
         float32 [B, H_q, rows] of q_h . m[:, g(h)] (fp32 accumulation).
     """
-    m = _arr(m, "m")
+    m = _row_strided(m, "m")
     q = _floats(q, "q")
     num_kv_heads = _pos(num_kv_heads, "num_kv_heads")
     if m.ndim != 2 or m.itemsize != 2 or q.ndim != 3 or \
@@ -475,7 +492,8 @@ def head_logits_half(m: np.ndarray, q: np.ndarray, num_kv_heads: int, *,
     rows = m.shape[0]
     out = np.empty((B, Hq, rows), dtype=np.float32)
     if rows:
-        ret = lib.se_head_logits(ffi.from_buffer("uint16_t[]", m.view(np.uint16)), rows,
+        ld = m.strides[0] // 2
+        ret = lib.se_head_logits(ffi.cast("uint16_t *", m.ctypes.data), rows, ld,
                                  num_kv_heads, d, 2 if bf16 else 1,
                                  ffi.from_buffer("float[]", q), B, Hq,
                                  ffi.from_buffer("float[]", out, require_writable=True))
