@@ -354,15 +354,14 @@ class DecodeSession:
         if n_new:
             new = self._rows[:n_pend] if not include_new else \
                 np.concatenate([self._rows[:n_pend], row])
-            pk = new.view(self.store.np_dtype).reshape(n_new, 2, self.store.num_kv_heads,
-                                                       self.store.head_dim)
             if out is not None:                     # in place, after the retrieved entries
                 rows = out.rows[:n_ret + n_new]
                 rows[n_ret:] = new
                 k, v = entry_views(rows, self.store)
             else:
-                k = np.concatenate([k, pk[:, 0].transpose(1, 0, 2)], axis=1)
-                v = np.concatenate([v, pk[:, 1].transpose(1, 0, 2)], axis=1)
+                nk, nv = entry_views(new, self.store)
+                k = np.concatenate([k, nk], axis=1)
+                v = np.concatenate([v, nv], axis=1)
         due = (q, k[:, :n_ret + n_pend], ret, n_pend, row)
         if self.defer_upkeep:
             self._due = due

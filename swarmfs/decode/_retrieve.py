@@ -773,9 +773,8 @@ class Retriever:
     def _entry_rows(self, out: EntryBuffer, n: int) -> np.ndarray:
         """The first n rows of an EntryBuffer of this store's engine
         (InvalidArgumentError otherwise)."""
-        if out._buf.slot >= 0 and (out._buf._engine is None or
-                                   out._buf._engine() is not self.store.engine) \
-                or out.rows.shape[1] != self.store.entry_bytes:
+        if out._buf.registered_elsewhere(self.store.engine) or \
+                out.rows.shape[1] != self.store.entry_bytes:
             raise errors.InvalidArgumentError("the EntryBuffer is not of this store "
                                               "(make it with this Retriever's entry_buffer)",
                                               store=self.store.path)

@@ -220,6 +220,11 @@ class AlignedBuffer:
                 _mlock(self.array)
         self.address = self.array.ctypes.data
 
+    def registered_elsewhere(self, engine) -> bool:
+        """Whether the buffer is a fixed buffer of an engine other than
+        ``engine`` (one that is closed counts as other)."""
+        return self.slot >= 0 and (self._engine is None or self._engine() is not engine)
+
     def cdata(self):
         """The buffer as a cffi ``char *`` (for the native calls)."""
         return ffi.cast("char *", self.address)

@@ -114,12 +114,7 @@ class Executor:
         if into is not None:
             return self._execute_into(li, plan, copies, verify, into, cluster)
         with self.staging(plan.staging_bytes) as buf:
-            if plan.num_requests:
-                try:
-                    self.engine.execute(READ, plan.disk, plan.offset, plan.length, plan.dst,
-                                        buf, layer=li.layer, cluster=cluster, check=False)
-                except (E.DiskTruncatedError, E.IOFailedError) as exc:
-                    raise self.locate_damage(li, copies[plan.copy], exc) from exc
+            self._read(li, plan, copies, buf, plan.dst, cluster)
             self._verify(li, buf.array, plan.src, copies[plan.copy], verify)
             src = plan.src if order is None else plan.src[order]
             if consume is not None:     # the caller places the entries itself
@@ -146,24 +141,12 @@ class Executor:
         buf, base = into
         U = plan.num_entries
         if plan.staging_bytes == U * Eb and base % self.block_size == 0:
-            if plan.num_requests:
-                try:
-                    self.engine.execute(READ, plan.disk, plan.offset, plan.length,
-                                        plan.dst + np.uint64(base), buf, layer=li.layer,
-                                        cluster=cluster, check=False)
-                except (E.DiskTruncatedError, E.IOFailedError) as exc:
-                    raise self.locate_damage(li, copies[plan.copy], exc) from exc
+            self._read(li, plan, copies, buf, plan.dst + np.uint64(base), cluster)
             where = plan.src + np.uint64(base)
             self._verify(li, buf.array, where, copies[plan.copy], verify)
         else:
             with self.staging(plan.staging_bytes) as stage:
-                if plan.num_requests:
-                    try:
-                        self.engine.execute(READ, plan.disk, plan.offset, plan.length,
-                                            plan.dst, stage, layer=li.layer, cluster=cluster,
-                                            check=False)
-                    except (E.DiskTruncatedError, E.IOFailedError) as exc:
-                        raise self.locate_damage(li, copies[plan.copy], exc) from exc
+                self._read(li, plan, copies, stage, plan.dst, cluster)
                 self._verify(li, stage.array, plan.src, copies[plan.copy], verify)
                 gather_rows(stage.array, plan.src, Eb,
                             buf.array[base:base + U * Eb].reshape(U, Eb))
@@ -171,6 +154,19 @@ class Executor:
         self.count(bytes_read=int(plan.staging_bytes), entries_returned=U,
                    bytes_returned=U * Eb)
         return where
+
+    def _read(self, li: LayerIndex, plan: Plan, copies: np.ndarray, buf, dst: np.ndarray,
+              cluster) -> None:
+        """The plan's requests into ``buf`` at byte offsets ``dst``, in one
+        batched submission; a failed read names the damaged copy's disk,
+        layer and cluster (:meth:`locate_damage`)."""
+        if not plan.num_requests:
+            return
+        try:
+            self.engine.execute(READ, plan.disk, plan.offset, plan.length, dst, buf,
+                                layer=li.layer, cluster=cluster, check=False)
+        except (E.DiskTruncatedError, E.IOFailedError) as exc:
+            raise self.locate_damage(li, copies[plan.copy], exc) from exc
 
     def _verify(self, li: LayerIndex, buf: np.ndarray, where: np.ndarray,
                 copy_ids: np.ndarray, verify: bool) -> None:

@@ -62,9 +62,8 @@ def _row_strided(x, what: str) -> np.ndarray:
     of items apart, at least a row long (copied to C order otherwise): what
     a kernel taking a leading dimension reads in place.  The caller keeps
     it alive while C reads it."""
-    x = _arr(x, what) if not isinstance(x, np.ndarray) else x
-    if x.dtype.hasobject:
-        _fail(f"{what} holds Python objects ({x.dtype}), not numbers")
+    if not isinstance(x, np.ndarray) or x.dtype.hasobject:
+        return _arr(x, what)                 # converts, or refuses object arrays
     it = x.itemsize
     if x.ndim != 2 or x.shape[1] == 0 or x.strides[1] != it or x.strides[0] % it or \
             x.strides[0] < x.shape[1] * it:

@@ -764,7 +764,7 @@ class Store:
             raise E.InvalidArgumentError(f"into's buffer is a {type(buf).__name__}, not a "
                                          "buffer from Engine.alloc", store=self.path,
                                          layer=li.layer)
-        if buf.slot >= 0 and (buf._engine is None or buf._engine() is not self.engine):
+        if buf.registered_elsewhere(self.engine):
             raise E.InvalidArgumentError("into's buffer is registered with another engine "
                                          "(allocate it from this store's engine)",
                                          store=self.path, layer=li.layer)
