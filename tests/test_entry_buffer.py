@@ -175,14 +175,18 @@ def test_session_steps_in_place_equal_steps_that_copy(tmp_path, engine):
             assert same_bits(u, w), t
 
 
-def test_threads_with_their_own_entry_buffers_get_the_stored_bytes(tmp_path, rng):
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("shape", SHAPES, ids=["block-multiple", "staged"])
+def test_threads_with_their_own_entry_buffers_get_the_stored_bytes(tmp_path, rng, engine,
+                                                                   shape):
     """The contract: any number of threads retrieve at once, each into its
-    own EntryBuffer (stress: every row compared); a retrieval into a buffer
+    own EntryBuffer (stress: every row compared), in place and through the
+    shared staging buffers, on both engines; a retrieval into a buffer
     another one is landing in is refused (ConcurrentUseError) and changes
     nothing in it."""
     import threading
-    s, kv = _store(tmp_path, rng, SHAPES[0], "io_uring")
-    H, D = SHAPES[0]
+    s, kv = _store(tmp_path, rng, shape, engine)
+    H, D = shape
     r = Retriever(s, ratio=0.2)
     qs = rng.standard_normal((4, 12, 2 * H, D)).astype(np.float32)
     bad = []
