@@ -23,7 +23,9 @@
  * Fixed buffers (rings.c): a buffer is registered in a ring when that ring's
  * thread first reads into it; a buffer whose registration fails in a ring
  * (e.g. RLIMIT_MEMLOCK) is read with plain READ there; the failure is counted.
- * Files that cannot read without blocking (tmpfs) get IOSQE_ASYNC.
+ * Requests to disks that cannot read without blocking (tmpfs) run on the
+ * engine's threads beside the ring (mixed_execute), or with IOSQE_ASYNC on
+ * request (se_set_blocking_mode).
  *
  * Thread back end: up to nthreads pthreads per call pull request indices from
  * an atomic counter and issue pread/pwrite with the same retry rules.  It is
@@ -149,7 +151,8 @@ int se_kind(const se_engine *e) { return e->kind; }
 unsigned se_queue_depth(const se_engine *e) { return e->qd; }
 int se_files_registered(const se_engine *e) { return e->files_registered; }
 int se_ring_flags(const se_engine *e) { return e->ring_flags; }
-int se_async_disks(const se_engine *e) { return e->npunt; }
+int se_blocking_disks(const se_engine *e) { return e->npunt; }
+void se_set_blocking_mode(se_engine *e, int mode) { e->blocking_mode = mode; }
 void se_set_retry_limit(se_engine *e, unsigned limit) { e->retry_limit = limit; }
 
 void se_close(se_engine *e)
@@ -483,6 +486,29 @@ static void uring_execute(struct exec_ctx *x, struct se_ring *r, int64_t *queue,
         uring_abandon(&u);
 }
 
+/* Add the tallies of y (a thread's, or the threads' share of a mixed call)
+ * to x; gave_up is or-ed (the per-call count is the caller's). */
+static void merge_ctx(struct exec_ctx *x, const struct exec_ctx *y)
+{
+    const uint64_t *src = (const uint64_t *)&y->lc;
+    uint64_t *dst = (uint64_t *)&x->lc;
+    size_t nsum = offsetof(se_counters, in_flight) / sizeof(uint64_t);
+    for (size_t k = 0; k < nsum; k++)
+        dst[k] += src[k];
+    for (int d = 0; d < x->e->nfds; d++) {
+        if (!y->dreq[d])
+            continue;
+        x->dreq[d] += y->dreq[d];
+        x->dbytes[d] += y->dbytes[d];
+        if (!x->first_ns[d] || (y->first_ns[d] && y->first_ns[d] < x->first_ns[d]))
+            x->first_ns[d] = y->first_ns[d];
+        if (y->last_ns[d] > x->last_ns[d])
+            x->last_ns[d] = y->last_ns[d];
+    }
+    x->failed += y->failed;
+    x->gave_up |= y->gave_up;
+}
+
 /* ---- threads ----------------------------------------------------------- */
 
 struct thread_arg {
@@ -493,11 +519,22 @@ struct thread_arg {
     pthread_mutex_t *mu;
 };
 
+/* A worker: pull request indices until none is left, tallying in a
+ * context of its own (no lock per request), added to a->x at the end. */
 static void *thread_main(void *p)
 {
     struct thread_arg *a = p;
-    struct exec_ctx *x = a->x;
-    se_engine *e = x->e;
+    struct exec_ctx *shared = a->x;
+    se_engine *e = shared->e;
+    struct exec_ctx *x = calloc(1, sizeof(*x));
+    struct exec_ctx *own = x;
+    if (!x)   /* no memory for a tally of its own: tally under the lock */
+        x = shared;
+    else {
+        x->e = e;
+        x->rq = shared->rq;
+        x->status = shared->status;
+    }
     for (;;) {
         int64_t k = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
         if (k >= a->nq)
@@ -540,7 +577,8 @@ static void *thread_main(void *p)
                 shorts++;
         }
         uint64_t t1 = now_ns();
-        pthread_mutex_lock(a->mu);
+        if (!own)
+            pthread_mutex_lock(a->mu);
         finish_request(x, i, st ? st : (int32_t)x->rq.len[i], done);
         if (!x->first_ns[d] || t0 < x->first_ns[d])
             x->first_ns[d] = t0;
@@ -552,33 +590,50 @@ static void *thread_main(void *p)
         x->lc.cqes++;
         if (st && fails > e->retry_limit)
             x->gave_up = 1;
+        if (!own)
+            pthread_mutex_unlock(a->mu);
+    }
+    if (own) {
+        pthread_mutex_lock(a->mu);
+        merge_ctx(shared, own);
         pthread_mutex_unlock(a->mu);
+        free(own);
     }
     return NULL;
 }
 
-static void threads_execute(struct exec_ctx *x, const int64_t *queue, int64_t nq)
+/* Run queue[0..nq) with pread/pwrite on nt threads: nt - 1 helpers and the
+ * caller, which first runs first(arg) if given (the ring's share of a mixed
+ * call) and then pulls requests like the helpers. */
+static void threads_run(struct exec_ctx *x, const int64_t *queue, int64_t nq, unsigned nt,
+                        void (*first)(void *), void *arg)
 {
-    se_engine *e = x->e;
-    unsigned nt = e->nthreads ? e->nthreads : 1;
-    if ((int64_t)nt > nq)
-        nt = (unsigned)nq;
     pthread_t tids[1024];
     int64_t next = 0;
     pthread_mutex_t mu;
     pthread_mutex_init(&mu, NULL);
     struct thread_arg a = {.x = x, .queue = queue, .nq = nq, .next = &next, .mu = &mu};
     unsigned started = 0;
-    for (unsigned k = 1; k < nt; k++) {
+    x->lc.submit_calls++;   /* before the helpers, which add to x->lc when done */
+    for (unsigned k = 1; k < nt && k <= 1024; k++) {
         if (pthread_create(&tids[started], NULL, thread_main, &a) != 0)
             break;
         started++;
     }
-    x->lc.submit_calls++;
+    if (first)
+        first(arg);
     thread_main(&a); /* the caller works too; with nt == 1 it works alone */
     for (unsigned k = 0; k < started; k++)
         pthread_join(tids[k], NULL);
     pthread_mutex_destroy(&mu);
+}
+
+static void threads_execute(struct exec_ctx *x, const int64_t *queue, int64_t nq)
+{
+    unsigned nt = x->e->nthreads ? x->e->nthreads : 1;
+    if ((int64_t)nt > nq)
+        nt = (unsigned)nq;
+    threads_run(x, queue, nq, nt, NULL, NULL);
     if (x->gave_up)
         x->lc.gave_up++;
 }
@@ -612,6 +667,78 @@ static void uring_call(struct exec_ctx *x, int64_t *queue, uint32_t *prog, int64
     uring_execute(x, r, queue, prog, nq, buf_slot, info);
     if (r->broken)
         ring_destroy_own(e, r);
+}
+
+/* Requests to blocking disks per thread of a mixed call (up to nthreads):
+ * a tmpfs pread of 4 KiB is a microsecond or two of memcpy, a thread tens of
+ * microseconds to start.  On tmpfs (2-vCPU AMD EPYC, 4 disks) calls of 16 to
+ * 16,384 reads of 4 KiB ran 2.2-3.1x faster than on io-wq with 1 to 32
+ * threads alike (one per 8, 32, 64 or 128 requests), 1.4-1.6x at 64 and
+ * 128 KiB; fewer threads cost less CPU. */
+#define BLOCKING_PER_THREAD 32
+
+/* The ring's share of a mixed call, run by the caller while the threads
+ * start on the rest. */
+struct ring_share {
+    struct exec_ctx *x;
+    int64_t *queue;
+    uint32_t *prog;
+    int64_t nq;
+    se_exec_info *info;
+};
+
+static void ring_share_run(void *p)
+{
+    struct ring_share *r = p;
+    if (r->nq > 0)
+        uring_call(r->x, r->queue, r->prog, r->nq, r->info);
+}
+
+/* A uring call with requests to blocking disks (punt[]): those run on
+ * threads with pread/pwrite while the caller runs the rest on its ring, then
+ * helps the threads.  queue[0..nq) is split in place: the ring's share stays
+ * in queue, the blocking share moves to its own array. */
+static void mixed_execute(struct exec_ctx *x, int64_t *queue, uint32_t *prog, int64_t nq,
+                          se_exec_info *info)
+{
+    se_engine *e = x->e;
+    int64_t *blocking = malloc(sizeof(int64_t) * (size_t)nq);
+    struct exec_ctx *y = calloc(1, sizeof(*y));
+    if (!blocking || !y) {   /* no memory for the split: all on the ring */
+        free(blocking);
+        free(y);
+        uring_call(x, queue, prog, nq, info);
+        return;
+    }
+    int64_t nr = 0, nb = 0;
+    for (int64_t k = 0; k < nq; k++) {
+        int64_t i = queue[k];
+        if (e->punt[x->rq.disk[i]])
+            blocking[nb++] = i;
+        else
+            queue[nr++] = i;
+    }
+    y->e = e;
+    y->rq = x->rq;
+    y->status = x->status;
+    y->lc.thread_requests = (uint64_t)nb;
+    int64_t want = (nb + BLOCKING_PER_THREAD - 1) / BLOCKING_PER_THREAD;
+    unsigned cap = e->nthreads ? e->nthreads : 1;
+    unsigned nt = want < (int64_t)cap ? (unsigned)want : cap;
+    if (nr > 0 && nb > 0)
+        nt++;   /* the caller is on the ring first: one more helper */
+    if (nt < 1)
+        nt = 1;
+    struct ring_share share = {.x = x, .queue = queue, .prog = prog, .nq = nr, .info = info};
+    if (nb > 0)
+        threads_run(y, blocking, nb, nt, ring_share_run, &share);
+    else
+        ring_share_run(&share);
+    if (y->gave_up && !info->gave_up && !x->gave_up)
+        x->lc.gave_up++;   /* one count per call, whichever share gave up */
+    merge_ctx(x, y);
+    free(blocking);
+    free(y);
 }
 
 int64_t se_execute(se_engine *e, const se_requests *rq, int32_t *status, se_exec_info *info)
@@ -654,7 +781,9 @@ int64_t se_execute(se_engine *e, const se_requests *rq, int32_t *status, se_exec
             queue[nq++] = i;
         }
     }
-    if (nq > 0 && e->kind == SE_KIND_URING)
+    if (nq > 0 && e->kind == SE_KIND_URING && e->npunt && e->blocking_mode == SE_BLOCKING_THREADS)
+        mixed_execute(x, queue, prog, nq, info);
+    else if (nq > 0 && e->kind == SE_KIND_URING)
         uring_call(x, queue, prog, nq, info);
     else if (nq > 0)
         threads_execute(x, queue, nq);

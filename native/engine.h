@@ -73,6 +73,9 @@ typedef struct {
                                  a slow disk, or a late wake-up                */
     uint64_t rings_created;   /* rings set up (one per thread that executed)   */
     uint64_t rings_closed;    /* rings torn down (thread exit, close, broken)  */
+    uint64_t thread_requests; /* requests of a uring engine run with pread/pwrite
+                                 on the engine's threads: those to disks that
+                                 cannot read without blocking (se_blocking_disks) */
     uint64_t in_flight;       /* gauge: se_execute calls running now           */
     uint64_t buffers;         /* gauge: buffers in the engine's fixed-buffer table */
     uint64_t buffer_register_errors; /* per-ring fixed-buffer registrations that
@@ -115,9 +118,15 @@ unsigned se_queue_depth(const se_engine *e);
 int se_files_registered(const se_engine *e);
 int se_ring_flags(const se_engine *e);
 /* Disks whose files cannot read without blocking (RWF_NOWAIT: EOPNOTSUPP, e.g.
- * tmpfs): io_uring punts each of their reads to io-wq, so they are submitted
- * with IOSQE_ASYNC, which lets io-wq run them concurrently. */
-int se_async_disks(const se_engine *e);
+ * tmpfs).  io_uring would hand every request of theirs to its io-wq workers;
+ * a uring engine runs them on its own threads with pread/pwrite instead
+ * (SE_BLOCKING_THREADS, the default: 2.2-2.4x io-wq's rate on tmpfs at 4 KiB),
+ * or submits them with IOSQE_ASYNC (SE_BLOCKING_IOWQ), which lets io-wq run
+ * them concurrently. */
+#define SE_BLOCKING_THREADS 0
+#define SE_BLOCKING_IOWQ    1
+int se_blocking_disks(const se_engine *e);
+void se_set_blocking_mode(se_engine *e, int mode);
 void se_set_retry_limit(se_engine *e, unsigned limit);
 
 /* Register [addr, addr+len) as a fixed buffer.  The buffer enters the engine's

@@ -67,8 +67,9 @@ struct se_engine {
     unsigned setup_flags;    /* io_uring_setup flags every ring uses */
     int ring_flags;          /* SE_RING_* */
     int files_registered;
-    unsigned char punt[SE_MAX_DISKS]; /* no RWF_NOWAIT: submit with IOSQE_ASYNC */
+    unsigned char punt[SE_MAX_DISKS]; /* no RWF_NOWAIT: threads, or IOSQE_ASYNC */
     int npunt;
+    int blocking_mode;       /* SE_BLOCKING_*: where requests to punt disks run */
     unsigned wait_div;       /* wait for inflight / wait_div CQEs while more is queued */
     uint64_t id;
     pthread_mutex_t mu;      /* ring list and buffer table; never held across I/O */

@@ -13,6 +13,7 @@ import errno
 import gc
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -36,12 +37,22 @@ from swarmfs.store._kernels import (
 )
 
 
-@pytest.fixture
-def disks(tmp_path, rng):
-    """Three 1 MiB disk files with random content, opened O_DIRECT."""
+@pytest.fixture(params=["ext4", "mixed"])
+def disks(request, tmp_path, rng):
+    """Three 1 MiB disk files with random content, opened O_DIRECT: all on
+    tmp_path (a file system that reads without blocking), or "mixed": d0 and
+    d2 on tmpfs (/dev/shm), which cannot, so an io_uring engine runs their
+    requests on its threads beside the ring in the same call."""
+    where = [tmp_path] * 3
+    if request.param == "mixed":
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("no /dev/shm")
+        shm = pathlib.Path(tempfile.mkdtemp(prefix="swarmfs-test-", dir="/dev/shm"))
+        request.addfinalizer(lambda: shutil.rmtree(shm, ignore_errors=True))
+        where = [shm, tmp_path, shm]
     paths, data, fds = [], [], []
     for i in range(3):
-        p = tmp_path / f"d{i}"
+        p = where[i] / f"d{i}"
         b = rng.integers(0, 256, size=1 << 20, dtype=np.uint8)
         p.write_bytes(b.tobytes())
         paths.append(str(p))
@@ -50,6 +61,12 @@ def disks(tmp_path, rng):
     yield paths, data, fds
     for fd in fds:
         os.close(fd)
+
+
+def ring_disks(paths):
+    """The disks an io_uring engine reads through its ring: those not on
+    tmpfs (the rest run on its threads)."""
+    return [i for i, p in enumerate(paths) if not str(p).startswith("/dev/shm/")]
 
 
 def make_engine(fds, kind, qd=32):
@@ -98,7 +115,7 @@ def test_both_engines_return_the_same_bytes(disks, rng):
 
 
 def test_plan_larger_than_ring(disks, engine_kind, rng):
-    _, data, fds = disks
+    paths, data, fds = disks
     eng = make_engine(fds, engine_kind, qd=8)
     disk, off, length, dst = random_plan(rng, 1000, 3)
     buf = eng.alloc(int(length.sum()))
@@ -111,24 +128,30 @@ def test_plan_larger_than_ring(disks, engine_kind, rng):
     if engine_kind == "io_uring":
         # one SQE and one CQE per request (regular files: no short reads)
         assert s.sqes == s.cqes == 1000 and s.retries == 0
-        # never more SQEs in flight than the ring (8): at least 1000 / 8 enters;
+        # requests to tmpfs disks ran on the engine's threads (one batch)
+        nring = int(np.isin(disk, ring_disks(paths)).sum())
+        assert s.thread_requests == 1000 - nring
+        enters = s.submit_calls - (nring < 1000)
+        # never more SQEs in flight than the ring (8): at least n / 8 enters;
         # while more is queued each enter waits for inflight / 4 = 2 CQEs and
         # refills, so at most one enter per 2 requests (plus the last one):
-        # an engine that submitted one SQE per enter would make 1000
-        assert 125 <= s.submit_calls <= 1000 // 2 + 1
+        # an engine that submitted one SQE per enter would make n
+        assert -(-nring // 8) <= enters <= nring // 2 + 1
 
 
 def test_one_submission_when_plan_fits(disks):
-    _, _, fds = disks
+    paths, _, fds = disks
     eng = make_engine(fds, "io_uring", qd=64)
     n = 64
     buf = eng.alloc(n * 4096)
-    eng.execute(READ, np.arange(n) % 3, np.arange(n) * 4096, [4096] * n,
-                np.arange(n) * 4096, buf)
+    disk = np.arange(n) % 3
+    eng.execute(READ, disk, np.arange(n) * 4096, [4096] * n, np.arange(n) * 4096, buf)
     s = eng.stats()
-    assert s.submit_calls == 1 and s.sqes == n and s.cqes == n
-    assert s.registered_files
-    assert s.fixed_requests == n  # engine-allocated buffers are registered
+    nring = int(np.isin(disk, ring_disks(paths)).sum())
+    # one enter for the ring's share, one thread batch for the tmpfs disks'
+    assert s.submit_calls == 1 + (nring < n) and s.sqes == n and s.cqes == n
+    assert s.registered_files and s.thread_requests == n - nring
+    assert s.fixed_requests == nring  # engine-allocated buffers are registered
 
 
 def test_writes_round_trip(disks, engine_kind, rng):
@@ -325,7 +348,8 @@ def test_threads_read_concurrently_through_one_engine(disks, engine_kind):
     assert s.requests == nthreads * iters * nreq and s.errors == 0 and s.in_flight == 0
     assert all(a.requests <= b.requests for a, b in zip(snapshots, snapshots[1:], strict=False))
     if engine_kind == "io_uring":
-        assert s.fixed_requests == s.requests      # every thread's ring registered its buffer
+        # every thread's ring registered its buffer (tmpfs disks' requests ran on threads)
+        assert s.fixed_requests == s.requests - s.thread_requests
         assert set(s.ring_flags) >= {"SINGLE_ISSUER"}
         # the opener's ring stays; the workers' rings went with their threads
         wait_until(lambda: eng.stats().rings == 1, what="one ring left")
@@ -404,16 +428,79 @@ def tmpfs_disks(rng):
         shutil.rmtree(d)
 
 
-def test_punted_direct_writes_from_many_threads_all_complete(tmpfs_disks, engine_kind):
+def test_blocking_disks_run_on_threads_or_io_wq_with_the_same_bytes(tmpfs_disks, disks, rng):
+    """An io_uring engine over tmpfs disks (no non-blocking reads) and ext4
+    disks: with blocking="threads" (default) the tmpfs disks' requests run on
+    the engine's threads and the rest on the ring, in one call; with
+    blocking="io_uring" all go through the ring (IOSQE_ASYNC).  Both read the
+    same, right bytes, and the per-disk counters add up."""
+    tfds, tdata = tmpfs_disks
+    paths, data, fds = disks
+    allfds, alldata = list(tfds) + list(fds), list(tdata) + list(data)
+    nblocking = 2 + 3 - len(ring_disks(paths))
+    disk, off, length, dst = random_plan(rng, 700, 5)
+    out = {}
+    for blocking in ("threads", "io_uring"):
+        eng = Engine(allfds, kind="io_uring", queue_depth=16, block_sizes=[512] * 5,
+                     blocking=blocking)
+        buf = eng.alloc(int(length.sum()))
+        eng.execute(READ, disk, off, length, dst, buf)
+        out[blocking] = buf.array[:int(length.sum())].copy()
+        s = eng.stats()
+        assert s.blocking_disks == nblocking and s.requests == 700 and s.errors == 0
+        on_threads = int(np.isin(disk, [0, 1] + [2 + i for i in range(3)
+                                                 if i not in ring_disks(paths)]).sum())
+        assert s.thread_requests == (on_threads if blocking == "threads" else 0)
+        assert [d.requests for d in s.disks] == np.bincount(disk, minlength=5).tolist()
+        assert sum(d.bytes for d in s.disks) == s.bytes == int(length.sum())
+        eng.close()
+    assert np.array_equal(out["threads"], out["io_uring"])
+    for i in range(700):
+        assert np.array_equal(out["threads"][dst[i]:dst[i] + length[i]],
+                              alldata[disk[i]][off[i]:off[i] + length[i]])
+
+
+def test_blocking_mode_is_checked(disks):
+    with pytest.raises(E.InvalidChoiceError, match="blocking"):
+        Engine(disks[2], kind="io_uring", blocking="io-wq")
+
+
+def test_short_read_at_eof_on_a_blocking_disk(engine_kind):
+    """A tmpfs disk shorter than the read: the threads' share resubmits the
+    rest, then reports the truncation naming the disk, as the ring does."""
+    d = pathlib.Path(tempfile.mkdtemp(prefix="swarmfs-test-", dir="/dev/shm"))
+    try:
+        p = d / "short"
+        p.write_bytes(b"x" * (4096 + 512))
+        fd = open_disk(p)
+        try:
+            eng = make_engine([fd], engine_kind)
+            buf = eng.alloc(8192)
+            with pytest.raises(E.DiskTruncatedError) as ei:
+                eng.execute(READ, [0], [0], [8192], [0], buf)
+            assert ei.value.disk == 0
+            assert buf.array[:4608].tobytes() == b"x" * 4608
+            s = eng.stats()
+            assert s.errors == 1 and s.short_resubmits >= 1
+        finally:
+            os.close(fd)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("blocking", ["threads", "io_uring"])
+def test_punted_direct_writes_from_many_threads_all_complete(tmpfs_disks, engine_kind,
+                                                             blocking):
     """The shape of the one hang seen with DEFER_TASKRUN: small plans of
     O_DIRECT writes punted to io-wq.  Eight threads, each with its own ring,
     write three blocks to the same two tmpfs files (io-wq serialises writes to
     one file) and read them back, 40 times each; every call completes with the
     right bytes and nothing fails or is abandoned."""
     fds, _ = tmpfs_disks
-    eng = make_engine(fds, engine_kind)
+    eng = Engine(fds, kind=engine_kind, queue_depth=32, block_sizes=[512] * 2,
+                 blocking=blocking)
     if engine_kind == "io_uring":
-        assert eng.stats().async_disks == 2
+        assert eng.stats().blocking_disks == 2
     nthreads, iters = 8, 40
     failures = []
 
@@ -701,13 +788,22 @@ def test_failing_io_uring_enter_gives_up_and_names_the_disk(tmp_path, err, rng):
 
 
 @pytest.mark.skipif(_strace_reason() is not None, reason=str(_strace_reason()))
-def test_pread_that_always_says_eagain_gives_up(tmp_path, rng):
-    """Issue 9 item 9, threads engine: every pread fails with EAGAIN
+@pytest.mark.parametrize("kind", ["threads", "io_uring"])
+def test_pread_that_always_says_eagain_gives_up(tmp_path, rng, kind):
+    """Issue 9 item 9, threads engine, and an io_uring engine's requests to a
+    tmpfs disk (run on its threads): every pread fails with EAGAIN
     (injected): the read fails with IOFailedError after the retry limit
-    instead of spinning for ever."""
-    p = tmp_path / "d0"
+    instead of spinning for ever, counted once per call."""
+    d = tmp_path
+    if kind == "io_uring":
+        d = pathlib.Path(tempfile.mkdtemp(prefix="swarmfs-test-", dir="/dev/shm"))
+    p = d / "d0"
     p.write_bytes(rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
-    out = run_injected(p, "threads", "pread64", "EAGAIN", "1+", 30, only_path=True)
+    try:
+        out = run_injected(p, kind, "pread64", "EAGAIN", "1+", 30, only_path=True)
+    finally:
+        if d != tmp_path:
+            shutil.rmtree(d, ignore_errors=True)
     for r in out["results"]:
         assert "gave up after 30 retries" in r["error"] and r["disk"] == 0
         assert r["errno"] == errno.EAGAIN and str(p) in r["error"]
@@ -895,7 +991,7 @@ def test_fixed_buffer_registration_follows_the_threads_that_use_it(disks):
     wait_until(lambda: vm_pin_kib() == base and eng.stats().rings == 1,
                what="the pinned memory given back and one ring left")
     s = eng.stats()
-    assert s.fixed_requests == s.requests == 2
+    assert s.requests == 2 and s.fixed_requests == s.requests - s.thread_requests
     eng.close()
     wait_until(lambda: vm_pin_kib() == base, what="the pinned memory given back")
 
@@ -934,6 +1030,6 @@ def test_buffers_registered_and_released_from_many_threads_stay_correct(disks):
     assert failures == []
     s = eng.stats()
     assert s.errors == 0 and s.buffer_register_errors == 0
-    assert s.fixed_requests > s.requests // 2
+    assert s.fixed_requests > (s.requests - s.thread_requests) // 2
     eng.close()
     wait_until(lambda: vm_pin_kib() == base, what="the pinned memory given back")  # async

@@ -3,23 +3,27 @@
 reader isolation beside a throttled disk.
 
 ``throughput`` (default): swarmfs's io_uring engine (one ``Engine.execute``
-per run, the whole plan in C), swarmfs's threads engine (the pread fallback,
-also in C) and fio at its best settings for this workload
-(``--ioengine=io_uring --fixedbufs --registerfiles --hipri=0
---sqthread_poll=0 --direct=1 --rw=randread``, one job over the same files;
-also with ``--force_async=1``, fio's counterpart of the engine's IOSQE_ASYNC
-on files that cannot read without blocking, e.g. tmpfs; "vs best fio" divides
-by the faster of the two)
-read the same disk files with O_DIRECT, the same number of random
-block-aligned requests spread round-robin over the disks, the same request
-size and queue depth (io_uring SQ depth = fio iodepth = threads per call).
+per run, the whole plan in C; requests to disks that cannot read without
+blocking, e.g. tmpfs, run on its threads; "swarmfs-io-wq" is the same engine
+with those on io_uring's io-wq workers instead, shown where there are such
+disks), swarmfs's threads engine (the pread fallback, also in C) and fio at
+its best settings for this workload: ``--ioengine=io_uring --fixedbufs
+--registerfiles --hipri=0 --sqthread_poll=0 --direct=1 --rw=randread``, one
+job over the same files; the same with ``--force_async=1``; and
+``--ioengine=psync`` with one job per request in flight (fio's best where
+io_uring would hand every read to kernel workers anyway).  "vs best fio"
+divides by the fastest of the three.  They read the same disks with
+O_DIRECT (files made in ``--dir``, or the block devices or files of
+``--devices`` as they are), the same number of random block-aligned requests
+spread round-robin over the disks, the same request size and queue depth
+(io_uring SQ depth = fio iodepth = fio psync jobs = threads per call).
 Destinations cycle through 2 x qd buffers, as fio's per-request buffers do.
 The contenders run interleaved, ``--repeats`` times per size; medians.
 Wall µs per request (1 / IOPS) and CPU µs per request are printed side by
 side, two ways: the whole process's CPU (getrusage: all threads, incl. the
 kernel's io-wq workers; for fio less its start-up and teardown, measured by a
-run of qd requests) and the submitting thread's CPU (swarmfs: the calling
-thread; fio: its job thread, fio's own usr+sys).
+run of qd requests) and the submitting threads' CPU (swarmfs: the calling
+thread; fio: its job threads, fio's own usr+sys).
 
 ``isolation`` (root): a reader of a healthy disk (a tmpfs file) and a reader
 of a loop device throttled by blk-throttle to ``--slow-iops`` requests/s
@@ -29,6 +33,8 @@ p99 and their ratio.  A third row serialises both readers with one lock
 around ``execute`` (what one engine mutex held across the I/O does).
 
     tools/dev run python -m tools.bench_engine --out bench-out/engine
+    tools/testbed up --disks 4 --profile none       # loop devices: non-blocking reads
+    tools/dev run python -m tools.bench_engine --devices /dev/loop0,/dev/loop1,... --out X
     tools/dev run python -m tools.bench_engine isolation --out bench-out/engine-isolation
 
 writes <out>.json (and <out>.png for throughput).  A benchmark, not a test:
@@ -41,6 +47,7 @@ import json
 import os
 import platform
 import resource
+import stat
 import statistics
 import subprocess
 import sys
@@ -51,6 +58,7 @@ import types
 import click
 import numpy as np
 
+from swarmfs._errors import SwarmError
 from swarmfs.store._engine import READ, Engine, open_disk
 from tools._options import COUNT, DISKS, POSITIVE, QUEUE_DEPTH, CommaList, OutPath
 
@@ -116,20 +124,29 @@ def run_engine(eng, buf, plan):
             time.thread_time() - j0)
 
 
-FIO_VARIANTS = {"fio": [], "fio-force-async": ["--force_async=1"]}
+#: fio's contenders: io_uring at the issue's best settings, the same with
+#: ``--force_async=1``, and ``psync`` with one job per request in flight (on
+#: files without non-blocking reads, e.g. tmpfs, io_uring hands every request
+#: to kernel workers, and threads calling pread are fio's best there).
+FIO_VARIANTS = {"fio": [], "fio-force-async": ["--force_async=1"], "fio-psync": "psync"}
 
 
 def fio_cmd(paths, bs, qd, nreq, extra=()):
-    return ["fio", "--name=bench", "--filename=" + ":".join(paths), "--ioengine=io_uring",
-            "--fixedbufs", "--registerfiles", "--hipri=0", "--sqthread_poll=0",
-            "--direct=1", "--rw=randread", f"--bs={bs}", f"--iodepth={qd}",
-            f"--number_ios={nreq}", "--norandommap", "--randrepeat=0",
-            "--output-format=json", "--thread", *extra]
+    """fio's command line: io_uring with ``extra`` options, or ``extra ==
+    "psync"``: qd psync jobs of nreq / qd requests each, reported as one."""
+    common = ["fio", "--name=bench", "--filename=" + ":".join(paths), "--direct=1",
+              "--rw=randread", f"--bs={bs}", "--norandommap", "--randrepeat=0",
+              "--output-format=json", "--thread"]
+    if extra == "psync":
+        return [*common, "--ioengine=psync", f"--numjobs={qd}", "--group_reporting",
+                f"--number_ios={-(-nreq // qd) if isinstance(nreq, int) else nreq}"]
+    return [*common, "--ioengine=io_uring", "--fixedbufs", "--registerfiles", "--hipri=0",
+            "--sqthread_poll=0", f"--iodepth={qd}", f"--number_ios={nreq}", *extra]
 
 
 def run_fio(paths, bs, qd, nreq, startup_cpu=0.0, extra=()):
-    """(wall s, process CPU s less start-up, job thread's CPU s) of one fio run,
-    scaled to ``nreq`` requests."""
+    """(wall s, process CPU s less start-up, job threads' CPU s) of one fio
+    run, scaled to ``nreq`` requests."""
     c0 = rusage_s(resource.RUSAGE_CHILDREN)
     out = subprocess.run(fio_cmd(paths, bs, qd, nreq, extra), capture_output=True, text=True,
                          check=True).stdout
@@ -142,31 +159,51 @@ def run_fio(paths, bs, qd, nreq, startup_cpu=0.0, extra=()):
     return wall * nreq / n, proc_cpu * nreq / n, job_cpu * nreq / n
 
 
-def fio_startup_cpu(paths, bs, qd) -> float:
+def fio_startup_cpu(paths, bs, qd, extra=()) -> float:
     """CPU seconds of a fio process that reads only qd requests: its start-up
     and teardown, subtracted from each run's process CPU (median of 3)."""
     cs = []
     for _ in range(3):
         c0 = rusage_s(resource.RUSAGE_CHILDREN)
-        subprocess.run(fio_cmd(paths, bs, qd, qd), capture_output=True, check=True)
+        subprocess.run(fio_cmd(paths, bs, qd, qd, extra), capture_output=True, check=True)
         cs.append(rusage_s(resource.RUSAGE_CHILDREN) - c0)
     return statistics.median(cs)
 
 
 def throughput(a):
-    paths = ensure_disks(a.dir, a.disks, a.disk_size)
-    fds = [open_disk(p) for p in paths]
+    if a.devices:
+        paths = list(a.devices)
+        try:
+            fds = [open_disk(p, disk=i) for i, p in enumerate(paths)]
+        except SwarmError as exc:
+            raise click.UsageError(f"--devices: {exc}") from exc
+        a.disk_size = min(os.lseek(fd, 0, os.SEEK_END) for fd in fds)
+        where = "block devices" if all(os.path.realpath(p).startswith("/dev/")
+                                       for p in paths) \
+            else fs_type(os.path.dirname(os.path.abspath(paths[0])))
+        if a.disk_size < max(SIZES[s] for s in a.sizes):
+            raise click.UsageError(f"--devices: the smallest is {a.disk_size} bytes, less "
+                                   "than one request")
+    else:
+        paths = ensure_disks(a.dir, a.disks, a.disk_size)
+        where = fs_type(a.dir)
+        fds = [open_disk(p) for p in paths]
     engines = {
         "swarmfs": Engine(fds, kind="io_uring", queue_depth=a.qd,
                           block_sizes=[4096] * len(fds)),
         "swarmfs-threads": Engine(fds, kind="threads", queue_depth=a.qd,
                                   block_sizes=[4096] * len(fds)),
     }
+    if engines["swarmfs"].stats().blocking_disks:
+        # the same io_uring engine with those disks' requests on io-wq
+        engines["swarmfs-io-wq"] = Engine(fds, kind="io_uring", queue_depth=a.qd,
+                                          block_sizes=[4096] * len(fds), blocking="io_uring")
     rng = np.random.default_rng(1)
     results = []
     sizes = [SIZES[s] for s in a.sizes]
-    print(f"CPU: {cpu_model()}; disks: {len(paths)} files on {fs_type(a.dir)}; "
-          f"queue depth {a.qd}; ring flags {engines['swarmfs'].ring_flags}")
+    print(f"CPU: {cpu_model()}; disks: {len(paths)} on {where}; queue depth {a.qd}; "
+          f"ring flags {engines['swarmfs'].ring_flags}; disks without non-blocking reads "
+          f"{engines['swarmfs'].stats().blocking_disks}")
     hdr = (f"{'size':>6} {'contender':>16} {'kIOPS':>8} {'GB/s':>7} {'wall µs/req':>12} "
            f"{'CPU µs/req':>11} {'thread CPU':>11} {'vs best fio':>11}")
     print(hdr)
@@ -175,13 +212,13 @@ def throughput(a):
         slots = 2 * a.qd
         bufs = {k: e.alloc(slots * bs) for k, e in engines.items()}
         runs = {k: [] for k in (*engines, *FIO_VARIANTS)}
-        startup = fio_startup_cpu(paths, bs, a.qd)
+        startup = {k: fio_startup_cpu(paths, bs, a.qd, extra) for k, extra in FIO_VARIANTS.items()}
         for _ in range(a.repeats):
             for k, eng in engines.items():
                 plan = make_plan(rng, len(paths), a.disk_size, bs, nreq, slots)
                 runs[k].append(run_engine(eng, bufs[k], plan))
             for k, extra in FIO_VARIANTS.items():
-                runs[k].append(run_fio(paths, bs, a.qd, nreq, startup, extra))
+                runs[k].append(run_fio(paths, bs, a.qd, nreq, startup[k], extra))
         row = {"bs": bs, "requests": nreq, "qd": a.qd}
         for k, rs in runs.items():
             wall = statistics.median(r[0] for r in rs)
@@ -190,7 +227,8 @@ def throughput(a):
                       "wall_us_per_req": wall / nreq * 1e6, "cpu_us_per_req": cpu / nreq * 1e6,
                       "thread_cpu_us_per_req": statistics.median(r[2] for r in rs) / nreq * 1e6,
                       "runs": rs}
-        row["fio"]["startup_cpu_s"] = startup
+        for k in FIO_VARIANTS:
+            row[k]["startup_cpu_s"] = startup[k]
         best = max(FIO_VARIANTS, key=lambda k: row[k]["iops"])
         row["fio_best"] = best
         for k in (*engines, *FIO_VARIANTS):
@@ -205,23 +243,24 @@ def throughput(a):
         for b in bufs.values():
             b.release()
     st = engines["swarmfs"].stats()
-    meta = {"disks": paths, "fs": fs_type(a.dir), "qd": a.qd, "repeats": a.repeats,
+    meta = {"disks": paths, "fs": where, "qd": a.qd, "repeats": a.repeats,
             "cpu": cpu_model(), "kernel": platform.release(),
             "ring_flags": list(st.ring_flags), "registered_files": st.registered_files,
             "fixed_requests": st.fixed_requests, "requests": st.requests,
             "submit_calls": st.submit_calls, "executes": st.executes,
-            "fio_command": " ".join(fio_cmd(["<disks>"], "<bs>", a.qd, "<n>")),
-            "fio_variants": FIO_VARIANTS, "async_disks": st.async_disks,
+            "fio_variants": {k: " ".join(fio_cmd(["<disks>"], "<bs>", a.qd, "<n>", extra))
+                             for k, extra in FIO_VARIANTS.items()},
+            "blocking_disks": st.blocking_disks, "thread_requests": st.thread_requests,
             "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
             "fio": subprocess.run(["fio", "--version"], capture_output=True,
                                   text=True).stdout.strip()}
-    print(f"swarmfs: {st.requests} requests in {st.submit_calls} io_uring_enter calls "
-          f"({st.requests / max(st.submit_calls, 1):.1f} per call), "
+    print(f"swarmfs: {st.requests} requests ({st.thread_requests} on its threads) in "
+          f"{st.submit_calls} io_uring_enter calls or thread batches, "
           f"{st.fixed_requests} with fixed buffers")
     for e in engines.values():
         e.close()
     write_json(a.out, {"meta": meta, "results": results})
-    plot(results, a.out + ".png", a.qd, len(paths))
+    plot(results, a.out + ".png", a.qd, len(paths), where)
 
 
 def percentile(xs, q):
@@ -318,14 +357,16 @@ def write_json(out, obj):
     print(f"wrote {out}.json")
 
 
-def plot(results, path, qd, ndisks):
+def plot(results, path, qd, ndisks, where):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     x = [r["bs"] >> 10 for r in results]
-    for k, style in (("swarmfs", "o-"), ("swarmfs-threads", "s--"), ("fio", "^:"),
-                     ("fio-force-async", "v:")):
+    for k, style in (("swarmfs", "o-"), ("swarmfs-io-wq", "D-"), ("swarmfs-threads", "s--"),
+                     ("fio", "^:"), ("fio-force-async", "v:"), ("fio-psync", "x:")):
+        if k not in results[0]:
+            continue
         ax1.plot(x, [r[k]["iops"] / 1e3 for r in results], style, label=k)
         ax2.plot(x, [r[k]["cpu_us_per_req"] for r in results], style, label=k)
     for ax, yl in ((ax1, "kIOPS"), (ax2, "CPU µs per request (process)")):
@@ -334,7 +375,7 @@ def plot(results, path, qd, ndisks):
         ax.set_ylabel(yl)
         ax.grid(alpha=.3)
         ax.legend()
-    fig.suptitle(f"random O_DIRECT reads, {ndisks} disk files, queue depth {qd} (medians)")
+    fig.suptitle(f"random O_DIRECT reads, {ndisks} disks ({where}), queue depth {qd} (medians)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -357,12 +398,27 @@ def _min_requests(ctx, param, value):
     return value
 
 
+def _devices(ctx, param, value):
+    """--devices: each a block device or a regular file that exists."""
+    for p in value or ():
+        try:
+            mode = os.stat(p).st_mode
+        except OSError as exc:
+            raise click.BadParameter(f"{p}: {exc.strerror}") from exc
+        if not (stat.S_ISBLK(mode) or stat.S_ISREG(mode)):
+            raise click.BadParameter(f"{p} is neither a block device nor a file")
+    return value
+
+
 @click.command(help=__doc__.split("\n\n")[0])
 @click.argument("mode", required=False, default="throughput",
                 type=click.Choice(["throughput", "isolation"]))
 @click.option("--dir", default="/dev/shm/swarmfs-engine-bench" if
               os.path.isdir("/dev/shm") else "bench-out/engine-disks",
               help="where the disk files live (default: tmpfs)")
+@click.option("--devices", type=CommaList(), default=None, callback=_devices,
+              help="throughput: read these block devices or files (comma-separated, "
+                   "their content as it is) instead of --disks files in --dir")
 @click.option("--disks", type=DISKS, default=4)
 @click.option("--disk-size", type=COUNT, default=256 << 20, help="bytes per disk file")
 @click.option("--qd", type=QUEUE_DEPTH, default=32, help="queue depth for all contenders")

@@ -67,10 +67,13 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "libxxhash-dev and a C compiler)") from exc
 
 __all__ = ["Engine", "EngineStats", "DiskStats", "AlignedBuffer", "open_disk",
-           "logical_block_size", "READ", "WRITE", "ENGINE_KINDS"]
+           "logical_block_size", "READ", "WRITE", "ENGINE_KINDS", "BLOCKING_MODES"]
 
 #: the engine kinds (``Engine(kind=)``, ``Store.open(engine=)``, ``$SWARMFS_ENGINE``)
 ENGINE_KINDS = ("auto", "io_uring", "threads")
+#: Where an io_uring engine runs requests to disks that cannot read without
+#: blocking (tmpfs): on its own threads, or on io_uring's io-wq workers.
+BLOCKING_MODES = ("threads", "io_uring")
 
 READ = lib.SE_OP_READ
 WRITE = lib.SE_OP_WRITE
@@ -334,10 +337,13 @@ class EngineStats:
         buffer_error: why the last registration failed (None: none did),
             naming ``RLIMIT_MEMLOCK`` when that was the cause.
         memlock_limit: the soft ``RLIMIT_MEMLOCK`` in bytes (None: unlimited).
-        async_disks: disks whose files cannot read without blocking
-            (``RWF_NOWAIT`` gives EOPNOTSUPP, e.g. tmpfs): io_uring punts every
-            read of theirs to its io-wq workers, so their SQEs carry
-            ``IOSQE_ASYNC``, which lets io-wq run them concurrently.
+        blocking_disks: disks whose files cannot read without blocking
+            (``RWF_NOWAIT`` gives EOPNOTSUPP, e.g. tmpfs), where io_uring
+            would hand every request to its io-wq workers.  An io_uring
+            engine runs their requests on its own threads (``pread``) beside
+            the ring, or with ``IOSQE_ASYNC`` (``Engine(blocking="io_uring")``).
+        thread_requests: requests to blocking disks that an io_uring engine
+            ran on its own threads.
     """
     engine: str
     queue_depth: int
@@ -365,7 +371,8 @@ class EngineStats:
     buffer_register_errors: int = 0
     buffer_error: str | None = None
     memlock_limit: int | None = None
-    async_disks: int = 0
+    blocking_disks: int = 0
+    thread_requests: int = 0
 
 
 @V.checked_methods
@@ -392,9 +399,16 @@ class Engine:
             alignment checks.
         retry_limit: transient failures retried in a row without progress
             before a call fails (see the module docstring).
+        blocking: where an io_uring engine runs requests to disks that cannot
+            read without blocking (tmpfs; :attr:`EngineStats.blocking_disks`):
+            ``"threads"`` (default: ``pread``/``pwrite`` on up to
+            min(queue_depth, 32) threads per call, one per 32 such requests,
+            while the caller drives the ring; 2.2-2.4x io-wq's rate on tmpfs
+            at 4 KiB, docs/bench/engine.md) or ``"io_uring"`` (SQEs with
+            ``IOSQE_ASYNC``, run by io-wq).
 
     Raises:
-        InvalidChoiceError: an unknown ``kind``.
+        InvalidChoiceError: an unknown ``kind`` or ``blocking``.
         InvalidIntegerError: a queue depth outside [1, 32768] or a retry
             limit outside [0, 2**20].
         ConfigError: an unknown ``$SWARMFS_ENGINE``, or no disks.
@@ -403,7 +417,8 @@ class Engine:
     """
 
     def __init__(self, fds, *, kind: str | None = None, queue_depth: int = 128,
-                 block_sizes=None, names=None, store=None, retry_limit: int | None = None):
+                 block_sizes=None, names=None, store=None, retry_limit: int | None = None,
+                 blocking: str = "threads"):
         self.fds = list(fds)
         self.store = store
         self.names = list(names) if names is not None else [None] * len(self.fds)
@@ -418,6 +433,7 @@ class Engine:
         V.parse_int(queue_depth, "queue_depth", 1, 32768, store=store)
         if retry_limit is not None:
             V.parse_int(retry_limit, "retry_limit", 0, 1 << 20, store=store)
+        V.parse_choice(blocking, "blocking", BLOCKING_MODES, store=store)
         if not self.fds:
             raise E.ConfigError("an engine needs at least one disk", store=store)
         cfds = ffi.new("int[]", self.fds)
@@ -455,6 +471,9 @@ class Engine:
         self.retry_limit = int(lib.SE_DEFAULT_RETRY_LIMIT if retry_limit is None
                                else retry_limit)
         lib.se_set_retry_limit(self._ptr, self.retry_limit)
+        self.blocking = blocking
+        lib.se_set_blocking_mode(self._ptr, lib.SE_BLOCKING_THREADS if blocking == "threads"
+                                 else lib.SE_BLOCKING_IOWQ)
         self.queue_depth = int(lib.se_queue_depth(self._ptr))
         flags = int(lib.se_ring_flags(self._ptr))
         self.ring_flags = tuple(name for bit, name in _RING_FLAGS if flags & bit)
@@ -691,7 +710,8 @@ class Engine:
             buffers_registered=nbuf > 0 and buffer_error is None,
             registered_buffers=nbuf, buffer_register_errors=int(c.buffer_register_errors),
             buffer_error=buffer_error, memlock_limit=memlock_limit(),
-            async_disks=int(lib.se_async_disks(self._ptr)))
+            blocking_disks=int(lib.se_blocking_disks(self._ptr)),
+            thread_requests=int(c.thread_requests))
 
     def close(self) -> None:
         """Tear down every ring (the file descriptors stay open).
