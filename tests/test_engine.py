@@ -201,8 +201,15 @@ def test_kernel_rejection_is_reported_per_request(disks, engine_kind):
     assert eng.stats().errors == 1
 
 
-def test_short_read_at_eof_is_resubmitted_then_truncation(tmp_path, engine_kind):
-    p = tmp_path / "short"
+@pytest.mark.parametrize("where", ["ext4", "tmpfs"])
+def test_short_read_at_eof_is_resubmitted_then_truncation(tmp_path, engine_kind, where):
+    """A disk shorter than the read: the rest is resubmitted, then the
+    truncation is reported naming the disk; on tmpfs (no non-blocking reads)
+    an io_uring engine runs the request on its threads, with the same rule."""
+    d = tmp_path
+    if where == "tmpfs":
+        d = pathlib.Path(tempfile.mkdtemp(prefix="swarmfs-test-", dir="/dev/shm"))
+    p = d / "short"
     p.write_bytes(b"x" * (4096 + 512))
     fd = open_disk(p)
     try:
@@ -214,8 +221,11 @@ def test_short_read_at_eof_is_resubmitted_then_truncation(tmp_path, engine_kind)
         assert buf.array[:4608].tobytes() == b"x" * 4608
         s = eng.stats()
         assert s.short_resubmits >= 1 and s.errors == 1
+        assert s.thread_requests == (where == "tmpfs" and engine_kind == "io_uring")
     finally:
         os.close(fd)
+        if d != tmp_path:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_missing_and_bad_disk_paths(tmp_path):
@@ -463,29 +473,6 @@ def test_blocking_disks_run_on_threads_or_io_wq_with_the_same_bytes(tmpfs_disks,
 def test_blocking_mode_is_checked(disks):
     with pytest.raises(E.InvalidChoiceError, match="blocking"):
         Engine(disks[2], kind="io_uring", blocking="io-wq")
-
-
-def test_short_read_at_eof_on_a_blocking_disk(engine_kind):
-    """A tmpfs disk shorter than the read: the threads' share resubmits the
-    rest, then reports the truncation naming the disk, as the ring does."""
-    d = pathlib.Path(tempfile.mkdtemp(prefix="swarmfs-test-", dir="/dev/shm"))
-    try:
-        p = d / "short"
-        p.write_bytes(b"x" * (4096 + 512))
-        fd = open_disk(p)
-        try:
-            eng = make_engine([fd], engine_kind)
-            buf = eng.alloc(8192)
-            with pytest.raises(E.DiskTruncatedError) as ei:
-                eng.execute(READ, [0], [0], [8192], [0], buf)
-            assert ei.value.disk == 0
-            assert buf.array[:4608].tobytes() == b"x" * 4608
-            s = eng.stats()
-            assert s.errors == 1 and s.short_resubmits >= 1
-        finally:
-            os.close(fd)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.parametrize("blocking", ["threads", "io_uring"])
