@@ -40,6 +40,7 @@
  */
 #include "engine_int.h"
 
+#include <fcntl.h>
 #include <time.h>
 #include <unistd.h>
 #include <sys/uio.h>
@@ -91,17 +92,41 @@ static int check_fds(const int *fds, int nfds)
     return 0;
 }
 
-static se_engine *alloc_engine(int kind, const int *fds, int nfds)
+static void free_engine(se_engine *e)
+{
+    for (int d = 0; d < e->nfds; d++)
+        if (e->fds[d] >= 0)
+            close(e->fds[d]);
+    pthread_mutex_destroy(&e->mu);
+    free(e);
+}
+
+/* A new engine holding its own duplicates of fds (closed by se_close), so
+ * that every path reads the files it was opened with, as the ring's
+ * registered files do, even if the caller closes or reuses its numbers.
+ * NULL with *err on failure. */
+static se_engine *alloc_engine(int kind, const int *fds, int nfds, int *err)
 {
     se_engine *e = calloc(1, sizeof(*e));
-    if (!e)
+    if (!e) {
+        *err = -ENOMEM;
         return NULL;
+    }
     e->kind = kind;
     e->nfds = nfds;
     e->retry_limit = SE_DEFAULT_RETRY_LIMIT;
     e->wait_div = 4;   /* 4 and 8 measured alike; 1 (refill after every CQE) is slower */
-    memcpy(e->fds, fds, sizeof(int) * (size_t)nfds);
     pthread_mutex_init(&e->mu, NULL);
+    for (int d = 0; d < nfds; d++)
+        e->fds[d] = -1;
+    for (int d = 0; d < nfds; d++) {
+        e->fds[d] = fcntl(fds[d], F_DUPFD_CLOEXEC, 0);
+        if (e->fds[d] < 0) {
+            *err = -errno;
+            free_engine(e);
+            return NULL;
+        }
+    }
     return e;
 }
 
@@ -112,18 +137,17 @@ int se_uring_open(se_engine **out, const int *fds, int nfds, unsigned queue_dept
         return ret;
     if (queue_depth == 0 || queue_depth > 32768)
         return -EINVAL;
-    se_engine *e = alloc_engine(SE_KIND_URING, fds, nfds);
+    se_engine *e = alloc_engine(SE_KIND_URING, fds, nfds, &ret);
     if (!e)
-        return -ENOMEM;
+        return ret;
     ret = rings_open(e, queue_depth);
     if (ret < 0) {
-        pthread_mutex_destroy(&e->mu);
-        free(e);
+        free_engine(e);
         return ret;
     }
     e->nthreads = e->qd < 32 ? e->qd : 32;
     for (int d = 0; d < nfds; d++) {
-        e->punt[d] = !supports_nowait(fds[d]);
+        e->punt[d] = !supports_nowait(e->fds[d]);
         e->npunt += e->punt[d];
     }
     *out = e;
@@ -137,9 +161,9 @@ int se_threads_open(se_engine **out, const int *fds, int nfds, unsigned nthreads
         return ret;
     if (nthreads == 0 || nthreads > 1024)
         return -EINVAL;
-    se_engine *e = alloc_engine(SE_KIND_THREADS, fds, nfds);
+    se_engine *e = alloc_engine(SE_KIND_THREADS, fds, nfds, &ret);
     if (!e)
-        return -ENOMEM;
+        return ret;
     e->nthreads = nthreads;
     e->qd = nthreads;
     engine_publish(e);
@@ -152,6 +176,11 @@ unsigned se_queue_depth(const se_engine *e) { return e->qd; }
 int se_files_registered(const se_engine *e) { return e->files_registered; }
 int se_ring_flags(const se_engine *e) { return e->ring_flags; }
 int se_blocking_disks(const se_engine *e) { return e->npunt; }
+int se_disk_on_threads(const se_engine *e, int d)
+{
+    return e->kind == SE_KIND_THREADS ||
+           (d >= 0 && d < e->nfds && e->punt[d] && e->blocking_mode == SE_BLOCKING_THREADS);
+}
 void se_set_blocking_mode(se_engine *e, int mode) { e->blocking_mode = mode; }
 void se_set_retry_limit(se_engine *e, unsigned limit) { e->retry_limit = limit; }
 
@@ -160,8 +189,7 @@ void se_close(se_engine *e)
     if (!e)
         return;
     rings_close(e);
-    pthread_mutex_destroy(&e->mu);
-    free(e);
+    free_engine(e);
 }
 
 /* ---- execution ---------------------------------------------------------- */
@@ -256,6 +284,14 @@ struct uring_run {
     uint64_t t_progress;     /* first round without progress (0: made progress) */
     int last_err;
 };
+
+/* Whether valid request i is the ring's: not one that a mixed call runs on
+ * its threads (those may still be running when the ring's share gives up). */
+static int ring_owns(const struct exec_ctx *x, int64_t i)
+{
+    const se_engine *e = x->e;
+    return !(e->npunt && e->blocking_mode == SE_BLOCKING_THREADS && e->punt[x->rq.disk[i]]);
+}
 
 /* Request i (what is left of it) to the back of the queue. */
 static void uring_requeue(struct uring_run *u, int64_t i)
@@ -456,14 +492,9 @@ static void uring_abandon(struct uring_run *u)
     unsigned in_sq = io_uring_sq_ready(&u->r->ring);
     u->info->abandoned = u->inflight > in_sq ? u->inflight - in_sq : 0;
     int err = u->last_err ? u->last_err : -EIO;
-    for (int64_t i = 0; i < x->rq.n; i++) {
-        if (x->status[i] == 0) {
-            x->status[i] = err;
-            x->failed++;
-            x->lc.errors++;
-            x->lc.requests++;
-        }
-    }
+    for (int64_t i = 0; i < x->rq.n; i++)
+        if (x->status[i] == 0 && ring_owns(x, i))
+            finish_request(x, i, err, u->prog[i]);
     u->r->broken = 1;
 }
 
@@ -704,10 +735,10 @@ static void mixed_execute(struct exec_ctx *x, int64_t *queue, uint32_t *prog, in
     se_engine *e = x->e;
     int64_t *blocking = malloc(sizeof(int64_t) * (size_t)nq);
     struct exec_ctx *y = calloc(1, sizeof(*y));
-    if (!blocking || !y) {   /* no memory for the split: all on the ring */
+    if (!blocking || !y) {   /* no memory for the split: all with pread */
         free(blocking);
         free(y);
-        uring_call(x, queue, prog, nq, info);
+        threads_execute(x, queue, nq);
         return;
     }
     int64_t nr = 0, nb = 0;

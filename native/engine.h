@@ -102,7 +102,8 @@ typedef struct {
                                 up: the buffer may still be written to         */
 } se_exec_info;
 
-/* Open an io_uring engine over nfds already-open file descriptors.
+/* Open an io_uring engine over nfds already-open file descriptors (the
+ * engine duplicates them and closes its duplicates in se_close).
  * queue_depth: SQ entries (the CQ gets twice as many).  The calling thread's
  * ring is set up now; when the kernel refuses for lack of locked memory
  * (-ENOMEM, RLIMIT_MEMLOCK) the depth is halved down to 8 before giving up
@@ -127,6 +128,9 @@ int se_ring_flags(const se_engine *e);
 #define SE_BLOCKING_IOWQ    1
 int se_blocking_disks(const se_engine *e);
 void se_set_blocking_mode(se_engine *e, int mode);
+/* 1 if requests to disk d run with pread/pwrite on threads (a threads
+ * engine, or a blocking disk of a uring engine in SE_BLOCKING_THREADS). */
+int se_disk_on_threads(const se_engine *e, int d);
 void se_set_retry_limit(se_engine *e, unsigned limit);
 
 /* Register [addr, addr+len) as a fixed buffer.  The buffer enters the engine's

@@ -797,6 +797,164 @@ def test_pread_that_always_says_eagain_gives_up(tmp_path, rng, kind):
     assert out["gave_up"] == 2 and out["retries"] >= 2 * 4 * 30
 
 
+MIXED_CHILD = textwrap.dedent(r"""
+    import json, os, subprocess, sys, time
+    import numpy as np
+    from swarmfs import _errors as E
+    from swarmfs.store._engine import READ, Engine, open_disk
+    shm, ext, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    eng = Engine([open_disk(shm), open_disk(ext)], kind="io_uring", queue_depth=32,
+                 block_sizes=[512, 512], names=["shm", "ext4"], retry_limit=limit)
+    buf = eng.alloc(64 << 20)
+    # inject faults from here on only (not into the loader's preads): strace
+    # attaches to this process, and the call waits until it has
+    tracer = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null",
+                               "-e", "trace=io_uring_enter,pread64", *sys.argv[4:],
+                               "-p", str(os.getpid())])
+    def traced():
+        with open("/proc/self/status") as f:
+            return any(l.startswith("TracerPid:") and l.split()[1] != "0" for l in f)
+    t0 = time.monotonic()
+    while not traced() and time.monotonic() - t0 < 30:
+        time.sleep(0.01)
+    disk = np.array([0] * 1000 + [1] * 4, np.int32)        # 1000 on threads, 4 on the ring
+    n = len(disk)
+    off = (np.arange(n) % 16 * 65536).astype(np.uint64)
+    try:
+        eng.execute(READ, disk, off, [65536] * n, np.arange(n, dtype=np.uint64) * 65536, buf)
+        res = {"ok": True}
+    except E.SwarmError as exc:
+        res = {"error": str(exc), "disk": exc.disk}
+    tracer.terminate()
+    tracer.wait()
+    s = eng.stats()
+    print(json.dumps({"res": res, "n": n, "requests": s.requests, "errors": s.errors,
+                      "disk_requests": [d.requests for d in s.disks], "gave_up": s.gave_up,
+                      "thread_requests": s.thread_requests, "in_flight": s.in_flight}))
+""")
+
+
+def _run_mixed_child(tmp_path, rng, inject, limit):
+    shm = pathlib.Path(tempfile.mkdtemp(prefix="swarmfs-test-", dir="/dev/shm"))
+    try:
+        for p in (shm / "d0", tmp_path / "d1"):
+            p.write_bytes(rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+        res = subprocess.run(
+            [sys.executable, "-c", MIXED_CHILD, str(shm / "d0"), str(tmp_path / "d1"),
+             str(limit), *inject], capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(_strace_reason() is not None, reason=str(_strace_reason()))
+def test_ring_share_giving_up_leaves_the_thread_share_alone(tmp_path, rng):
+    """A mixed call (4 reads on an ext4 disk's ring, 1000 on a tmpfs disk's
+    threads, preads slowed down) whose io_uring_enter fails: the ring's share
+    fails and names the ext4 disk; the threads' requests, still running, are
+    neither failed nor counted twice (each request counted once, per disk
+    too)."""
+    out = _run_mixed_child(tmp_path, rng, ["-e", "inject=io_uring_enter:error=EBADF:when=1",
+                                           "-e", "inject=pread64:delay_exit=2000"], 0)
+    assert out["res"]["disk"] == 1 and "ext4" in out["res"]["error"]
+    assert out["requests"] == out["n"] == sum(out["disk_requests"]) == 1004
+    assert out["disk_requests"] == [1000, 4] and out["errors"] == 4
+    assert out["thread_requests"] == 1000 and out["in_flight"] == 0
+
+
+@pytest.mark.skipif(_strace_reason() is not None, reason=str(_strace_reason()))
+def test_both_shares_giving_up_name_what_failed_on_the_disk_named(tmp_path, rng):
+    """io_uring_enter and pread both always fail with EAGAIN: the call gives
+    up once; the error names the first failed request's disk (the tmpfs one,
+    whose requests ran with pread) with pread's error, not io_uring_enter's."""
+    out = _run_mixed_child(tmp_path, rng, ["-e", "inject=io_uring_enter:error=EAGAIN",
+                                           "-e", "inject=pread64:error=EAGAIN"], 3)
+    err = out["res"]
+    assert err["disk"] == 0 and "io_uring_enter" not in err["error"]
+    assert "gave up after 3 retries" in err["error"]
+    assert out["requests"] == 1004 and out["errors"] == 1004 and out["gave_up"] == 1
+    assert sum(out["disk_requests"]) == 1004
+
+
+@pytest.mark.parametrize("blocking", ["threads", "io_uring"])
+def test_closing_the_callers_fd_does_not_change_what_the_engine_reads(tmpfs_disks, blocking,
+                                                                      tmp_path):
+    """The engine reads through its own duplicates of the fds: the caller
+    closing its fd, and the number going to another file, changes nothing
+    (on the ring's registered files and on the threads' pread alike)."""
+    fds, data = tmpfs_disks
+    mine = [os.dup(fd) for fd in fds]
+    eng = Engine(mine, kind="io_uring", queue_depth=8, block_sizes=[512] * 2,
+                 blocking=blocking)
+    os.close(mine[1])
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT)
+    os.write(other, b"Z" * 8192)
+    if other != mine[1]:
+        os.dup2(other, mine[1])            # the closed number now names another file
+        os.close(other)
+    try:
+        buf = eng.alloc(8192)
+        eng.execute(READ, [1, 0], [0, 4096], [4096, 4096], [0, 4096], buf)
+        assert buf.array[:4096].tobytes() == data[1][:4096].tobytes()
+        assert buf.array[4096:8192].tobytes() == data[0][4096:8192].tobytes()
+    finally:
+        eng.close()
+        os.close(mine[1])
+        os.close(mine[0])
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_request_outside_the_buffer_is_refused_before_any_io(disks, engine_kind, op):
+    """Even with check=False: a plan whose second request ends past the
+    buffer raises OutOfRangeError naming its disk, and the first request,
+    valid, was not run (a write leaves the disk as it was)."""
+    paths, data, fds = disks
+    eng = make_engine(fds, engine_kind)
+    buf = eng.alloc(8192)
+    buf.array[:] = 7
+    code = READ if op == "read" else WRITE
+    for dst in (buf.size - 512, buf.size, 2**63, 2**64 - 512):
+        with pytest.raises(E.OutOfRangeError, match="does not fit") as ei:
+            eng.execute(code, [0, 2], [0, 0], [4096, 4096], [0, dst], buf, check=False)
+        assert ei.value.disk == 2
+    with pytest.raises(E.OutOfRangeError):
+        eng.execute(code, [0], [0], [16384], [0], buf, check=False)
+    assert eng.stats().requests == 0
+    with open(paths[0], "rb") as f:
+        assert f.read(4096) == data[0][:4096].tobytes()
+    assert (buf.array == 7).all()
+
+
+@pytest.mark.parametrize("buf", [np.zeros(8192, np.uint8), bytearray(8192), None])
+def test_a_buffer_not_from_alloc_is_refused(disks, buf):
+    eng = make_engine(disks[2], "io_uring")
+    with pytest.raises(E.InvalidArgumentError, match="Engine.alloc"):
+        eng.execute(READ, [0], [0], [4096], [0], buf)
+
+
+def test_an_engine_in_a_fork_child_refuses_every_use(disks):
+    eng = make_engine(disks[2], "io_uring")
+    eng.stats()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                   # the child
+        refused = []
+        for call in (lambda: eng.alloc(4096), eng.stats,
+                     lambda: eng.execute(READ, [0], [0], [4096], [0], None)):
+            try:
+                call()
+            except E.SwarmError as exc:
+                refused.append("another process" in str(exc))
+        os.write(w, json.dumps(refused).encode())
+        os._exit(0)
+    os.close(w)
+    _, st = os.waitpid(pid, 0)
+    with os.fdopen(r) as f:
+        assert json.loads(f.read()) == [True, True, True]
+    assert eng.stats().requests == 0
+
+
 # -- locked memory (RLIMIT_MEMLOCK) ------------------------------------------
 
 def _has_cap_ipc_lock() -> bool:

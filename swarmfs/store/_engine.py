@@ -388,7 +388,10 @@ class Engine:
     ``fork`` child gets SwarmError).
 
     Args:
-        fds: open file descriptors (O_DIRECT), one per disk, in disk order.
+        fds: open file descriptors (O_DIRECT), one per disk, in disk order;
+            the engine reads through duplicates of its own (closed by
+            :meth:`close`), so closing or reusing these numbers later does
+            not change what it reads.
         kind: ``"auto"`` (io_uring, else threads), ``"io_uring"`` or
             ``"threads"``.  Default: ``$SWARMFS_ENGINE`` or ``"auto"``.
         queue_depth: io_uring SQ size per ring (CQ is twice that); halved
@@ -499,6 +502,13 @@ class Engine:
                 if self._calls == 0:
                     self._cv.notify_all()
 
+    def _check_process(self) -> None:
+        """Raise SwarmError in a fork child: the rings and registered buffers
+        belong to the process that opened the engine."""
+        if os.getpid() != self._pid:
+            raise E.SwarmError("this Store/Engine was opened in another process (fork); "
+                               "open the store again in this process", store=self.store)
+
     def _live(self) -> None:
         """Raise SwarmError if :meth:`close` has run or is running."""
         if self._ptr is None or self._closing:
@@ -513,7 +523,11 @@ class Engine:
         A registration that fails (e.g. ``RLIMIT_MEMLOCK`` too small) leaves
         an unregistered buffer that works with plain reads; the first such
         failure gives a one-line warning and ``stats().buffer_error`` says why.
+
+        Raises:
+            SwarmError: the engine is closed, or was opened in another process.
         """
+        self._check_process()
         self._live()
         buf = AlignedBuffer(nbytes, pinned=pinned)
         if register and self.kind == "io_uring" and buf.size <= (1 << 30):
@@ -593,10 +607,12 @@ class Engine:
                 row without progress.
             SwarmError: the engine is closed, or was opened in another process.
         """
-        if os.getpid() != self._pid:
-            raise E.SwarmError("this Store/Engine was opened in another process (fork); "
-                               "open the store again in this process", store=self.store)
+        self._check_process()
         self._live()
+        if not isinstance(buf, AlignedBuffer):
+            raise E.InvalidArgumentError(
+                f"buf must be an AlignedBuffer from Engine.alloc, not {type(buf).__name__}",
+                store=self.store, layer=layer, cluster=cluster)
         length = np.asarray(length)
         if length.size and (length.min() <= 0 or length.max() > _MAX_REQUEST):
             raise E.OutOfRangeError(f"request lengths must be in [1, {_MAX_REQUEST}] bytes",
@@ -614,6 +630,17 @@ class Engine:
         if not (off.shape[0] == length.shape[0] == buf_off.shape[0] == n):
             raise E.InvalidArgumentError("plan arrays differ in length", store=self.store,
                                          layer=layer, cluster=cluster)
+        # always, even with check=False: a request outside buf would fail alone
+        # in the kernel after the others ran (a write half done)
+        size = np.uint64(buf.size)
+        outside = (length > size) | (buf_off > size - np.minimum(length, size))
+        if outside.any():
+            i = int(np.flatnonzero(outside)[0])
+            d = int(disk[i])
+            raise E.OutOfRangeError(
+                f"request {i} (buffer offset {int(buf_off[i])}, length {int(length[i])}) "
+                f"does not fit the {buf.size}-byte buffer", store=self.store, disk=d,
+                path=self.names[d], layer=layer, cluster=cluster)
         if check:
             self.check(disk, off, length, buf_off, buf_address=buf.address,
                        layer=layer, cluster=cluster)
@@ -655,7 +682,7 @@ class Engine:
         nfail = int((status < 0).sum())
         msg = f"{what} at offset {int(off[i])} failed: {os.strerror(code)}" + \
               (f" ({nfail} requests failed)" if nfail > 1 else "")
-        if info is not None and info.enter_errno:
+        if info is not None and info.enter_errno and not lib.se_disk_on_threads(self._ptr, d):
             raise E.IOFailedError(
                 f"{what} at offset {int(off[i])} failed: io_uring_enter failed "
                 f"{info.enter_failures} times ({os.strerror(info.enter_errno)})"
@@ -682,8 +709,9 @@ class Engine:
         for I/O in flight (the counters are atomics).
 
         Raises:
-            SwarmError: the engine is closed.
+            SwarmError: the engine is closed, or was opened in another process.
         """
+        self._check_process()
         c = ffi.new("se_counters *")
         d = ffi.new("se_disk_counters[]", len(self.fds))
         with self._call() as ptr:
