@@ -176,10 +176,17 @@ unsigned se_queue_depth(const se_engine *e) { return e->qd; }
 int se_files_registered(const se_engine *e) { return e->files_registered; }
 int se_ring_flags(const se_engine *e) { return e->ring_flags; }
 int se_blocking_disks(const se_engine *e) { return e->npunt; }
+
+/* The one rule for a uring engine: requests to disk d run on its threads
+ * (a blocking disk, in SE_BLOCKING_THREADS mode). */
+static int on_threads(const se_engine *e, int d)
+{
+    return e->blocking_mode == SE_BLOCKING_THREADS && e->punt[d];
+}
+
 int se_disk_on_threads(const se_engine *e, int d)
 {
-    return e->kind == SE_KIND_THREADS ||
-           (d >= 0 && d < e->nfds && e->punt[d] && e->blocking_mode == SE_BLOCKING_THREADS);
+    return e->kind == SE_KIND_THREADS || (d >= 0 && d < e->nfds && on_threads(e, d));
 }
 void se_set_blocking_mode(se_engine *e, int mode) { e->blocking_mode = mode; }
 void se_set_retry_limit(se_engine *e, unsigned limit) { e->retry_limit = limit; }
@@ -289,8 +296,7 @@ struct uring_run {
  * its threads (those may still be running when the ring's share gives up). */
 static int ring_owns(const struct exec_ctx *x, int64_t i)
 {
-    const se_engine *e = x->e;
-    return !(e->npunt && e->blocking_mode == SE_BLOCKING_THREADS && e->punt[x->rq.disk[i]]);
+    return !on_threads(x->e, x->rq.disk[i]);
 }
 
 /* Request i (what is left of it) to the back of the queue. */
@@ -557,15 +563,8 @@ static void *thread_main(void *p)
     struct thread_arg *a = p;
     struct exec_ctx *shared = a->x;
     se_engine *e = shared->e;
-    struct exec_ctx *x = calloc(1, sizeof(*x));
-    struct exec_ctx *own = x;
-    if (!x)   /* no memory for a tally of its own: tally under the lock */
-        x = shared;
-    else {
-        x->e = e;
-        x->rq = shared->rq;
-        x->status = shared->status;
-    }
+    struct exec_ctx own = {.e = e, .rq = shared->rq, .status = shared->status};
+    struct exec_ctx *x = &own;
     for (;;) {
         int64_t k = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
         if (k >= a->nq)
@@ -608,8 +607,6 @@ static void *thread_main(void *p)
                 shorts++;
         }
         uint64_t t1 = now_ns();
-        if (!own)
-            pthread_mutex_lock(a->mu);
         finish_request(x, i, st ? st : (int32_t)x->rq.len[i], done);
         if (!x->first_ns[d] || t0 < x->first_ns[d])
             x->first_ns[d] = t0;
@@ -621,15 +618,10 @@ static void *thread_main(void *p)
         x->lc.cqes++;
         if (st && fails > e->retry_limit)
             x->gave_up = 1;
-        if (!own)
-            pthread_mutex_unlock(a->mu);
     }
-    if (own) {
-        pthread_mutex_lock(a->mu);
-        merge_ctx(shared, own);
-        pthread_mutex_unlock(a->mu);
-        free(own);
-    }
+    pthread_mutex_lock(a->mu);
+    merge_ctx(shared, &own);
+    pthread_mutex_unlock(a->mu);
     return NULL;
 }
 
@@ -744,7 +736,7 @@ static void mixed_execute(struct exec_ctx *x, int64_t *queue, uint32_t *prog, in
     int64_t nr = 0, nb = 0;
     for (int64_t k = 0; k < nq; k++) {
         int64_t i = queue[k];
-        if (e->punt[x->rq.disk[i]])
+        if (on_threads(e, x->rq.disk[i]))
             blocking[nb++] = i;
         else
             queue[nr++] = i;
@@ -758,8 +750,6 @@ static void mixed_execute(struct exec_ctx *x, int64_t *queue, uint32_t *prog, in
     unsigned nt = want < (int64_t)cap ? (unsigned)want : cap;
     if (nr > 0 && nb > 0)
         nt++;   /* the caller is on the ring first: one more helper */
-    if (nt < 1)
-        nt = 1;
     struct ring_share share = {.x = x, .queue = queue, .prog = prog, .nq = nr, .info = info};
     if (nb > 0)
         threads_run(y, blocking, nb, nt, ring_share_run, &share);
@@ -812,7 +802,8 @@ int64_t se_execute(se_engine *e, const se_requests *rq, int32_t *status, se_exec
             queue[nq++] = i;
         }
     }
-    if (nq > 0 && e->kind == SE_KIND_URING && e->npunt && e->blocking_mode == SE_BLOCKING_THREADS)
+    if (nq > 0 && e->kind == SE_KIND_URING && e->npunt &&
+        e->blocking_mode == SE_BLOCKING_THREADS)   /* some disk is on_threads */
         mixed_execute(x, queue, prog, nq, info);
     else if (nq > 0 && e->kind == SE_KIND_URING)
         uring_call(x, queue, prog, nq, info);
