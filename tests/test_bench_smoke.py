@@ -261,3 +261,17 @@ def test_summary_tables_from_decoder_smoke_outputs(decoder_env):
     md = run_all.summary(smoke=True, outdir=out, trace="decoder")
     assert md.startswith("Trace: `--trace decoder`")
     assert "### Fig. 11" in md and "### Fig. 20" in md and "### Fig. 12" not in md
+
+
+def test_swarm_is_laid_out_at_the_decoder_paths_operating_point_on_its_trace():
+    """On ``--trace decoder`` the figures lay SWARM out as ``SwarmCache`` lays
+    out a prompt (``DECODER_TAU``, ``DECODER_MAX_CLUSTER_SIZE``); on MiniLM
+    with the offline layout's defaults; explicit parameters win."""
+    from types import SimpleNamespace
+
+    from swarmfs import _defaults as D
+    from tools.bench.fig11_methods import swarm_params
+    assert swarm_params(SimpleNamespace(trace="decoder")) == {
+        "tau": D.DECODER_TAU, "max_cluster_size": D.DECODER_MAX_CLUSTER_SIZE}
+    assert swarm_params(SimpleNamespace(trace="minilm")) == {}
+    assert swarm_params(SimpleNamespace(trace="decoder"), {"tau": 0.6}) == {"tau": 0.6}

@@ -46,12 +46,27 @@ PAPER_BW_RATIO = {"no_cluster": 3.95, "infllm": 2.67, "pqcache": 1.55}
 PAPER_IO_RATIO = 2.41
 
 
+def swarm_params(cfg, swarm_kw=None) -> dict:
+    """SWARM's layout parameters for ``cfg``'s trace: ``swarm_kw`` when given;
+    on the decoder trace the decoder path's operating point
+    (``defaults.DECODER_TAU``, ``DECODER_MAX_CLUSTER_SIZE``: what
+    ``SwarmCache`` lays a prompt out with); otherwise the offline layout's
+    defaults (``layout._cluster``)."""
+    if swarm_kw is not None:
+        return dict(swarm_kw)
+    if cfg.trace == "decoder":
+        from swarmfs import _defaults as D
+        return {"tau": D.DECODER_TAU, "max_cluster_size": D.DECODER_MAX_CLUSTER_SIZE}
+    return {}
+
+
 def method_layouts(cfg, trace, start, S, methods, *, ratio=0.1, swarm_kw=None, verbose=True):
     """Layouts of the given methods for one context (cached).  PQCache gets
-    SWARM's mean cluster size, so both indexes hold about as many vectors."""
+    SWARM's mean cluster size, so both indexes hold about as many vectors.
+    SWARM's parameters: :func:`swarm_params`."""
     lays = {}
     sw, _ = C.build_layout("swarm", trace, start, S, cache=cfg.cache, ratio=ratio,
-                           **(swarm_kw or {}))
+                           **swarm_params(cfg, swarm_kw))
     lays["swarm"] = sw
     mean_size = round(float(sw.sizes.mean()), 1)
     kw = {"infllm": {"block": 64, "reps": 4}, "pqcache": {"mean_size": mean_size},

@@ -4,7 +4,9 @@
 Every method at each r (entry budget ceil(r x S), local window included), one
 store per r, methods interleaved as in Fig. 11.  SWARM is profiled at that r
 (its clusters depend on it); the baselines' layouts do not depend on r
-(PQCache keeps SWARM's r = 10% mean cluster size).
+(PQCache keeps SWARM's r = 10% mean cluster size).  On ``--trace decoder``
+SWARM is laid out at the decoder path's operating point (tau
+``DECODER_TAU``; ``fig11_methods.swarm_params``).
 
 Iso-accuracy: for each baseline, the I/O time it needs to be as accurate as
 SWARM at r = 10%, by attention-output error and by attention mass (absolute
@@ -41,6 +43,7 @@ from tools.bench.fig11_methods import (
     run_methods,
     run_steps,
     step_profiles,
+    swarm_params,
 )
 
 
@@ -93,7 +96,7 @@ def layouts_per_ratio(cfg, trace, start, S, methods, base: dict, ratios):
         lays = dict(base)
         if "swarm" in methods and r != 0.1:
             lays["swarm"] = C.build_layout("swarm", trace, start, S, cache=cfg.cache,
-                                           ratio=r)[0]
+                                           ratio=r, **swarm_params(cfg))[0]
         yield r, lays
 
 
