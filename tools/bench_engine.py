@@ -101,6 +101,18 @@ def ensure_disks(d: str, n: int, size: int) -> list[str]:
     return paths
 
 
+def disk_files(d: str, n: int, size: int) -> tuple[list[str], int]:
+    """The ``n`` disk files in ``d`` (:func:`ensure_disks`) and the bytes of
+    each that the plans read: all of the smallest, because fio reads each
+    file whole.  An existing file may be larger than ``size``, and one range
+    of tmpfs can read 20% slower than another on a VM (the first 256 MiB of
+    1 GiB files: fio 75-83K IOPS at 128 KiB against 93-103K over the whole;
+    docs/bench/engine.md), so a plan over part of the file is not fio's
+    workload."""
+    paths = ensure_disks(d, n, size)
+    return paths, min(os.path.getsize(p) for p in paths)
+
+
 def make_plan(rng, ndisks, size, bs, nreq, slots):
     """Random aligned reads, round-robin over the disks; destinations cycle
     through ``slots`` buffers of ``bs`` bytes."""
@@ -185,7 +197,7 @@ def throughput(a):
             raise click.UsageError(f"--devices: the smallest is {a.disk_size} bytes, less "
                                    "than one request")
     else:
-        paths = ensure_disks(a.dir, a.disks, a.disk_size)
+        paths, a.disk_size = disk_files(a.dir, a.disks, a.disk_size)
         where = fs_type(a.dir)
         fds = [open_disk(p) for p in paths]
     engines = {
@@ -420,7 +432,9 @@ def _devices(ctx, param, value):
               help="throughput: read these block devices or files (comma-separated, "
                    "their content as it is) instead of --disks files in --dir")
 @click.option("--disks", type=DISKS, default=4)
-@click.option("--disk-size", type=COUNT, default=256 << 20, help="bytes per disk file")
+@click.option("--disk-size", type=COUNT, default=256 << 20,
+              help="bytes per disk file (at least: a larger existing file is read whole, "
+                   "as fio reads it)")
 @click.option("--qd", type=QUEUE_DEPTH, default=32, help="queue depth for all contenders")
 @click.option("--sizes", type=CommaList(choices=list(SIZES), upper=True), default="4K,128K",
               help="request sizes, e.g. 4K,16K,128K,1M")
