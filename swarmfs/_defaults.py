@@ -34,7 +34,12 @@ HOT_FRACTION = 0.02
 #: far-back tokens that are rarely co-activated, and at 0.6 the merged
 #: clusters cost recall (8K held-out tokens, r = 0.1: recall 0.90 / 0.89 at
 #: 0.6 against 0.98 / 0.97 at 0.3 on Python / prose; docs/benchmarks.md §10).
-DECODER_TAU = 0.3
+#: 0.2 rather than 0.3 on the stage-4 decoder (``tools.suite``, r = 0.1):
+#: at 0.3 a 2-entry cluster's medoid hid a needle its neighbour was, and
+#: 16K Python perplexity was +8.3% (KL 0.068); at 0.2 KL is at the oracle
+#: top-k's level at 8K and 16K on both texts (0.0024-0.0056), for 3% more
+#: DRAM (0.524 of the KV against 0.509; docs/bench/long-context.md).
+DECODER_TAU = 0.2
 #: Cap on entries per cluster for a decoder's prompt (``SwarmCache`` when its
 #: ``layout`` gives none); with DECODER_TAU it sets the operating point
 #: (issue 23: entries per cluster, DRAM index size, read size).

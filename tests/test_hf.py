@@ -151,7 +151,7 @@ def test_decoder_layout_tau_default_and_override(tmp_path):
             generate(model, ids, cache, 1)
             for layer in cache.store.layers:
                 assert cache.store.layer_record(layer).extra["layout"]["tau"] == want
-    assert _defaults.DECODER_TAU == 0.3
+    assert _defaults.DECODER_TAU == 0.2
 
 
 def test_decoder_layout_representative_default_and_centroid(tmp_path):
