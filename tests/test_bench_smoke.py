@@ -275,3 +275,30 @@ def test_swarm_is_laid_out_at_the_decoder_paths_operating_point_on_its_trace():
         "tau": D.DECODER_TAU, "max_cluster_size": D.DECODER_MAX_CLUSTER_SIZE}
     assert swarm_params(SimpleNamespace(trace="minilm")) == {}
     assert swarm_params(SimpleNamespace(trace="decoder"), {"tau": 0.6}) == {"tau": 0.6}
+
+
+def test_setup_checks_the_disks_before_the_trace_and_step_views_need_none(monkeypatch,
+                                                                           tmp_path):
+    """``--disks`` naming a testbed that is not up failed only after a trace
+    capture of minutes, and the step views (whose disks are their
+    ``--step-profiles``) failed on it too; now ``setup`` resolves the disks
+    first and the step views load only the trace."""
+    from types import SimpleNamespace
+
+    from tools.bench._common import cli as CL
+    calls = []
+
+    def no_testbed(spec):
+        calls.append("disks")
+        raise SystemExit(f"testbed {spec!r} is not up")
+
+    monkeypatch.setattr(CL, "resolve_disks", no_testbed)
+    monkeypatch.setattr(CL, "load_trace", lambda *a, **k: calls.append("trace") or "trace")
+    cfg = SimpleNamespace(prefix=lambda name: tmp_path / name, trace_tokens=0, trace="minilm",
+                          cache=tmp_path, smoke=False, disks="testbed:down")
+    with pytest.raises(SystemExit, match="is not up"):
+        CL.setup(cfg, "fig", trace_tokens=0)
+    assert calls == ["disks"]
+    calls.clear()
+    assert CL.setup_trace(cfg, "fig", trace_tokens=0) == ("trace", tmp_path / "fig")
+    assert calls == ["trace"]

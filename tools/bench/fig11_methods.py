@@ -255,8 +255,8 @@ def main(argv=None):
 
 def main_steps(cfg, S, datasets, nq, reps, methods, ratio, spec):
     """Fig. 11's step-time view: every method at r on each profile, per dataset."""
-    trace, _, out = C.setup(cfg, "fig11_step", trace_tokens=(4096 if cfg.smoke else 0))
     profiles = step_profiles(spec)
+    trace, out = C.setup_trace(cfg, "fig11_step", trace_tokens=(4096 if cfg.smoke else 0))
     results = {}
     for ds in datasets:
         start, S = C.context(trace, S, ds)

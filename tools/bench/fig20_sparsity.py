@@ -104,8 +104,8 @@ def main_steps(cfg, S, ratios, nq, reps, methods, dataset, spec):
     """Fig. 20's step-time view: every method at every r on each device
     profile (side by side), and the step time each baseline needs to be as
     accurate as SWARM at r = 10%, per profile."""
-    trace, _, out = C.setup(cfg, "fig20_step", trace_tokens=4096 if cfg.smoke else 0)
     profiles = step_profiles(spec)
+    trace, out = C.setup_trace(cfg, "fig20_step", trace_tokens=4096 if cfg.smoke else 0)
     start, S = C.context(trace, S, dataset)
     base = method_layouts(cfg, trace, start, S, methods, ratio=0.1)
     points = []

@@ -95,7 +95,16 @@ figure reads ``from tools.bench import _common as C`` and ``C.<name>``.
 Not a test: nothing here asserts on timings.
 """
 
-from .cli import Ablation, ablation_command, command, dataset_option, run, setup, tokens_option
+from .cli import (
+    Ablation,
+    ablation_command,
+    command,
+    dataset_option,
+    run,
+    setup,
+    setup_trace,
+    tokens_option,
+)
 from .config import (
                   BLOCK_S,
                   CACHE,
@@ -161,7 +170,7 @@ __all__ = [
     "STEP_PARTS", "Bench", "Variant", "stream_steps",
     "ACC_KEYS", "STEP_KEYS", "mean", "median", "summarize",
     # cli
-    "Ablation", "ablation_command", "command", "dataset_option", "run", "setup",
+    "Ablation", "ablation_command", "command", "dataset_option", "run", "setup", "setup_trace",
     "tokens_option",
     # output, plots, tables
     "finish", "machine", "timer", "trace_identity", "trace_recipe", "write_json",

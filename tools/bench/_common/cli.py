@@ -100,14 +100,25 @@ def run(cmd: click.Command, argv=None):
 
 def setup(cfg: BenchConfig, name: str, *, trace_tokens: int
           ) -> tuple[Trace, Disks, pathlib.Path]:
-    """Load the trace, resolve the disks (file disks for a smoke run that
-    names the testbed), pick the output prefix of ``name``."""
+    """Resolve the disks (file disks for a smoke run that names the
+    testbed), load the trace, pick the output prefix of ``name``.  The disks
+    come first, so that a testbed that is not up fails before a trace
+    capture of minutes."""
+    spec = "files:2" if cfg.smoke and cfg.disks.startswith("testbed") else cfg.disks
+    disks = resolve_disks(spec)
+    tr, out = setup_trace(cfg, name, trace_tokens=trace_tokens)
+    return tr, disks, out
+
+
+def setup_trace(cfg: BenchConfig, name: str, *, trace_tokens: int
+                ) -> tuple[Trace, pathlib.Path]:
+    """:func:`setup` without ``--disks``: for the step views, whose disks
+    are their ``--step-profiles``."""
     out = cfg.prefix(name)
     out.parent.mkdir(parents=True, exist_ok=True)
     tr = load_trace(max(cfg.trace_tokens or 0, trace_tokens), kind=cfg.trace,
                     cache=cfg.cache, progress=not cfg.smoke)
-    spec = "files:2" if cfg.smoke and cfg.disks.startswith("testbed") else cfg.disks
-    return tr, resolve_disks(spec), out
+    return tr, out
 
 
 @dataclasses.dataclass(frozen=True)
