@@ -184,6 +184,12 @@ static int on_threads(const se_engine *e, int d)
     return e->blocking_mode == SE_BLOCKING_THREADS && e->punt[d];
 }
 
+/* Whether any disk of a uring engine is on_threads (a call may be mixed). */
+static int some_on_threads(const se_engine *e)
+{
+    return e->blocking_mode == SE_BLOCKING_THREADS && e->npunt;
+}
+
 int se_disk_on_threads(const se_engine *e, int d)
 {
     return e->kind == SE_KIND_THREADS || (d >= 0 && d < e->nfds && on_threads(e, d));
@@ -802,8 +808,7 @@ int64_t se_execute(se_engine *e, const se_requests *rq, int32_t *status, se_exec
             queue[nq++] = i;
         }
     }
-    if (nq > 0 && e->kind == SE_KIND_URING && e->npunt &&
-        e->blocking_mode == SE_BLOCKING_THREADS)   /* some disk is on_threads */
+    if (nq > 0 && e->kind == SE_KIND_URING && some_on_threads(e))
         mixed_execute(x, queue, prog, nq, info);
     else if (nq > 0 && e->kind == SE_KIND_URING)
         uring_call(x, queue, prog, nq, info);

@@ -101,16 +101,29 @@ def ensure_disks(d: str, n: int, size: int) -> list[str]:
     return paths
 
 
+def disk_bytes(paths) -> int:
+    """Bytes of each disk that the plans read: all of the smallest of
+    ``paths`` (files or block devices), because fio reads each disk whole.
+    A plan over part of a disk is not fio's workload: on a VM one range of
+    tmpfs can read 20% slower than another (the first 256 MiB of 1 GiB
+    files: fio 75-83K IOPS at 128 KiB against 93-103K over the whole;
+    docs/bench/engine.md)."""
+    sizes = []
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            sizes.append(os.lseek(fd, 0, os.SEEK_END))
+        finally:
+            os.close(fd)
+    return min(sizes)
+
+
 def disk_files(d: str, n: int, size: int) -> tuple[list[str], int]:
-    """The ``n`` disk files in ``d`` (:func:`ensure_disks`) and the bytes of
-    each that the plans read: all of the smallest, because fio reads each
-    file whole.  An existing file may be larger than ``size``, and one range
-    of tmpfs can read 20% slower than another on a VM (the first 256 MiB of
-    1 GiB files: fio 75-83K IOPS at 128 KiB against 93-103K over the whole;
-    docs/bench/engine.md), so a plan over part of the file is not fio's
-    workload."""
+    """The ``n`` disk files in ``d`` (:func:`ensure_disks`; an existing file
+    may be larger than ``size``) and the bytes of each the plans read
+    (:func:`disk_bytes`)."""
     paths = ensure_disks(d, n, size)
-    return paths, min(os.path.getsize(p) for p in paths)
+    return paths, disk_bytes(paths)
 
 
 def make_plan(rng, ndisks, size, bs, nreq, slots):
@@ -189,7 +202,7 @@ def throughput(a):
             fds = [open_disk(p, disk=i) for i, p in enumerate(paths)]
         except SwarmError as exc:
             raise click.UsageError(f"--devices: {exc}") from exc
-        a.disk_size = min(os.lseek(fd, 0, os.SEEK_END) for fd in fds)
+        a.disk_size = disk_bytes(paths)
         where = "block devices" if all(os.path.realpath(p).startswith("/dev/")
                                        for p in paths) \
             else fs_type(os.path.dirname(os.path.abspath(paths[0])))

@@ -630,6 +630,9 @@ class Engine:
         if not (off.shape[0] == length.shape[0] == buf_off.shape[0] == n):
             raise E.InvalidArgumentError("plan arrays differ in length", store=self.store,
                                          layer=layer, cluster=cluster)
+        if check:
+            self.check(disk, off, length, buf_off, buf_address=buf.address,
+                       layer=layer, cluster=cluster)
         # always, even with check=False: a request outside buf would fail alone
         # in the kernel after the others ran (a write half done)
         size = np.uint64(buf.size)
@@ -640,10 +643,8 @@ class Engine:
             raise E.OutOfRangeError(
                 f"request {i} (buffer offset {int(buf_off[i])}, length {int(length[i])}) "
                 f"does not fit the {buf.size}-byte buffer", store=self.store, disk=d,
-                path=self.names[d], layer=layer, cluster=cluster)
-        if check:
-            self.check(disk, off, length, buf_off, buf_address=buf.address,
-                       layer=layer, cluster=cluster)
+                path=self.names[d] if 0 <= d < len(self.names) else None,
+                layer=layer, cluster=cluster)
         status = np.empty(n, dtype=np.int32)
         if n == 0:
             return status
