@@ -200,3 +200,25 @@ def test_far_copy_augmentation_copies_short_passages_far_back():
         edges = np.flatnonzero(np.diff(np.r_[0, copied.astype(int), 0]))
         runs = edges[1::2] - edges[::2]
         assert (runs >= 32).any() and copied.sum() <= 6 * 256     # passages may abut
+
+
+def test_far_copy_mask_marks_the_copied_tokens_after_each_first():
+    """``mark_copies``: the mask is True exactly on tokens of a ``far`` copy
+    past its first token; each equals a token 1K+ back (every source token
+    unique), and without ``far`` nothing is marked."""
+    from tools.train_decoder import batch_for
+    seq = 4096
+    streams = {"python": np.arange(60_000, dtype=np.uint16),
+               "prose": np.arange(60_000, dtype=np.uint16)}
+    rows, mask = batch_for(streams, 0, 3, seq, 8, 0.5, [(1.0, "far")], 8192, mark_copies=True)
+    assert np.array_equal(rows, batch_for(streams, 0, 3, seq, 8, 0.5, [(1.0, "far")], 8192))
+    for row, m in zip(rows, mask, strict=True):
+        first: dict[int, int] = {}
+        far = np.zeros(seq + 1, bool)
+        for i, v in enumerate(row.tolist()):
+            far[i] = v in first and i - first[v] >= seq // 4
+            first.setdefault(v, i)
+        assert m.any() and not (m & ~far).any()         # marked -> a far copy
+        assert 0 < (far & ~m).sum() <= 12               # unmarked: the copies' firsts
+    _, none = batch_for(streams, 0, 3, seq, 8, 0.5, [(1.0, "span")], 8192, mark_copies=True)
+    assert not none.any()

@@ -71,6 +71,21 @@ def test_embed_tasks_keeps_the_length_and_masks_the_answers(t, filler):
     assert 3 <= mask.sum() <= 3 * 40
 
 
+def test_embed_tasks_carries_a_mask_with_its_tokens(t, filler):
+    """``carry`` moves with the text the splice shifts: a mask of the tokens
+    equal to 7 comes back True exactly where 7 is in the filler that is kept,
+    and False on every spliced-in token."""
+    row = np.asarray(filler[:2049], np.int64).copy()
+    row[::5] = 7                                        # a marker token
+    ids, mask = embed_tasks(row, np.random.default_rng(0), t, 3)
+    ids2, mask2, moved = embed_tasks(row, np.random.default_rng(0), t, 3, carry=row == 7)
+    assert np.array_equal(ids, ids2) and np.array_equal(mask, mask2)
+    assert moved.shape == (2049,) and moved.dtype == bool
+    assert moved.sum() > 300 and (ids[moved] == 7).all() and not (moved & mask).any()
+    kept = ids.size - (ids != row[:ids.size]).sum()
+    assert kept < ids.size                              # the splice did shift text
+
+
 @pytest.mark.parametrize("call", [
     lambda t, f: make_sample("nope", f, 1024, 0, t),
     lambda t, f: make_sample("passkey", f, 1024, 0, t, depth=1.5),

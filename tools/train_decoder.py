@@ -21,6 +21,10 @@ The recipe (docs/model.md):
    a window is given a copied span with the given probability (an
    earlier span of 16 to seq/4 tokens pasted at a random later position), so
    the model learns to attend back and copy (induction) within the budget.
+   The loss is the mean token loss, plus ``--answer-weight`` times the mean
+   loss on task answer tokens (``--tasks``), plus ``--copy-weight`` times the
+   mean loss on the tokens of ``far`` copies (the gradient toward copying
+   thousands of tokens back, which is a few percent of a window's tokens).
    A checkpoint (model, optimizer, step,
    loss history) is written to ``OUT/ckpt/last.pt`` every ``--ckpt-every``
    seconds and at the end of each phase; a new run resumes from it.
@@ -142,8 +146,14 @@ def make_model(config):
 
 
 def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fraction: float,
-              repeat=(), vocab: int = 8192):
+              repeat=(), vocab: int = 8192, mark_copies: bool = False):
     """The (batch, seq + 1) int64 windows of step ``step`` (deterministic).
+
+    With ``mark_copies`` it returns (windows, copy mask bool [batch, seq + 1]):
+    the mask marks the tokens of each ``far`` copy that (in the final window)
+    repeat the token the copy distance back, as does the token before them
+    (so a copy's first token is not marked: only attention back to the
+    source predicts the marked ones), for ``--copy-weight``.
 
     ``repeat`` is the copy augmentation in force, a list of (probability,
     mode) from :func:`repeat_at`: one uniform draw per window picks at most one
@@ -168,11 +178,12 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
     held-out probe repeats a 160-token passage 6K tokens back).
     """
     rng = np.random.default_rng([seed, step])
-    rows = []
+    rows, copies = [], []
     for _ in range(batch):
         s = streams["prose"] if rng.random() < prose_fraction else streams["python"]
         start = int(rng.integers(0, s.size - seq - 1))
         row = s[start:start + seq + 1].astype(np.int64)
+        copy = np.zeros(seq + 1, bool)
         repeat_mode = pick_mode(repeat, rng.random()) if repeat else None
         if repeat_mode is not None:
             if repeat_mode == "pairs":
@@ -201,6 +212,7 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
                     row[:n] = rng.integers(0, vocab, n)
                 row[n:2 * n] = row[:n]
             elif repeat_mode == "far":
+                copies_made = []
                 for _ in range(int(rng.integers(2, 7))):
                     n = int(rng.integers(32, 257))
                     lo = min(1024, seq // 4)
@@ -209,13 +221,20 @@ def batch_for(streams, seed: int, step: int, seq: int, batch: int, prose_fractio
                         continue
                     src = int(rng.integers(0, seq + 2 - gap - 2 * n))
                     row[src + gap:src + gap + n] = row[src:src + n]
+                    copies_made.append((src, gap, n))
+                # a later passage may overwrite an earlier one's source or copy:
+                # mark what still repeats the token gap back, after a token that does
+                for src, gap, n in copies_made:
+                    same = row[src + gap:src + gap + n] == row[src:src + n]
+                    copy[src + gap + 1:src + gap + n] |= same[1:] & same[:-1]
             else:
                 n = int(rng.integers(16, max(17, seq // 4)))
                 src = int(rng.integers(0, seq + 1 - 2 * n))
                 dst = int(rng.integers(src + n, seq + 2 - n))
                 row[dst:dst + n] = row[src:src + n]
         rows.append(row)
-    return np.stack(rows)
+        copies.append(copy)
+    return (np.stack(rows), np.stack(copies)) if mark_copies else np.stack(rows)
 
 
 def parse_tasks(spec: str) -> tuple[float, float]:
@@ -239,19 +258,21 @@ def batch_with_tasks(streams, seed: int, step: int, seq: int, batch: int, prose_
     one), drawn by a generator seeded with (seed, step, 1).
 
     Returns:
-        (x int64 [batch, seq + 1], answer bool [batch, seq + 1]): the windows
-        and the mask of task answer tokens.
+        (x int64 [batch, seq + 1], answer bool [batch, seq + 1], copy bool
+        [batch, seq + 1]): the windows, the mask of task answer tokens and the
+        mask of ``far`` copy tokens (moved with the text the tasks splice into).
     """
     from swarmfs.models.tasks import embed_tasks
-    x = batch_for(streams, seed, step, seq, batch, prose_fraction, repeat, vocab)
+    x, copy = batch_for(streams, seed, step, seq, batch, prose_fraction, repeat, vocab,
+                        mark_copies=True)
     mask = np.zeros(x.shape, bool)
     p, per_1k = tasks
     rng = np.random.default_rng([seed, step, 1])
     for i in range(batch):
         if rng.random() < p:
             n = max(1, int(rng.poisson(per_1k * seq / 1024)))
-            x[i], mask[i] = embed_tasks(x[i], rng, templates, n)
-    return x, mask
+            x[i], mask[i], copy[i] = embed_tasks(x[i], rng, templates, n, carry=copy[i])
+    return x, mask, copy
 
 
 def widen_heads(old_state: dict, old_config, config, seed: int = 0) -> dict:
@@ -455,6 +476,8 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
     print(f"[train] {n_params / 1e6:.2f} M parameters, phases {phases}, {total} steps", flush=True)
     from swarmfs.models import heldout_texts
     probe_ids = tok.encode(heldout_texts("python")[:20000]).ids
+    far_probe_ids = {kind: np.asarray(tok.encode(heldout_texts(kind)[:80000]).ids)
+                     for kind in ("python", "prose")}
     model.train()
     last_save = time.time()
     cpu0, wall0 = time.process_time(), time.time()
@@ -479,17 +502,21 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
         lr = lr_at(step, total, args.lr, args.warmup, args.lr_floor, args.decay)
         for g in opt.param_groups:
             g["lr"] = lr
-        x, answer = batch_with_tasks(streams, args.seed, step, seq, batch, args.prose_fraction,
-                                     repeat_at(repeat_plan, step), config.vocab_size, task_mix,
-                                     templates)
+        x, answer, copy = batch_with_tasks(streams, args.seed, step, seq, batch,
+                                           args.prose_fraction, repeat_at(repeat_plan, step),
+                                           config.vocab_size, task_mix, templates)
         x, answer = torch.from_numpy(x), torch.from_numpy(answer[:, 1:].reshape(-1))
+        copy = torch.from_numpy(copy[:, 1:].reshape(-1))
         t0 = time.time()
         logits = model(input_ids=x[:, :-1], use_cache=False).logits
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
                                                 x[:, 1:].reshape(-1), reduction="none")
         lm_loss = nll.mean()
         answer_loss = nll[answer].mean() if bool(answer.any()) else None
+        copy_loss = nll[copy].mean() if bool(copy.any()) else None
         loss = lm_loss if answer_loss is None else lm_loss + args.answer_weight * answer_loss
+        if copy_loss is not None and args.copy_weight:
+            loss = loss + args.copy_weight * copy_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
@@ -498,18 +525,21 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
         step += 1
         history.append({"step": step, "seq": seq, "loss": lm_loss.item(), "lr": lr,
                         "grad_norm": gnorm, "sec": dt, "tokens": seq * batch,
-                        "answer_loss": None if answer_loss is None else answer_loss.item()})
+                        "answer_loss": None if answer_loss is None else answer_loss.item(),
+                        "copy_loss": None if copy_loss is None else copy_loss.item()})
         bar.update(1)
         bar.set_postfix(seq=seq, loss=f"{history[-1]['loss']:.3f}", tok_s=f"{seq * batch / dt:.0f}")
         boundary = step in set(ends.tolist())
         if boundary or time.time() - last_save > args.ckpt_every or step == total:
             history[-1]["copy"] = copy_probe(model, probe_ids)
+            history[-1]["copy_far"] = far_copy_probe(model, far_probe_ids)
             save_ckpt(ckpt, model, opt, step, history, args)
             last_save = time.time()
             (args.out / "history.json").write_text(json.dumps(history))
             plot_curve(history, args.out / "loss.png", phases)
             print(f"\n[train] step {step}/{total} seq {seq} loss {loss.item():.3f} "
-                  f"copy ratio {history[-1]['copy']} (ckpt; {time.time() - wall0:.0f} s wall, "
+                  f"copy ratio {history[-1]['copy']} far {history[-1]['copy_far']} "
+                  f"(ckpt; {time.time() - wall0:.0f} s wall, "
                   f"{time.process_time() - cpu0:.0f} s CPU this run)", flush=True)
     bar.close()
     save_ckpt(ckpt, model, opt, step, history, args)
@@ -531,6 +561,19 @@ def copy_probe(model, probe_ids: list[int], lengths=(48, 300, 1024)) -> dict:
     for n in lengths:
         first, repeat = repeat_losses(model, probe_ids[:n])
         out[str(n)] = round(repeat / first, 3)
+    model.train(was_training)
+    return out
+
+
+def far_copy_probe(model, ids_by_kind: dict, gap: int = 6000, passage: int = 160) -> dict:
+    """Loss on a held-out passage repeated ``gap`` tokens later / loss on an
+    unrelated passage in its place (docs/model.md's copy target, at most
+    0.5), per text kind: :func:`tools.eval_context.copy_ratio` over 2 trials."""
+    from tools.eval_context import copy_ratio
+    was_training = model.training
+    model.eval()
+    out = {kind: round(copy_ratio(model, ids, passage, gap, 2, 0)["ratio"], 3)
+           for kind, ids in ids_by_kind.items()}
     model.train(was_training)
     return out
 
@@ -633,6 +676,9 @@ _P = click.Path(path_type=pathlib.Path)
                    "synthetic tasks (swarmfs.models.tasks) and how many per 1,024 tokens")
 @click.option("--answer-weight", type=O.NONNEG_FLOAT, default=1.0,
               help="loss weight of the mean loss on task answer tokens, beside the mean loss")
+@click.option("--copy-weight", type=O.NONNEG_FLOAT, default=0.0,
+              help="loss weight of the mean loss on the tokens of `far` copies (after each "
+                   "copy's first), beside the mean loss: the gradient toward copying far back")
 @click.option("--rope-theta", type=O.FiniteFloat(min=1.0), default=500000.0,
               help="RoPE base; a resumed run may change it (the model re-adapts)")
 @click.option("--lr", type=O.POSITIVE, default=2e-3)

@@ -338,7 +338,7 @@ def make_suite_sample(filler: np.ndarray, length: int, seed, t: Templates,
 
 
 def embed_tasks(row: np.ndarray, rng: np.random.Generator, t: Templates, n_tasks: int,
-                tasks: Sequence[str] = TASKS) -> tuple[np.ndarray, np.ndarray]:
+                tasks: Sequence[str] = TASKS, carry: np.ndarray | None = None):
     """Splice ``n_tasks`` task instances into a training window.
 
     Each instance's needles go at random positions and its query and answer
@@ -351,10 +351,14 @@ def embed_tasks(row: np.ndarray, rng: np.random.Generator, t: Templates, n_tasks
         t: the tokenized template pieces.
         n_tasks: instances to place (each of a uniformly drawn task).
         tasks: the task names to draw from.
+        carry: optional bool [n], a mask over ``row`` to move with its
+            tokens (the spliced-in tokens get False; what the splice pushes
+            past the end is dropped with its tokens).
 
     Returns:
         (ids int64 [n], answer bool [n]): the window and a mask of the answer
-        tokens (for a weighted loss on them).
+        tokens (for a weighted loss on them); with ``carry``, a third item,
+        the carried mask bool [n].
     """
     n = row.size
     inserts: list[tuple[int, np.ndarray]] = []
@@ -375,10 +379,18 @@ def embed_tasks(row: np.ndarray, rng: np.random.Generator, t: Templates, n_tasks
         inserts.append((q, np.concatenate([inst.query, inst.answer])))
         answer_sizes.append(inst.answer.size)
     if not inserts:
-        return row.astype(np.int64), np.zeros(n, bool)
+        ids, mask = row.astype(np.int64), np.zeros(n, bool)
+        return (ids, mask) if carry is None else (ids, mask, np.asarray(carry, bool).copy())
     total = sum(p.size for _, p in inserts)
-    ids, starts = _splice(row[:n - total], [(min(p, n - total), piece) for p, piece in inserts])
+    at = [min(p, n - total) for p, _ in inserts]
+    pieces = [piece for _, piece in inserts]
+    ids, starts = _splice(row[:n - total], list(zip(at, pieces, strict=True)))
     mask = np.zeros(ids.size, bool)
     for (_, piece), s, k in zip(inserts, starts, answer_sizes, strict=True):
         mask[s + piece.size - k:s + piece.size] = True
-    return ids, mask
+    if carry is None:
+        return ids, mask
+    blanks = [np.zeros(piece.size, np.int64) for piece in pieces]
+    moved, _ = _splice(np.asarray(carry, np.int64)[:n - total],
+                       list(zip(at, blanks, strict=True)))
+    return ids, mask, moved.astype(bool)
