@@ -415,6 +415,20 @@ def plot_curve(history: list, png: pathlib.Path, phases) -> None:
     if k > 1:
         smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
         ax.plot(steps[k - 1:], smooth, color="C0", label=f"mean of {k} steps")
+    copy = [(h["step"], h["copy_loss"]) for h in history if h.get("copy_loss") is not None]
+    if len(copy) >= k > 1:                  # --copy-weight runs: the far copies' own loss
+        cs, cl = np.array(copy).T
+        ax.plot(cs[k - 1:], np.convolve(cl, np.ones(k) / k, mode="valid"), color="C1",
+                label=f"far-copy tokens' loss, mean of {k}")
+    far = [(h["step"], h["copy_far"]) for h in history if h.get("copy_far")]
+    if far:                                 # the held-out 6K copy ratio at checkpoints
+        ax2 = ax.twinx()
+        for j, kind in enumerate(far[0][1]):
+            ax2.plot([s for s, _ in far], [f[kind] for _, f in far], "o-", ms=3, lw=0.8,
+                     color=f"C{2 + j}", label=f"6K copy ratio, held-out {kind}")
+        ax2.set_ylabel("loss on repeat / on unrelated (6K back)")
+        ax2.set_ylim(0, 1.2)
+        ax2.legend(loc="lower right", fontsize=8)
     start = 0
     for i, (seq, _batch, n) in enumerate(phases):
         ax.axvline(start, color="gray", lw=0.5, ls="--")
