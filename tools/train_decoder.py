@@ -42,6 +42,7 @@ Usage (the command that produced the committed model is in docs/model.md)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -528,9 +529,9 @@ def train(args, streams, tok_path: pathlib.Path) -> None:
         lm_loss = nll.mean()
         answer_loss = nll[answer].mean() if bool(answer.any()) else None
         copy_loss = nll[copy].mean() if bool(copy.any()) else None
-        loss = lm_loss if answer_loss is None else lm_loss + args.answer_weight * answer_loss
-        if copy_loss is not None and args.copy_weight:
-            loss = loss + args.copy_weight * copy_loss
+        loss = lm_loss + sum(w * part for w, part in ((args.answer_weight, answer_loss),
+                                                      (args.copy_weight, copy_loss))
+                             if part is not None)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
@@ -569,13 +570,11 @@ def copy_probe(model, probe_ids: list[int], lengths=(48, 300, 1024)) -> dict:
     about 1.0: it does not attend back).  The check of tests/test_model.py,
     run at every checkpoint so a run shows when copying forms (or is lost)."""
     from tools.eval_decoder import repeat_losses
-    was_training = model.training
-    model.eval()
     out = {}
-    for n in lengths:
-        first, repeat = repeat_losses(model, probe_ids[:n])
-        out[str(n)] = round(repeat / first, 3)
-    model.train(was_training)
+    with evaluating(model):
+        for n in lengths:
+            first, repeat = repeat_losses(model, probe_ids[:n])
+            out[str(n)] = round(repeat / first, 3)
     return out
 
 
@@ -584,12 +583,20 @@ def far_copy_probe(model, ids_by_kind: dict, gap: int = 6000, passage: int = 160
     unrelated passage in its place (docs/model.md's copy target, at most
     0.5), per text kind: :func:`tools.eval_context.copy_ratio` over 2 trials."""
     from tools.eval_context import copy_ratio
+    with evaluating(model):
+        return {kind: round(copy_ratio(model, ids, passage, gap, 2, 0)["ratio"], 3)
+                for kind, ids in ids_by_kind.items()}
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """``model`` in eval mode for the block (the probes), then as it was."""
     was_training = model.training
     model.eval()
-    out = {kind: round(copy_ratio(model, ids, passage, gap, 2, 0)["ratio"], 3)
-           for kind, ids in ids_by_kind.items()}
-    model.train(was_training)
-    return out
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 # --------------------------------------------------------------------------- export

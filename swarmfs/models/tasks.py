@@ -338,7 +338,8 @@ def make_suite_sample(filler: np.ndarray, length: int, seed, t: Templates,
 
 
 def embed_tasks(row: np.ndarray, rng: np.random.Generator, t: Templates, n_tasks: int,
-                tasks: Sequence[str] = TASKS, carry: np.ndarray | None = None):
+                tasks: Sequence[str] = TASKS, carry: np.ndarray | None = None
+                ) -> tuple[np.ndarray, ...]:
     """Splice ``n_tasks`` task instances into a training window.
 
     Each instance's needles go at random positions and its query and answer
@@ -378,9 +379,6 @@ def embed_tasks(row: np.ndarray, rng: np.random.Generator, t: Templates, n_tasks
             answer_sizes.append(0)
         inserts.append((q, np.concatenate([inst.query, inst.answer])))
         answer_sizes.append(inst.answer.size)
-    if not inserts:
-        ids, mask = row.astype(np.int64), np.zeros(n, bool)
-        return (ids, mask) if carry is None else (ids, mask, np.asarray(carry, bool).copy())
     total = sum(p.size for _, p in inserts)
     at = [min(p, n - total) for p, _ in inserts]
     pieces = [piece for _, piece in inserts]
